@@ -1,0 +1,240 @@
+"""The engine core: a bounded admission queue, a slot table and one scheduler loop.
+
+Data flow, on the engine thread, once per iteration:
+  1. take aborts and admissions under the lock (admit waiting requests into free slots);
+  2. for each aborted request: release its slot;
+  3. for each admitted request: `model.prefill` -> `decide` -> events; a request that
+     finishes at prefill (a control token, or max_output_tokens = 1) releases its slot at
+     once and never joins a decode step;
+  4. one `model.decode` step for every active slot -> `decide` per slot -> events; finished
+     slots are released in the same iteration.
+This loop is the only place that touches a request per step. Events for one request are
+handed to its `EventSink` as one list per iteration (coalesced), on the engine thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import random
+import threading
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from engine.events import Event, Finished, Token, Usage
+from engine.model import DecodeInput, Model, Sample, SlotSetup
+from engine.request import Request
+from engine.stopping import StopRule, decide, resolve
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The admission queue is at its bound; the caller should retry later."""
+
+
+class EngineStopped(Exception):
+    """The engine is not running (not started, stopping, or its loop died)."""
+
+
+class EventSink(Protocol):
+    """Receives one request's events. Called on the engine thread: must not block."""
+
+    def events(self, events: list[Event]) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_queue_size: int = 64  # waiting (not yet admitted) requests; past it submit raises QueueFull
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    queue_depth: int
+    slots_in_use: int
+    steps: int  # decode steps taken so far
+    alive: bool
+
+
+@dataclass
+class _Live:
+    """A request that holds a slot. Freed (dropped from the table) the step it ends."""
+
+    ticket: int
+    request: Request
+    rule: StopRule
+    sink: EventSink
+    slot: int = -1
+    emitted: int = 0
+    last_token: int = -1
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        config: EngineConfig = EngineConfig(),
+        on_death: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        """`on_death` is called on the engine thread if the loop dies (a server exits on it)."""
+        self.model = model
+        self.config = config
+        self._on_death = on_death
+        self._cond = threading.Condition()
+        self._waiting: collections.OrderedDict[int, _Live] = collections.OrderedDict()
+        self._aborts: set[int] = set()
+        self._active: dict[int, _Live] = {}  # slot -> live request
+        self._tickets = itertools.count(1)
+        self._steps = 0
+        self._running = False
+        self._dead: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- caller side (any thread) -------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            self._running = True
+        self._thread = threading.Thread(target=self._run, name="tokenwire-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        with self._cond:
+            self._running = False
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request: Request, sink: EventSink) -> int:
+        """Queue a validated request; returns a ticket for `abort`. Raises QueueFull, EngineStopped."""
+        info = self.model.info
+        rule = resolve(request.stopping, info.eos_token_ids, len(request.prompt_token_ids), info.max_context_length)
+        if request.sampling.seed is None:
+            request = dataclasses.replace(
+                request, sampling=dataclasses.replace(request.sampling, seed=random.getrandbits(63))
+            )
+        with self._cond:
+            if self._dead is not None or not self._running:
+                raise EngineStopped("the engine is not running")
+            if len(self._waiting) >= self.config.max_queue_size:
+                raise QueueFull(f"admission queue is full ({self.config.max_queue_size} waiting)")
+            ticket = next(self._tickets)
+            self._waiting[ticket] = _Live(ticket, request, rule, sink)
+            self._cond.notify_all()
+        return ticket
+
+    def abort(self, ticket: int) -> None:
+        """Drop a request: a waiting one at once, a live one at the end of the current prefill or
+        step, before the next step. No further events are sent for it. Aborting a finished or
+        unknown ticket does nothing."""
+        with self._cond:
+            if self._waiting.pop(ticket, None) is None:
+                self._aborts.add(ticket)
+                self._cond.notify_all()
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            return EngineStats(len(self._waiting), len(self._active), self._steps, self._dead is None and self._running)
+
+    # -- engine thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while self._running and not (self._waiting or self._active or self._aborts):
+                        self._cond.wait()
+                    if not self._running:
+                        break
+                    aborts, self._aborts = self._aborts, set()
+                    free = self.model.info.max_batch_size - len(self._active)
+                    admitted = [self._waiting.popitem(last=False)[1] for _ in range(min(free, len(self._waiting)))]
+                self._drop(aborts)
+                for live in admitted:
+                    self._prefill(live, self._free_slot())
+                if self._active:
+                    self._decode_step()
+        except BaseException as error:  # a dead loop must not leave callers hanging
+            log.exception("engine loop died")
+            with self._cond:
+                self._dead = error
+                doomed = list(self._active.values()) + list(self._waiting.values())
+                self._active.clear()
+                self._waiting.clear()
+            for live in doomed:
+                live.sink.fail(EngineStopped(f"the engine loop died: {type(error).__name__}"))
+            if self._on_death is not None:
+                self._on_death(error)
+        finally:
+            with self._cond:
+                stopped = list(self._active.values()) + list(self._waiting.values())
+                self._active.clear()
+                self._waiting.clear()
+            for live in stopped:
+                live.sink.fail(EngineStopped("the engine stopped"))
+
+    def _free_slot(self) -> int:
+        return next(s for s in range(self.model.info.max_batch_size) if s not in self._active)
+
+    def _drop(self, tickets: set[int]) -> None:
+        if not tickets:
+            return
+        for slot, live in list(self._active.items()):
+            if live.ticket in tickets:
+                self._release(live)
+
+    def _release(self, live: _Live) -> None:
+        del self._active[live.slot]
+        self.model.release(live.slot)
+
+    def _prefill(self, live: _Live, slot: int) -> None:
+        live.slot = slot
+        self._active[slot] = live
+        setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
+        sample = self.model.prefill(slot, live.request.prompt_token_ids, setup, live.rule.masks_control_tokens(0))
+        with self._cond:  # aborted while prefilling: free the slot, send nothing
+            if live.ticket in self._aborts:
+                self._aborts.discard(live.ticket)
+                self._release(live)
+                return
+        self._advance(live, sample)
+
+    def _decode_step(self) -> None:
+        lives = list(self._active.values())
+        inputs = [
+            DecodeInput(
+                slot=live.slot,
+                token_id=live.last_token,
+                position=len(live.request.prompt_token_ids) + live.emitted - 1,
+                masked=live.rule.masks_control_tokens(live.emitted),
+            )
+            for live in lives
+        ]
+        samples = self.model.decode(inputs)
+        with self._cond:  # requests aborted during the step are freed now, with no more events
+            self._steps += 1
+            aborted = {live.ticket for live in lives} & self._aborts
+            self._aborts -= aborted
+        for live, sample in zip(lives, samples, strict=True):
+            if live.ticket in aborted:
+                self._release(live)
+            else:
+                self._advance(live, sample)
+
+    def _advance(self, live: _Live, sample: Sample) -> None:
+        """Apply the one decision to a sampled token and send the resulting events."""
+        decision = decide(sample.token_id, live.emitted, live.rule)
+        events: list[Event] = []
+        if decision.emit:
+            live.emitted += 1
+            live.last_token = sample.token_id
+            events.append(Token(sample.token_id, sample.logprob if live.request.return_logprobs else None))
+        if decision.finish is not None:
+            usage = Usage(len(live.request.prompt_token_ids), live.emitted)
+            events.append(Finished(decision.finish, usage, decision.stop_token_id))
+            self._release(live)
+        live.sink.events(events)

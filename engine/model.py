@@ -1,0 +1,64 @@
+"""The `Model` interface the scheduler drives, and what crosses it.
+
+A model owns a slot-based KV cache of `max_batch_size` slots x `max_context_length`
+positions. The scheduler prefills one request into a free slot, then calls `decode`
+once per step for every active slot, and releases a slot when its request ends.
+A model samples on its own (on the device for the JAX model); it never decides
+whether a token is emitted: that is `engine.stopping.decide`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from engine.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    vocab_size: int
+    max_context_length: int
+    max_batch_size: int
+    eos_token_ids: frozenset[int]  # union of config.json, generation_config.json and tokenizer eos
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_id: int
+    logprob: float  # log-probability under the model's own distribution (before temperature and cuts)
+
+
+@dataclass(frozen=True)
+class SlotSetup:
+    """Per-request state a model keeps for a slot from prefill until release."""
+
+    sampling: SamplingParams  # seed is always set here (the engine draws one when the caller did not)
+    masked_token_ids: frozenset[int]  # ids that must not be sampled while a step says `masked`
+
+
+@dataclass(frozen=True)
+class DecodeInput:
+    """One active slot's input to a decode step."""
+
+    slot: int
+    token_id: int  # the last sampled token, fed back in
+    position: int  # its position in the sequence (prompt_len + index in the output)
+    masked: bool  # mask the slot's `masked_token_ids` when sampling this step
+
+
+class Model(Protocol):
+    info: ModelInfo
+
+    def warm_up(self) -> None:
+        """Compile every shape the model will use; nothing compiles after this."""
+
+    def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
+        """Write the prompt's KV into `slot` and sample the first output token (position len(prompt))."""
+
+    def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
+        """One step for the given slots; returns one sample per input, in the same order."""
+
+    def release(self, slot: int) -> None:
+        """Forget the slot's request; the slot may be prefilled again."""

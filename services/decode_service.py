@@ -1,0 +1,67 @@
+"""The Decoder servicer: validate, stream the engine's events as protobuf, nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from engine.async_engine import AsyncEngine
+from engine.events import Event, Finished, FinishReason, Token
+from engine.model import ModelInfo
+from protos.decode.v1 import decode_pb2, decode_pb2_grpc
+from services import validation
+from services.errors import grpc_errors
+
+log = logging.getLogger("tokenwire.decode")
+
+_REASONS = {FinishReason.STOP: decode_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: decode_pb2.FINISH_REASON_LENGTH}
+
+
+def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
+    if isinstance(event, Token):
+        return decode_pb2.DecodeEvent(token=decode_pb2.Token(id=event.id, logprob=event.logprob))
+    return decode_pb2.DecodeEvent(
+        finished=decode_pb2.Finished(
+            reason=_REASONS[event.reason],
+            usage=decode_pb2.Usage(
+                prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens
+            ),
+            stop_token_id=event.stop_token_id,
+        )
+    )
+
+
+def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
+    return decode_pb2.ModelInfo(
+        model_id=info.model_id,
+        vocab_size=info.vocab_size,
+        max_context_length=info.max_context_length,
+        eos_token_ids=sorted(info.eos_token_ids),
+        max_batch_size=info.max_batch_size,
+    )
+
+
+class DecoderServicer(decode_pb2_grpc.DecoderServicer):
+    def __init__(self, engine: AsyncEngine, info: ModelInfo) -> None:
+        self.engine = engine
+        self.info = info
+
+    @grpc_errors
+    async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        engine_request = validation.decode_request(request, self.info)
+        async with contextlib.aclosing(self.engine.stream(engine_request)) as events:
+            async for batch in events:
+                yield decode_pb2.DecodeResponse(events=[event_to_pb(e) for e in batch])
+                if isinstance(batch[-1], Finished):
+                    finished = batch[-1]
+                    log.info(
+                        "request_id=%s prompt_tokens=%d completion_tokens=%d reason=%s",
+                        engine_request.request_id,
+                        finished.usage.prompt_tokens,
+                        finished.usage.completion_tokens,
+                        finished.reason.name,
+                    )
+
+    @grpc_errors
+    async def GetModelInfo(self, request, context):
+        return model_info_to_pb(self.info)

@@ -1,0 +1,95 @@
+"""Validation at the edge: protobuf request -> the engine's own `Request`, or InvalidArgument.
+
+Everything out of range is refused here, naming the field, before the engine sees it (JAX
+silently clamps out-of-range ids and positions, so nothing downstream would notice).
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+from engine.model import ModelInfo
+from engine.request import Request, SamplingParams, StoppingCriteria
+from protos.decode.v1 import decode_pb2
+from services.errors import InvalidArgument
+
+MAX_REQUEST_ID_LENGTH = 128
+
+
+def request_id_of(given: str) -> str:
+    if len(given) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters (got {len(given)})")
+    if given and not given.isprintable():
+        raise InvalidArgument("request_id", "must be printable text")
+    return given or uuid.uuid4().hex
+
+
+def _unit_interval(field: str, value: float, *, zero_ok: bool = True) -> None:
+    if not math.isfinite(value) or value < 0 or value > 1 or (value == 0 and not zero_ok):
+        raise InvalidArgument(field, f"must be in [0, 1] (got {value})")
+
+
+def sampling_params(pb: decode_pb2.SamplingParams, info: ModelInfo) -> SamplingParams:
+    if not math.isfinite(pb.temperature) or pb.temperature < 0:
+        raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0 (got {pb.temperature})")
+    _unit_interval("sampling.top_p", pb.top_p)
+    _unit_interval("sampling.min_p", pb.min_p)
+    return SamplingParams(
+        temperature=pb.temperature,
+        top_k=min(pb.top_k, info.vocab_size),
+        top_p=pb.top_p or 1.0,  # 0 is proto3's "unset": no nucleus cut
+        min_p=pb.min_p,
+        seed=pb.seed if pb.HasField("seed") else None,
+    )
+
+
+def stopping_criteria(pb: decode_pb2.StoppingCriteria, prompt_len: int, info: ModelInfo) -> StoppingCriteria:
+    room = info.max_context_length - prompt_len
+    max_output: int | None = None
+    if pb.HasField("max_output_tokens"):
+        max_output = pb.max_output_tokens
+        if max_output < 1:
+            raise InvalidArgument("stopping.max_output_tokens", "must be >= 1 (unset it for no cap)")
+        if max_output > room:
+            raise InvalidArgument(
+                "stopping.max_output_tokens",
+                f"prompt ({prompt_len} tokens) + max_output_tokens ({max_output}) exceeds the "
+                f"context length ({info.max_context_length})",
+            )
+    for i, token_id in enumerate(pb.stop_token_ids):
+        if token_id >= info.vocab_size:
+            raise InvalidArgument(f"stopping.stop_token_ids[{i}]", f"{token_id} is not < vocab_size {info.vocab_size}")
+    cap = room if max_output is None else max_output
+    if pb.min_output_tokens > cap:
+        raise InvalidArgument(
+            "stopping.min_output_tokens",
+            f"{pb.min_output_tokens} is more than the most tokens this request can produce ({cap})",
+        )
+    return StoppingCriteria(max_output, frozenset(pb.stop_token_ids), pb.ignore_eos, pb.min_output_tokens)
+
+
+def prompt_ids(ids, info: ModelInfo, field: str = "prompt_token_ids") -> tuple[int, ...]:
+    if not ids:
+        raise InvalidArgument(field, "must not be empty")
+    for i, token_id in enumerate(ids):
+        if token_id >= info.vocab_size:
+            raise InvalidArgument(f"{field}[{i}]", f"{token_id} is not < vocab_size {info.vocab_size}")
+    if len(ids) >= info.max_context_length:
+        raise InvalidArgument(
+            field, f"{len(ids)} tokens leave no room for output in a context of {info.max_context_length}"
+        )
+    return tuple(ids)
+
+
+def decode_request(pb: decode_pb2.DecodeRequest, info: ModelInfo) -> Request:
+    """Validate a DecodeRequest against the served model and convert it."""
+    request_id = request_id_of(pb.request_id)
+    prompt = prompt_ids(pb.prompt_token_ids, info)
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=sampling_params(pb.sampling, info),
+        stopping=stopping_criteria(pb.stopping, len(prompt), info),
+        return_logprobs=pb.return_logprobs,
+    )

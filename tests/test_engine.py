@@ -1,0 +1,113 @@
+"""The scheduler with the scripted model, no gRPC: batching, queueing, aborts, failures."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.engine import Engine, EngineConfig, EngineStopped, QueueFull
+from engine.events import Finished, FinishReason, Token
+from engine.request import Request, StoppingCriteria
+from engine.scripted_model import ScriptedModel
+
+
+class Recorder:
+    """An EventSink that records what the engine sends and signals when the stream ends."""
+
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def events(self, events) -> None:
+        self.batches.append(events)
+        if isinstance(events[-1], Finished):
+            self.done.set()
+
+    def fail(self, error) -> None:
+        self.error = error
+        self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.id for b in self.batches for e in b if isinstance(e, Token)]
+
+
+def make_request(prompt, n=None, **kw) -> Request:
+    return Request("r", tuple(prompt), stopping=StoppingCriteria(n, **kw))
+
+
+@pytest.fixture
+def engine():
+    model = ScriptedModel(vocab_size=100, max_batch_size=2, max_context_length=32)
+    engine = Engine(model, EngineConfig(max_queue_size=8))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def test_requests_beyond_the_slots_wait_then_complete(engine):
+    sinks = [Recorder() for _ in range(5)]
+    for i, sink in enumerate(sinks):
+        engine.submit(make_request([10 * i + 3], 4), sink)
+    for i, sink in enumerate(sinks):
+        assert sink.done.wait(5)
+        assert sink.tokens == list(range(10 * i + 4, 10 * i + 8))
+    assert engine.stats().slots_in_use == 0 and engine.model.slots_held == 0
+
+
+def test_each_step_coalesces_one_list_per_request(engine):
+    sink = Recorder()
+    engine.submit(make_request([10], 3), sink)
+    assert sink.done.wait(5)
+    assert [len(b) for b in sink.batches] == [1, 1, 2]  # prefill, step, step + Finished
+    assert sink.batches[-1][-1].reason == FinishReason.LENGTH
+
+
+def test_queue_bound_raises_queue_full(engine):
+    engine.model.step_delay_s = 0.05
+    sinks = [Recorder() for _ in range(10)]
+    for sink in sinks[:2]:
+        engine.submit(make_request([10], 20), sink)
+    while engine.stats().slots_in_use < 2:  # both slots busy for ~1 s
+        pass
+    for sink in sinks[2:]:  # 8 waiting: the bound
+        engine.submit(make_request([10], 20), sink)
+    with pytest.raises(QueueFull):
+        engine.submit(make_request([10], 20), Recorder())
+    for sink in sinks:
+        assert sink.done.wait(10)
+
+
+def test_abort_waiting_and_live_requests_frees_everything(engine):
+    engine.model.step_delay_s = 0.01
+    sinks = [Recorder() for _ in range(4)]
+    tickets = [engine.submit(make_request([10], 25), s) for s in sinks]
+    while engine.stats().slots_in_use < 2:
+        pass
+    for t in tickets:
+        engine.abort(t)
+    for _ in range(500):
+        if engine.stats().slots_in_use == 0 and engine.stats().queue_depth == 0:
+            break
+        threading.Event().wait(0.01)
+    assert engine.stats().slots_in_use == 0 and engine.stats().queue_depth == 0
+    assert engine.model.slots_held == 0
+    assert not any(s.done.is_set() for s in sinks)  # aborted streams get no Finished
+
+
+def test_a_dead_model_fails_every_request_and_the_engine_refuses_more():
+    deaths = []
+    model = ScriptedModel(vocab_size=100, max_batch_size=2, max_context_length=32, fail_at_step=1)
+    engine = Engine(model, on_death=deaths.append)
+    engine.start()
+    sink = Recorder()
+    engine.submit(make_request([10], 5), sink)
+    assert sink.done.wait(5)
+    assert isinstance(sink.error, EngineStopped)
+    engine._thread.join(5)
+    assert not engine.stats().alive
+    assert [str(e) for e in deaths] == ["scripted failure at decode step 1"]
+    with pytest.raises(EngineStopped):
+        engine.submit(make_request([10], 5), Recorder())
