@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 
 from engine.async_engine import AsyncEngine
-from engine.events import Event, Finished, FinishReason, Token
+from engine.events import Event, FinishReason, Token
 from engine.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services import validation
 from services.errors import grpc_errors
-
-log = logging.getLogger("tokenwire.decode")
 
 _REASONS = {FinishReason.STOP: decode_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: decode_pb2.FINISH_REASON_LENGTH}
 
@@ -41,26 +38,28 @@ def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
     )
 
 
+def local_decode(engine: AsyncEngine, info: ModelInfo):
+    """A `DecodeFn` over an in-process engine: what `Decode` streams, without a socket."""
+
+    async def decode(request: decode_pb2.DecodeRequest, timeout: float | None):
+        engine_request = validation.decode_request(request, info)
+        async with contextlib.aclosing(engine.stream(engine_request)) as events:
+            async for batch in events:
+                yield decode_pb2.DecodeResponse(events=[event_to_pb(e) for e in batch])
+
+    return decode
+
+
 class DecoderServicer(decode_pb2_grpc.DecoderServicer):
     def __init__(self, engine: AsyncEngine, info: ModelInfo) -> None:
-        self.engine = engine
         self.info = info
+        self._decode = local_decode(engine, info)
 
     @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
-        engine_request = validation.decode_request(request, self.info)
-        async with contextlib.aclosing(self.engine.stream(engine_request)) as events:
-            async for batch in events:
-                yield decode_pb2.DecodeResponse(events=[event_to_pb(e) for e in batch])
-                if isinstance(batch[-1], Finished):
-                    finished = batch[-1]
-                    log.info(
-                        "request_id=%s prompt_tokens=%d completion_tokens=%d reason=%s",
-                        engine_request.request_id,
-                        finished.usage.prompt_tokens,
-                        finished.usage.completion_tokens,
-                        finished.reason.name,
-                    )
+        async with contextlib.aclosing(self._decode(request, None)) as responses:
+            async for response in responses:
+                yield response
 
     @grpc_errors
     async def GetModelInfo(self, request, context):

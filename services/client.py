@@ -1,0 +1,183 @@
+"""Python clients for both services, sync and asyncio.
+
+    with TextClient("localhost:50052") as client:
+        for delta_text in client.stream_text("Hello"):  ...
+        completion = client.complete("Hello", max_output_tokens=16)
+
+Requests are built by `generate_request` / `decode_request` from keyword arguments; results
+are the protobuf messages of the contract (see protos/), so nothing is lost in translation.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Iterable, Iterator
+
+import grpc
+
+from protos.decode.v1 import decode_pb2, decode_pb2_grpc
+from protos.text.v1 import text_pb2, text_pb2_grpc
+
+
+def _params(
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    max_output_tokens: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+    ignore_eos: bool = False,
+    min_output_tokens: int = 0,
+) -> tuple[decode_pb2.SamplingParams, decode_pb2.StoppingCriteria]:
+    sampling = decode_pb2.SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    stopping = decode_pb2.StoppingCriteria(
+        max_output_tokens=max_output_tokens,
+        stop_token_ids=list(stop_token_ids),
+        ignore_eos=ignore_eos,
+        min_output_tokens=min_output_tokens,
+    )
+    return sampling, stopping
+
+
+def generate_request(prompt: str, *, request_id: str = "", keep_special_tokens: bool = False, **params) -> text_pb2.GenerateRequest:
+    """A GenerateRequest; `params` are SamplingParams and StoppingCriteria fields by name."""
+    sampling, stopping = _params(**params)
+    return text_pb2.GenerateRequest(
+        request_id=request_id, prompt=prompt, sampling=sampling, stopping=stopping, keep_special_tokens=keep_special_tokens
+    )
+
+
+def decode_request(prompt_token_ids: Iterable[int], *, request_id: str = "", return_logprobs: bool = False, **params) -> decode_pb2.DecodeRequest:
+    """A DecodeRequest; `params` are SamplingParams and StoppingCriteria fields by name."""
+    sampling, stopping = _params(**params)
+    return decode_pb2.DecodeRequest(
+        request_id=request_id,
+        prompt_token_ids=list(prompt_token_ids),
+        sampling=sampling,
+        stopping=stopping,
+        return_logprobs=return_logprobs,
+    )
+
+
+class TextClient:
+    """Blocking client for the text service (Tokenizer + TextGeneration)."""
+
+    def __init__(self, target: str, timeout: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.timeout = timeout
+        self._tokenizer = text_pb2_grpc.TokenizerStub(self.channel)
+        self._generation = text_pb2_grpc.TextGenerationStub(self.channel)
+
+    def __enter__(self) -> "TextClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.channel.close()
+
+    def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        request = text_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list(self._tokenizer.Tokenize(request, timeout=self.timeout).token_ids)
+
+    def detokenize(self, token_ids: Iterable[int], keep_special_tokens: bool = False) -> str:
+        request = text_pb2.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=keep_special_tokens)
+        return self._tokenizer.Detokenize(request, timeout=self.timeout).text
+
+    def generate(self, prompt: str, **kwargs) -> Iterator[text_pb2.GenerateResponse]:
+        """Stream TextDelta events then one TextFinished. Breaking out early cancels the request."""
+        call = self._generation.Generate(generate_request(prompt, **kwargs), timeout=self.timeout)
+        try:
+            yield from call
+        finally:
+            call.cancel()
+
+    def complete(self, prompt: str, **kwargs) -> text_pb2.Completion:
+        return self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
+
+
+class AsyncTextClient:
+    """asyncio client for the text service."""
+
+    def __init__(self, target: str, timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.timeout = timeout
+        self._tokenizer = text_pb2_grpc.TokenizerStub(self.channel)
+        self._generation = text_pb2_grpc.TextGenerationStub(self.channel)
+
+    async def __aenter__(self) -> "AsyncTextClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+
+    async def tokenize(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        request = text_pb2.TokenizeRequest(text=text, add_special_tokens=add_special_tokens)
+        return list((await self._tokenizer.Tokenize(request, timeout=self.timeout)).token_ids)
+
+    async def detokenize(self, token_ids: Iterable[int], keep_special_tokens: bool = False) -> str:
+        request = text_pb2.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=keep_special_tokens)
+        return (await self._tokenizer.Detokenize(request, timeout=self.timeout)).text
+
+    async def generate(self, prompt: str, **kwargs) -> AsyncIterator[text_pb2.GenerateResponse]:
+        call = self._generation.Generate(generate_request(prompt, **kwargs), timeout=self.timeout)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()
+
+    async def complete(self, prompt: str, **kwargs) -> text_pb2.Completion:
+        return await self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
+
+
+class DecodeClient:
+    """Blocking client for the decode service."""
+
+    def __init__(self, target: str, timeout: float | None = None) -> None:
+        self.channel = grpc.insecure_channel(target)
+        self.timeout = timeout
+        self._stub = decode_pb2_grpc.DecoderStub(self.channel)
+
+    def __enter__(self) -> "DecodeClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.channel.close()
+
+    def model_info(self) -> decode_pb2.ModelInfo:
+        return self._stub.GetModelInfo(decode_pb2.GetModelInfoRequest(), timeout=self.timeout)
+
+    def decode(self, prompt_token_ids: Iterable[int], **kwargs) -> Iterator[decode_pb2.DecodeEvent]:
+        """Stream events (Token..., then Finished). Breaking out early cancels the request."""
+        call = self._stub.Decode(decode_request(prompt_token_ids, **kwargs), timeout=self.timeout)
+        try:
+            for response in call:
+                yield from response.events
+        finally:
+            call.cancel()
+
+
+class AsyncDecodeClient:
+    """asyncio client for the decode service."""
+
+    def __init__(self, target: str, timeout: float | None = None) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.timeout = timeout
+        self._stub = decode_pb2_grpc.DecoderStub(self.channel)
+
+    async def __aenter__(self) -> "AsyncDecodeClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.channel.close()
+
+    async def model_info(self) -> decode_pb2.ModelInfo:
+        return await self._stub.GetModelInfo(decode_pb2.GetModelInfoRequest(), timeout=self.timeout)
+
+    async def decode(self, prompt_token_ids: Iterable[int], **kwargs) -> AsyncIterator[decode_pb2.DecodeEvent]:
+        call = self._stub.Decode(decode_request(prompt_token_ids, **kwargs), timeout=self.timeout)
+        try:
+            async for response in call:
+                for event in response.events:
+                    yield event
+        finally:
+            call.cancel()

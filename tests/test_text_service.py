@@ -1,0 +1,188 @@
+"""The text service end to end: real Tokenizer/TextGeneration server -> real Decoder server
+(scripted model) on loopback, with the tiny checkpoint's real tokenizer files.
+
+The scripted model counts (after token t comes t + 1); its vocabulary (512) and EOS ids
+({0, 2}: config.json says 0, generation_config.json says [2, 0], the tokenizer's eos is
+<|im_end|> = 2) match tests/assets/tiny-llama, so the text service accepts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine.engine import EngineConfig
+from engine.scripted_model import ScriptedModel
+from protos.decode.v1 import decode_pb2 as dpb
+from protos.text.v1 import text_pb2 as pb
+from protos.text.v1 import text_pb2_grpc
+from services.client import generate_request
+from services.decode_server import start_decode_server
+from services.text_server import ModelMismatch, start_text_server
+from tokenizer_svc.tokenizer import TextTokenizer
+
+TINY = Path(__file__).parent / "assets" / "tiny-llama"
+STOP, LENGTH = dpb.FINISH_REASON_STOP, dpb.FINISH_REASON_LENGTH
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> TextTokenizer:
+    return TextTokenizer.from_dir(TINY)
+
+
+@pytest.fixture
+def model() -> ScriptedModel:
+    return ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=4, max_context_length=128)
+
+
+@pytest.fixture
+async def stack(model, tokenizer):
+    decode = await start_decode_server(model, EngineConfig(max_queue_size=8))
+    text = await start_text_server(tokenizer, f"127.0.0.1:{decode.port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{text.port}")
+    yield decode, text_pb2_grpc.TextGenerationStub(channel), text_pb2_grpc.TokenizerStub(channel)
+    await channel.close()
+    await text.stop(None)
+    await decode.stop(None)
+
+
+async def generate(stub, request) -> tuple[list[pb.TextDelta], pb.TextFinished]:
+    """Run Generate and check the stream's structure: deltas, then exactly one TextFinished, last."""
+    responses = [r async for r in stub.Generate(request)]
+    kinds = [r.WhichOneof("event") for r in responses]
+    assert kinds.count("finished") == 1 and kinds[-1] == "finished", kinds
+    finished = responses[-1].finished
+    deltas = [r.delta for r in responses[:-1]]
+    ids = [i for d in deltas for i in d.token_ids]
+    assert finished.reason in (STOP, LENGTH)
+    assert finished.usage.completion_tokens == len(ids)
+    return deltas, finished
+
+
+def prompt_ending_in(tokenizer: TextTokenizer, last_id: int) -> str:
+    """A prompt whose tokenization ends in `last_id`, so the scripted output starts at last_id + 1."""
+    text = "hello " + tokenizer.decode([last_id], keep_special_tokens=True)
+    assert tokenizer.encode(text)[-1] == last_id
+    return text
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 20])
+async def test_exactly_n_tokens_and_text_equals_decode(stack, tokenizer, n):
+    _, gen, _ = stack
+    prompt = prompt_ending_in(tokenizer, 300)
+    deltas, finished = await generate(gen, generate_request(prompt, max_output_tokens=n))
+    ids = [i for d in deltas for i in d.token_ids]
+    assert ids == list(range(301, 301 + n))
+    assert finished.reason == LENGTH
+    assert finished.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert "".join(d.text for d in deltas) == tokenizer.decode(ids)
+
+
+async def test_eos_at_prefill_gives_no_delta(stack, tokenizer):
+    _, gen, _ = stack
+    deltas, finished = await generate(gen, generate_request(prompt_ending_in(tokenizer, 1), max_output_tokens=5))
+    assert deltas == []
+    assert (finished.reason, finished.stop_token_id, finished.usage.completion_tokens) == (STOP, 2, 0)
+
+
+async def test_eos_text_never_reaches_a_delta_even_keeping_special_tokens(stack, tokenizer):
+    _, gen, _ = stack
+    # output: 1 (<|im_start|>, special but not a control token), then 2 = <|im_end|> = EOS
+    request = generate_request(prompt_ending_in(tokenizer, 0), max_output_tokens=5, keep_special_tokens=True)
+    deltas, finished = await generate(gen, request)
+    text = "".join(d.text for d in deltas)
+    assert [i for d in deltas for i in d.token_ids] == [1]
+    assert text == "<|im_start|>" and "<|im_end|>" not in text
+    assert (finished.reason, finished.stop_token_id) == (STOP, 2)
+    request.keep_special_tokens = False
+    deltas, _ = await generate(gen, request)
+    assert "".join(d.text for d in deltas) == ""
+
+
+async def test_wrapping_into_eos_zero_stops(stack, tokenizer):
+    _, gen, _ = stack
+    deltas, finished = await generate(gen, generate_request(prompt_ending_in(tokenizer, 507), max_output_tokens=10))
+    assert [i for d in deltas for i in d.token_ids] == [508, 509, 510, 511]
+    assert (finished.reason, finished.stop_token_id) == (STOP, 0)
+
+
+async def test_stop_token_ids_and_ignore_eos_pass_through(stack, tokenizer):
+    _, gen, _ = stack
+    prompt = prompt_ending_in(tokenizer, 507)
+    deltas, finished = await generate(gen, generate_request(prompt, max_output_tokens=7, ignore_eos=True))
+    assert [i for d in deltas for i in d.token_ids] == [508, 509, 510, 511, 0, 1, 2]
+    assert finished.reason == LENGTH
+    deltas, finished = await generate(gen, generate_request(prompt, max_output_tokens=6, stop_token_ids=[510]))
+    assert [i for d in deltas for i in d.token_ids] == [508, 509]
+    assert (finished.reason, finished.stop_token_id) == (STOP, 510)
+
+
+async def test_complete_equals_generate_collected(stack, tokenizer):
+    _, gen, _ = stack
+    for last, n in [(300, 7), (507, 10), (1, 3), (0, 4)]:
+        request = generate_request(prompt_ending_in(tokenizer, last), max_output_tokens=n)
+        deltas, finished = await generate(gen, request)
+        completion = await gen.Complete(request)
+        assert completion.text == "".join(d.text for d in deltas)
+        assert list(completion.token_ids) == [i for d in deltas for i in d.token_ids]
+        assert completion.reason == finished.reason and completion.usage == finished.usage
+        assert completion.HasField("stop_token_id") == finished.HasField("stop_token_id")
+        assert completion.stop_token_id == finished.stop_token_id
+
+
+async def test_tokenize_and_detokenize(stack, tokenizer):
+    _, _, tok = stack
+    text = "<|im_start|>user\nhello world<|im_end|>"
+    ids = (await tok.Tokenize(pb.TokenizeRequest(text=text))).token_ids
+    assert list(ids) == tokenizer.encode(text) and ids[0] == 1 and ids[-1] == 2
+    assert (await tok.Detokenize(pb.DetokenizeRequest(token_ids=ids))).text == "user\nhello world"
+    kept = await tok.Detokenize(pb.DetokenizeRequest(token_ids=ids, keep_special_tokens=True))
+    assert kept.text == text
+
+
+@pytest.mark.parametrize(
+    "call,field",
+    [
+        (lambda s: s[2].Detokenize(pb.DetokenizeRequest(token_ids=[5, 512])), "token_ids[1]"),
+        (lambda s: s[1].Complete(generate_request("")), "prompt"),
+        (lambda s: s[1].Complete(generate_request("hi", max_output_tokens=0)), "stopping.max_output_tokens"),
+        (lambda s: s[1].Complete(generate_request("hi", temperature=float("nan"))), "sampling.temperature"),
+        (lambda s: s[1].Complete(generate_request("hi " * 200)), "prompt"),
+    ],
+    ids=["detokenize id", "empty prompt", "max 0", "nan temperature", "prompt too long"],
+)
+async def test_invalid_argument_names_the_field(stack, call, field):
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call(stack)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:"), err.value.details()
+
+
+async def test_cancelling_generate_cancels_the_decode_and_frees_the_slot(stack, model, tokenizer):
+    decode, gen, _ = stack
+    model.step_delay_s = 0.01
+    call = gen.Generate(generate_request(prompt_ending_in(tokenizer, 300), ignore_eos=True))
+    await call.read()
+    assert decode.engine.stats().slots_in_use == 1
+    call.cancel()
+    for _ in range(300):
+        if decode.engine.stats().slots_in_use == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert decode.engine.stats().slots_in_use == 0 and model.slots_held == 0
+
+
+async def test_refuses_a_decoder_serving_another_model(tokenizer):
+    for other in (
+        ScriptedModel(vocab_size=100, eos_token_ids=frozenset({0, 2})),  # vocabulary too small
+        ScriptedModel(vocab_size=512, eos_token_ids=frozenset({2})),  # different EOS ids
+    ):
+        decode = await start_decode_server(other)
+        try:
+            with pytest.raises(ModelMismatch, match="another model"):
+                await start_text_server(tokenizer, f"127.0.0.1:{decode.port}")
+        finally:
+            await decode.stop(None)
