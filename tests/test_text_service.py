@@ -186,3 +186,105 @@ async def test_refuses_a_decoder_serving_another_model(tokenizer):
                 await start_text_server(tokenizer, f"127.0.0.1:{decode.port}")
         finally:
             await decode.stop(None)
+
+
+# -- stop strings -----------------------------------------------------------------------
+# From a prompt ending in 300 the scripted output is 301, 302, ... whose text is
+# " b", " if", " p", "ion", "ct", " s", "__", " in", ...: " b if pionct s__ in"
+
+
+@pytest.mark.parametrize("include", [False, True])
+async def test_stop_string_across_token_boundaries(stack, model, tokenizer, include):
+    decode, gen, _ = stack
+    model.step_delay_s = 0.005
+    request = generate_request(prompt_ending_in(tokenizer, 300), max_output_tokens=40, ignore_eos=True)
+    request.stop_strings.extend(["zzz", "pionc"])  # "pionc" = " p" + "ion" + "c" of "ct": completed by the 5th token
+    request.include_stop_string = include
+    deltas, finished = await generate(gen, request)
+    assert "".join(d.text for d in deltas) == (" b if pionc" if include else " b if ")
+    assert [i for d in deltas for i in d.token_ids] == [301, 302, 303, 304, 305]
+    assert (finished.reason, finished.stop_string, finished.usage.completion_tokens) == (STOP, "pionc", 5)
+    assert not finished.HasField("stop_token_id")
+    completion = await gen.Complete(request)
+    assert completion.text == "".join(d.text for d in deltas) and completion.stop_string == "pionc"
+    assert completion.usage == finished.usage
+    for _ in range(300):  # the upstream decode was cancelled: its slot is free
+        if decode.engine.stats().slots_in_use == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert decode.engine.stats().slots_in_use == 0 and model.slots_held == 0
+
+
+async def test_stop_string_never_matching_holds_nothing_back_at_the_end(stack, tokenizer):
+    _, gen, _ = stack
+    request = generate_request(prompt_ending_in(tokenizer, 300), max_output_tokens=4)
+    request.stop_strings.append("ion!")  # "ion" arrives last-but-one and is held until it cannot match
+    deltas, finished = await generate(gen, request)
+    assert "".join(d.text for d in deltas) == tokenizer.decode([301, 302, 303, 304])
+    assert finished.reason == LENGTH and not finished.HasField("stop_string")
+
+
+@pytest.mark.parametrize(
+    "stops,field", [(["a"] * 17, "stop_strings"), (["ok", ""], "stop_strings[1]"), (["x" * 257], "stop_strings[0]")]
+)
+async def test_bad_stop_strings_are_invalid_argument(stack, stops, field):
+    _, gen, _ = stack
+    request = generate_request("hello", max_output_tokens=3)
+    request.stop_strings.extend(stops)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await gen.Complete(request)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:")
+
+
+# -- chat ---------------------------------------------------------------------------------
+
+
+def chat(*turns, add_generation_prompt=None) -> pb.Chat:
+    c = pb.Chat(messages=[pb.ChatMessage(role=r, content=t) for r, t in turns])
+    if add_generation_prompt is not None:
+        c.add_generation_prompt = add_generation_prompt
+    return c
+
+
+async def test_chat_input_is_rendered_with_the_models_template(stack, tokenizer):
+    _, gen, tok = stack
+    conversation = chat(("user", "hi"))
+    ids = list((await tok.Tokenize(pb.TokenizeRequest(chat=conversation))).token_ids)
+    rendered = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == tokenizer.encode(rendered)
+    no_prompt = (await tok.Tokenize(pb.TokenizeRequest(chat=chat(("user", "hi"), add_generation_prompt=False)))).token_ids
+    assert list(no_prompt) == tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n")
+    request = pb.GenerateRequest(chat=conversation, stopping=dpb.StoppingCriteria(max_output_tokens=3))
+    deltas, finished = await generate(gen, request)
+    assert finished.usage.prompt_tokens == len(ids)
+    assert [i for d in deltas for i in d.token_ids] == [ids[-1] + 1, ids[-1] + 2, ids[-1] + 3]
+
+
+@pytest.mark.parametrize(
+    "conversation,field", [(chat(), "chat.messages"), (chat(("", "x")), "chat.messages[0].role")]
+)
+async def test_bad_chat_is_invalid_argument(stack, conversation, field):
+    _, gen, tok = stack
+    for call in (gen.Complete(pb.GenerateRequest(chat=conversation)), tok.Tokenize(pb.TokenizeRequest(chat=conversation))):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"{field}:")
+
+
+async def test_chat_without_a_template_is_invalid_argument(model, tmp_path):
+    for name in ("tokenizer.json", "config.json", "generation_config.json"):
+        (tmp_path / name).write_bytes((TINY / name).read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>"}')
+    decode = await start_decode_server(model)
+    text = await start_text_server(TextTokenizer.from_dir(tmp_path), f"127.0.0.1:{decode.port}")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{text.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await text_pb2_grpc.TextGenerationStub(channel).Complete(pb.GenerateRequest(chat=chat(("user", "hi"))))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("chat:") and "template" in err.value.details()
+    finally:
+        await text.stop(None)
+        await decode.stop(None)

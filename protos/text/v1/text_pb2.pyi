@@ -7,13 +7,31 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class Chat(_message.Message):
+    __slots__ = ("messages", "add_generation_prompt")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    add_generation_prompt: bool
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "add_special_tokens")
+    __slots__ = ("text", "chat", "add_special_tokens")
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     text: str
+    chat: Chat
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids",)
@@ -36,18 +54,24 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "stopping", "keep_special_tokens")
+    __slots__ = ("request_id", "prompt", "chat", "sampling", "stopping", "keep_special_tokens", "stop_strings", "include_stop_string")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
+    chat: Chat
     sampling: _decode_pb2.SamplingParams
     stopping: _decode_pb2.StoppingCriteria
     keep_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_decode_pb2.StoppingCriteria, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ...) -> None: ...
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    include_stop_string: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_decode_pb2.StoppingCriteria, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "finished")
@@ -66,25 +90,29 @@ class TextDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TextFinished(_message.Message):
-    __slots__ = ("reason", "usage", "stop_token_id")
+    __slots__ = ("reason", "usage", "stop_token_id", "stop_string")
     REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     reason: _decode_pb2.FinishReason
     usage: _decode_pb2.Usage
     stop_token_id: int
-    def __init__(self, reason: _Optional[_Union[_decode_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    stop_string: str
+    def __init__(self, reason: _Optional[_Union[_decode_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("text", "token_ids", "reason", "usage", "stop_token_id")
+    __slots__ = ("text", "token_ids", "reason", "usage", "stop_token_id", "stop_string")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reason: _decode_pb2.FinishReason
     usage: _decode_pb2.Usage
     stop_token_id: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[_decode_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+    stop_string: str
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[_decode_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,53 @@
+"""One generation's output text: token ids in, final text out, cut at the first stop string.
+
+Per request, the text service feeds each batch of received ids to `TextStream.push` and, when
+the decoder finishes, calls `finish`. Ids go through the incremental detokenizer and then the
+stop-string matcher one at a time, so when a stop string matches, `consumed` says exactly how
+many ids were used: usage counts the ids up to and including the one that completed the match.
+
+State is the detokenizer's window plus the matcher's held text: bounded, and dropped with the
+object when the request ends (finish, error or cancel).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from tokenizer_svc.detokenizer import IncrementalDetokenizer
+from tokenizer_svc.stop_strings import StopStringMatcher
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    text: str  # text that is final now
+    consumed: int  # how many of the pushed ids were used (fewer than pushed only after a stop string)
+    stop_string: str | None = None  # set when a stop string matched: the stream ends here
+
+
+class TextStream:
+    def __init__(self, detokenizer: IncrementalDetokenizer, matcher: StopStringMatcher | None = None) -> None:
+        self.detokenizer = detokenizer
+        self.matcher = matcher
+
+    def _through_matcher(self, text: str) -> tuple[str, str | None]:
+        if self.matcher is None:
+            return text, None
+        result = self.matcher.push(text)
+        return result.text, result.stop_string
+
+    def push(self, token_ids: Sequence[int]) -> TextChunk:
+        text = ""
+        for n, token_id in enumerate(token_ids, start=1):
+            piece, stop = self._through_matcher(self.detokenizer.push([token_id]))
+            text += piece
+            if stop is not None:
+                return TextChunk(text, n, stop)
+        return TextChunk(text, len(token_ids))
+
+    def finish(self) -> TextChunk:
+        """The decoder finished: flush the detokenizer's tail, then what the matcher held back."""
+        text, stop = self._through_matcher(self.detokenizer.finish())
+        if stop is None and self.matcher is not None:
+            text += self.matcher.finish()
+        return TextChunk(text, 0, stop)
