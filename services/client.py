@@ -10,7 +10,7 @@ are the protobuf messages of the contract (see protos/), so nothing is lost in t
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterable, Iterator
+from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
 
@@ -39,12 +39,32 @@ def _params(
     return sampling, stopping
 
 
-def generate_request(prompt: str, *, request_id: str = "", keep_special_tokens: bool = False, **params) -> text_pb2.GenerateRequest:
-    """A GenerateRequest; `params` are SamplingParams and StoppingCriteria fields by name."""
+def generate_request(
+    prompt: str = "",
+    *,
+    chat: Sequence[tuple[str, str]] | None = None,
+    request_id: str = "",
+    keep_special_tokens: bool = False,
+    stop_strings: Iterable[str] = (),
+    include_stop_string: bool = False,
+    **params,
+) -> text_pb2.GenerateRequest:
+    """A GenerateRequest for a prompt, or for a chat given as (role, content) pairs.
+    `params` are SamplingParams and StoppingCriteria fields by name."""
     sampling, stopping = _params(**params)
-    return text_pb2.GenerateRequest(
-        request_id=request_id, prompt=prompt, sampling=sampling, stopping=stopping, keep_special_tokens=keep_special_tokens
+    request = text_pb2.GenerateRequest(
+        request_id=request_id,
+        sampling=sampling,
+        stopping=stopping,
+        keep_special_tokens=keep_special_tokens,
+        stop_strings=list(stop_strings),
+        include_stop_string=include_stop_string,
     )
+    if chat is not None:
+        request.chat.CopyFrom(text_pb2.Chat(messages=[text_pb2.ChatMessage(role=r, content=c) for r, c in chat]))
+    else:
+        request.prompt = prompt
+    return request
 
 
 def decode_request(prompt_token_ids: Iterable[int], *, request_id: str = "", return_logprobs: bool = False, **params) -> decode_pb2.DecodeRequest:
@@ -82,15 +102,16 @@ class TextClient:
         request = text_pb2.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=keep_special_tokens)
         return self._tokenizer.Detokenize(request, timeout=self.timeout).text
 
-    def generate(self, prompt: str, **kwargs) -> Iterator[text_pb2.GenerateResponse]:
-        """Stream TextDelta events then one TextFinished. Breaking out early cancels the request."""
+    def generate(self, prompt: str = "", **kwargs) -> Iterator[text_pb2.GenerateResponse]:
+        """Stream TextDelta events then one TextFinished. Breaking out early cancels the request.
+        Keyword arguments are those of `generate_request` (chat=[(role, content), ...] for chat input)."""
         call = self._generation.Generate(generate_request(prompt, **kwargs), timeout=self.timeout)
         try:
             yield from call
         finally:
             call.cancel()
 
-    def complete(self, prompt: str, **kwargs) -> text_pb2.Completion:
+    def complete(self, prompt: str = "", **kwargs) -> text_pb2.Completion:
         return self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
 
 
@@ -117,15 +138,20 @@ class AsyncTextClient:
         request = text_pb2.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=keep_special_tokens)
         return (await self._tokenizer.Detokenize(request, timeout=self.timeout)).text
 
-    async def generate(self, prompt: str, **kwargs) -> AsyncIterator[text_pb2.GenerateResponse]:
-        call = self._generation.Generate(generate_request(prompt, **kwargs), timeout=self.timeout)
+    def generate(self, prompt: str = "", **kwargs) -> AsyncIterator[text_pb2.GenerateResponse]:
+        """Stream TextDelta events then one TextFinished; keyword arguments as `generate_request`."""
+        return self.stream(generate_request(prompt, **kwargs))
+
+    async def stream(self, request: text_pb2.GenerateRequest) -> AsyncIterator[text_pb2.GenerateResponse]:
+        """Generate for a ready-made request. Closing the iterator early cancels the call."""
+        call = self._generation.Generate(request, timeout=self.timeout)
         try:
             async for response in call:
                 yield response
         finally:
             call.cancel()
 
-    async def complete(self, prompt: str, **kwargs) -> text_pb2.Completion:
+    async def complete(self, prompt: str = "", **kwargs) -> text_pb2.Completion:
         return await self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
 
 
