@@ -20,6 +20,7 @@ import itertools
 import logging
 import random
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -58,6 +59,7 @@ class EngineStats:
     slots_in_use: int
     steps: int  # decode steps taken so far
     alive: bool
+    stalled_s: float  # seconds since the loop last made progress while work was pending; 0 when idle
 
 
 @dataclass
@@ -79,11 +81,15 @@ class Engine:
         model: Model,
         config: EngineConfig = EngineConfig(),
         on_death: Callable[[BaseException], None] | None = None,
+        on_step: Callable[[float], None] | None = None,
     ) -> None:
-        """`on_death` is called on the engine thread if the loop dies (a server exits on it)."""
+        """`on_death` is called on the engine thread if the loop dies (a server exits on it);
+        `on_step(seconds)` after each decode step (metrics). Both must not block."""
         self.model = model
         self.config = config
         self._on_death = on_death
+        self._on_step = on_step
+        self._progress_at = time.monotonic()  # last prefill or step, or when work arrived at an idle engine
         self._cond = threading.Condition()
         self._waiting: collections.OrderedDict[int, _Live] = collections.OrderedDict()
         self._aborts: set[int] = set()
@@ -123,6 +129,8 @@ class Engine:
             if len(self._waiting) >= self.config.max_queue_size:
                 raise QueueFull(f"admission queue is full ({self.config.max_queue_size} waiting)")
             ticket = next(self._tickets)
+            if not (self._waiting or self._active):
+                self._progress_at = time.monotonic()  # an idle engine is not stalled
             self._waiting[ticket] = _Live(ticket, request, rule, sink)
             self._cond.notify_all()
         return ticket
@@ -138,7 +146,15 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._cond:
-            return EngineStats(len(self._waiting), len(self._active), self._steps, self._dead is None and self._running)
+            pending = bool(self._waiting or self._active)
+            stalled = time.monotonic() - self._progress_at if pending else 0.0
+            return EngineStats(
+                len(self._waiting), len(self._active), self._steps, self._dead is None and self._running, stalled
+            )
+
+    def _progressed(self) -> None:
+        with self._cond:
+            self._progress_at = time.monotonic()
 
     # -- engine thread --------------------------------------------------------------------
 
@@ -156,8 +172,13 @@ class Engine:
                 self._drop(aborts)
                 for live in admitted:
                     self._prefill(live, self._free_slot())
+                    self._progressed()
                 if self._active:
+                    started = time.perf_counter()
                     self._decode_step()
+                    self._progressed()
+                    if self._on_step is not None:
+                        self._on_step(time.perf_counter() - started)
         except BaseException as error:  # a dead loop must not leave callers hanging
             log.exception("engine loop died")
             with self._cond:

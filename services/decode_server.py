@@ -1,43 +1,149 @@
-"""The decode service process: a model, its engine, and a grpc.aio server in front."""
+"""The decode service process: a gRPC server that comes up at once, then a model that loads
+and compiles off the event loop, then an engine; readiness follows all of it.
+
+Readiness (`tokenwire.decode.v1.Decoder` in grpc.health.v1) is NOT_SERVING until every shape
+is compiled, whenever the engine has made no progress for `stall_timeout_s` while work is
+pending, and while draining. Liveness ("") stays SERVING while the process lives. If the
+engine loop dies, `died` is set and the process should exit (a supervisor restarts it).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
 
 from engine.async_engine import AsyncEngine
 from engine.engine import Engine, EngineConfig
 from engine.model import Model
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
+from services.admission import Admission
 from services.decode_service import DecoderServicer
-from services.server import RunningServer, start_server
+from services.metrics import Metrics
+from services.server import RunningServer, ServerOptions, start_server
+
+log = logging.getLogger("tokenwire.decode")
 
 DECODER_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name  # tokenwire.decode.v1.Decoder
 
 
 @dataclass
 class DecodeServer:
-    engine: Engine
     running: RunningServer
+    servicer: DecoderServicer
+    admission: Admission
+    metrics: Metrics
+    stall_timeout_s: float
+    engine: Engine | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once warm
+    died: asyncio.Event = field(default_factory=asyncio.Event)  # set if loading or the engine loop failed
+    draining: bool = False
+    _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def port(self) -> int:
         return self.running.port
 
+    async def until_ready(self) -> None:
+        """Wait until serving; raises if loading failed."""
+        done, _ = await asyncio.wait(
+            [asyncio.ensure_future(self.ready.wait()), asyncio.ensure_future(self.died.wait())],
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        if self.died.is_set():
+            raise RuntimeError("the decode service failed to start; see the log")
+
+    async def _load(self, load_model: Callable[[], Model], engine_config: EngineConfig) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            model = await asyncio.to_thread(load_model)
+            await asyncio.to_thread(model.warm_up)
+        except Exception:
+            log.exception("loading the model failed")
+            self.died.set()
+            return
+
+        def on_death(error: BaseException) -> None:
+            loop.call_soon_threadsafe(self.died.set)
+
+        self.engine = Engine(model, engine_config, on_death=on_death, on_step=self.metrics.engine_step_seconds.observe)
+        self.engine.start()
+        self.metrics.watch_engine(self.engine.stats)
+        self.servicer.attach(AsyncEngine(self.engine), model.info)
+        if not self.draining:
+            self.admission.open()
+        self.ready.set()
+        info = model.info
+        log.info(
+            "model %s ready: vocab %d, context %d, batch %d",
+            info.model_id, info.vocab_size, info.max_context_length, info.max_batch_size,
+        )
+
+    async def _monitor(self, interval_s: float) -> None:
+        """Keep readiness (and admission, after a death) in line with the engine, every interval."""
+        while True:
+            stats = self.engine.stats() if self.engine is not None else None
+            if self.died.is_set():
+                self.admission.close("the decode engine is down")
+            healthy = (
+                stats is not None
+                and stats.alive
+                and not self.draining
+                and not self.died.is_set()
+                and stats.stalled_s <= self.stall_timeout_s
+            )
+            if stats is not None and stats.stalled_s > self.stall_timeout_s:
+                log.warning("engine made no progress for %.1f s with work pending", stats.stalled_s)
+            await self.running.set_ready(healthy)
+            await asyncio.sleep(interval_s)
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop taking requests (UNAVAILABLE), go NOT_SERVING, let in-flight ones finish within
+        `grace_s`, then stop. Returns whether everything finished in time."""
+        self.draining = True
+        self.admission.close("the server is shutting down")
+        await self.running.set_ready(False)
+        finished = await self.admission.drained(grace_s)
+        await self.stop(0)
+        return finished
+
     async def stop(self, grace_s: float | None = None) -> None:
-        await self.running.set_serving([DECODER_SERVICE], False)
+        for task in self._tasks:
+            task.cancel()
+        await self.running.set_ready(False)
         await self.running.server.stop(grace_s)
-        self.engine.stop()
+        if self.engine is not None:
+            self.engine.stop()
 
 
 async def start_decode_server(
-    model: Model, engine_config: EngineConfig = EngineConfig(), host: str = "127.0.0.1", port: int = 0
+    model: Model | None = None,
+    engine_config: EngineConfig = EngineConfig(),
+    options: ServerOptions = ServerOptions(),
+    metrics: Metrics | None = None,
+    *,
+    stall_timeout_s: float = 30.0,
+    health_interval_s: float = 0.5,
+    wait_until_ready: bool = True,
+    load_model: Callable[[], Model] | None = None,
 ) -> DecodeServer:
-    """Warm the model up, start its engine, then serve (port 0 picks a free port)."""
-    model.warm_up()
-    engine = Engine(model, engine_config)
-    engine.start()
-    servicer = DecoderServicer(AsyncEngine(engine), model.info)
+    """Serve at once (liveness SERVING, readiness NOT_SERVING), load (`model`, or call
+    `load_model`) and warm up off the event loop, then start the engine and become ready."""
+    if (model is None) == (load_model is None):
+        raise TypeError("give exactly one of model and load_model")
+    load_model = load_model or (lambda: model)
+    metrics = metrics or Metrics()
+    admission = Admission("the model is still loading")
+    servicer = DecoderServicer(admission, metrics)
     running = await start_server(
-        lambda server: decode_pb2_grpc.add_DecoderServicer_to_server(servicer, server), [DECODER_SERVICE], host, port
+        lambda server: decode_pb2_grpc.add_DecoderServicer_to_server(servicer, server), [DECODER_SERVICE], options, metrics
     )
-    return DecodeServer(engine, running)
+    server = DecodeServer(running, servicer, admission, metrics, stall_timeout_s)
+    server._tasks = [
+        asyncio.create_task(server._load(load_model, engine_config)),
+        asyncio.create_task(server._monitor(health_interval_s)),
+    ]
+    if wait_until_ready:
+        await server.until_ready()
+    return server

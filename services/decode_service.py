@@ -9,7 +9,9 @@ from engine.events import Event, FinishReason, Token
 from engine.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services import validation
+from services.admission import Admission
 from services.errors import grpc_errors
+from services.metrics import Metrics
 
 _REASONS = {FinishReason.STOP: decode_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: decode_pb2.FINISH_REASON_LENGTH}
 
@@ -51,16 +53,28 @@ def local_decode(engine: AsyncEngine, info: ModelInfo):
 
 
 class DecoderServicer(decode_pb2_grpc.DecoderServicer):
-    def __init__(self, engine: AsyncEngine, info: ModelInfo) -> None:
+    """Serves nothing until `attach` gives it a warmed-up engine; `admission` gates every call."""
+
+    def __init__(self, admission: Admission, metrics: Metrics) -> None:
+        self.admission = admission
+        self.metrics = metrics
+        self.info: ModelInfo | None = None
+        self._decode = None
+
+    def attach(self, engine: AsyncEngine, info: ModelInfo) -> None:
         self.info = info
         self._decode = local_decode(engine, info)
 
     @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
-        async with contextlib.aclosing(self._decode(request, None)) as responses:
-            async for response in responses:
-                yield response
+        with self.admission.admit(), self.metrics.track(request.request_id, len(request.prompt_token_ids)) as tracker:
+            request.request_id = tracker.request_id = validation.request_id_of(request.request_id)
+            async with contextlib.aclosing(self._decode(request, None)) as responses:
+                async for response in responses:
+                    tracker.decode_response(response)
+                    yield response
 
     @grpc_errors
     async def GetModelInfo(self, request, context):
-        return model_info_to_pb(self.info)
+        with self.admission.admit():
+            return model_info_to_pb(self.info)

@@ -120,8 +120,8 @@ class RequestTracker:
         """`n` output tokens are leaving now (one engine step may deliver several at once)."""
         if n <= 0:
             return
-        now = self.metrics.clock()
         m = self.metrics
+        now = m.clock()
         if self._last is None:
             self.ttft_s = now - self._start
             m.time_to_first_token.observe(self.ttft_s)

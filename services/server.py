@@ -1,17 +1,48 @@
-"""Running a grpc.aio server: health, reflection, binding, graceful stop."""
+"""Running a grpc.aio server: transport options, health, reflection, interceptors, drain.
+
+Health: the overall service ("") is liveness and stays SERVING while the process is up, even
+with a full queue; each full service name is readiness, set by the service's own monitor.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.metrics import Metrics, StatusCodeInterceptor
+from services.security import BearerTokenInterceptor, ServerTlsConfig
+
 log = logging.getLogger("tokenwire.server")
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How a server listens. Built once from flags; binds loopback unless told otherwise."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port
+    tls: ServerTlsConfig | None = None
+    auth_token: str | None = None  # bearer token required on every RPC but health and reflection
+    max_message_bytes: int = 4 * 1024 * 1024
+    max_concurrent_streams: int = 0  # per connection; 0 = gRPC's default (unlimited)
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        options = [
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.max_send_message_length", self.max_message_bytes),
+        ]
+        if self.max_concurrent_streams:
+            options.append(("grpc.max_concurrent_streams", self.max_concurrent_streams))
+        return options
 
 
 @dataclass
@@ -19,38 +50,59 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    service_names: list[str]
+    _readiness: dict[str, int] = field(default_factory=dict)
 
-    async def set_serving(self, service_names: list[str], serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ["", *service_names]:
-            await self.health.set(name, status)
+    async def set_ready(self, serving: bool, names: list[str] | None = None) -> None:
+        """Set readiness of `names` (default: all of this server's services); logs changes."""
+        status = SERVING if serving else NOT_SERVING
+        for name in names or self.service_names:
+            if self._readiness.get(name) != status:
+                self._readiness[name] = status
+                log.info("readiness %s: %s", name, "SERVING" if serving else "NOT_SERVING")
+                await self.health.set(name, status)
 
 
-async def start_server(
-    add_servicers, service_names: list[str], host: str, port: int, options: list[tuple[str, int]] | None = None
-) -> RunningServer:
-    """Start a server with `add_servicers(server)` plus health and reflection; port 0 picks a free port."""
-    server = grpc.aio.server(options=options or [])
+async def start_server(add_servicers, service_names: list[str], options: ServerOptions, metrics: Metrics) -> RunningServer:
+    """Start a server with `add_servicers(server)` plus health and reflection. Liveness is
+    SERVING from the start; readiness starts NOT_SERVING until the caller says otherwise."""
+    interceptors: list[grpc.aio.ServerInterceptor] = [StatusCodeInterceptor(metrics)]
+    if options.auth_token:
+        interceptors.append(BearerTokenInterceptor(options.auth_token))
+    server = grpc.aio.server(options=options.grpc_options(), interceptors=interceptors)
     add_servicers(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{options.host}:{options.port}"
+    try:
+        if options.tls is not None:
+            bound = server.add_secure_port(address, options.tls.credentials())
+        else:
+            bound = server.add_insecure_port(address)
+    except RuntimeError as error:  # grpc raises RuntimeError when the port is taken
+        raise OSError(f"could not bind {address}: {error}") from None
     if bound == 0:
-        raise OSError(f"could not bind {host}:{port}")
+        raise OSError(f"could not bind {address}")
     await server.start()
-    running = RunningServer(server, bound, health_servicer)
-    await running.set_serving(service_names, True)
+    await health_servicer.set("", SERVING)
+    running = RunningServer(server, bound, health_servicer, service_names)
+    await running.set_ready(False)
     return running
 
 
-async def serve_until_signal(running: RunningServer, service_names: list[str], grace_s: float) -> None:
-    """Serve until SIGTERM/SIGINT, then stop taking requests and let in-flight ones finish."""
+async def wait_for_signal(*others: asyncio.Event) -> str:
+    """Wait for SIGTERM/SIGINT or any of `others`; returns what happened."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stopping: draining for up to %.1f s", grace_s)
-    await running.set_serving(service_names, False)
-    await running.server.stop(grace_s)
+    waiters = [asyncio.ensure_future(e.wait()) for e in (stop, *others)]
+    try:
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return "signal" if stop.is_set() else "event"

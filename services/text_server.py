@@ -1,16 +1,29 @@
-"""The text service process: a tokenizer, a channel to the decode service, a grpc.aio server."""
+"""The text service process: a tokenizer, a channel to the decode service, a grpc.aio server.
+
+At start it waits for the decoder and refuses to serve a model its tokenizer does not belong
+to. Then a monitor keeps `tokenwire.text.v1.TextGeneration` readiness equal to the decoder's
+(re-checking the model whenever the decoder comes back); `tokenwire.text.v1.Tokenizer` needs
+no decoder and is ready until draining. The channel reconnects by itself when the decoder
+restarts; while it is down, generation calls fail fast with UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
-from services.server import RunningServer, start_server
+from services.admission import Admission
+from services.decode_server import DECODER_SERVICE
+from services.metrics import Metrics
+from services.security import ClientTlsConfig, aio_channel
+from services.server import RunningServer, ServerOptions, start_server
 from services.text_service import TextGenerationServicer, TokenizerServicer, remote_decode
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -18,6 +31,13 @@ log = logging.getLogger("tokenwire.text")
 
 TOKENIZER_SERVICE = text_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 TEXT_GENERATION_SERVICE = text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
+
+# Reconnect quickly after the decoder restarts (gRPC's default backoff grows to 120 s).
+DECODER_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 class ModelMismatch(Exception):
@@ -46,37 +66,112 @@ class TextServer:
     running: RunningServer
     channel: grpc.aio.Channel
     info: ModelInfo
+    admission: Admission
+    tokenizer: TextTokenizer
+    draining: bool = False
+    _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def port(self) -> int:
         return self.running.port
 
+    async def _decoder_serving(self, timeout_s: float) -> bool:
+        try:
+            response = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=DECODER_SERVICE), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def _model_still_matches(self, timeout_s: float) -> bool:
+        """After the decoder came back: is it still this tokenizer's model?"""
+        stub = decode_pb2_grpc.DecoderStub(self.channel)
+        try:
+            check_tokenizer_matches(
+                self.tokenizer, model_info_from_pb(await stub.GetModelInfo(decode_pb2.GetModelInfoRequest(), timeout=timeout_s))
+            )
+            return True
+        except ModelMismatch as error:
+            log.error("the decoder came back with another model: %s", error)
+        except grpc.aio.AioRpcError:
+            pass
+        return False
+
+    async def _monitor(self, interval_s: float) -> None:
+        was_serving = True  # checked at start
+        while True:
+            serving = await self._decoder_serving(interval_s)
+            if serving and not was_serving:
+                serving = await self._model_still_matches(interval_s)
+            if serving != was_serving:
+                log.warning("decoder %s", "is back" if serving else "is unavailable")
+            was_serving = serving
+            await self.running.set_ready(serving and not self.draining, [TEXT_GENERATION_SERVICE])
+            await self.running.set_ready(not self.draining, [TOKENIZER_SERVICE])
+            await asyncio.sleep(interval_s)
+
+    async def drain(self, grace_s: float) -> bool:
+        """Stop taking requests (UNAVAILABLE), go NOT_SERVING, let in-flight ones finish, stop."""
+        self.draining = True
+        self.admission.close("the server is shutting down")
+        await self.running.set_ready(False)
+        finished = await self.admission.drained(grace_s)
+        await self.stop(0)
+        return finished
+
     async def stop(self, grace_s: float | None = None) -> None:
-        await self.running.set_serving([TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], False)
+        for task in self._tasks:
+            task.cancel()
+        await self.running.set_ready(False)
         await self.running.server.stop(grace_s)
         await self.channel.close()
 
 
 async def start_text_server(
-    tokenizer: TextTokenizer, decoder_target: str, host: str = "127.0.0.1", port: int = 0, connect_timeout_s: float = 60.0
+    tokenizer: TextTokenizer,
+    decoder_target: str,
+    options: ServerOptions = ServerOptions(),
+    metrics: Metrics | None = None,
+    *,
+    connect_timeout_s: float = 60.0,
+    decoder_tls: ClientTlsConfig | None = None,
+    health_interval_s: float = 0.5,
 ) -> TextServer:
     """Connect to the decoder, check that it serves this tokenizer's model, then serve.
     Raises ModelMismatch, or grpc.aio.AioRpcError when the decoder cannot be reached in time."""
-    channel = grpc.aio.insecure_channel(decoder_target)
+    metrics = metrics or Metrics()
+    channel = aio_channel(decoder_target, decoder_tls, options=DECODER_CHANNEL_OPTIONS)
     try:
         decoder = decode_pb2_grpc.DecoderStub(channel)
-        info = model_info_from_pb(
-            await decoder.GetModelInfo(decode_pb2.GetModelInfoRequest(), wait_for_ready=True, timeout=connect_timeout_s)
-        )
+        health = health_pb2_grpc.HealthStub(channel)
+        await health.Check(health_pb2.HealthCheckRequest(), wait_for_ready=True, timeout=connect_timeout_s)
+        deadline = asyncio.get_running_loop().time() + connect_timeout_s
+        while True:  # the decoder serves health at once, but its model only once loaded
+            try:
+                pb = await decoder.GetModelInfo(decode_pb2.GetModelInfoRequest(), timeout=connect_timeout_s)
+                break
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNAVAILABLE or asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        info = model_info_from_pb(pb)
         check_tokenizer_matches(tokenizer, info)
     except BaseException:
         await channel.close()
         raise
 
-    def add(server: grpc.aio.Server) -> None:
-        text_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer), server)
-        text_pb2_grpc.add_TextGenerationServicer_to_server(TextGenerationServicer(tokenizer, remote_decode(decoder), info), server)
+    admission = Admission()
 
-    running = await start_server(add, [TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], host, port)
-    log.info("text service on %s:%d, decoder %s serving %s", host, running.port, decoder_target, info.model_id)
-    return TextServer(running, channel, info)
+    def add(server: grpc.aio.Server) -> None:
+        text_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer, admission), server)
+        text_pb2_grpc.add_TextGenerationServicer_to_server(
+            TextGenerationServicer(tokenizer, remote_decode(decoder), info, admission, metrics), server
+        )
+
+    running = await start_server(add, [TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], options, metrics)
+    await running.set_ready(True)
+    server = TextServer(running, channel, info, admission, tokenizer)
+    server._tasks.append(asyncio.create_task(server._monitor(health_interval_s)))
+    log.info("text service on %s:%d, decoder %s serving %s", options.host, running.port, decoder_target, info.model_id)
+    return server

@@ -19,7 +19,9 @@ from engine.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services import validation
+from services.admission import Admission
 from services.errors import InvalidArgument, ServiceError, grpc_errors
+from services.metrics import Metrics
 from tokenizer_svc.chat import ChatMessage, ChatTemplateError
 from tokenizer_svc.stop_strings import StopStringMatcher
 from tokenizer_svc.text_stream import TextStream
@@ -79,22 +81,25 @@ def text_finished(
 
 
 class TokenizerServicer(text_pb2_grpc.TokenizerServicer):
-    def __init__(self, tokenizer: TextTokenizer) -> None:
+    def __init__(self, tokenizer: TextTokenizer, admission: Admission | None = None) -> None:
         self.tokenizer = tokenizer
+        self.admission = admission or Admission()
 
     @grpc_errors
     async def Tokenize(self, request: text_pb2.TokenizeRequest, context):
-        if request.WhichOneof("input") == "chat":
-            ids = encode_chat(self.tokenizer, request.chat)
-        else:
-            ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
-        return text_pb2.TokenizeResponse(token_ids=ids)
+        with self.admission.admit():
+            if request.WhichOneof("input") == "chat":
+                ids = encode_chat(self.tokenizer, request.chat)
+            else:
+                ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+            return text_pb2.TokenizeResponse(token_ids=ids)
 
     @grpc_errors
     async def Detokenize(self, request: text_pb2.DetokenizeRequest, context):
-        check_token_ids(request.token_ids, self.tokenizer.vocab_size)
-        text = self.tokenizer.decode(request.token_ids, keep_special_tokens=request.keep_special_tokens)
-        return text_pb2.DetokenizeResponse(text=text)
+        with self.admission.admit():
+            check_token_ids(request.token_ids, self.tokenizer.vocab_size)
+            text = self.tokenizer.decode(request.token_ids, keep_special_tokens=request.keep_special_tokens)
+            return text_pb2.DetokenizeResponse(text=text)
 
 
 # Where decode responses come from: the remote Decoder (gRPC) or, for `generate --local`, an
@@ -115,10 +120,19 @@ def remote_decode(stub: decode_pb2_grpc.DecoderStub) -> DecodeFn:
 
 
 class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
-    def __init__(self, tokenizer: TextTokenizer, decode: DecodeFn, info: ModelInfo) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        decode: DecodeFn,
+        info: ModelInfo,
+        admission: Admission | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.decode = decode
         self.info = info
+        self.admission = admission or Admission()
+        self.metrics = metrics or Metrics()
 
     def _decode_request(self, request: text_pb2.GenerateRequest) -> decode_pb2.DecodeRequest:
         request_id = validation.request_id_of(request.request_id)
@@ -176,15 +190,24 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
                 return  # after a stop string, leaving the block cancels the decode
         raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the decode stream ended without Finished")
 
+    async def _served(self, request: text_pb2.GenerateRequest, context) -> AsyncIterator[text_pb2.GenerateResponse]:
+        """`generate`, admitted (or UNAVAILABLE), timed and counted, with the client's deadline."""
+        with self.admission.admit(), self.metrics.track(request.request_id) as tracker:
+            request.request_id = tracker.request_id = validation.request_id_of(request.request_id)
+            async with contextlib.aclosing(self.generate(request, context.time_remaining())) as responses:
+                async for response in responses:
+                    tracker.generate_response(response)
+                    yield response
+
     @grpc_errors
     async def Generate(self, request, context):
-        async with contextlib.aclosing(self.generate(request, context.time_remaining())) as responses:
+        async with contextlib.aclosing(self._served(request, context)) as responses:
             async for response in responses:
                 yield response
 
     @grpc_errors
     async def Complete(self, request, context):
-        return await collect(self.generate(request, context.time_remaining()))
+        return await collect(self._served(request, context))
 
 
 async def collect(responses: AsyncIterator[text_pb2.GenerateResponse]) -> text_pb2.Completion:
