@@ -54,7 +54,6 @@ def _serve_metrics(metrics, host: str, port: int | None):
 async def _decode_server(config: DecodeServerConfig) -> int:
     from services.decode_server import start_decode_server
     from services.metrics import Metrics, stop_metrics_server
-    from services.server import wait_for_signal
 
     log = logging.getLogger("tokenwire")
     model_dir = _model_dir(config.model)  # pull before serving: a failed pull is a failed start
@@ -69,16 +68,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
     )
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
     log.info("decode service listening on %s:%d; loading %s", config.server.host, server.port, model_dir)
-    await wait_for_signal(server.died)
-    if server.died.is_set():
-        log.critical("the decode engine died or failed to load; exiting so a supervisor can restart the service")
-        await server.stop(0)
-        code = 1
-    else:
-        log.info("draining for up to %.1f s", config.grace_period_s)
-        if not await server.drain(config.grace_period_s):
-            log.warning("grace period over: requests still in flight were cancelled")
-        code = 0
+    code = await server.serve_until_signal(config.grace_period_s)
     if http is not None:
         stop_metrics_server(http)
     return code
@@ -86,11 +76,9 @@ async def _decode_server(config: DecodeServerConfig) -> int:
 
 async def _text_server(config: TextServerConfig) -> int:
     from services.metrics import Metrics, stop_metrics_server
-    from services.server import wait_for_signal
     from services.text_server import ModelMismatch, start_text_server
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    log = logging.getLogger("tokenwire")
     tokenizer = TextTokenizer.from_dir(_model_dir(config.model))
     metrics = Metrics()
     try:
@@ -102,13 +90,10 @@ async def _text_server(config: TextServerConfig) -> int:
         print(f"tokenwire text-server: refusing to serve: {error}", file=sys.stderr)
         return 2
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
-    await wait_for_signal()
-    log.info("draining for up to %.1f s", config.grace_period_s)
-    if not await server.drain(config.grace_period_s):
-        log.warning("grace period over: requests still in flight were cancelled")
+    code = await server.serve_until_signal(config.grace_period_s)
     if http is not None:
         stop_metrics_server(http)
-    return 0
+    return code
 
 
 def _generate_kwargs(a: argparse.Namespace) -> dict:

@@ -21,7 +21,7 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.admission import Admission
 from services.decode_service import DecoderServicer
 from services.metrics import Metrics
-from services.server import RunningServer, ServerOptions, start_server
+from services.server import RunningServer, ServerOptions, start_server, wait_for_signal
 
 log = logging.getLogger("tokenwire.decode")
 
@@ -73,6 +73,7 @@ class DecodeServer:
         self.servicer.attach(AsyncEngine(self.engine), model.info)
         if not self.draining:
             self.admission.open()
+            await self.running.set_ready(True)
         self.ready.set()
         info = model.info
         log.info(
@@ -93,9 +94,7 @@ class DecodeServer:
                 and not self.died.is_set()
                 and stats.stalled_s <= self.stall_timeout_s
             )
-            if stats is not None and stats.stalled_s > self.stall_timeout_s:
-                log.warning("engine made no progress for %.1f s with work pending", stats.stalled_s)
-            await self.running.set_ready(healthy)
+            await self.running.set_ready(healthy)  # logs each change, e.g. a stall and its end
             await asyncio.sleep(interval_s)
 
     async def drain(self, grace_s: float) -> bool:
@@ -107,6 +106,19 @@ class DecodeServer:
         finished = await self.admission.drained(grace_s)
         await self.stop(0)
         return finished
+
+    async def serve_until_signal(self, grace_s: float) -> int:
+        """Serve until SIGTERM/SIGINT (then drain; exit code 0) or until the engine dies
+        (exit code 1, so a supervisor restarts the process)."""
+        await wait_for_signal(self.died)
+        if self.died.is_set():
+            log.critical("the decode engine died or failed to load; exiting so a supervisor can restart the service")
+            await self.stop(0)
+            return 1
+        log.info("draining for up to %.1f s", grace_s)
+        if not await self.drain(grace_s):
+            log.warning("grace period over: requests still in flight were cancelled")
+        return 0
 
     async def stop(self, grace_s: float | None = None) -> None:
         for task in self._tasks:

@@ -23,7 +23,7 @@ from services.admission import Admission
 from services.decode_server import DECODER_SERVICE
 from services.metrics import Metrics
 from services.security import ClientTlsConfig, aio_channel
-from services.server import RunningServer, ServerOptions, start_server
+from services.server import RunningServer, ServerOptions, start_server, wait_for_signal
 from services.text_service import TextGenerationServicer, TokenizerServicer, remote_decode
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -119,6 +119,14 @@ class TextServer:
         finished = await self.admission.drained(grace_s)
         await self.stop(0)
         return finished
+
+    async def serve_until_signal(self, grace_s: float) -> int:
+        """Serve until SIGTERM/SIGINT, then drain; returns the exit code (0)."""
+        await wait_for_signal()
+        log.info("draining for up to %.1f s", grace_s)
+        if not await self.drain(grace_s):
+            log.warning("grace period over: requests still in flight were cancelled")
+        return 0
 
     async def stop(self, grace_s: float | None = None) -> None:
         for task in self._tasks:

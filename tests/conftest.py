@@ -1,6 +1,10 @@
-"""Shared fixtures: real servers on loopback ports, driven by the scripted model."""
+"""Shared fixtures: real servers on loopback ports, driven by the scripted model; test certificates."""
 
 from __future__ import annotations
+
+import secrets
+import subprocess
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,3 +32,41 @@ async def decode_server(scripted_model):
 async def decoder(decode_server):
     async with grpc.aio.insecure_channel(f"127.0.0.1:{decode_server.port}") as channel:
         yield decode_pb2_grpc.DecoderStub(channel)
+
+
+# -- certificates, made once per session with the openssl CLI (valid two days) ----------------
+
+_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+def _openssl(directory: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
+
+
+def _make_ca(directory: Path, name: str) -> None:
+    _openssl(
+        directory, "req", "-x509", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2",
+        "-subj", f"/CN=tokenwire test {name}", "-addext", "basicConstraints=critical,CA:TRUE",
+        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
+    )
+
+
+def _make_leaf(directory: Path, name: str, ca: str, extensions: str) -> None:
+    (directory / f"{name}.ext").write_text(extensions)
+    _openssl(directory, "req", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=tokenwire {name}")
+    _openssl(
+        directory, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
+        "-set_serial", str(secrets.randbits(62) + 1), "-days", "2", "-out", f"{name}.crt", "-extfile", f"{name}.ext",
+    )
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("tls")
+    _make_ca(d, "ca")
+    _make_ca(d, "other-ca")
+    _make_leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
+    _make_leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
+    _make_ca(d, "rogue-ca")
+    _make_leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
+    return d

@@ -9,7 +9,6 @@ behind a real grpc.aio server with `StatusCodeInterceptor`, and checks what a sc
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import urllib.request
 
@@ -18,16 +17,14 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.async_engine import AsyncEngine
-from engine.engine import Engine, EngineConfig
+from engine.engine import EngineConfig
 from engine.events import FinishReason
 from engine.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
 from services.decode_server import start_decode_server
-from services.errors import InvalidArgument, grpc_errors
-from services.metrics import Metrics, StatusCodeInterceptor, start_metrics_server, stop_metrics_server
-from services.validation import request_id_of
+from services.errors import InvalidArgument
+from services.metrics import Metrics, start_metrics_server, stop_metrics_server
 
 FAMILIES = {
     "tokenwire_slots_in_use": "gauge",

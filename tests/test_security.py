@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 import shutil
-import subprocess
 from pathlib import Path
 
 import grpc
@@ -36,39 +34,6 @@ PROTECTED = "tokenwire.test.Protected"
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="the openssl CLI makes the test certificates")
-
-_EC = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-
-def _openssl(directory: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True)
-
-
-def _make_ca(directory: Path, name: str) -> None:
-    _openssl(
-        directory, "req", "-x509", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.crt", "-days", "2",
-        "-subj", f"/CN=tokenwire test {name}", "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-    )
-
-
-def _make_leaf(directory: Path, name: str, ca: str, extensions: str) -> None:
-    (directory / f"{name}.ext").write_text(extensions)
-    _openssl(directory, "req", *_EC, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=tokenwire {name}")
-    _openssl(
-        directory, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key",
-        "-set_serial", str(secrets.randbits(62) + 1), "-days", "2", "-out", f"{name}.crt", "-extfile", f"{name}.ext",
-    )
-
-
-@pytest.fixture(scope="session")
-def pki(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("tls")
-    _make_ca(d, "ca")
-    _make_ca(d, "other-ca")
-    _make_leaf(d, "server", "ca", "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    _make_leaf(d, "client", "ca", "extendedKeyUsage=clientAuth\n")
-    return d
 
 
 @contextlib.asynccontextmanager
@@ -141,8 +106,6 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(pki):
 
 
 async def test_mutual_tls_refuses_a_certificate_from_another_ca(pki):
-    _make_ca(pki, "rogue-ca")
-    _make_leaf(pki, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
     tls = ServerTlsConfig(pki / "server.crt", pki / "server.key", pki / "ca.crt")
     async with serving(tls.credentials()) as target:
         rogue = ClientTlsConfig(ca=pki / "ca.crt", cert=pki / "rogue.crt", key=pki / "rogue.key")
