@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import platform
 import statistics
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from benchmarks.machine import describe  # noqa: E402
 from tokenizer_svc import TextTokenizer  # noqa: E402
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Grüße aus Köln! 東京の天気は晴れです。"
@@ -35,21 +33,6 @@ def default_tokenizer_dir() -> Path:
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
     return ROOT / "tests" / "assets" / "tokenizers" / "gpt2"
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (
-        f"{cpu}, {os.cpu_count()} logical CPUs, {platform.system()} {platform.release()}, "
-        f"Python {platform.python_version()}, tokenizers {metadata.version('tokenizers')}"
-    )
 
 
 def per_token_us(tok: TextTokenizer, prompt: list[int], ids: list[int], streams: int) -> float:
@@ -88,7 +71,7 @@ def main() -> None:
     cost_long = statistics.median(per_token_us(tok, prompt, long, streams=1) for _ in range(args.repeats))
     naive_short, naive_long = naive_per_token_us(tok, short), naive_per_token_us(tok, long)
 
-    print(f"machine:   {machine()}")
+    print(f"machine:   {describe('tokenizers')}")
     print(f"tokenizer: {tok_dir} (vocab {tok.vocab_size})")
     print(f"incremental detokenizer, one id per push (median of {args.repeats}):")
     print(f"  output length   64: {cost_short:8.2f} us/token")
