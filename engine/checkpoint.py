@@ -1,0 +1,287 @@
+"""Read a Hugging Face model directory into a static config, weights in our layout, and EOS ids.
+
+Data flow: config.json -> `ModelConfig` (frozen, hashable: it is the static argument of every
+jitted step); `model.safetensors` (or `model-*.safetensors` + index) -> `Weights`, a pytree with
+one `LayerWeights` per layer (separate arrays, not stacked: on XLA:CPU a layer sliced out of a
+stacked array inside the step is copied first, which halved decode speed) and projections stored
+[in, out] so the forward pass multiplies `x @ w`; config.json + generation_config.json + the
+tokenizer's eos token -> `eos_token_ids`. Everything a checkpoint can get wrong (an architecture we do not run, a missing
+or misshapen tensor) raises `CheckpointError` here, before anything is compiled.
+
+Shapes: V vocab, E hidden, F ffn, H heads, K kv heads, D head dim, L layers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+class CheckpointError(ValueError):
+    """A model directory we cannot run: the message names the architecture or tensor at fault."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequency scaling: "linear" divides positions by `factor`; "llama3" rescales by band."""
+
+    kind: str  # "linear" | "llama3"
+    factor: float
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 only
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the forward pass needs to know statically; hashable so `jit` can key on it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_size: int
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    rms_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    max_position_embeddings: int
+    sliding_window: int | None  # None: full attention; JaxModel refuses a window below its context
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer's tensors."""
+
+    attn_norm: jax.Array  # [E]
+    w_qkv: jax.Array  # [E, (H + 2K) * D]  q, k, v projections side by side
+    w_o: jax.Array  # [H * D, E]
+    mlp_norm: jax.Array  # [E]
+    w_gate_up: jax.Array  # [E, 2F]  gate then up
+    w_down: jax.Array  # [F, E]
+    b_qkv: jax.Array | None  # [(H + 2K) * D]  only when qkv_bias
+    q_norm: jax.Array | None  # [D]  only when qk_norm
+    k_norm: jax.Array | None  # [D]  only when qk_norm
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Weights:
+    embed: jax.Array  # [V, E]
+    layers: tuple[LayerWeights, ...]  # L of them
+    final_norm: jax.Array  # [E]
+    lm_head: jax.Array | None  # [E, V]; None when tied (the forward pass uses embed.T)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    config: ModelConfig
+    weights: Weights
+    eos_token_ids: frozenset[int]
+
+
+def default_dtype() -> str:
+    """float32 on CPU (XLA:CPU bf16 GEMVs are 10-27x slower), bfloat16 on accelerators."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoint:
+    model_dir = Path(model_dir)
+    raw = _read_json(model_dir / "config.json", required=True)
+    config = parse_config(raw)
+    weights = load_weights(model_dir, config, jnp.dtype(dtype or default_dtype()))
+    return Checkpoint(config, weights, eos_token_ids(model_dir, raw))
+
+
+def parse_config(raw: dict[str, Any]) -> ModelConfig:
+    """config.json (transformers 4 `rope_scaling`/`rope_theta` or 5 `rope_parameters`) -> ModelConfig."""
+    archs = raw.get("architectures") or [raw.get("model_type", "<none>")]
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise CheckpointError(f"unsupported architecture {arch!r}; supported: {supported}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"{arch}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
+    if raw.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and raw.get("attention_bias")):
+        raise CheckpointError(f"{arch}: attention_bias / mlp_bias checkpoints are not supported")
+    missing = [k for k in _REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise CheckpointError(f"{arch}: config.json lacks {', '.join(missing)}")
+    n_heads = raw["num_attention_heads"]
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    window = raw.get("sliding_window")
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
+        window = None
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        n_layers=raw["num_hidden_layers"],
+        n_heads=n_heads,
+        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
+        ffn_size=raw["intermediate_size"],
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(arch, rope),
+        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+        qk_norm=arch == "Qwen3ForCausalLM",
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        sliding_window=window,
+    )
+
+
+def _rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", float(rope["factor"]))
+    if kind == "llama3":
+        return RopeScaling(
+            "llama3",
+            float(rope["factor"]),
+            float(rope["low_freq_factor"]),
+            float(rope["high_freq_factor"]),
+            int(rope["original_max_position_embeddings"]),
+        )
+    raise CheckpointError(f"{arch}: unsupported rope scaling type {kind!r} (default, linear, llama3)")
+
+
+def load_weights(model_dir: Path, config: ModelConfig, dtype: jnp.dtype) -> Weights:
+    """Read, check shapes against `config`, transpose to [in, out], cast, put on device."""
+    get = _tensor_reader(model_dir, config.architecture)
+    c = config
+    E, F, D, H, K = c.hidden_size, c.ffn_size, c.head_dim, c.n_heads, c.n_kv_heads
+
+    def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        array = get(name)
+        if tuple(array.shape) != shape:
+            raise CheckpointError(
+                f"{c.architecture}: tensor {name} has shape {tuple(array.shape)}, expected {shape}"
+            )
+        return array.astype(np.float32)
+
+    def device(array: np.ndarray) -> jax.Array:
+        return jnp.asarray(array, dtype)
+
+    def qkv(p: str) -> np.ndarray:  # [E, (H + 2K) * D]
+        a = p + "self_attn."
+        return np.concatenate(
+            [tensor(a + "q_proj.weight", (H * D, E)), tensor(a + "k_proj.weight", (K * D, E)),
+             tensor(a + "v_proj.weight", (K * D, E))]
+        ).T
+
+    def qkv_bias(p: str) -> np.ndarray:  # [(H + 2K) * D]
+        a = p + "self_attn."
+        return np.concatenate(
+            [tensor(a + "q_proj.bias", (H * D,)), tensor(a + "k_proj.bias", (K * D,)),
+             tensor(a + "v_proj.bias", (K * D,))]
+        )
+
+    def gate_up(p: str) -> np.ndarray:  # [E, 2F]
+        gate, up = tensor(p + "mlp.gate_proj.weight", (F, E)), tensor(p + "mlp.up_proj.weight", (F, E))
+        return np.concatenate([gate, up]).T
+
+    def layer(p: str) -> LayerWeights:
+        return LayerWeights(
+            attn_norm=device(tensor(p + "input_layernorm.weight", (E,))),
+            w_qkv=device(qkv(p)),
+            w_o=device(tensor(p + "self_attn.o_proj.weight", (E, H * D)).T),
+            mlp_norm=device(tensor(p + "post_attention_layernorm.weight", (E,))),
+            w_gate_up=device(gate_up(p)),
+            w_down=device(tensor(p + "mlp.down_proj.weight", (E, F)).T),
+            b_qkv=device(qkv_bias(p)) if c.qkv_bias else None,
+            q_norm=device(tensor(p + "self_attn.q_norm.weight", (D,))) if c.qk_norm else None,
+            k_norm=device(tensor(p + "self_attn.k_norm.weight", (D,))) if c.qk_norm else None,
+        )
+
+    return Weights(
+        embed=device(tensor("model.embed_tokens.weight", (c.vocab_size, E))),
+        layers=tuple(layer(f"model.layers.{i}.") for i in range(c.n_layers)),
+        final_norm=device(tensor("model.norm.weight", (E,))),
+        lm_head=None if c.tie_word_embeddings else device(tensor("lm_head.weight", (c.vocab_size, E)).T),
+    )
+
+
+def _tensor_reader(model_dir: Path, arch: str) -> Callable[[str], np.ndarray]:
+    """name -> array, over one `model.safetensors` or the shards an index maps names to."""
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.exists():
+        where = {name: single for name in _keys(single)}
+    elif index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        where = {name: model_dir / shard for name, shard in weight_map.items()}
+    else:
+        raise CheckpointError(f"{arch}: no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+    def get(name: str) -> np.ndarray:
+        if name not in where:
+            raise CheckpointError(f"{arch}: tensor {name} missing from {model_dir}")
+        with safe_open(where[name], framework="numpy") as f:
+            return f.get_tensor(name)
+
+    return get
+
+
+def _keys(path: Path) -> list[str]:
+    with safe_open(path, framework="numpy") as f:
+        return list(f.keys())
+
+
+def eos_token_ids(model_dir: Path, config_json: dict[str, Any]) -> frozenset[int]:
+    """Union of config.json, generation_config.json and the tokenizer's eos token: any of them ends text."""
+    ids: set[int] = set(_as_ids(config_json.get("eos_token_id")))
+    generation = _read_json(model_dir / "generation_config.json", required=False)
+    ids |= set(_as_ids(generation.get("eos_token_id")))
+    token = _read_json(model_dir / "tokenizer_config.json", required=False).get("eos_token")
+    if isinstance(token, dict):
+        token = token.get("content")
+    if token:
+        ids.add(_token_id(model_dir, token))
+    return frozenset(ids)
+
+
+def _as_ids(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _token_id(model_dir: Path, token: str) -> int:
+    """The id of `token` in tokenizer.json: added (special) tokens first, then the model's vocab."""
+    tokenizer = _read_json(model_dir / "tokenizer.json", required=False)
+    for added in tokenizer.get("added_tokens", []):
+        if added["content"] == token:
+            return int(added["id"])
+    vocab = tokenizer.get("model", {}).get("vocab", {})
+    if isinstance(vocab, dict) and token in vocab:
+        return int(vocab[token])
+    raise CheckpointError(f"tokenizer eos token {token!r} has no id in {model_dir / 'tokenizer.json'}")
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any]:
+    if not path.exists():
+        if required:
+            raise CheckpointError(f"{path} not found")
+        return {}
+    return json.loads(path.read_text())

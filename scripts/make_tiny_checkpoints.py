@@ -1,0 +1,198 @@
+"""Make the tiny random-weight checkpoints and their goldens under tests/assets/.
+
+Regenerate (dev only, never in CI: CI reads the committed files and needs no torch):
+
+    python3 -m venv .venv-ref
+    .venv-ref/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors tokenizers numpy
+    .venv-ref/bin/python scripts/make_tiny_checkpoints.py
+
+Made with Python 3.11, torch 2.13.0+cpu, transformers 5.24.0, tokenizers 0.23.3, safetensors 0.8.0,
+numpy 2.4.6. The tokenizer is trained on the reference venv's Python standard library sources, so a
+different Python may give a different (equally valid) tokenizer; the goldens always match the files
+written next to them.
+
+Three models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> <|im_start|>
+<|im_end|>):
+- tiny-llama: LlamaForCausalLM, untied lm head, GQA 4/2, llama3 rope scaling that bites within
+  the first few dozen positions (original context 32).
+- tiny-qwen2: Qwen2ForCausalLM, tied embeddings, q/k/v biases.
+- tiny-qwen3: Qwen3ForCausalLM, untied, q/k RMSNorm, explicit head_dim (32) != hidden / heads (16).
+
+Weights are drawn wider than HF's init (std ~ 1/sqrt(fan_in), embeddings std 1) so logits are
+peaked and greedy choices are far from ties: parity tests can demand exactly equal ids.
+golden.json holds, per prompt, 16 greedy ids (EOS not special: a plain argmax loop), the full
+next-token logits after the prompt, and the top-8 logits at every greedy step; weights are redrawn
+until no greedy step is within MIN_MARGIN of a tie.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sysconfig
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "tests" / "assets"
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content']"
+    " + '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+PROMPTS = [
+    "def add(a, b):\n    return",
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "import",
+]
+STEPS = 16
+TOP = 8
+MIN_MARGIN = 2e-3  # f32 JAX vs torch logits differ by ~1e-5; a closer top-2 gap would make greedy parity luck
+
+
+def train_tokenizer() -> Tokenizer:
+    """A 512-id byte-level BPE on the first stdlib sources, sorted by path for a stable input order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = []
+    for path in sorted(stdlib.glob("*.py"))[:300]:
+        try:
+            texts.append(path.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            continue
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def tokenizer_config() -> dict:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": 256,
+        "chat_template": CHATML,
+        "added_tokens_decoder": {},
+    }
+
+
+def randomize(model: torch.nn.Module, tied: bool, seed: int) -> None:
+    """Peaked random weights: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~ 1 +- 0.1.
+
+    A tied random model echoes one token forever (its logits are close to the input embedding's
+    scores); a signed N(0, 1) final norm weight breaks the echo so greedy ids vary.
+    """
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if tied and name == "model.norm.weight":
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
+            elif name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+
+
+def golden(model: torch.nn.Module, tok: Tokenizer) -> dict:
+    """Plain greedy loop, full forward each step (no cache, no stopping): the reference to match."""
+    cases = []
+    for text in PROMPTS:
+        ids = tok.encode(text).ids
+        seq = list(ids)
+        greedy, steps_top, first_logits = [], [], None
+        with torch.no_grad():
+            for _ in range(STEPS):
+                logits = model(torch.tensor([seq])).logits[0, -1].float()  # [V]
+                if first_logits is None:
+                    first_logits = [round(float(x), 5) for x in logits]
+                top = torch.topk(logits, TOP)
+                steps_top.append(
+                    {"ids": top.indices.tolist(), "logits": [round(float(x), 5) for x in top.values]}
+                )
+                nxt = int(torch.argmax(logits))
+                greedy.append(nxt)
+                seq.append(nxt)
+        cases.append(
+            {"prompt": text, "prompt_ids": ids, "greedy_ids": greedy, "first_logits": first_logits, "steps": steps_top}
+        )
+    return {
+        "made_by": "scripts/make_tiny_checkpoints.py",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "cases": cases,
+    }
+
+
+def margin(gold: dict) -> float:
+    """The smallest gap between the best and second-best logit over all greedy steps."""
+    return min(s["logits"][0] - s["logits"][1] for case in gold["cases"] for s in case["steps"])
+
+
+def make(name: str, config: transformers.PretrainedConfig, cls: type, tok: Tokenizer, gen_eos: list[int]) -> None:
+    """Draw weights (first seed from 1234 whose greedy steps are all >= MIN_MARGIN from a tie) and save."""
+    out = ASSETS / name
+    shutil.rmtree(out, ignore_errors=True)
+    for seed in range(1234, 1264):
+        torch.manual_seed(0)
+        model = cls(config).eval()
+        randomize(model, tied=config.tie_word_embeddings, seed=seed)
+        gold = golden(model, tok)
+        if margin(gold) >= MIN_MARGIN:
+            break
+    else:
+        raise RuntimeError(f"{name}: no seed gave greedy steps {MIN_MARGIN} away from a tie")
+    gold["weight_seed"] = seed
+    model.save_pretrained(out, safe_serialization=True)
+    gen = transformers.GenerationConfig(eos_token_id=gen_eos, do_sample=False)
+    gen.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    (out / "golden.json").write_text(json.dumps(gold) + "\n")
+    print(name, sorted(p.name for p in out.iterdir()))
+
+
+def main() -> None:
+    tok = train_tokenizer()
+    vocab = tok.get_vocab_size()
+    eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, attn_implementation="eager",
+    )
+    llama = transformers.LlamaConfig(
+        **common, num_hidden_layers=2, tie_word_embeddings=False, eos_token_id=eot, bos_token_id=None,
+        rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+        },
+    )
+    make("tiny-llama", llama, transformers.LlamaForCausalLM, tok, gen_eos=[im_end, eot])
+    qwen2 = transformers.Qwen2Config(
+        **common, num_hidden_layers=3, tie_word_embeddings=True, eos_token_id=eot, bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
+    )
+    make("tiny-qwen2", qwen2, transformers.Qwen2ForCausalLM, tok, gen_eos=[im_end])
+    qwen3 = transformers.Qwen3Config(
+        **common, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, eos_token_id=im_end,
+        bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+    )
+    make("tiny-qwen3", qwen3, transformers.Qwen3ForCausalLM, tok, gen_eos=[eot])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""engine.checkpoint on the tiny Hugging Face directories (tests/assets/tiny-*): config fields,
+EOS union, sharded loading, and errors that name what is wrong."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine.checkpoint import CheckpointError, RopeScaling, load_checkpoint, parse_config
+from engine.jax_model import JaxModel
+
+ASSETS = Path(__file__).parent / "assets"
+EOT, IM_END = 0, 2  # <|endoftext|>, <|im_end|> in the shared tiny tokenizer
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ASSETS / name, tmp_path / name))
+
+
+def _edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize(
+    "name, arch, layers, head_dim, tied, qkv_bias, qk_norm, theta",
+    [
+        ("tiny-llama", "LlamaForCausalLM", 2, 16, False, False, False, 10000.0),
+        ("tiny-qwen2", "Qwen2ForCausalLM", 3, 16, True, True, False, 1e6),
+        ("tiny-qwen3", "Qwen3ForCausalLM", 2, 32, False, False, True, 1e6),
+    ],
+)
+def test_loads_config_and_weights(name, arch, layers, head_dim, tied, qkv_bias, qk_norm, theta):
+    ckpt = load_checkpoint(ASSETS / name)
+    c = ckpt.config
+    assert (c.architecture, c.n_layers, c.head_dim) == (arch, layers, head_dim)
+    assert (c.vocab_size, c.hidden_size, c.n_heads, c.n_kv_heads, c.ffn_size) == (512, 64, 4, 2, 128)
+    assert (c.tie_word_embeddings, c.qkv_bias, c.qk_norm, c.rope_theta) == (tied, qkv_bias, qk_norm, theta)
+    assert (c.max_position_embeddings, c.rms_eps, c.sliding_window) == (256, 1e-6, None)
+    hash(c)  # static argument of jit
+    w = ckpt.weights
+    assert w.embed.shape == (512, 64) and w.embed.dtype == np.float32
+    assert len(w.layers) == layers
+    first = w.layers[0]
+    assert first.w_qkv.shape == (64, (4 + 2 * 2) * head_dim)
+    assert first.w_o.shape == (4 * head_dim, 64)
+    assert first.w_gate_up.shape == (64, 256) and first.w_down.shape == (128, 64)
+    assert (w.lm_head is None) == tied
+    assert (first.b_qkv is not None) == qkv_bias
+    assert (first.q_norm is not None) == qk_norm
+    assert ckpt.eos_token_ids == frozenset({EOT, IM_END})
+
+
+def test_llama3_rope_scaling_in_both_config_styles(tmp_path):
+    """transformers 5 writes `rope_parameters`; hub checkpoints have `rope_scaling` + `rope_theta`."""
+    new = json.loads((ASSETS / "tiny-llama" / "config.json").read_text())
+    expected = RopeScaling("llama3", 8.0, 1.0, 4.0, 32)
+    assert parse_config(new).rope_scaling == expected
+    scaling = {k: v for k, v in new["rope_parameters"].items() if k != "rope_theta"}
+    old = dict(new, rope_theta=10000.0, rope_scaling=scaling)
+    del old["rope_parameters"]
+    assert parse_config(old) == parse_config(new)
+
+
+def test_eos_is_the_union_of_config_generation_config_and_tokenizer(tmp_path):
+    d = _copy("tiny-qwen3", tmp_path)
+    _edit_json(d / "config.json", eos_token_id=[5, 6])
+    _edit_json(d / "generation_config.json", eos_token_id=7)
+    _edit_json(d / "tokenizer_config.json", eos_token={"content": "<|im_start|>", "special": True})
+    assert load_checkpoint(d).eos_token_ids == frozenset({1, 5, 6, 7})
+    (d / "generation_config.json").unlink()
+    _edit_json(d / "config.json", eos_token_id=None)
+    assert load_checkpoint(d).eos_token_ids == frozenset({1})
+
+
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
+    d = _copy("tiny-qwen2", tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, part in halves.items():
+        save_file({n: tensors[n] for n in part}, d / shard)
+        weight_map.update({n: shard for n in part})
+    (d / "model.safetensors").unlink()
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    sharded, single = load_checkpoint(d), load_checkpoint(ASSETS / "tiny-qwen2")
+    assert sharded.config == single.config
+    for a, b in zip(jax.tree_util.tree_leaves(sharded.weights), jax.tree_util.tree_leaves(single.weights)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bfloat16_on_request():
+    w = load_checkpoint(ASSETS / "tiny-llama", dtype="bfloat16").weights
+    assert w.embed.dtype.name == "bfloat16" and w.layers[1].w_qkv.dtype.name == "bfloat16"
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    d = _copy("tiny-llama", tmp_path)
+    _edit_json(d / "config.json", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(CheckpointError, match="GPT2LMHeadModel"):
+        load_checkpoint(d)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    d = _copy("tiny-llama", tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"LlamaForCausalLM: tensor model\.layers\.1\.mlp\.up_proj\.weight miss"):
+        load_checkpoint(d)
+
+
+def test_untied_checkpoint_without_lm_head_is_an_error(tmp_path):
+    d = _copy("tiny-qwen3", tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match="lm_head.weight missing"):
+        load_checkpoint(d)
+
+
+def test_wrong_shape_names_tensor_and_both_shapes(tmp_path):
+    d = _copy("tiny-qwen3", tmp_path)
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((48, 64), np.float32)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight has shape \(48, 64\), expected \(64, 64\)"):
+        load_checkpoint(d)
+
+
+def test_mistral_loads_without_a_window_and_refuses_a_short_one(tmp_path):
+    d = _copy("tiny-llama", tmp_path)
+    _edit_json(d / "config.json", architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
+    assert load_checkpoint(d).config.architecture == "MistralForCausalLM"
+    _edit_json(d / "config.json", sliding_window=16)
+    with pytest.raises(CheckpointError, match="sliding_window 16"):
+        JaxModel.load(d, max_batch_size=1, max_context_length=32)
+    _edit_json(d / "config.json", sliding_window=4096)
+    assert JaxModel.load(d, max_batch_size=1, max_context_length=32).info.max_context_length == 32
+
+
+def test_unsupported_rope_type_and_activation_are_named(tmp_path):
+    raw = json.loads((ASSETS / "tiny-llama" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="'yarn'"):
+        parse_config(dict(raw, rope_parameters={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(CheckpointError, match="gelu"):
+        parse_config(dict(raw, hidden_act="gelu"))
+    with pytest.raises(CheckpointError, match="lacks intermediate_size"):
+        parse_config({k: v for k, v in raw.items() if k != "intermediate_size"})

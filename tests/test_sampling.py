@@ -1,0 +1,159 @@
+"""engine.sampling on hand-made logits: greedy, cuts, masks, seeds, raw logprobs.
+
+All calls share two shapes ([ROWS, 4] and [8, 64]) so the suite compiles `sample` twice."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.sampling import SlotSampling, row_key, sample, seed_words
+
+ROWS = 2000
+PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+_sample = jax.jit(sample)
+
+
+def _params(n, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None) -> SlotSampling:
+    seeds = range(n) if seeds is None else seeds
+    return SlotSampling(
+        np.broadcast_to(np.float32(temperature), (n,)).copy(),
+        np.broadcast_to(np.int32(top_k), (n,)).copy(),
+        np.broadcast_to(np.float32(top_p), (n,)).copy(),
+        np.broadcast_to(np.float32(min_p), (n,)).copy(),
+        np.array([seed_words(s) for s in seeds], np.uint32),
+    )
+
+
+def _run(logits, params, positions=None, mask=None, masked=None):
+    n, v = logits.shape
+    positions = np.zeros(n, np.int32) if positions is None else positions
+    mask = np.zeros((n, v), bool) if mask is None else mask
+    masked = np.zeros(n, bool) if masked is None else masked
+    tokens, logprobs = _sample(jnp.asarray(logits, jnp.float32), params, positions, mask, masked)
+    return np.asarray(tokens), np.asarray(logprobs)
+
+
+def _frequencies(**cut) -> np.ndarray:
+    """How often each of the 4 ids is drawn from PROBS over ROWS different seeds."""
+    tokens, _ = _run(np.tile(np.log(PROBS), (ROWS, 1)), _params(ROWS, **cut))
+    return np.bincount(tokens, minlength=4) / ROWS
+
+
+def _random_logits(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 3, (8, 64)).astype(np.float32)
+
+
+def test_greedy_is_argmax_and_logprob_is_raw_log_softmax():
+    logits = _random_logits(0)
+    tokens, logprobs = _run(logits, _params(8, temperature=0.0))
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    np.testing.assert_allclose(logprobs, raw[np.arange(8), tokens], atol=1e-5)
+
+
+def test_top_k_1_is_greedy_whatever_the_seed_and_temperature():
+    logits = _random_logits(1)
+    for seed in range(3):
+        tokens, _ = _run(logits, _params(8, temperature=1.7, top_k=1, seeds=range(seed * 8, seed * 8 + 8)))
+        np.testing.assert_array_equal(tokens, logits.argmax(-1))
+
+
+def test_a_batch_mixes_greedy_and_sampled_rows():
+    logits = _random_logits(2)
+    params = _params(8, temperature=1.0)
+    params = SlotSampling(np.array([0, 1] * 4, np.float32), params.top_k, params.top_p, params.min_p, params.seed)
+    tokens, _ = _run(logits, params)
+    np.testing.assert_array_equal(tokens[::2], logits.argmax(-1)[::2])
+
+
+def test_logprob_ignores_temperature_and_cuts():
+    tokens, logprobs = _run(np.tile(np.log(PROBS), (ROWS, 1)), _params(ROWS, temperature=2.5, top_k=1))
+    assert (tokens == 0).all()
+    np.testing.assert_allclose(logprobs, np.log(0.5), atol=1e-6)
+
+
+def test_plain_sampling_follows_the_distribution():
+    np.testing.assert_allclose(_frequencies(), PROBS, atol=0.04)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    np.testing.assert_allclose(_frequencies(top_p=0.7), [0.625, 0.375, 0, 0], atol=0.04)  # 0.5 < 0.7 <= 0.8
+    np.testing.assert_array_equal(_frequencies(top_p=0.5), [1, 0, 0, 0])  # 0.5 reaches 0.5 alone
+    assert (_frequencies(top_p=0.96) > 0).all()  # 0.95 < 0.96: needs all 4
+
+
+def test_min_p_keeps_ids_at_least_min_p_times_the_best():
+    np.testing.assert_allclose(_frequencies(min_p=0.5), [0.625, 0.375, 0, 0], atol=0.04)  # p >= 0.25
+    freq = _frequencies(min_p=0.2)  # p >= 0.1
+    assert (freq[:3] > 0).all() and freq[3] == 0
+
+
+def test_top_k_keeps_the_k_best():
+    freq = _frequencies(top_k=3)
+    assert (freq[:3] > 0).all() and freq[3] == 0
+
+
+def test_same_seed_and_position_same_token_whatever_the_other_rows():
+    logits = _random_logits(3)
+    seeds = [11, 12, 13, 14, 15, 16, 17, 2**40 + 5]
+    alone, _ = _run(logits, _params(8, seeds=seeds), positions=np.arange(8, dtype=np.int32))
+    others = _random_logits(4)
+    others[5] = logits[5]
+    mixed = _params(8, seeds=[99, 98, 97, 96, 95, 16, 94, 93])
+    again, _ = _run(others, mixed, positions=np.array([0, 0, 0, 0, 0, 5, 0, 0], np.int32))
+    assert again[5] == alone[5]
+    repeat, _ = _run(logits, _params(8, seeds=seeds), positions=np.arange(8, dtype=np.int32))
+    np.testing.assert_array_equal(repeat, alone)
+
+
+def test_key_is_fold_in_of_prngkey_seed_and_position():
+    for seed, position in [(0, 0), (7, 3), (2**32 - 1, 100)]:
+        ours = row_key(jnp.asarray(seed_words(seed), jnp.uint32), position)
+        theirs = jax.random.fold_in(jax.random.PRNGKey(seed), position)
+        np.testing.assert_array_equal(jax.random.key_data(ours), theirs)
+
+
+def test_masked_ids_are_never_chosen_only_when_the_step_says_masked():
+    logits = np.tile(np.log(PROBS), (ROWS, 1))
+    mask = np.zeros((ROWS, 4), bool)
+    mask[:, 0] = True
+    on, off = np.ones(ROWS, bool), np.zeros(ROWS, bool)
+    sampled, _ = _run(logits, _params(ROWS), mask=mask, masked=on)
+    assert (sampled != 0).all() and set(sampled) == {1, 2, 3}
+    greedy, _ = _run(logits, _params(ROWS, temperature=0.0), mask=mask, masked=on)
+    assert (greedy == 1).all()
+    unmasked, _ = _run(logits, _params(ROWS, temperature=0.0), mask=mask, masked=off)
+    assert (unmasked == 0).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    temperature=st.floats(0.2, 3.0),
+    top_k=st.integers(0, 64),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.9),
+)
+def test_drawn_ids_always_survive_every_cut(seed, temperature, top_k, top_p, min_p):
+    """Against a sort-based numpy reference (a hair looser at float boundaries): the drawn id is in
+    the kept set of every row."""
+    logits = _random_logits(seed % 1000)
+    mask = np.random.default_rng(seed).random((8, 64)) < 0.2
+    tokens, _ = _run(logits, _params(8, temperature, top_k, top_p, min_p, seeds=range(seed, seed + 8)),
+                     mask=mask, masked=np.ones(8, bool))
+    for row, token in enumerate(tokens):
+        z = np.where(mask[row], -np.inf, logits[row] / np.float32(temperature))  # float32, as sampled
+        keep = np.isfinite(z)
+        if top_k:
+            keep &= z >= np.sort(z)[::-1][min(top_k, 64) - 1]
+        p = np.where(keep, np.exp(z.astype(np.float64) - z[keep].max()), 0)
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]  # mass strictly above each id, in rank order
+        cutoff = p[order][before < top_p * p.sum() * (1 + 1e-5)].min() if top_p < 1 else 0
+        keep &= p >= cutoff * (1 - 1e-5)
+        keep &= p >= min_p * p.max() * (1 - 1e-5)
+        assert keep[token], (row, token)
