@@ -98,3 +98,16 @@ def test_every_command_has_help():
     for name in commands:
         result = subprocess.run([sys.executable, "-m", "services.cli", name, "--help"], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0 and "usage: tokenwire " + name in result.stdout
+
+
+def test_readme_documents_every_flag_and_its_variable():
+    from services.config import env_name
+
+    readme = (ROOT / "README.md").read_text()
+    parser = build_parser()
+    actions = list(parser._actions)
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        actions += sub._actions
+    flags = {o for a in actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    missing = sorted(f for f in flags if f"`{env_name(f)}` (`{f}`)" not in readme)
+    assert not missing, f"README's configuration table lacks {missing}"
