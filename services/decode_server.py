@@ -21,7 +21,7 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.admission import Admission
 from services.decode_service import DecoderServicer
 from services.metrics import Metrics
-from services.server import RunningServer, ServerOptions, start_server, wait_for_signal
+from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
 
 log = logging.getLogger("tokenwire.decode")
 
@@ -101,9 +101,7 @@ class DecodeServer:
         """Stop taking requests (UNAVAILABLE), go NOT_SERVING, let in-flight ones finish within
         `grace_s`, then stop. Returns whether everything finished in time."""
         self.draining = True
-        self.admission.close("the server is shutting down")
-        await self.running.set_ready(False)
-        finished = await self.admission.drained(grace_s)
+        finished = await drain(self.running, self.admission, grace_s)
         await self.stop(0)
         return finished
 
@@ -115,9 +113,7 @@ class DecodeServer:
             log.critical("the decode engine died or failed to load; exiting so a supervisor can restart the service")
             await self.stop(0)
             return 1
-        log.info("draining for up to %.1f s", grace_s)
-        if not await self.drain(grace_s):
-            log.warning("grace period over: requests still in flight were cancelled")
+        await self.drain(grace_s)
         return 0
 
     async def stop(self, grace_s: float | None = None) -> None:

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.admission import Admission
 from services.metrics import Metrics, StatusCodeInterceptor
 from services.security import BearerTokenInterceptor, ServerTlsConfig
 
@@ -106,3 +107,15 @@ async def wait_for_signal(*others: asyncio.Event) -> str:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
     return "signal" if stop.is_set() else "event"
+
+
+async def drain(running: RunningServer, admission: Admission, grace_s: float) -> bool:
+    """Stop taking requests (UNAVAILABLE), go NOT_SERVING, and wait up to `grace_s` for the
+    in-flight ones to finish. Returns whether they all did."""
+    admission.close("the server is shutting down")
+    await running.set_ready(False)
+    log.info("draining for up to %.1f s", grace_s)
+    finished = await admission.drained(grace_s)
+    if not finished:
+        log.warning("grace period over: requests still in flight are cancelled")
+    return finished

@@ -23,7 +23,7 @@ from services.admission import Admission
 from services.decode_server import DECODER_SERVICE
 from services.metrics import Metrics
 from services.security import ClientTlsConfig, aio_channel
-from services.server import RunningServer, ServerOptions, start_server, wait_for_signal
+from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
 from services.text_service import TextGenerationServicer, TokenizerServicer, remote_decode
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -114,18 +114,14 @@ class TextServer:
     async def drain(self, grace_s: float) -> bool:
         """Stop taking requests (UNAVAILABLE), go NOT_SERVING, let in-flight ones finish, stop."""
         self.draining = True
-        self.admission.close("the server is shutting down")
-        await self.running.set_ready(False)
-        finished = await self.admission.drained(grace_s)
+        finished = await drain(self.running, self.admission, grace_s)
         await self.stop(0)
         return finished
 
     async def serve_until_signal(self, grace_s: float) -> int:
         """Serve until SIGTERM/SIGINT, then drain; returns the exit code (0)."""
         await wait_for_signal()
-        log.info("draining for up to %.1f s", grace_s)
-        if not await self.drain(grace_s):
-            log.warning("grace period over: requests still in flight were cancelled")
+        await self.drain(grace_s)
         return 0
 
     async def stop(self, grace_s: float | None = None) -> None:

