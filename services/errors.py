@@ -13,6 +13,7 @@ import inspect
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from engine.engine import EngineStopped, QueueFull
 
@@ -50,13 +51,18 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+def _failure(method: str, error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status for `error`; an unexpected one is logged in full and becomes INTERNAL."""
     mapped = status_for(error)
     if mapped is None:
         log.error("unexpected error in %s", method, exc_info=error)
         mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
-    code, message = mapped
-    await context.abort(code, message)
+    return mapped
+
+
+# `context.abort` is called after the `except` block, never inside it: the AbortError it raises
+# would otherwise chain to our error, whose traceback keeps the failed request's frames (and
+# their per-request state) alive until the next cycle collection.
 
 
 def grpc_errors(method):
@@ -69,10 +75,12 @@ def grpc_errors(method):
             try:
                 async for item in method(self, request, context):
                     yield item
+                return
             except (asyncio.CancelledError, grpc.aio.AbortError):
                 raise
             except Exception as error:
-                await _abort(context, name, error)
+                failure = _failure(name, error)
+            await context.abort(*failure)
 
         return stream
 
@@ -83,6 +91,42 @@ def grpc_errors(method):
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as error:
-            await _abort(context, name, error)
+            failure = _failure(name, error)
+        await context.abort(*failure)
 
     return unary
+
+
+class ParseRequestsInHandler(grpc.aio.ServerInterceptor):
+    """Parse each request message inside the handler, so bytes that are not a valid message get
+    INVALID_ARGUMENT (grpc's own deserializer turns a parse failure into UNKNOWN, logs a
+    traceback, and bypasses every other interceptor). Streaming requests are left as they are;
+    none of our RPCs take one."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+
+        async def parsed(raw: bytes, context):
+            try:
+                return parse(raw)
+            except DecodeError:
+                problem = f"the request is not a valid message for {details.method}"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+        if handler.response_streaming:
+            behaviour = handler.unary_stream
+
+            async def unary_stream(raw, context):
+                async for response in behaviour(await parsed(raw, context), context):
+                    yield response
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
+        behaviour = handler.unary_unary
+
+        async def unary_unary(raw, context):
+            return await behaviour(await parsed(raw, context), context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)

@@ -211,13 +211,21 @@ def _reason_name(reason: str | enum.Enum | int) -> str:
     return name
 
 
+MAX_LOGGED_VALUE = 256
+
+
 def _logfmt_value(value: object) -> str:
     if value is None:
         return '""'
-    text = str(value)
+    text = str(value)[:MAX_LOGGED_VALUE]  # a client's request id is logged even when refused as too long
     if text and not any(c in text for c in ' ="\\') and text.isprintable():
         return text
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    # Quote, and escape every non-printable character (CR, ESC, NUL...): client text cannot forge lines.
+    return '"' + "".join(c if c.isprintable() and c not in '"\\' else _escape(c) for c in text) + '"'
+
+
+def _escape(c: str) -> str:
+    return {'"': '\\"', "\\": "\\\\", "\n": "\\n"}.get(c) or c.encode("unicode_escape").decode("ascii")
 
 
 # -- every RPC's status code, at the server boundary ------------------------------------------

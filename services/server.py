@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.admission import Admission
+from services.errors import ParseRequestsInHandler
 from services.metrics import Metrics, StatusCodeInterceptor
 from services.security import BearerTokenInterceptor, ServerTlsConfig
 
@@ -67,7 +68,8 @@ class RunningServer:
 async def start_server(add_servicers, service_names: list[str], options: ServerOptions, metrics: Metrics) -> RunningServer:
     """Start a server with `add_servicers(server)` plus health and reflection. Liveness is
     SERVING from the start; readiness starts NOT_SERVING until the caller says otherwise."""
-    interceptors: list[grpc.aio.ServerInterceptor] = [StatusCodeInterceptor(metrics)]
+    # Outermost first: count every RPC's status, then refuse unparsable messages, then check auth.
+    interceptors: list[grpc.aio.ServerInterceptor] = [StatusCodeInterceptor(metrics), ParseRequestsInHandler()]
     if options.auth_token:
         interceptors.append(BearerTokenInterceptor(options.auth_token))
     server = grpc.aio.server(options=options.grpc_options(), interceptors=interceptors)

@@ -250,3 +250,13 @@ async def test_decode_server_end_to_end(served):
     assert value(f, "tokenwire_responses_total", method=decode, code="INVALID_ARGUMENT") == 1
     assert value(f, "tokenwire_responses_total", method=decode, code="CANCELLED") == 1
     assert value(f, "tokenwire_responses_total", method="/tokenwire.decode.v1.Decoder/GetModelInfo", code="OK") == 1
+
+
+def test_log_line_escapes_control_characters_and_bounds_length():
+    metrics = Metrics()
+    with metrics.track("evil\r\nrequest_id=forged\x1b[2J\x00" + "x" * 1000) as tracker:
+        tracker.finish("stop")
+    line = tracker.log_line()
+    assert line.isprintable() and "\n" not in line and "\r" not in line
+    assert line.startswith(r'request_id="evil\r\nrequest_id=forged\x1b[2J\x00')
+    assert len(line) < 600
