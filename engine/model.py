@@ -34,7 +34,7 @@ class Sample:
 class SlotSetup:
     """Per-request state a model keeps for a slot from prefill until release."""
 
-    sampling: SamplingParams  # seed is always set here (the engine draws one when the caller did not)
+    sampling: SamplingParams  # seed always set, in [0, 2**64) (the engine draws one when the caller did not)
     masked_token_ids: frozenset[int]  # ids that must not be sampled while a step says `masked`
 
 
@@ -44,7 +44,7 @@ class DecodeInput:
 
     slot: int
     token_id: int  # the last sampled token, fed back in
-    position: int  # its position in the sequence (prompt_len + index in the output)
+    position: int  # its position: exactly the slot's next free position (prompt_len + tokens fed so far)
     masked: bool  # mask the slot's `masked_token_ids` when sampling this step
 
 
