@@ -343,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.log_level != "DEBUG":
+        logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend 'tpu'" on every start
     if args.command == "decode-server":
         return asyncio.run(_decode_server(DecodeServerConfig.from_args(args)))
     if args.command == "text-server":
