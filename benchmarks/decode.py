@@ -4,14 +4,17 @@ model-bandwidth utilisation (MBU) at batch 1, and warm-up (compile) time.
     python benchmarks/decode.py [--model smollm2-135m-instruct] [--batches 1,8,32] [--steps 32]
 
 MBU = (weight bytes + live KV bytes read per step) / step time / memory read bandwidth, the
-bandwidth measured in the same run (a jitted sum over a 1 GiB float32 array). Decode is
-memory-bound at small batch, so MBU is how close a step is to the machine's ceiling.
-The machine is shared and noisy: compare ratios from one run, not figures across runs.
+bandwidth measured in the same run (a jitted sum over a 1 GiB float32 array). Weight bytes are
+what a step reads: the layers, the final norm and the head (the embedding only gives R rows).
+Decode is memory-bound at small batch, so MBU is how close a step is to the machine's ceiling.
+The machine is shared and noisy: compare ratios from one run, not figures across runs; the load
+average is printed before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -48,7 +51,9 @@ def _timed(fn) -> float:
 
 
 def weight_bytes(model: JaxModel) -> int:
-    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(model._weights))
+    """Bytes of weights a decode step reads: everything but the embedding table."""
+    w = model._weights
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves((w.layers, w.final_norm, w.lm_head)))
 
 
 def kv_bytes_per_token(model: JaxModel) -> int:
@@ -85,20 +90,26 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-context-length", type=int, default=512)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--min-bucket", type=int, default=None, help="smallest prompt bucket (JaxModel.load)")
+    parser.add_argument("--min-attend", type=int, default=None, help="smallest decode attend bucket")
+    parser.add_argument("--layers-per-call", type=int, default=None, help="layers one jitted decode call runs")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
 
     model_dir = resolve_model(args.model, log=lambda line: print(line, file=sys.stderr))
     print(f"machine: {describe('jax', 'jaxlib', 'numpy')}; backend {jax.default_backend()}")
+    print("load average before: %.2f %.2f %.2f" % os.getloadavg())
     bandwidth = read_bandwidth_gbs()
     print(f"memory read bandwidth (jitted sum, 1 GiB f32): {bandwidth:.1f} GB/s")
+    knobs = {k: v for k, v in vars(args).items() if k in ("min_bucket", "min_attend", "layers_per_call") and v}
     model = JaxModel.load(
-        model_dir, max_batch_size=max(batches), max_context_length=args.max_context_length, dtype=args.dtype
+        model_dir, max_batch_size=max(batches), max_context_length=args.max_context_length, dtype=args.dtype, **knobs
     )
     compile_s = _timed(model.warm_up)
     print(
-        f"model {model.info.model_id}: {weight_bytes(model) / 1e6:.0f} MB of weights, "
+        f"model {model.info.model_id}: {weight_bytes(model) / 1e6:.0f} MB of weights read per step, "
         f"max_batch_size {model.info.max_batch_size}, context {model.info.max_context_length}; "
+        f"buckets: rows {model.row_buckets}, attend {model.attend_buckets}, prompt {model.buckets}; "
         f"warm-up (compiles {model.compilations()} shapes): {compile_s:.1f} s"
     )
     compiled = model.compilations()
@@ -116,6 +127,7 @@ def main() -> None:
         for batch in batches[1:]:
             print(f"throughput batch {batch} / batch 1: {rates[batch] / rates[1]:.1f}x")
     print(f"compilations after warm-up: {model.compilations() - compiled}")
+    print("load average after: %.2f %.2f %.2f" % os.getloadavg())
 
 
 if __name__ == "__main__":

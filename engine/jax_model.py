@@ -1,23 +1,46 @@
 """`JaxModel`: the real model behind engine.model.Model, a JAX decoder with a slot-based KV cache.
 
 Data flow: `load` reads a checkpoint (engine.checkpoint) and allocates the device state once: the
-KV cache (L buffers of [B, S, K, D]) and each slot's banned-id row [B, V]. `prefill` runs one
-prompt, padded to the smallest bucket that holds it, into a slot and samples its first token;
-`decode` runs one token for all B slots at a fixed batch shape and attends over the smallest
-bucket that covers every active slot's position. Both are single jitted calls that take the state
-donated and hand back the updated one, so the cache is written in place. Per-slot sampling
-parameters live on the host and travel with each call as [B] arrays (a few bytes); sampling runs
-inside the call (engine.sampling).
+KV cache (L buffers of [B, K, S, D]) and each slot's banned-id row [B, V']. `prefill` runs one
+prompt, padded to the smallest prompt bucket that holds it, into a slot and samples its first
+token. `decode` runs one token for the first R slots, R being the smallest row bucket above the
+highest active slot (the scheduler fills the lowest free slot first, so live slots sit low), and
+attends over the smallest attend bucket that covers every active position. A step is a chain of
+jitted calls: embed, then the layers `layers_per_call` at a time, each call taking its layers'
+cache buffers donated and handing them back written in place, then head and sampling
+(engine.sampling) on the device; only the sampled ids and logprobs come back to the host.
+Per-slot sampling parameters live on the host and travel with each step as [R] arrays.
 
-Shapes are bucketed (powers of two from MIN_BUCKET up to the context, plus the context itself) and
-`warm_up` compiles every bucket, so serving compiles nothing: `compilations()` lets tests check.
+Shapes and warm-up. `warm_up` compiles every shape serving can use, so serving compiles nothing
+(`compilations()` lets tests check): per prompt bucket a prefill layer; per (row bucket, attend
+bucket) a decode layer group; per row bucket embed, head and sampling. Row buckets are powers of
+two up to B, attend buckets powers of two from `min_attend` (128) up to the context, prompt
+buckets from `min_bucket` (16). Figures measured on 2 shared Zen 4 vCPUs (load 1.3-1.8),
+SmolLM2-135M f32, 30 layers:
+- A 30-layer step unrolled in one call compiled in 5-11 s per shape; one layer per call in
+  0.6-1 s, 5 layers in 1.2-1.4 s, 10 in ~1.9 s. Batch-1 step time against one call per step, same
+  run: 1 layer per call +5-7% (30 dispatches), 3: +1%, 5 and 10: within the +-5% noise. Hence
+  decode runs 5 layers per call (6 calls a step) and prefill, compute-bound, one layer per call.
+- The CLI defaults (8 slots, context 2048) make 20 decode shapes (rows 1, 2, 4, 8 x attend 128 ..
+  2048) and 8 prompt buckets, 53 compilations in all. Warm-up: 45 s with 5 layers per call (60 s
+  with 10, 32 s with 1); decode layers take 60-70% of it, head and sampling ~2 s per row bucket,
+  prefill ~1 s per prompt bucket. The one-call design before this took 119 s for its 16 shapes
+  (no row buckets, attend from 16); with row buckets it would have been ~40 shapes, ~5 minutes.
+- Attend buckets start at 128 because fewer, longer reads are cheap at decode: the K/V of 128
+  positions is 6 MB a row against 538 MB of weights a step.
+- Compiling shapes from 2 threads was 10-20% faster on a toy function under this load; not done,
+  because warm-up runs real calls on the donated cache buffers.
+
 The service validates requests; here only asserts guard the invariants, because JAX would clamp an
-out-of-range id or position silently instead of failing.
+out-of-range id or position silently instead of failing. Ids at or past the tokenizer's size
+(padding rows of the embedding) have no head column, so no sampling mode can ever choose one.
+
+Shapes: B slots, R rows in a step, T prompt tokens, S context, A attended positions, V embedding
+rows, V' ids the tokenizer can produce, E hidden, K kv heads, D head dim, L layers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -30,62 +53,75 @@ from engine.checkpoint import CheckpointError, ModelConfig, Weights, default_dty
 from engine.model import DecodeInput, ModelInfo, Sample, SlotSetup
 from engine.sampling import SlotSampling
 
-MIN_BUCKET = 16
+MIN_BUCKET = 16  # smallest prompt bucket
+MIN_ATTEND = 128  # smallest decode attend bucket
+LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
+# XLA:CPU hands matmuls with more than one row, batched attention products and reductions to
+# YNNPACK by default; its own emitters and Eigen were faster for the decode shapes measured here
+# (a 32-row step 305 vs 451 ms, 8 rows 154 vs 197 ms, 1 row equal), so on CPU every call compiles
+# with YNNPACK fusions off.
+CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class DeviceState:
-    """Everything a step updates in place: donated in, returned out."""
+def cpu_compiler_options() -> dict[str, str] | None:
+    """CPU_COMPILER_OPTIONS on a CPU backend whose XLA still knows the (experimental) flag; None
+    elsewhere, so a jaxlib that renamed or dropped it compiles with its defaults instead of failing."""
+    if jax.default_backend() != "cpu":
+        return None
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(np.float32(0)).compile()
+    except Exception:  # XLA rejects unknown options at compile time
+        return None
+    return CPU_COMPILER_OPTIONS
 
-    cache: transformer.KVCache
-    mask: jax.Array  # [B, V] bool, each slot's masked_token_ids, written at prefill
 
-
-def length_buckets(max_context: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
-    """Powers of two from `smallest` below `max_context`, then `max_context` itself."""
-    sizes, size = [], smallest
-    while size < max_context:
+def length_buckets(max_length: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `max_length`, then `max_length` itself."""
+    sizes, size = [], max(1, min(smallest, max_length))
+    while size < max_length:
         sizes.append(size)
         size *= 2
-    return (*sizes, max_context)
+    return (*sizes, max_length)
+
+
+def layer_groups(n_layers: int, per_call: int) -> list[tuple[int, int]]:
+    """[lo, hi) layer ranges, one per jitted call, as even as possible (at most two sizes, so at
+    most two compiled shapes per bucket): 30 layers by 10 -> 3 x 10; 28 by 10 -> 9, 9, 10."""
+    calls = -(-n_layers // max(1, min(per_call, n_layers)))
+    bounds = [n_layers * i // calls for i in range(calls + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def _bucket(buckets: tuple[int, ...], length: int) -> int:
     return next(b for b in buckets if b >= length)
 
 
-def _prefill_step(
-    weights: Weights,
-    state: DeviceState,
-    tokens: jax.Array,  # [T] prompt then padding
-    length: jax.Array,  # [] real prompt length
-    slot: jax.Array,  # []
-    mask_row: jax.Array,  # [V] bool
-    masked: jax.Array,  # [] bool
-    params: SlotSampling,  # one row
-    cfg: ModelConfig,
-) -> tuple[jax.Array, jax.Array, DeviceState]:
-    logits, cache = transformer.prefill(weights, state.cache, tokens, length, slot, cfg)  # [V]
-    mask = jax.lax.dynamic_update_slice(state.mask, mask_row[None], (slot, 0))  # [B, V]
-    token, logprob = sampling.sample(logits[None], params, length[None], mask_row[None], masked[None])
-    return token[0], logprob[0], DeviceState(cache, mask)
+def _embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
+    return table[tokens]  # [V, E], [R, T] -> [R, T, E]
 
 
-def _decode_step(
-    weights: Weights,
-    state: DeviceState,
-    tokens: jax.Array,  # [B] last sampled token per slot
-    positions: jax.Array,  # [B] that token's position
-    active: jax.Array,  # [B] bool, slots in this step
-    masked: jax.Array,  # [B] bool
-    params: SlotSampling,  # [B] rows
+def _last(x: jax.Array, length: jax.Array) -> jax.Array:
+    """x [1, T, E], length [] -> the hidden state after the last real prompt token [1, 1, E]."""
+    return jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
+
+
+def _write_mask(mask: jax.Array, row: jax.Array, slot: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_slice(mask, row[None], (slot, 0))  # [B, V'] with row [V'] at slot
+
+
+def _head_and_sample(
+    x: jax.Array,  # [R, 1, E]
+    final_norm: jax.Array,
+    lm_head: jax.Array,  # [E, V']
+    mask: jax.Array,  # [B, V'] bool, every slot's masked ids
+    slots: jax.Array,  # [R] the slot of each row
+    masked: jax.Array,  # [R] bool, mask this step
+    params: SlotSampling,  # [R] rows
+    positions: jax.Array,  # [R] of the tokens being sampled
     cfg: ModelConfig,
-    attend: int,
-) -> tuple[jax.Array, jax.Array, DeviceState]:
-    logits, cache = transformer.decode(weights, state.cache, tokens, positions, active, cfg, attend)  # [B, V]
-    token, logprob = sampling.sample(logits, params, positions + 1, state.mask, masked & active)
-    return token, logprob, DeviceState(cache, state.mask)
+) -> tuple[jax.Array, jax.Array]:
+    logits = transformer.logits(x[:, 0], final_norm, lm_head, cfg)  # [R, V']
+    return sampling.sample(logits, params, positions, mask[slots], masked)
 
 
 class JaxModel:
@@ -98,23 +134,42 @@ class JaxModel:
         info: ModelInfo,
         dtype: jnp.dtype,
         min_bucket: int = MIN_BUCKET,
+        min_attend: int = MIN_ATTEND,
+        layers_per_call: int = LAYERS_PER_CALL,
     ) -> None:
-        b, v = info.max_batch_size, config.vocab_size
+        b, s = info.max_batch_size, info.max_context_length
         self.info = info
         self.config = config
         self._weights = weights
-        self._state = DeviceState(
-            transformer.init_cache(config, b, info.max_context_length, dtype), jnp.zeros((b, v), bool)
-        )
-        self._buckets = length_buckets(info.max_context_length, min(min_bucket, info.max_context_length))
+        self._head_size = weights.lm_head.shape[1]  # V'
+        cache = transformer.init_cache(config, b, s, dtype)
+        self._k, self._v = list(cache.k), list(cache.v)  # per layer; each call swaps in new buffers
+        self._mask = jnp.zeros((b, self._head_size), bool)
+        self._prompt_buckets = length_buckets(s, min_bucket)
+        self._attend_buckets = length_buckets(s, min_attend)
+        self._row_buckets = length_buckets(b, 1)
+        self._decode_groups = layer_groups(config.n_layers, layers_per_call)
+        self._prefill_groups = layer_groups(config.n_layers, 1)
+        self._layers = {g: weights.layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
         self._temperature = np.zeros(b, np.float32)
         self._top_k = np.zeros(b, np.int32)
         self._top_p = np.ones(b, np.float32)
         self._min_p = np.zeros(b, np.float32)
         self._seed = np.zeros((b, 2), np.uint32)
-        self._prefill = jax.jit(_prefill_step, static_argnames=("cfg",), donate_argnames=("state",))
-        self._decode = jax.jit(_decode_step, static_argnames=("cfg", "attend"), donate_argnames=("state",))
+        caches = ("k_caches", "v_caches")
+        o = dict(compiler_options=cpu_compiler_options())
+        self._embed = jax.jit(_embed, **o)
+        self._prefill_layers = jax.jit(transformer.prefill_layers, static_argnames="cfg", donate_argnames=caches, **o)
+        self._decode_layers = jax.jit(
+            transformer.decode_layers, static_argnames=("cfg", "attend"), donate_argnames=caches, **o
+        )
+        self._last = jax.jit(_last, **o)
+        self._write_mask = jax.jit(_write_mask, donate_argnums=0, **o)
+        self._sample = jax.jit(_head_and_sample, static_argnames="cfg", **o)
+        self._jitted = (
+            self._embed, self._prefill_layers, self._decode_layers, self._last, self._write_mask, self._sample
+        )
 
     @classmethod
     def load(
@@ -126,10 +181,15 @@ class JaxModel:
         dtype: str | None = None,
         model_id: str | None = None,
         min_bucket: int = MIN_BUCKET,
+        min_attend: int = MIN_ATTEND,
+        layers_per_call: int = LAYERS_PER_CALL,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
-        `min_bucket` is the smallest compiled length: fewer buckets compile faster (tests use one).
+        Compile-time knobs (fewer shapes warm up faster; see the module docstring for figures):
+        `min_bucket` is the smallest prompt bucket, `min_attend` the smallest attended length of a
+        decode step (both then double up to the context), `layers_per_call` how many layers one
+        jitted decode call runs (all of them: `layers_per_call=n_layers`; prefill runs one).
         """
         model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir, dtype)
@@ -146,40 +206,65 @@ class JaxModel:
             max_batch_size=max_batch_size,
             eos_token_ids=ckpt.eos_token_ids,
         )
-        return cls(cfg, ckpt.weights, info, jnp.dtype(dtype or default_dtype()), min_bucket)
+        dtype_ = jnp.dtype(dtype or default_dtype())
+        return cls(cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call)
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        """Prompt and attended lengths compiled for, in increasing order."""
-        return self._buckets
+        """Prompt lengths compiled for, in increasing order."""
+        return self._prompt_buckets
+
+    @property
+    def attend_buckets(self) -> tuple[int, ...]:
+        """Attended lengths a decode step is compiled for, in increasing order."""
+        return self._attend_buckets
+
+    @property
+    def row_buckets(self) -> tuple[int, ...]:
+        """Row counts (the first R slots) a decode step is compiled for, in increasing order."""
+        return self._row_buckets
 
     @property
     def cache(self) -> transformer.KVCache:
-        """The current KV cache; each step consumes (donates) it and installs the next."""
-        return self._state.cache
+        """The current KV cache; each step consumes (donates) its buffers and installs the next."""
+        return transformer.KVCache(tuple(self._k), tuple(self._v))
 
-    def decode_hlo(self, attend: int) -> str:
-        """The compiled decode step for `attend` as HLO text (cached once warmed up), so tests can
-        check that the cache is aliased to the output and never copied."""
-        idle, off = np.zeros(self.info.max_batch_size, np.int32), np.zeros(self.info.max_batch_size, bool)
-        lowered = self._decode.lower(
-            self._weights, self._state, idle, idle, off, off, self._decode_params(), cfg=self.config, attend=attend
+    def decode_hlo(self, rows: int, attend: int) -> str:
+        """The compiled first layer group of a decode step as HLO text (cached once warmed up), so
+        tests can check that its cache buffers are aliased to the output and never copied."""
+        lo, hi = group = self._decode_groups[0]
+        zeros = np.zeros(rows, np.int32)
+        lowered = self._decode_layers.lower(
+            self._layers[group], tuple(self._k[lo:hi]), tuple(self._v[lo:hi]),
+            jnp.zeros((rows, 1, self.config.hidden_size), self._weights.embed.dtype), zeros, zeros.astype(bool),
+            cfg=self.config, attend=attend,
         )
         return lowered.compile().as_text()
 
     def compilations(self) -> int:
-        """How many (step, shape) variants have been compiled so far."""
-        return self._prefill._cache_size() + self._decode._cache_size()
+        """How many (function, shape) variants have been compiled so far."""
+        return sum(f._cache_size() for f in self._jitted)
 
     def warm_up(self) -> None:
-        """Compile every prefill and decode bucket. Only with no request in flight: writes slot 0."""
+        """Compile every shape serving can use: each prompt bucket, each (rows, attend) pair, and
+        head and sampling for each row bucket. Only with no request in flight: writes slot 0.
+
+        Runs one layer group of each distinct size per shape (not the whole model), so warming up
+        costs the compiles and little else."""
         assert not self._length.any(), "warm_up with requests in flight"
-        b = self.info.max_batch_size
-        for size in self._buckets:
-            self._run_prefill(0, np.zeros(size, np.int32), 1, np.zeros(self.config.vocab_size, bool), False)
-        idle = np.zeros(b, np.int32)
-        for size in self._buckets:
-            self._run_decode(idle, idle, np.zeros(b, bool), np.zeros(b, bool), size)
+        decode_groups = list({hi - lo: (lo, hi) for lo, hi in self._decode_groups}.values())
+        for t in self._prompt_buckets:
+            x = self._embed(self._weights.embed, np.zeros((1, t), np.int32))
+            self._run_layers(self._prefill_groups[:1], self._prefill_layers, x, np.int32(0), cfg=self.config)
+            self._last(x, np.int32(1))
+        self._mask = self._write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
+        for rows in self._row_buckets:
+            zeros, off = np.zeros(rows, np.int32), np.zeros(rows, bool)
+            x = self._embed(self._weights.embed, zeros[:, None])
+            on_device = jax.device_put((zeros, off))  # as decode passes them: committed arrays key the cache
+            for attend in self._attend_buckets:
+                self._run_layers(decode_groups, self._decode_layers, x, *on_device, cfg=self.config, attend=attend)
+            jax.block_until_ready(self._run_sample(x, zeros, off, self._params(slice(0, rows)), zeros))
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
@@ -187,66 +272,84 @@ class JaxModel:
         v = self.config.vocab_size
         assert self._length[slot] == 0, f"slot {slot} is in use"
         assert 1 <= n < self.info.max_context_length, n
-        assert all(0 <= t < v for t in prompt_token_ids), "prompt id out of vocab"
+        tokens = np.zeros(_bucket(self._prompt_buckets, n), np.int32)
+        tokens[:n] = prompt_token_ids
+        assert 0 <= tokens.min() and tokens.max() < v, "prompt id out of vocab"
         assert all(0 <= t < v for t in setup.masked_token_ids), "masked id out of vocab"
         s = setup.sampling
         assert s.seed is not None, "the engine sets a seed for every request"
         self._temperature[slot], self._top_k[slot] = s.temperature, s.top_k
         self._top_p[slot], self._min_p[slot] = s.top_p, s.min_p
         self._seed[slot] = sampling.seed_words(s.seed)
-        tokens = np.zeros(_bucket(self._buckets, n), np.int32)
-        tokens[:n] = prompt_token_ids
-        mask_row = np.zeros(v, bool)
-        mask_row[list(setup.masked_token_ids)] = True
-        token, logprob = self._run_prefill(slot, tokens, n, mask_row, masked)
+        mask_row = np.zeros(self._head_size, bool)
+        mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
+        x = self._embed(self._weights.embed, tokens[None])  # [1, T, E]
+        x = self._run_layers(self._prefill_groups, self._prefill_layers, x, np.int32(slot), cfg=self.config)
+        self._mask = self._write_mask(self._mask, mask_row, np.int32(slot))
+        row = slice(slot, slot + 1)
+        token, logprob = self._run_sample(
+            self._last(x, np.int32(n)), np.array([slot], np.int32), np.array([masked]), self._params(row),
+            np.array([n], np.int32),
+        )
         self._length[slot] = n
-        return Sample(token, logprob)
+        return Sample(int(token[0]), float(logprob[0]))
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
-        b = self.info.max_batch_size
-        tokens, positions = np.zeros(b, np.int32), np.zeros(b, np.int32)
-        active, masked = np.zeros(b, bool), np.zeros(b, bool)
-        for i in inputs:
-            assert not active[i.slot], f"slot {i.slot} twice in one step"
-            assert self._length[i.slot] > 0, f"slot {i.slot} was not prefilled"
-            assert i.position == self._length[i.slot], f"slot {i.slot}: position {i.position} is not the next one"
-            assert i.position < self.info.max_context_length, f"slot {i.slot}: position {i.position} past context"
-            assert 0 <= i.token_id < self.config.vocab_size, "token id out of vocab"
-            tokens[i.slot], positions[i.slot] = i.token_id, i.position
-            active[i.slot], masked[i.slot] = True, i.masked
-        attend = _bucket(self._buckets, int(positions.max()) + 1)
-        out_tokens, out_logprobs = self._run_decode(tokens, positions, active, masked, attend)
-        for i in inputs:
-            self._length[i.slot] += 1
-        return [Sample(int(out_tokens[i.slot]), float(out_logprobs[i.slot])) for i in inputs]
+        if not inputs:
+            return []
+        slots = np.fromiter((i.slot for i in inputs), np.int64, len(inputs))
+        given = np.fromiter((i.position for i in inputs), np.int64, len(inputs))
+        ids = np.fromiter((i.token_id for i in inputs), np.int64, len(inputs))
+        assert len(np.unique(slots)) == len(slots), "a slot twice in one step"
+        assert (self._length[slots] > 0).all(), "a slot that was not prefilled"
+        assert (given == self._length[slots]).all(), "a position that is not the slot's next one"
+        assert given.max() < self.info.max_context_length, "a position past the context"
+        assert 0 <= ids.min() and ids.max() < self.config.vocab_size, "token id out of vocab"
+        rows = _bucket(self._row_buckets, int(slots.max()) + 1)
+        tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
+        active, masked = np.zeros(rows, bool), np.zeros(rows, bool)
+        tokens[slots], positions[slots], active[slots] = ids, given, True
+        masked[slots] = [i.masked for i in inputs]
+        attend = _bucket(self._attend_buckets, int(given.max()) + 1)
+        x = self._embed(self._weights.embed, tokens[:, None])  # [R, 1, E]
+        on_device = jax.device_put((positions, active))  # once, not once per layer call
+        x = self._run_layers(self._decode_groups, self._decode_layers, x, *on_device, cfg=self.config, attend=attend)
+        out_tokens, out_logprobs = self._run_sample(
+            x, np.arange(rows, dtype=np.int32), masked, self._params(slice(0, rows), active), positions + 1
+        )
+        self._length[slots] += 1
+        return [Sample(t, p) for t, p in zip(out_tokens[slots].tolist(), out_logprobs[slots].tolist())]
 
     def release(self, slot: int) -> None:
         self._length[slot] = 0
         self._temperature[slot], self._top_k[slot], self._top_p[slot], self._min_p[slot] = 0.0, 0, 1.0, 0.0
         self._seed[slot] = 0
 
-    def _run_prefill(
-        self, slot: int, tokens: np.ndarray, length: int, mask_row: np.ndarray, masked: bool
-    ) -> tuple[int, float]:
-        row = slice(slot, slot + 1)
-        params = SlotSampling(
-            self._temperature[row], self._top_k[row], self._top_p[row], self._min_p[row], self._seed[row]
-        )
-        token, logprob, self._state = self._prefill(
-            self._weights, self._state, tokens, np.int32(length), np.int32(slot), mask_row, np.bool_(masked),
-            params, cfg=self.config,
-        )
-        token, logprob = jax.device_get((token, logprob))
-        return int(token), float(logprob)
+    def _run_layers(self, groups: list[tuple[int, int]], layers_fn, x: jax.Array, *args, **static) -> jax.Array:
+        """Run `layers_fn` (prefill or decode) over each layer group in turn, one call per group,
+        with the group's cache buffers donated; install the returned buffers; -> hidden states."""
+        for lo, hi in groups:
+            x, self._k[lo:hi], self._v[lo:hi] = layers_fn(
+                self._layers[lo, hi], tuple(self._k[lo:hi]), tuple(self._v[lo:hi]), x, *args, **static
+            )
+        return x
 
-    def _run_decode(
-        self, tokens: np.ndarray, positions: np.ndarray, active: np.ndarray, masked: np.ndarray, attend: int
+    def _run_sample(
+        self, x: jax.Array, slots: np.ndarray, masked: np.ndarray, params: SlotSampling, positions: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        out_tokens, out_logprobs, self._state = self._decode(
-            self._weights, self._state, tokens, positions, active, masked, self._decode_params(),
-            cfg=self.config, attend=attend,
+        w = self._weights
+        token, logprob = self._sample(
+            x, w.final_norm, w.lm_head, self._mask, slots, masked, params, positions, cfg=self.config
         )
-        return jax.device_get((out_tokens, out_logprobs))
+        return jax.device_get((token, logprob))
 
-    def _decode_params(self) -> SlotSampling:
-        return SlotSampling(self._temperature, self._top_k, self._top_p, self._min_p, self._seed)
+    def _params(self, rows: slice, active: np.ndarray | bool = True) -> SlotSampling:
+        """The rows' sampling parameters; inactive rows greedy with no cuts, so an idle sampled
+        slot does not make a greedy step pay for drawing."""
+        return SlotSampling(
+            np.where(active, self._temperature[rows], 0.0).astype(np.float32),
+            np.where(active, self._top_k[rows], 0).astype(np.int32),
+            np.where(active, self._top_p[rows], 1.0).astype(np.float32),
+            np.where(active, self._min_p[rows], 0.0).astype(np.float32),
+            self._seed[rows],
+        )

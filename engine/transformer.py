@@ -1,22 +1,34 @@
 """The decoder forward pass in pure JAX, over a slot-based KV cache updated in place.
 
-Two entry points, both pure and jitted by the caller with the cache donated:
-- `prefill`: one request's prompt (padded to a bucket of T tokens) into one slot; writes the
-  slot's K/V for positions [0, T) and returns the logits after the last real prompt token.
-- `decode`: one token for each of the B slots at a fixed batch shape; writes each active slot's
-  K/V at its position and attends over the first `attend` cache positions only, so a step costs
-  what the live lengths need, not what the cache could hold.
+The pass is cut into pieces that the caller jits separately, so that a group of layers compiles
+once and runs for every group of the same shape (see engine.jax_model for why):
+- `prefill_layers`: one request's prompt (padded to a bucket of T tokens) through a group of
+  layers; writes the slot's K/V for positions [0, T). The prompt attends to its own fresh K/V.
+- `decode_layers`: one token for each of the first R slots through a group of layers; writes each
+  active slot's K/V at its position and reads only the first R slots and the first `attend`
+  positions, so a step costs what the live batch and lengths need, not what the cache could hold.
+- `logits`: final norm and head -> float32 logits over the ids the tokenizer can produce.
+`prefill` and `decode` chain them into one whole-model call (tests; one-call serving).
 
-The layers are unrolled over separate per-layer weights and per-layer cache buffers. Measured
-here on a SmolLM2-shaped model (30 layers): a `lax.scan` over stacked weights compiled ~4x faster
-but decoded ~25% slower, because XLA:CPU copies each layer's slice of a stacked array before the
-matmul reads it; decode is memory-bound, so we take the speed. Each cache buffer is written with a
-scatter/dynamic-update-slice on the donated input, which XLA performs in place: step time does not
-grow with max_context at equal live length (see tests/test_jax_model.py). Rows past a slot's live
-length hold stale values; they are never attended because every query masks later positions.
+Layers are unrolled over separate per-layer weights and per-layer cache buffers. Measured here on
+a SmolLM2-shaped model (30 layers): a `lax.scan` over stacked weights compiled ~4x faster but
+decoded ~25% slower, because XLA:CPU copies each layer's slice of a stacked array before the
+matmul reads it; decode is memory-bound, so we take the speed (and cut compile time by compiling
+a group of layers once and calling it for every group instead). Each cache buffer is written with
+a scatter/dynamic-update-slice on the donated input, which XLA performs in place: step time does
+not grow with the context or the slot count at equal live rows and length (see
+tests/test_jax_model.py). Positions past a slot's live length hold stale values; they are never
+attended because every query masks later positions.
 
-Shapes: B slots, T tokens, S cache positions (max context), V vocab, E hidden, F ffn, H heads,
-K kv heads, G = H / K query heads per kv head, D head dim, L layers.
+The cache is kv-head-major, [B, K, S, D], so a decode step's read of its rows and attended
+positions feeds the batched attention products without a transpose (with [B, S, K, D] XLA
+transposed that slice in every layer: a 32-row step took 305 ms against 281). Even so, at 32 rows the
+attention is ~40% of a step on XLA:CPU: it runs each of the R x K [G, D] x [D, A] products as a
+separate small matmul.
+
+Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S cache positions (max
+context), A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
+<= V), E hidden, F ffn, H heads, K kv heads, G = H / K query heads per kv head, D head dim, L layers.
 """
 
 from __future__ import annotations
@@ -36,12 +48,13 @@ class KVCache:
     """Every slot's keys and values, one buffer per layer, allocated once; steps take it donated
     and return it updated."""
 
-    k: tuple[jax.Array, ...]  # L x [B, S, K, D]
-    v: tuple[jax.Array, ...]  # L x [B, S, K, D]
+    k: tuple[jax.Array, ...]  # L x [B, K, S, D]
+    v: tuple[jax.Array, ...]  # L x [B, K, S, D]
 
 
 def init_cache(cfg: ModelConfig, batch: int, context: int, dtype: jnp.dtype) -> KVCache:
-    shape = (batch, context, cfg.n_kv_heads, cfg.head_dim)
+    """Zeroed buffers, kv-head-major (see the module docstring)."""
+    shape = (batch, cfg.n_kv_heads, context, cfg.head_dim)
     return KVCache(
         tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
         tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
@@ -91,21 +104,36 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """Causal GQA attention of queries at `q_pos` over keys at positions 0..S'-1.
+    """Causal GQA attention of queries at `q_pos` over keys at positions 0..A-1.
 
-    q [B, T, H, D], k/v [B, S', K, D], q_pos [B, T] -> [B, T, H * D]. A key is seen iff its
+    q [B, T, H, D], k/v [B, A, K, D], q_pos [B, T] -> [B, T, H * D]. A key is seen iff its
     position <= the query's, which also hides stale cache rows past a slot's live length.
     """
     b, t, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(b, t, cfg.n_kv_heads, g, d)  # [B, T, K, G, D]
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)  # [B, K, G, T, S']
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)  # [B, K, G, T, A]
     scores = scores * (1.0 / np.sqrt(d))
-    seen = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, S']
+    seen = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, A]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, S']
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, A]
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # [B, T, K, G, D]
     return out.reshape(b, t, cfg.n_heads * d)
+
+
+def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """One query per row over cached keys at positions 0..A-1: q [R, H, D], k/v [R, K, A, D],
+    q_pos [R] -> [R, H * D]. A key is seen iff its position <= the query's."""
+    r, _, d = q.shape
+    g = cfg.n_heads // cfg.n_kv_heads
+    q = q.reshape(r, cfg.n_kv_heads, g, d)  # [R, K, G, D]
+    scores = jnp.einsum("rkgd,rkad->rkga", q, k, preferred_element_type=jnp.float32)  # [R, K, G, A]
+    scores = scores * (1.0 / np.sqrt(d))
+    seen = jnp.arange(k.shape[2])[None, :] <= q_pos[:, None]  # [R, A]
+    scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [R, K, G, A]
+    out = jnp.einsum("rkga,rkad->rkgd", probs, v)  # [R, K, G, D]
+    return out.reshape(r, cfg.n_heads * d)
 
 
 def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
@@ -130,32 +158,83 @@ def _mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
     return (jax.nn.silu(gate) * up) @ w.w_down  # [B, T, E]
 
 
-def _logits(x: jax.Array, weights: Weights, cfg: ModelConfig) -> jax.Array:
-    """x [..., E] -> float32 logits [..., V], through the tied embedding when there is no lm head."""
-    x = rms_norm(x, weights.final_norm, cfg.rms_eps)
-    head = weights.embed.T if weights.lm_head is None else weights.lm_head  # [E, V]
-    return jnp.dot(x, head, preferred_element_type=jnp.float32)
+def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x [..., E] -> float32 logits [..., V'] (only ids the tokenizer can produce)."""
+    x = rms_norm(x, final_norm, cfg.rms_eps)
+    return jnp.dot(x, lm_head, preferred_element_type=jnp.float32)
+
+
+def prefill_layers(
+    layers: tuple[LayerWeights, ...],
+    k_caches: tuple[jax.Array, ...],
+    v_caches: tuple[jax.Array, ...],
+    x: jax.Array,
+    slot: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """x [1, T, E] (prompt then padding), slot [] -> x [1, T, E] and the group's caches, with the
+    slot's K/V written for positions [0, T). Those past the prompt are padding, overwritten by
+    decode before any query can see them."""
+    positions = jnp.arange(x.shape[1])[None, :]  # [1, T]
+    ks, vs = [], []
+    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
+        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions, cfg)  # [1, T, H|K, D]
+        at = (slot, 0, 0, 0)
+        ks.append(jax.lax.dynamic_update_slice(k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), at))  # [1, K, T, D]
+        vs.append(jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), at))
+        x = x + attention(q, k, v, positions, cfg) @ w.w_o
+        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
+    return x, tuple(ks), tuple(vs)
+
+
+def decode_layers(
+    layers: tuple[LayerWeights, ...],
+    k_caches: tuple[jax.Array, ...],
+    v_caches: tuple[jax.Array, ...],
+    x: jax.Array,
+    positions: jax.Array,
+    active: jax.Array,
+    cfg: ModelConfig,
+    attend: int,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """x [R, 1, E], positions/active [R] for slots 0..R-1 -> x [R, 1, E] and the group's caches.
+    `attend` (static) > every active position.
+
+    Inactive rows compute garbage and write back what their slot already holds, so a slot between
+    prefill and its first decode keeps its prompt intact. (Dropping an out-of-range write instead,
+    as with the [B, S, K, D] layout, corrupted position 2 of inactive rows on XLA:CPU with this
+    layout's scatter.) The caches keep all B slots; only the first R are read or written.
+    """
+    r = x.shape[0]
+    at = jnp.minimum(positions, k_caches[0].shape[2] - 1)  # [R], in range for every row
+    rows = jnp.arange(r)  # [R]
+    pos = positions[:, None]  # [R, 1]
+    keep = ~active[:, None, None]  # [R, 1, 1]
+
+    def write(cache: jax.Array, new: jax.Array) -> jax.Array:  # new [R, K, D] -> [B, K, S, D]
+        return cache.at[rows, :, at].set(jnp.where(keep, cache[rows, :, at], new.astype(cache.dtype)))
+
+    ks, vs = [], []
+    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
+        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [R, 1, H|K, D]
+        k_cache, v_cache = write(k_cache, k[:, 0]), write(v_cache, v[:, 0])
+        ks.append(k_cache)
+        vs.append(v_cache)
+        seen = decode_attention(q[:, 0], k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)  # [R, H*D]
+        x = x + (seen @ w.w_o)[:, None]
+        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
+    return x, tuple(ks), tuple(vs)
 
 
 def prefill(
     weights: Weights, cache: KVCache, tokens: jax.Array, length: jax.Array, slot: jax.Array, cfg: ModelConfig
 ) -> tuple[jax.Array, KVCache]:
-    """tokens [T] (real ones first, padding after), length [] in [1, T], slot [] -> logits [V], cache.
-
-    Writes the slot's K/V for positions [0, T); those past `length` are padding, overwritten by
-    decode before any query can see them. The prompt attends to its own fresh K/V only.
-    """
-    positions = jnp.arange(tokens.shape[0])[None, :]  # [1, T]
+    """The whole model in one call: tokens [T] (real ones first, padding after), length [] in
+    [1, T], slot [] -> logits [V'] after the last real token, cache."""
     x = weights.embed[tokens][None]  # [1, T, E]
-    ks, vs = [], []
-    for w, k_cache, v_cache in zip(weights.layers, cache.k, cache.v):
-        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions, cfg)  # [1, T, H|K, D]
-        ks.append(jax.lax.dynamic_update_slice(k_cache, k.astype(k_cache.dtype), (slot, 0, 0, 0)))
-        vs.append(jax.lax.dynamic_update_slice(v_cache, v.astype(v_cache.dtype), (slot, 0, 0, 0)))
-        x = x + attention(q, k, v, positions, cfg) @ w.w_o
-        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
+    x, ks, vs = prefill_layers(weights.layers, cache.k, cache.v, x, slot, cfg)
     last = jax.lax.dynamic_index_in_dim(x[0], length - 1, keepdims=False)  # [E]
-    return _logits(last, weights, cfg), KVCache(tuple(ks), tuple(vs))
+    return logits(last, weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)
 
 
 def decode(
@@ -167,23 +246,8 @@ def decode(
     cfg: ModelConfig,
     attend: int,
 ) -> tuple[jax.Array, KVCache]:
-    """tokens/positions/active [B] -> logits [B, V], cache. `attend` (static) > every active position.
-
-    Inactive slots compute garbage and write nothing (their write index is past the cache and the
-    scatter drops it), so a slot between prefill and its first decode keeps its prompt intact.
-    """
-    s = cache.k[0].shape[1]
-    write_at = jnp.where(active, positions, s)  # [B]; s = out of range = dropped
-    rows = jnp.arange(tokens.shape[0])  # [B]
-    x = weights.embed[tokens][:, None]  # [B, 1, E]
-    pos = positions[:, None]  # [B, 1]
-    ks, vs = [], []
-    for w, k_cache, v_cache in zip(weights.layers, cache.k, cache.v):
-        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [B, 1, H|K, D]
-        k_cache = k_cache.at[rows, write_at].set(k[:, 0].astype(k_cache.dtype), mode="drop")  # [B, S, K, D]
-        v_cache = v_cache.at[rows, write_at].set(v[:, 0].astype(v_cache.dtype), mode="drop")
-        ks.append(k_cache)
-        vs.append(v_cache)
-        x = x + attention(q, k_cache[:, :attend], v_cache[:, :attend], pos, cfg) @ w.w_o
-        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
-    return _logits(x[:, 0], weights, cfg), KVCache(tuple(ks), tuple(vs))
+    """The whole model in one call: tokens/positions/active [R] for slots 0..R-1 (R <= B) ->
+    logits [R, V'], cache. `attend` (static) > every active position."""
+    x = weights.embed[tokens][:, None]  # [R, 1, E]
+    x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, positions, active, cfg, attend)
+    return logits(x[:, 0], weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)

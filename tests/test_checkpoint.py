@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.checkpoint import CheckpointError, RopeScaling, load_checkpoint, parse_config
+from engine.checkpoint import CheckpointError, RopeScaling, load_checkpoint, parse_config, tokenizer_size
 from engine.jax_model import JaxModel
 
 ASSETS = Path(__file__).parent / "assets"
@@ -52,7 +52,10 @@ def test_loads_config_and_weights(name, arch, layers, head_dim, tied, qkv_bias, 
     assert first.w_qkv.shape == (64, (4 + 2 * 2) * head_dim)
     assert first.w_o.shape == (4 * head_dim, 64)
     assert first.w_gate_up.shape == (64, 256) and first.w_down.shape == (128, 64)
-    assert (w.lm_head is None) == tied
+    assert w.lm_head.shape == (64, 512)  # [E, V'], its own array even when tied
+    if tied:
+        np.testing.assert_array_equal(w.lm_head, np.asarray(w.embed).T)
+    assert ckpt.tokenizer_size == 512
     assert (first.b_qkv is not None) == qkv_bias
     assert (first.q_norm is not None) == qk_norm
     assert ckpt.eos_token_ids == frozenset({EOT, IM_END})
@@ -155,3 +158,22 @@ def test_unsupported_rope_type_and_activation_are_named(tmp_path):
         parse_config(dict(raw, hidden_act="gelu"))
     with pytest.raises(CheckpointError, match="lacks intermediate_size"):
         parse_config({k: v for k, v in raw.items() if k != "intermediate_size"})
+
+
+def test_tokenizer_size_is_one_past_the_largest_id_and_caps_the_head(tmp_path):
+    """Model vocab (a dict, or a Unigram list) and added tokens count; at most the embedding rows;
+    no tokenizer.json means every embedded id can be produced."""
+    d = _copy("tiny-llama", tmp_path)
+    tokenizer = json.loads((d / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    small = {t: i for t, i in vocab.items() if i < 300}
+    _edit_json(d / "tokenizer.json", model=dict(tokenizer["model"], vocab=small))
+    assert tokenizer_size(d, 512) == 300
+    _edit_json(d / "tokenizer.json", added_tokens=[*tokenizer["added_tokens"], {"id": 400, "content": "<x>"}])
+    assert tokenizer_size(d, 512) == 401
+    assert tokenizer_size(d, 350) == 350
+    assert load_checkpoint(d).weights.lm_head.shape == (64, 401)
+    _edit_json(d / "tokenizer.json", model={"type": "Unigram", "vocab": [["a", 0.0]] * 10}, added_tokens=[])
+    assert tokenizer_size(d, 512) == 10
+    (d / "tokenizer.json").unlink()
+    assert tokenizer_size(d, 512) == 512
