@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
+from engine.model_files import eos_token_ids
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
@@ -117,7 +119,7 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoi
     config = parse_config(raw)
     head_size = tokenizer_size(model_dir, config.vocab_size)
     weights = load_weights(model_dir, config, jnp.dtype(dtype or default_dtype()), head_size)
-    return Checkpoint(config, weights, eos_token_ids(model_dir, raw), head_size)
+    return Checkpoint(config, weights, eos_token_ids(model_dir), head_size)
 
 
 def tokenizer_size(model_dir: Path, vocab_size: int) -> int:
@@ -272,37 +274,6 @@ def _tensor_reader(model_dir: Path, arch: str) -> Callable[[str], np.ndarray]:
 def _keys(path: Path) -> list[str]:
     with safe_open(path, framework="numpy") as f:
         return list(f.keys())
-
-
-def eos_token_ids(model_dir: Path, config_json: dict[str, Any]) -> frozenset[int]:
-    """Union of config.json, generation_config.json and the tokenizer's eos token: any of them ends text."""
-    ids: set[int] = set(_as_ids(config_json.get("eos_token_id")))
-    generation = _read_json(model_dir / "generation_config.json", required=False)
-    ids |= set(_as_ids(generation.get("eos_token_id")))
-    token = _read_json(model_dir / "tokenizer_config.json", required=False).get("eos_token")
-    if isinstance(token, dict):
-        token = token.get("content")
-    if token:
-        ids.add(_token_id(model_dir, token))
-    return frozenset(ids)
-
-
-def _as_ids(value: int | list[int] | None) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
-
-
-def _token_id(model_dir: Path, token: str) -> int:
-    """The id of `token` in tokenizer.json: added (special) tokens first, then the model's vocab."""
-    tokenizer = _read_json(model_dir / "tokenizer.json", required=False)
-    for added in tokenizer.get("added_tokens", []):
-        if added["content"] == token:
-            return int(added["id"])
-    vocab = tokenizer.get("model", {}).get("vocab", {})
-    if isinstance(vocab, dict) and token in vocab:
-        return int(vocab[token])
-    raise CheckpointError(f"tokenizer eos token {token!r} has no id in {model_dir / 'tokenizer.json'}")
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any]:

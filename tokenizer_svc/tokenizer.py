@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 from tokenizers import Tokenizer
 
+from engine.model_files import eos_token_ids, read_json
 from tokenizer_svc.chat import SPECIAL_TOKEN_NAMES, ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 
@@ -68,26 +69,11 @@ class DecoderTraits:
         return DecoderTraits(byte_level="ByteLevel" in kinds, byte_fallback="ByteFallback" in kinds)
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
 def _token_content(value: object) -> str | None:
     """tokenizer_config.json names a token either as a string or as {"content": ...}."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
-
-
-def _config_ids(value: object) -> set[int]:
-    """config.json / generation_config.json give eos_token_id as an int, a list of ints, or null."""
-    if isinstance(value, bool):
-        return set()
-    if isinstance(value, int):
-        return {value}
-    if isinstance(value, list):
-        return {v for v in value if isinstance(v, int) and not isinstance(v, bool)}
-    return set()
 
 
 class TextTokenizer:
@@ -123,18 +109,11 @@ class TextTokenizer:
         if not tokenizer_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        tok_config = read_json(model_dir / "tokenizer_config.json")
         names = {n: c for n in SPECIAL_TOKEN_NAMES if (c := _token_content(tok_config.get(n))) is not None}
-        eos_token = names.get("eos_token")
-
-        eos_ids = _config_ids(_read_json(model_dir / "config.json").get("eos_token_id"))
-        eos_ids |= _config_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id"))
-        if eos_token is not None and (eos_id := tokenizer.token_to_id(eos_token)) is not None:
-            eos_ids.add(eos_id)
-
         return cls(
             tokenizer,
-            eos_token_ids=frozenset(eos_ids),
+            eos_token_ids=eos_token_ids(model_dir),  # the same definition the engine uses
             special_token_names=names,
             chat_template=load_chat_template(model_dir, tok_config),
         )
