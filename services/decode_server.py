@@ -39,7 +39,6 @@ class DecodeServer:
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once warm
     died: asyncio.Event = field(default_factory=asyncio.Event)  # set if loading or the engine loop failed
     draining: bool = False
-    _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def port(self) -> int:
@@ -117,10 +116,7 @@ class DecodeServer:
         return 0
 
     async def stop(self, grace_s: float | None = None) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await self.running.set_ready(False)
-        await self.running.server.stop(grace_s)
+        await self.running.stop(grace_s)
         if self.engine is not None:
             self.engine.stop()
 
@@ -148,7 +144,7 @@ async def start_decode_server(
         lambda server: decode_pb2_grpc.add_DecoderServicer_to_server(servicer, server), [DECODER_SERVICE], options, metrics
     )
     server = DecodeServer(running, servicer, admission, metrics, stall_timeout_s)
-    server._tasks = [
+    server.running.tasks += [
         asyncio.create_task(server._load(load_model, engine_config)),
         asyncio.create_task(server._monitor(health_interval_s)),
     ]

@@ -53,7 +53,14 @@ class RunningServer:
     port: int
     health: health.aio.HealthServicer
     service_names: list[str]
+    tasks: list[asyncio.Task] = field(default_factory=list)  # background monitors, cancelled at stop
     _readiness: dict[str, int] = field(default_factory=dict)
+
+    async def stop(self, grace_s: float | None) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await self.set_ready(False)
+        await self.server.stop(grace_s)
 
     async def set_ready(self, serving: bool, names: list[str] | None = None) -> None:
         """Set readiness of `names` (default: all of this server's services); logs changes."""

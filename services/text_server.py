@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -69,7 +69,6 @@ class TextServer:
     admission: Admission
     tokenizer: TextTokenizer
     draining: bool = False
-    _tasks: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def port(self) -> int:
@@ -125,10 +124,7 @@ class TextServer:
         return 0
 
     async def stop(self, grace_s: float | None = None) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await self.running.set_ready(False)
-        await self.running.server.stop(grace_s)
+        await self.running.stop(grace_s)
         await self.channel.close()
 
 
@@ -176,6 +172,6 @@ async def start_text_server(
     running = await start_server(add, [TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], options, metrics)
     await running.set_ready(True)
     server = TextServer(running, channel, info, admission, tokenizer)
-    server._tasks.append(asyncio.create_task(server._monitor(health_interval_s)))
+    server.running.tasks.append(asyncio.create_task(server._monitor(health_interval_s)))
     log.info("text service on %s:%d, decoder %s serving %s", options.host, running.port, decoder_target, info.model_id)
     return server
