@@ -75,6 +75,8 @@ async def _decode_server(config: DecodeServerConfig) -> int:
 
 
 async def _text_server(config: TextServerConfig) -> int:
+    import grpc
+
     from services.metrics import Metrics, stop_metrics_server
     from services.text_server import ModelMismatch, start_text_server
     from tokenizer_svc.tokenizer import TextTokenizer
@@ -88,6 +90,13 @@ async def _text_server(config: TextServerConfig) -> int:
         )
     except ModelMismatch as error:
         print(f"tokenwire text-server: refusing to serve: {error}", file=sys.stderr)
+        return 2
+    except grpc.aio.AioRpcError as error:
+        print(
+            f"tokenwire text-server: no decode service at {config.decoder} within {config.connect_timeout_s:.0f} s "
+            f"({error.code().name}: {error.details()})",
+            file=sys.stderr,
+        )
         return 2
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
     code = await server.serve_until_signal(config.grace_period_s)
@@ -342,6 +351,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (ValueError, OSError, RuntimeError) as error:  # bad model dir or name, TLS files, a taken port...
+        if args.log_level == "DEBUG":
+            raise
+        print(f"tokenwire {args.command}: {error} (--log-level DEBUG shows the traceback)", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.log_level != "DEBUG":
         logging.getLogger("jax").setLevel(logging.WARNING)  # e.g. "Unable to initialize backend 'tpu'" on every start

@@ -111,3 +111,12 @@ def test_readme_documents_every_flag_and_its_variable():
     flags = {o for a in actions for o in a.option_strings if o.startswith("--") and o != "--help"}
     missing = sorted(f for f in flags if f"`{env_name(f)}` (`{f}`)" not in readme)
     assert not missing, f"README's configuration table lacks {missing}"
+
+
+async def test_start_up_errors_are_one_line_and_exit_2(tmp_path):
+    code, _, err = await tokenwire("text-server", "--model", "no-such-model")
+    assert code == 2 and "unknown model 'no-such-model'" in err and "Traceback" not in err
+    code, _, err = await tokenwire(
+        "text-server", "--model", str(TINY), "--decoder", "127.0.0.1:1", "--connect-timeout", "1", "--port", "0"
+    )
+    assert code == 2 and "no decode service at 127.0.0.1:1" in err and "Traceback" not in err
