@@ -12,13 +12,33 @@ server that requires a bearer token (sent only over TLS).
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterable, Iterator, Sequence
+import contextlib
+from typing import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence, TypeVar
 
 import grpc
 
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services.security import ClientTlsConfig, aio_channel
+
+T = TypeVar("T")
+
+
+def cancelling(call: Iterable[T]) -> Iterator[T]:
+    """Iterate a server-streaming call; leaving early (break, error, close) cancels it."""
+    try:
+        yield from call
+    finally:
+        call.cancel()  # a no-op once the call has finished
+
+
+async def cancelling_aio(call: AsyncIterable[T]) -> AsyncIterator[T]:
+    """`cancelling` for a grpc.aio call: closing the iterator early cancels the RPC."""
+    try:
+        async for item in call:
+            yield item
+    finally:
+        call.cancel()
 
 
 def _sync_channel(target: str, tls: ClientTlsConfig | None, token: str | None) -> grpc.Channel:
@@ -118,11 +138,7 @@ class TextClient:
     def generate(self, prompt: str = "", **kwargs) -> Iterator[text_pb2.GenerateResponse]:
         """Stream TextDelta events then one TextFinished. Breaking out early cancels the request.
         Keyword arguments are those of `generate_request` (chat=[(role, content), ...] for chat input)."""
-        call = self._generation.Generate(generate_request(prompt, **kwargs), timeout=self.timeout)
-        try:
-            yield from call
-        finally:
-            call.cancel()
+        return cancelling(self._generation.Generate(generate_request(prompt, **kwargs), timeout=self.timeout))
 
     def complete(self, prompt: str = "", **kwargs) -> text_pb2.Completion:
         return self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
@@ -157,14 +173,9 @@ class AsyncTextClient:
         """Stream TextDelta events then one TextFinished; keyword arguments as `generate_request`."""
         return self.stream(generate_request(prompt, **kwargs))
 
-    async def stream(self, request: text_pb2.GenerateRequest) -> AsyncIterator[text_pb2.GenerateResponse]:
+    def stream(self, request: text_pb2.GenerateRequest) -> AsyncIterator[text_pb2.GenerateResponse]:
         """Generate for a ready-made request. Closing the iterator early cancels the call."""
-        call = self._generation.Generate(request, timeout=self.timeout)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            call.cancel()
+        return cancelling_aio(self._generation.Generate(request, timeout=self.timeout))
 
     async def complete(self, prompt: str = "", **kwargs) -> text_pb2.Completion:
         return await self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
@@ -192,11 +203,9 @@ class DecodeClient:
     def decode(self, prompt_token_ids: Iterable[int], **kwargs) -> Iterator[decode_pb2.DecodeEvent]:
         """Stream events (Token..., then Finished). Breaking out early cancels the request."""
         call = self._stub.Decode(decode_request(prompt_token_ids, **kwargs), timeout=self.timeout)
-        try:
-            for response in call:
+        with contextlib.closing(cancelling(call)) as responses:
+            for response in responses:
                 yield from response.events
-        finally:
-            call.cancel()
 
 
 class AsyncDecodeClient:
@@ -220,9 +229,7 @@ class AsyncDecodeClient:
 
     async def decode(self, prompt_token_ids: Iterable[int], **kwargs) -> AsyncIterator[decode_pb2.DecodeEvent]:
         call = self._stub.Decode(decode_request(prompt_token_ids, **kwargs), timeout=self.timeout)
-        try:
-            async for response in call:
+        async with contextlib.aclosing(cancelling_aio(call)) as responses:
+            async for response in responses:
                 for event in response.events:
                     yield event
-        finally:
-            call.cancel()

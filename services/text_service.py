@@ -20,6 +20,7 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services import validation
 from services.admission import Admission
+from services.client import cancelling_aio
 from services.errors import InvalidArgument, ServiceError, grpc_errors
 from services.metrics import Metrics
 from tokenizer_svc.chat import ChatMessage, ChatTemplateError
@@ -108,13 +109,8 @@ DecodeFn = Callable[[decode_pb2.DecodeRequest, "float | None"], AsyncIterator[de
 
 
 def remote_decode(stub: decode_pb2_grpc.DecoderStub) -> DecodeFn:
-    async def decode(request: decode_pb2.DecodeRequest, timeout: float | None):
-        call = stub.Decode(request, timeout=timeout)
-        try:
-            async for response in call:
-                yield response
-        finally:
-            call.cancel()  # no-op once the call is done; cancels the upstream Decode otherwise
+    def decode(request: decode_pb2.DecodeRequest, timeout: float | None):
+        return cancelling_aio(stub.Decode(request, timeout=timeout))
 
     return decode
 

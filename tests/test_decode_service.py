@@ -162,3 +162,30 @@ async def test_deadline_frees_the_slot(scripted_model, decode_server, decoder):
             break
         await asyncio.sleep(0.01)
     assert scripted_model.slots_held == 0
+
+
+async def test_clients_stream_events_and_leaving_early_cancels(scripted_model, decode_server):
+    from services.client import AsyncDecodeClient, DecodeClient
+
+    target = f"127.0.0.1:{decode_server.port}"
+    scripted_model.step_delay_s = 0.05  # an uncancelled stream would hold its slot for ~3 s
+
+    def sync_first_two() -> list:
+        with DecodeClient(target) as client:
+            events = list(client.decode([10], max_output_tokens=3))  # 3 steps: ~0.1 s
+            assert [e.token.id for e in events[:-1]] == [11, 12, 13] and events[-1].HasField("finished")
+            stream = client.decode([10], ignore_eos=True)
+            first = [next(stream), next(stream)]
+            stream.close()  # leaving early cancels the call
+            return first
+
+    assert [e.token.id for e in await asyncio.to_thread(sync_first_two)] == [11, 12]
+    async with AsyncDecodeClient(target) as client:
+        stream = client.decode([10], ignore_eos=True)
+        assert (await stream.__anext__()).token.id == 11
+        await stream.aclose()
+    for _ in range(150):  # within 1.5 s: freed by the cancels, not by running to the context limit (~3 s)
+        if decode_server.engine.stats().slots_in_use == 0:
+            break
+        await asyncio.sleep(0.01)
+    assert decode_server.engine.stats().slots_in_use == 0 and scripted_model.slots_held == 0
