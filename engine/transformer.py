@@ -23,8 +23,11 @@ attended because every query masks later positions.
 The cache is kv-head-major, [B, K, S, D], so a decode step's read of its rows and attended
 positions feeds the batched attention products without a transpose (with [B, S, K, D] XLA
 transposed that slice in every layer: a 32-row step took 305 ms against 281). Even so, at 32 rows the
-attention is ~40% of a step on XLA:CPU: it runs each of the R x K [G, D] x [D, A] products as a
-separate small matmul.
+XLA attention is ~40% of a step on XLA:CPU: it copies the sliced window, then runs each of the
+R x K [G, D] x [D, A] products as a separate small matmul. On the CPU the engine therefore uses
+a C++ kernel for decode attention (`kernels=True`, engine.cpu_kernels), which reads each row's
+live keys in place; `decode_attention` below is the same computation in JAX (the GPU path, and
+the reference the kernel is tested against).
 
 Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S cache positions (max
 context), A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
@@ -33,13 +36,14 @@ context), A attended positions, V embedding rows, V' head columns (ids the token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.checkpoint import LayerWeights, ModelConfig, RopeScaling, Weights
+from engine import cpu_kernels
+from engine.checkpoint import LayerWeights, ModelConfig, OutInWeights, RopeScaling, Weights
 
 
 @jax.tree_util.register_dataclass
@@ -136,11 +140,28 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     return out.reshape(r, cfg.n_heads * d)
 
 
+def with_one_row_copies(layer: LayerWeights) -> LayerWeights:
+    """The layer with [out, in] copies of its projections for the CPU one-row kernel (doubles the
+    projections' memory; only engine.jax_model makes them, when its CPU kernels are on)."""
+    t = jnp.transpose
+    return replace(
+        layer, out_in=OutInWeights(t(layer.w_qkv), t(layer.w_o), t(layer.w_gate_up), t(layer.w_down))
+    )
+
+
+def _project(x: jax.Array, w: jax.Array, out_in: jax.Array | None) -> jax.Array:
+    """x [..., in] @ w [in, out]; by the CPU one-row kernel on the [out, in] copy when there is
+    one and x is a single row (a decode step of one row; prefill and batches use w)."""
+    if out_in is not None and x.size == x.shape[-1]:
+        return cpu_kernels.gemv(x, out_in)
+    return x @ w
+
+
 def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
     """Project, optionally bias and q/k-norm, then rotate: x [B, T, E] -> q [B,T,H,D], k/v [B,T,K,D]."""
     b, t, _ = x.shape
     h, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = x @ w.w_qkv  # [B, T, (H + 2K) * D]
+    qkv = _project(x, w.w_qkv, getattr(w.out_in, "qkv", None))  # [B, T, (H + 2K) * D]
     if cfg.qkv_bias:
         qkv = qkv + w.b_qkv
     q = qkv[..., : h * d].reshape(b, t, h, d)  # [B, T, H, D]
@@ -154,8 +175,9 @@ def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) 
 
 
 def _mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
-    gate, up = jnp.split(x @ w.w_gate_up, 2, axis=-1)  # [B, T, F] each
-    return (jax.nn.silu(gate) * up) @ w.w_down  # [B, T, E]
+    gate_up = _project(x, w.w_gate_up, getattr(w.out_in, "gate_up", None))  # [B, T, 2F]
+    gate, up = jnp.split(gate_up, 2, axis=-1)  # [B, T, F] each
+    return _project(jax.nn.silu(gate) * up, w.w_down, getattr(w.out_in, "down", None))  # [B, T, E]
 
 
 def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -196,9 +218,11 @@ def decode_layers(
     active: jax.Array,
     cfg: ModelConfig,
     attend: int,
+    kernels: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """x [R, 1, E], positions/active [R] for slots 0..R-1 -> x [R, 1, E] and the group's caches.
-    `attend` (static) > every active position.
+    `attend` (static) > every active position. `kernels` (static): attention by the CPU kernel
+    (engine.cpu_kernels), which reads each row's live keys in place and ignores `attend`.
 
     Inactive rows compute garbage and write back what their slot already holds, so a slot between
     prefill and its first decode keeps its prompt intact. (Dropping an out-of-range write instead,
@@ -220,8 +244,11 @@ def decode_layers(
         k_cache, v_cache = write(k_cache, k[:, 0]), write(v_cache, v[:, 0])
         ks.append(k_cache)
         vs.append(v_cache)
-        seen = decode_attention(q[:, 0], k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)  # [R, H*D]
-        x = x + (seen @ w.w_o)[:, None]
+        if kernels:
+            seen = cpu_kernels.decode_attention(q[:, 0], k_cache, v_cache, positions)  # [R, H*D]
+        else:
+            seen = decode_attention(q[:, 0], k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)
+        x = x + _project(seen, w.w_o, getattr(w.out_in, "o", None))[:, None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
 
@@ -245,9 +272,11 @@ def decode(
     active: jax.Array,
     cfg: ModelConfig,
     attend: int,
+    kernels: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """The whole model in one call: tokens/positions/active [R] for slots 0..R-1 (R <= B) ->
-    logits [R, V'], cache. `attend` (static) > every active position."""
+    logits [R, V'], cache. `attend` (static) > every active position; `kernels` as in
+    `decode_layers`."""
     x = weights.embed[tokens][:, None]  # [R, 1, E]
-    x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, positions, active, cfg, attend)
+    x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, positions, active, cfg, attend, kernels)
     return logits(x[:, 0], weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)

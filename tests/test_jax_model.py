@@ -1,7 +1,7 @@
 """JaxModel through the engine.model.Model interface, on tiny-llama (4 slots: row buckets 1, 2, 4;
 context 32: prompt and attend buckets 16 and 32): batch invariance across row buckets, seeds,
 masks, padding ids never sampled, no compilation after warm-up, and a cache that is updated in
-place rather than copied per step."""
+place rather than copied per step; each with decode attention in JAX and in the CPU kernel."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine import transformer
+from engine import cpu_kernels, transformer
 from engine.checkpoint import load_checkpoint
 from engine.jax_model import JaxModel, length_buckets
 from engine.model import DecodeInput, SlotSetup
@@ -30,9 +30,15 @@ GOLDEN = json.loads((LLAMA / "golden.json").read_text())["cases"]
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 
 
-@pytest.fixture(scope="module")
-def model() -> JaxModel:
-    m = JaxModel.load(LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16)
+@pytest.fixture(scope="module", params=[False, True], ids=["jax-attention", "kernel-attention"])
+def model(request) -> JaxModel:
+    """Every test below runs with decode attention in JAX and with the CPU kernel."""
+    if request.param and cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
+    m = JaxModel.load(
+        LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16, kernels=request.param
+    )
+    assert m.kernels == request.param
     m.warm_up()
     return m
 
@@ -100,8 +106,9 @@ def test_buckets_are_powers_of_two_then_the_context():
 
 
 def test_bucket_ladders(model):
-    assert (model.buckets, model.attend_buckets, model.row_buckets) == ((16, 32), (16, 32), (1, 2, 4))
-    default = JaxModel(model.config, model._weights, model.info, jnp.float32)
+    attend = (32,) if model.kernels else (16, 32)  # the kernel reads the live length itself
+    assert (model.buckets, model.attend_buckets, model.row_buckets) == ((16, 32), attend, (1, 2, 4))
+    default = JaxModel(model.config, model._weights, model.info, jnp.float32, kernels=False)
     assert (default.buckets, default.attend_buckets) == ((16, 32), (32,))  # attend starts at 128
 
 

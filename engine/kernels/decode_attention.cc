@@ -1,0 +1,134 @@
+// tokenwire_decode_attention: one decode step's attention on the CPU, read straight from the
+// slot KV cache.
+//
+//   q [R, H, D] f32, k_cache / v_cache [B, K, S, D] f32, positions [R] s32 -> out [R, H * D] f32
+//
+// Row r is slot r (a step runs the first R slots). Query head h = kv * G + g (G = H / K) attends
+// to the slot's keys at positions 0..positions[r]: exactly the live length, not a padded bucket,
+// and no copy of the window (XLA:CPU copies a sliced cache window before its batched products,
+// and runs those [G, D] x [D, A] products one small matmul at a time).
+//
+// Work is split by (row, kv head): the caller and XLA's intra-op pool take units from a shared
+// counter, so rows of different lengths balance. A step too small to be worth a hand-off
+// (a few hundred keys) runs on the caller alone.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kMinKeysPerHelper = 2048;  // below this per extra thread, stay on the caller
+
+struct Shape {
+  int64_t rows, heads, kv_heads, group, context, dim, cache_slots;
+};
+
+inline float Dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// Attention of the G query heads of (row, kv head) `unit` over its live keys.
+void Unit(const Shape& s, const float* q, const float* kc, const float* vc, const int32_t* positions,
+          float* out, int64_t unit, std::vector<float>& scores) {
+  const int64_t r = unit / s.kv_heads, kv = unit % s.kv_heads;
+  const int64_t n = std::clamp<int64_t>(int64_t{positions[r]} + 1, 1, s.context);
+  const int64_t d = s.dim, g_count = s.group;
+  const float* keys = kc + (r * s.kv_heads + kv) * s.context * d;
+  const float* values = vc + (r * s.kv_heads + kv) * s.context * d;
+  const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
+  float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
+  scores.resize(static_cast<size_t>(g_count * n));
+  const float scale = 1.0f / std::sqrt(static_cast<float>(d));
+  for (int64_t a = 0; a < n; ++a) {
+    const float* k = keys + a * d;
+    for (int64_t g = 0; g < g_count; ++g) scores[g * n + a] = Dot(qh + g * d, k, d) * scale;
+  }
+  for (int64_t g = 0; g < g_count; ++g) {
+    float* p = scores.data() + g * n;
+    float m = p[0];
+    for (int64_t a = 1; a < n; ++a) m = std::max(m, p[a]);
+    float total = 0.0f;
+    for (int64_t a = 0; a < n; ++a) {
+      p[a] = std::exp(p[a] - m);
+      total += p[a];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t a = 0; a < n; ++a) p[a] *= inv;
+  }
+  for (int64_t g = 0; g < g_count; ++g) {
+    float* o = oh + g * d;
+    std::fill(o, o + d, 0.0f);
+    const float* p = scores.data() + g * n;
+    for (int64_t a = 0; a < n; ++a) {
+      const float* v = values + a * d;
+      const float w = p[a];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
+    }
+  }
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
+                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> positions,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), cd = k_cache.dimensions(), vd = v_cache.dimensions();
+  const bool same_caches = vd.size() == cd.size() && std::equal(vd.begin(), vd.end(), cd.begin());
+  if (qd.size() != 3 || cd.size() != 4 || !same_caches || qd[2] != cd[3] || qd[0] > cd[0] ||
+      qd[1] % cd[1] != 0 || positions.element_count() != qd[0] || out->element_count() != q.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "tokenwire_decode_attention: expected q [R, H, D], caches [B, K, S, D] with R <= B and K | H, "
+        "positions [R], out [R, H * D]");
+  }
+  const Shape s{qd[0], qd[1], cd[1], qd[1] / cd[1], cd[2], cd[3], cd[0]};
+  const float* qp = q.typed_data();
+  const float* kp = k_cache.typed_data();
+  const float* vp = v_cache.typed_data();
+  const int32_t* pp = positions.typed_data();
+  float* op = out->typed_data();
+  const int64_t units = s.rows * s.kv_heads;
+
+  int64_t keys = 0;
+  for (int64_t r = 0; r < s.rows; ++r) keys += std::clamp<int64_t>(int64_t{pp[r]} + 1, 1, s.context);
+  keys *= s.kv_heads;
+  const int64_t helpers =
+      std::clamp<int64_t>(std::min<int64_t>(pool.num_threads(), keys / kMinKeysPerHelper), 0, units - 1);
+
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> running{helpers};
+  auto work = [&] {
+    thread_local std::vector<float> scores;
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) Unit(s, qp, kp, vp, pp, op, u, scores);
+  };
+  for (int64_t t = 0; t < helpers; ++t) {
+    pool.Schedule([&] {
+      work();
+      running.fetch_sub(1, std::memory_order_release);
+    });
+  }
+  work();
+  while (running.load(std::memory_order_acquire) != 0) _mm_pause();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
