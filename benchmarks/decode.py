@@ -1,14 +1,19 @@
 """Decode speed of a model on this machine, in one run: tokens/s at several batch sizes,
 model-bandwidth utilisation (MBU) at batch 1, and warm-up (compile) time.
 
-    python benchmarks/decode.py [--model smollm2-135m-instruct] [--batches 1,8,32] [--steps 32]
+    python benchmarks/decode.py [--model smollm2-135m-instruct] [--batches 1,8,32] [--rounds 5]
 
 MBU = (weight bytes + live KV bytes read per step) / step time / memory read bandwidth, the
-bandwidth measured in the same run (a jitted sum over a 1 GiB float32 array). Weight bytes are
-what a step reads: the layers, the final norm and the head (the embedding only gives R rows).
-Decode is memory-bound at small batch, so MBU is how close a step is to the machine's ceiling.
-The machine is shared and noisy: compare ratios from one run, not figures across runs; the load
-average is printed before and after.
+bandwidth measured in the same run (a jitted sum over a 1 GiB float32 array, best of 3; XLA runs
+it on every core). Weight bytes are what a step reads: the layers, the final norm and the head
+(the embedding only gives R rows). Decode is memory-bound at small batch, so MBU is how close a
+step is to the machine's ceiling.
+
+The machine is shared and noisy (the bandwidth a neighbour leaves us moves by 1.5x within a
+minute), so the run is interleaved: each round measures the bandwidth, then `--steps` decode steps
+at every batch size, and each ratio (MBU, batch N / batch 1) is taken within one round. The
+figures printed are medians over the rounds, with the range. Slots are prefilled once; every
+step extends each of its slots by one position, and the KV bytes counted are the live ones.
 """
 
 from __future__ import annotations
@@ -34,14 +39,18 @@ from engine.model_registry import resolve_model  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 
-def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+class Bandwidth:
     """Best-of memory read bandwidth: a jitted sum over a float32 array that does not fit in cache."""
-    x = jnp.ones(int(gib * (1 << 30)) // 4, jnp.float32)
-    total = jax.jit(jnp.sum)
-    total(x).block_until_ready()
-    best = min(_timed(lambda: total(x).block_until_ready()) for _ in range(repeats))
-    del x
-    return gib * (1 << 30) / best / 1e9
+
+    def __init__(self, gib: float = 1.0) -> None:
+        self.bytes = int(gib * (1 << 30))
+        self._x = jnp.ones(self.bytes // 4, jnp.float32)
+        self._total = jax.jit(jnp.sum)
+        self._total(self._x).block_until_ready()
+
+    def measure_gbs(self, repeats: int = 3) -> float:
+        best = min(_timed(lambda: self._total(self._x).block_until_ready()) for _ in range(repeats))
+        return self.bytes / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -62,70 +71,103 @@ def kv_bytes_per_token(model: JaxModel) -> int:
     return 2 * c.n_layers * c.n_kv_heads * c.head_dim * jnp.dtype(model.cache.k[0].dtype).itemsize
 
 
-def step_seconds(model: JaxModel, batch: int, prompt_len: int, steps: int) -> tuple[float, float]:
-    """Median decode step time with `batch` active slots; returns (seconds, mean live length)."""
-    setup = SlotSetup(SamplingParams(seed=0), frozenset())
-    rng = np.random.default_rng(0)
-    last = {}
-    for slot in range(batch):
-        prompt = rng.integers(3, model.info.vocab_size, prompt_len).tolist()
-        last[slot] = model.prefill(slot, prompt, setup, False).token_id
-    times = []
-    for step in range(steps):
-        inputs = [DecodeInput(slot, last[slot], prompt_len + step, False) for slot in range(batch)]
+class Slots:
+    """Slots 0..n-1 prefilled with random prompts; `step(batch)` decodes slots 0..batch-1 once."""
+
+    def __init__(self, model: JaxModel, n: int, prompt_len: int) -> None:
+        setup = SlotSetup(SamplingParams(seed=0), frozenset())
+        rng = np.random.default_rng(0)
+        self.model = model
+        self.last, self.length = {}, {}
+        for slot in range(n):
+            prompt = rng.integers(3, model.info.vocab_size, prompt_len).tolist()
+            self.last[slot] = model.prefill(slot, prompt, setup, False).token_id
+            self.length[slot] = prompt_len
+
+    def step(self, batch: int) -> float:
+        """One decode step of the first `batch` slots; returns its seconds."""
+        inputs = [DecodeInput(slot, self.last[slot], self.length[slot], False) for slot in range(batch)]
         start = time.perf_counter()
-        samples = model.decode(inputs)
-        times.append(time.perf_counter() - start)
-        last = {i.slot: s.token_id for i, s in zip(inputs, samples)}
-    for slot in range(batch):
-        model.release(slot)
-    return statistics.median(times[2:]), prompt_len + steps / 2
+        samples = self.model.decode(inputs)
+        seconds = time.perf_counter() - start
+        for i, s in zip(inputs, samples):
+            self.last[i.slot], self.length[i.slot] = s.token_id, self.length[i.slot] + 1
+        return seconds
+
+    def mean_length(self, batch: int) -> float:
+        return sum(self.length[s] for s in range(batch)) / batch
+
+    def release(self) -> None:
+        for slot in self.last:
+            self.model.release(slot)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    return f"{fmt % statistics.median(values)} ({fmt % min(values)}-{fmt % max(values)})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model directory or registered name")
-    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated batch sizes (1 first for MBU and ratios)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (bandwidth, then every batch size)")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed per batch size and round")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-context-length", type=int, default=512)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--min-bucket", type=int, default=None, help="smallest prompt bucket (JaxModel.load)")
-    parser.add_argument("--min-attend", type=int, default=None, help="smallest decode attend bucket")
+    parser.add_argument("--min-attend", type=int, default=None, help="smallest decode attend bucket (no kernels)")
     parser.add_argument("--layers-per-call", type=int, default=None, help="layers one jitted decode call runs")
+    parser.add_argument("--no-kernels", action="store_true", help="plain JAX attention, no CPU kernel")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    needed = args.prompt_len + args.rounds * (args.steps + 1) * len(batches)
+    if needed >= args.max_context_length:
+        parser.error(f"--max-context-length must exceed {needed} for these rounds and steps")
 
     model_dir = resolve_model(args.model, log=lambda line: print(line, file=sys.stderr))
     print(f"machine: {describe('jax', 'jaxlib', 'numpy')}; backend {jax.default_backend()}")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
-    bandwidth = read_bandwidth_gbs()
-    print(f"memory read bandwidth (jitted sum, 1 GiB f32): {bandwidth:.1f} GB/s")
+    bandwidth = Bandwidth()
     knobs = {k: v for k, v in vars(args).items() if k in ("min_bucket", "min_attend", "layers_per_call") and v}
     model = JaxModel.load(
-        model_dir, max_batch_size=max(batches), max_context_length=args.max_context_length, dtype=args.dtype, **knobs
+        model_dir, max_batch_size=max(batches), max_context_length=args.max_context_length, dtype=args.dtype,
+        kernels=not args.no_kernels, **knobs,
     )
     compile_s = _timed(model.warm_up)
     print(
         f"model {model.info.model_id}: {weight_bytes(model) / 1e6:.0f} MB of weights read per step, "
-        f"max_batch_size {model.info.max_batch_size}, context {model.info.max_context_length}; "
-        f"buckets: rows {model.row_buckets}, attend {model.attend_buckets}, prompt {model.buckets}; "
+        f"max_batch_size {model.info.max_batch_size}, context {model.info.max_context_length}, "
+        f"CPU kernels {'on' if model.kernels else 'off'}; buckets: rows {model.row_buckets}, "
+        f"attend {model.attend_buckets}, prompt {model.buckets}; "
         f"warm-up (compiles {model.compilations()} shapes): {compile_s:.1f} s"
     )
     compiled = model.compilations()
-    rates = {}
+    slots = Slots(model, max(batches), args.prompt_len)
+    for batch in batches:  # one untimed step each: first calls pay for buffer set-up
+        slots.step(batch)
+    seconds: dict[int, list[float]] = {b: [] for b in batches}
+    mbu, gbs = [], []
+    for _ in range(args.rounds):
+        gbs.append(bandwidth.measure_gbs())
+        for batch in batches:
+            seconds[batch].append(statistics.median(slots.step(batch) for _ in range(args.steps)))
+        if 1 in seconds:
+            step_bytes = weight_bytes(model) + slots.mean_length(1) * kv_bytes_per_token(model)
+            mbu.append(step_bytes / seconds[1][-1] / (gbs[-1] * 1e9))
+    slots.release()
+    print(f"memory read bandwidth (jitted sum, 1 GiB f32), per round: {_spread(gbs, '%.1f')} GB/s")
     for batch in batches:
-        seconds, live = step_seconds(model, batch, args.prompt_len, args.steps)
-        rates[batch] = batch / seconds
-        step_bytes = weight_bytes(model) + batch * live * kv_bytes_per_token(model)
-        mbu = step_bytes / seconds / (bandwidth * 1e9)
-        print(
-            f"batch {batch:3d}: step {seconds * 1e3:7.2f} ms, {rates[batch]:7.1f} tok/s, "
-            f"{step_bytes / 1e6:.0f} MB read per step, MBU {mbu:.2f}"
-        )
-    if 1 in rates:
+        tok_s = [batch / s for s in seconds[batch]]
+        line = f"batch {batch:3d}: step {_spread([s * 1e3 for s in seconds[batch]], '%.2f')} ms, "
+        line += f"{_spread(tok_s, '%.1f')} tok/s"
+        if batch == 1 and mbu:
+            line += f", MBU {_spread(mbu, '%.2f')}"
+        print(line)
+    if 1 in seconds:
         for batch in batches[1:]:
-            print(f"throughput batch {batch} / batch 1: {rates[batch] / rates[1]:.1f}x")
+            ratios = [batch * s1 / sb for s1, sb in zip(seconds[1], seconds[batch])]
+            print(f"throughput batch {batch} / batch 1, per round: {_spread(ratios, '%.1f')}x")
     print(f"compilations after warm-up: {model.compilations() - compiled}")
     print("load average after: %.2f %.2f %.2f" % os.getloadavg())
 
