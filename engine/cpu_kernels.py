@@ -124,7 +124,7 @@ def _compiler() -> str | None:
 def _build(cache_dir: Path | None) -> Path:
     """Compile into `<cache>/kernels/<hash>.so` unless it is there; a temporary file is renamed
     into place, so concurrent builders never load a half-written library."""
-    from engine.model_registry import default_cache_dir
+    from engine.model_registry import default_cache_dir  # here: it imports the GGUF converter
 
     compiler = _compiler()
     assert compiler is not None

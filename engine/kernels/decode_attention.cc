@@ -18,6 +18,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -80,23 +81,44 @@ void Unit(const Shape& s, const float* q, const float* kc, const float* vc, cons
   }
 }
 
+// One call's work, taken a (row, kv head) unit at a time by the caller and the helpers.
+struct Job {
+  Job(const Shape& shape, const float* q, const float* k_cache, const float* v_cache, const int32_t* positions,
+      float* out)
+      : s(shape), q(q), k_cache(k_cache), v_cache(v_cache), positions(positions), out(out),
+        units(shape.rows * shape.kv_heads) {}
+
+  const Shape s;
+  const float *const q, *const k_cache, *const v_cache;
+  const int32_t* const positions;
+  float* const out;
+  const int64_t units;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> active{0};  // helpers inside Run (or about to check `closed`)
+  std::atomic<bool> closed{false};  // set by the caller once every unit is done
+
+  void Run() {
+    thread_local std::vector<float> scores;
+    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
+      Unit(s, q, k_cache, v_cache, positions, out, u, scores);
+    }
+  }
+};
+
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
                            ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> positions,
                            ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), vd = v_cache.dimensions();
   const bool same_caches = vd.size() == cd.size() && std::equal(vd.begin(), vd.end(), cd.begin());
   if (qd.size() != 3 || cd.size() != 4 || !same_caches || qd[2] != cd[3] || qd[0] > cd[0] ||
-      qd[1] % cd[1] != 0 || positions.element_count() != qd[0] || out->element_count() != q.element_count()) {
+      qd[1] % cd[1] != 0 || static_cast<int64_t>(positions.element_count()) != qd[0] ||
+      out->element_count() != q.element_count()) {
     return ffi::Error::InvalidArgument(
         "tokenwire_decode_attention: expected q [R, H, D], caches [B, K, S, D] with R <= B and K | H, "
         "positions [R], out [R, H * D]");
   }
   const Shape s{qd[0], qd[1], cd[1], qd[1] / cd[1], cd[2], cd[3], cd[0]};
-  const float* qp = q.typed_data();
-  const float* kp = k_cache.typed_data();
-  const float* vp = v_cache.typed_data();
   const int32_t* pp = positions.typed_data();
-  float* op = out->typed_data();
   const int64_t units = s.rows * s.kv_heads;
 
   int64_t keys = 0;
@@ -105,20 +127,22 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   const int64_t helpers =
       std::clamp<int64_t>(std::min<int64_t>(pool.num_threads(), keys / kMinKeysPerHelper), 0, units - 1);
 
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> running{helpers};
-  auto work = [&] {
-    thread_local std::vector<float> scores;
-    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) Unit(s, qp, kp, vp, pp, op, u, scores);
-  };
+  // The job lives on the heap and is shared with the helpers: a helper that the pool starts only
+  // after the caller has finished every unit (all pool threads busy, or a one-core pool whose only
+  // thread is the caller) finds the job closed and leaves without touching the buffers, so the
+  // caller never waits for a helper that has not started.
+  auto job = std::make_shared<Job>(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
+                                   positions.typed_data(), out->typed_data());
   for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([&] {
-      work();
-      running.fetch_sub(1, std::memory_order_release);
+    pool.Schedule([job] {
+      job->active.fetch_add(1);  // seq_cst with `closed`, below and in the caller
+      if (!job->closed.load()) job->Run();
+      job->active.fetch_sub(1);
     });
   }
-  work();
-  while (running.load(std::memory_order_acquire) != 0) _mm_pause();
+  job->Run();
+  job->closed.store(true);
+  while (job->active.load() != 0) _mm_pause();
   return ffi::Error::Success();
 }
 

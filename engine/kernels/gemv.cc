@@ -28,7 +28,8 @@ inline float HorizontalSum(__m256 v) {
 
 ffi::Error Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wt, ffi::ResultBuffer<ffi::F32> y) {
   const auto d = wt.dimensions();
-  if (d.size() != 2 || x.element_count() != d[1] || y->element_count() != d[0]) {
+  const auto count = [](size_t n) { return static_cast<int64_t>(n); };
+  if (d.size() != 2 || count(x.element_count()) != d[1] || count(y->element_count()) != d[0]) {
     return ffi::Error::InvalidArgument("tokenwire_gemv: expected x [1, K], wt [N, K], y [1, N]");
   }
   const int64_t n = d[0], k = d[1];
