@@ -18,7 +18,7 @@ import json
 import logging
 import sys
 
-from services.config import DecodeServerConfig, TextServerConfig, add_flag
+from services.config import DecodeServerConfig, TextServerConfig, add_flag, non_negative
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_TEXT_PORT = 50052
@@ -313,15 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
         model_flags(p, required=False)
         engine_flags(p)
         add_flag(p, "--system", help="system message for chat input (default: the template's own, if any)", default=None)
-        add_flag(p, "--max-tokens", help="max output tokens (default: up to the context limit)", type=int, default=None)
+        add_flag(p, "--max-tokens", help="max output tokens (default: up to the context limit)", type=non_negative, default=None)
         add_flag(p, "--temperature", help="0 = greedy", type=float, default=0.0)
-        add_flag(p, "--top-k", help="0 = off", type=int, default=0)
+        add_flag(p, "--top-k", help="0 = off", type=non_negative, default=0)
         add_flag(p, "--top-p", help="1 = off", type=float, default=1.0)
         add_flag(p, "--min-p", help="0 = off", type=float, default=0.0)
-        add_flag(p, "--seed", help="sampling seed", type=int, default=None)
+        add_flag(p, "--seed", help="sampling seed", type=non_negative, default=None)
         add_flag(p, "--stop", help="stop string: generation ends before it (repeatable)", action="append")
         add_flag(p, "--include-stop-string", help="keep the matched stop string in the text", action="store_true")
-        add_flag(p, "--stop-token-id", help="extra control token id that ends generation (repeatable)", type=int, action="append")
+        add_flag(p, "--stop-token-id", help="extra control token id that ends generation (repeatable)", type=non_negative, action="append")
         add_flag(p, "--ignore-eos", help="treat the model's EOS ids as ordinary tokens", action="store_true")
         add_flag(p, "--keep-special-tokens", help="show special tokens' text (control tokens never appear)", action="store_true")
         add_flag(p, "--timeout", help="seconds before a request is cancelled", type=float, default=None)

@@ -22,6 +22,17 @@ def env_name(flag: str) -> str:
     return "TOKENWIRE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
+def non_negative(text: str) -> int:
+    """argparse type for counts and ids: an int >= 0, or a one-line error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs) -> None:
     """Add `--flag` whose default comes from TOKENWIRE_FLAG when set; the help names the variable."""
     env = env_name(flag)

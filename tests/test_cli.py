@@ -78,6 +78,15 @@ async def test_bad_request_prints_the_status_and_exits_1(text_port):
     assert "INVALID_ARGUMENT: stopping.max_output_tokens" in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag, value", [("--max-tokens", "-3"), ("--top-k", "-1"), ("--seed", "-5"), ("--stop-token-id", "-2")])
+def test_a_negative_count_is_refused_naming_the_flag(flag, value):
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", flag, value, "hi"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and f"argument {flag}: must be >= 0, got {value}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 async def test_chat_streams_replies_and_keeps_history(text_port):
     code, out, err = await tokenwire(
         "chat", "--server", f"127.0.0.1:{text_port}", "--max-tokens", "2", stdin=b"hi\nagain\n"
