@@ -42,7 +42,10 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs)
     elif kwargs.get("action") == "append":
         if value is not None:
             kind = kwargs.get("type", str)
-            kwargs["default"] = [kind(v) for v in value.split(",") if v.strip()]
+            try:
+                kwargs["default"] = [kind(v) for v in value.split(",") if v.strip()]
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{env}={value!r}: {e}")
     elif value is not None:
         kwargs["default"] = value
         kwargs.pop("required", None)

@@ -87,6 +87,15 @@ def test_a_negative_count_is_refused_naming_the_flag(flag, value):
     assert "Traceback" not in done.stderr
 
 
+def test_a_bad_list_in_the_environment_is_a_one_line_error():
+    env = {**os.environ, "TOKENWIRE_STOP_TOKEN_ID": "3,-1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "hi"], cwd=ROOT, capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 2 and "TOKENWIRE_STOP_TOKEN_ID='3,-1': must be >= 0, got -1" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 async def test_chat_streams_replies_and_keeps_history(text_port):
     code, out, err = await tokenwire(
         "chat", "--server", f"127.0.0.1:{text_port}", "--max-tokens", "2", stdin=b"hi\nagain\n"
