@@ -118,10 +118,11 @@ def main() -> None:
     parser.add_argument("--min-bucket", type=int, default=None, help="smallest prompt bucket (JaxModel.load)")
     parser.add_argument("--min-attend", type=int, default=None, help="smallest decode attend bucket (no kernels)")
     parser.add_argument("--layers-per-call", type=int, default=None, help="layers one jitted decode call runs")
-    parser.add_argument("--no-kernels", action="store_true", help="plain JAX attention, no CPU kernel")
+    parser.add_argument("--no-kernels", action="store_true", help="plain JAX: no CPU kernels (attention, one-row products)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
-    needed = args.prompt_len + args.rounds * (args.steps + 1) * len(batches)
+    # Slot 0 takes every step: one untimed step per batch size, then `steps` per batch size and round.
+    needed = args.prompt_len + len(batches) * (1 + args.rounds * args.steps)
     if needed >= args.max_context_length:
         parser.error(f"--max-context-length must exceed {needed} for these rounds and steps")
 

@@ -212,9 +212,10 @@ class JaxModel:
         `min_bucket` is the smallest prompt bucket, `min_attend` the smallest attended length of a
         decode step (both then double up to the context; unused with the kernel), `layers_per_call`
         how many layers one jitted decode call runs (all of them: `layers_per_call=n_layers`;
-        prefill runs one). `kernels`: use the CPU decode attention kernel where it applies (CPU
-        backend, float32, and it builds here; `self.kernels` says whether it is on); False forces
-        plain JAX.
+        prefill runs one). `kernels`: use the CPU decode kernels where they apply (CPU backend,
+        float32, and they build here; `self.kernels` says whether they are on): attention, and the
+        one-row weight products on [out, in] copies of the projections (held in memory besides the
+        originals); False forces plain JAX and makes no copies.
         """
         model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir, dtype)

@@ -27,7 +27,8 @@ XLA attention is ~40% of a step on XLA:CPU: it copies the sliced window, then ru
 R x K [G, D] x [D, A] products as a separate small matmul. On the CPU the engine therefore uses
 a C++ kernel for decode attention (`kernels=True`, engine.cpu_kernels), which reads each row's
 live keys in place; `decode_attention` below is the same computation in JAX (the GPU path, and
-the reference the kernel is tested against).
+the reference the kernel is tested against). A one-row step's projections go to a second kernel
+when the layer carries [out, in] copies (`with_one_row_copies`, `_project`).
 
 Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S cache positions (max
 context), A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
