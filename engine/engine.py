@@ -1,7 +1,8 @@
 """The engine core: a bounded admission queue, a slot table and one scheduler loop.
 
 Data flow, on the engine thread, once per iteration:
-  1. take aborts and admissions under the lock (admit waiting requests into free slots);
+  1. take aborts and admissions under the lock (admit waiting requests into free slots, which
+     they hold from then on, so the queue bound never counts a promised slot as free);
   2. for each aborted request: release its slot;
   3. for each admitted request: `model.prefill` -> `decide` -> events; a request that
      finishes at prefill (a control token, or max_output_tokens = 1) releases its slot at
@@ -50,7 +51,9 @@ class EventSink(Protocol):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_queue_size: int = 64  # waiting (not yet admitted) requests; past it submit raises QueueFull
+    # requests waiting for a slot: submit raises QueueFull only when every slot is taken (or
+    # promised to an earlier request) and this many already wait
+    max_queue_size: int = 64
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,8 @@ class Engine:
         with self._cond:
             if self._dead is not None or not self._running:
                 raise EngineStopped("the engine is not running")
-            if len(self._waiting) >= self.config.max_queue_size:
+            free = info.max_batch_size - len(self._active)  # slots the next admission fills
+            if len(self._waiting) >= self.config.max_queue_size + free:
                 raise QueueFull(f"admission queue is full ({self.config.max_queue_size} waiting)")
             ticket = next(self._tickets)
             if not (self._waiting or self._active):
@@ -169,9 +173,12 @@ class Engine:
                     aborts, self._aborts = self._aborts, set()
                     free = self.model.info.max_batch_size - len(self._active)
                     admitted = [self._waiting.popitem(last=False)[1] for _ in range(min(free, len(self._waiting)))]
+                    for live in admitted:  # the slot is held from here, so submit never counts it free
+                        live.slot = self._free_slot()
+                        self._active[live.slot] = live
                 self._drop(aborts)
                 for live in admitted:
-                    self._prefill(live, self._free_slot())
+                    self._prefill(live)
                     self._progressed()
                 if self._active:
                     started = time.perf_counter()
@@ -212,11 +219,9 @@ class Engine:
         del self._active[live.slot]
         self.model.release(live.slot)
 
-    def _prefill(self, live: _Live, slot: int) -> None:
-        live.slot = slot
-        self._active[slot] = live
+    def _prefill(self, live: _Live) -> None:
         setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
-        sample = self.model.prefill(slot, live.request.prompt_token_ids, setup, live.rule.masks_control_tokens(0))
+        sample = self.model.prefill(live.slot, live.request.prompt_token_ids, setup, live.rule.masks_control_tokens(0))
         with self._cond:  # aborted while prefilling: free the slot, send nothing
             if live.ticket in self._aborts:
                 self._aborts.discard(live.ticket)

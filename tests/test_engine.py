@@ -80,6 +80,44 @@ def test_queue_bound_raises_queue_full(engine):
         assert sink.done.wait(10)
 
 
+class GatedPrefill(ScriptedModel):
+    """The scripted model, with each prefill held until the test opens the gate."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def prefill(self, *args, **kw):
+        self.entered.set()
+        assert self.gate.wait(10)
+        return super().prefill(*args, **kw)
+
+
+def test_a_request_is_refused_only_when_every_slot_is_taken_and_the_queue_is_full():
+    """Capacity is slots + queue. Requests submitted before the loop admits them (here: while it
+    is busy prefilling) wait for the free slot; they do not count against the queue bound."""
+    model = GatedPrefill(vocab_size=100, max_batch_size=2, max_context_length=32)
+    engine = Engine(model, EngineConfig(max_queue_size=1))
+    engine.start()
+    try:
+        sinks = [Recorder() for _ in range(3)]
+        engine.submit(make_request([10], 2), sinks[0])
+        assert model.entered.wait(5)  # slot 0 is prefilling; slot 1 is free
+        engine.submit(make_request([20], 2), sinks[1])  # will take slot 1
+        engine.submit(make_request([30], 2), sinks[2])  # the one queued request
+        assert engine.stats().queue_depth == 2
+        with pytest.raises(QueueFull):
+            engine.submit(make_request([40], 2), Recorder())
+        model.gate.set()
+        for i, sink in enumerate(sinks):
+            assert sink.done.wait(5) and sink.error is None
+            assert sink.tokens == [10 * i + 11, 10 * i + 12]
+    finally:
+        model.gate.set()
+        engine.stop()
+
+
 def test_abort_waiting_and_live_requests_frees_everything(engine):
     engine.model.step_delay_s = 0.01
     sinks = [Recorder() for _ in range(4)]
