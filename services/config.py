@@ -22,15 +22,30 @@ def env_name(flag: str) -> str:
     return "TOKENWIRE_" + flag.lstrip("-").replace("-", "_").upper()
 
 
-def non_negative(text: str) -> int:
-    """argparse type for counts and ids: an int >= 0, or a one-line error naming the value."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+def _bounded(kind: type, low: float, high: float | None, wanted: str, low_allowed: bool = True):
+    """An argparse type: a `kind` from `low` (inclusive unless `low_allowed` is False) up to
+    `high`, or a one-line error naming the value."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")):  # NaN or infinite
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
+        if value < low or (value == low and not low_allowed) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
+        return value
+
+    parse.__name__ = wanted  # what argparse names in its own messages
+    return parse
+
+
+non_negative = _bounded(int, 0, None, "a whole number >= 0")  # counts, ids, queue sizes
+positive = _bounded(int, 1, None, "a whole number >= 1")  # sizes that cannot be empty
+port_number = _bounded(int, 0, 65535, "a port in 0..65535")
+seconds = _bounded(float, 0.0, None, "a number of seconds >= 0")
+timeout = _bounded(float, 0.0, None, "a number of seconds > 0", low_allowed=False)
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs) -> None:
@@ -47,6 +62,12 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs)
             except (ValueError, argparse.ArgumentTypeError) as e:
                 parser.error(f"{env}={value!r}: {e}")
     elif value is not None:
+        try:  # a bad value is named by its variable here, not later as if typed on the command line
+            parsed = kwargs.get("type", str)(value)
+        except (ValueError, argparse.ArgumentTypeError) as e:
+            parser.error(f"{env}={value!r}: {e}")
+        if "choices" in kwargs and parsed not in kwargs["choices"]:
+            parser.error(f"{env}={value!r}: choose from {', '.join(map(str, kwargs['choices']))}")
         kwargs["default"] = value
         kwargs.pop("required", None)
     shown = kwargs.get("default")
@@ -66,13 +87,25 @@ def server_options(a: argparse.Namespace) -> ServerOptions:
 
 
 @dataclass(frozen=True)
+class ModelOptions:
+    """How the engine loads a model; the same for decode-server and `generate --local`."""
+
+    max_context_length: int | None  # None: min(the model's, 2048)
+    dtype: str | None  # None: float32 on CPU, bfloat16 on GPU
+    cpu_kernels: bool  # the C++ decode kernels where they apply (CPU, float32)
+
+    @staticmethod
+    def from_args(a: argparse.Namespace) -> "ModelOptions":
+        return ModelOptions(a.max_context_length, a.dtype, a.cpu_kernels == "on")
+
+
+@dataclass(frozen=True)
 class DecodeServerConfig:
     model: str
     server: ServerOptions
     engine: EngineConfig
     max_batch_size: int
-    max_context_length: int | None
-    dtype: str | None
+    model_options: ModelOptions
     stall_timeout_s: float
     grace_period_s: float
     metrics_port: int | None
@@ -84,8 +117,7 @@ class DecodeServerConfig:
             server=server_options(a),
             engine=EngineConfig(max_queue_size=a.max_queue_size),
             max_batch_size=a.max_batch_size,
-            max_context_length=a.max_context_length,
-            dtype=a.dtype,
+            model_options=ModelOptions.from_args(a),
             stall_timeout_s=a.stall_timeout,
             grace_period_s=a.grace_period,
             metrics_port=a.metrics_port,

@@ -58,6 +58,10 @@ class DecodeServer:
         try:
             model = await asyncio.to_thread(load_model)
             await asyncio.to_thread(model.warm_up)
+        except (ValueError, OSError) as error:  # a model or setting we cannot run: the message says which
+            log.error("loading the model failed: %s", error)
+            self.died.set()
+            return
         except Exception:
             log.exception("loading the model failed")
             self.died.set()

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import cpu_kernels
 from engine.scripted_model import ScriptedModel
 from services.cli import build_parser
 from services.decode_server import start_decode_server
@@ -78,22 +79,73 @@ async def test_bad_request_prints_the_status_and_exits_1(text_port):
     assert "INVALID_ARGUMENT: stopping.max_output_tokens" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("flag, value", [("--max-tokens", "-3"), ("--top-k", "-1"), ("--seed", "-5"), ("--stop-token-id", "-2")])
-def test_a_negative_count_is_refused_naming_the_flag(flag, value):
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", flag, value, "hi"], cwd=ROOT, capture_output=True, text=True
+OUT_OF_RANGE = [
+    ("generate", "--max-tokens", "-3", "must be a whole number >= 0, got -3"),
+    ("generate", "--top-k", "-1", "must be a whole number >= 0, got -1"),
+    ("generate", "--seed", "-5", "must be a whole number >= 0, got -5"),
+    ("generate", "--stop-token-id", "-2", "must be a whole number >= 0, got -2"),
+    ("generate", "--timeout", "0", "must be a number of seconds > 0, got 0.0"),
+    ("decode-server", "--max-batch-size", "0", "must be a whole number >= 1, got 0"),
+    ("decode-server", "--max-context-length", "0", "must be a whole number >= 1, got 0"),
+    ("decode-server", "--max-queue-size", "-1", "must be a whole number >= 0, got -1"),
+    ("decode-server", "--port", "70000", "must be a port in 0..65535, got 70000"),
+    ("decode-server", "--stall-timeout", "-1", "must be a number of seconds > 0, got -1.0"),
+    ("decode-server", "--grace-period", "nan", "expected a number of seconds >= 0, got 'nan'"),
+    ("text-server", "--max-message-bytes", "0", "must be a whole number >= 1, got 0"),
+    ("health", "--wait", "soon", "expected a number of seconds >= 0, got 'soon'"),
+]
+
+
+def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
+        env={**os.environ, **env},
     )
-    assert done.returncode == 2 and f"argument {flag}: must be >= 0, got {value}" in done.stderr
+
+
+def model_flag(command: str) -> list[str]:
+    return [] if command == "health" else ["--model", "m"]
+
+
+@pytest.mark.parametrize("command, flag, value, message", OUT_OF_RANGE)
+def test_an_out_of_range_flag_is_refused_naming_it(command, flag, value, message):
+    done = cli(command, *model_flag(command), flag, value)
+    assert done.returncode == 2 and f"argument {flag}: {message}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
 
 
-def test_a_bad_list_in_the_environment_is_a_one_line_error():
-    env = {**os.environ, "TOKENWIRE_STOP_TOKEN_ID": "3,-1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "hi"], cwd=ROOT, capture_output=True, text=True, env=env
-    )
-    assert done.returncode == 2 and "TOKENWIRE_STOP_TOKEN_ID='3,-1': must be >= 0, got -1" in done.stderr
+@pytest.mark.parametrize("command, flag, value, message", OUT_OF_RANGE[::3])
+def test_an_out_of_range_variable_is_refused_naming_it(command, flag, value, message):
+    variable = "TOKENWIRE_" + flag[2:].replace("-", "_").upper()
+    done = cli(command, *model_flag(command), **{variable: value})
+    assert done.returncode == 2 and f"{variable}={value!r}: {message}" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_bad_list_or_choice_in_the_environment_is_a_one_line_error():
+    done = cli("generate", "hi", TOKENWIRE_STOP_TOKEN_ID="3,-1")
+    assert done.returncode == 2 and "TOKENWIRE_STOP_TOKEN_ID='3,-1': must be a whole number >= 0, got -1" in done.stderr
+    done = cli("decode-server", "--model", "m", TOKENWIRE_DTYPE="float16")
+    assert done.returncode == 2 and "TOKENWIRE_DTYPE='float16': choose from float32, bfloat16" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value, on", [("on", True), ("off", False)])
+def test_cpu_kernels_flag_reaches_the_model(value, on, caplog):
+    from services.cli import _load_model
+    from services.config import DecodeServerConfig
+
+    config = DecodeServerConfig.from_args(build_parser().parse_args(["decode-server", "--model", "m", "--cpu-kernels", value]))
+    assert config.model_options.cpu_kernels is on
+    with caplog.at_level("INFO", logger="engine"):
+        model = _load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
+    assert model.kernels is (on and cpu_kernels.load() is not None)
+    assert ("turned off by configuration" in caplog.text) is not on
+
+
+def test_the_log_level_takes_any_case():
+    done = cli("health", "--server", "127.0.0.1:1", "--timeout", "1", TOKENWIRE_LOG_LEVEL="debug")
+    assert done.returncode == 1 and "UNAVAILABLE" in done.stderr and "Traceback" not in done.stderr
 
 
 async def test_chat_streams_replies_and_keeps_history(text_port):
@@ -118,17 +170,34 @@ def test_every_command_has_help():
         assert result.returncode == 0 and "usage: tokenwire " + name in result.stdout
 
 
-def test_readme_documents_every_flag_and_its_variable():
+def test_readme_documents_every_flag_as_the_parser_has_it():
+    """Each flag's README row names its variable, its commands, its default and its --help text."""
+    import re
+
     from services.config import env_name
 
-    readme = (ROOT / "README.md").read_text()
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        if m := re.fullmatch(r"\| `(TOKENWIRE_\w+)` \(`(--[\w-]+)`\) \| ([^|]*) \| ([^|]*) \| (.*) \|", line):
+            rows[m[2]] = (m[1], {c.strip() for c in m[3].split(",")}, m[4].strip("` "), m[5])
     parser = build_parser()
-    actions = list(parser._actions)
-    for sub in parser._subparsers._group_actions[0].choices.values():
-        actions += sub._actions
-    flags = {o for a in actions for o in a.option_strings if o.startswith("--") and o != "--help"}
-    missing = sorted(f for f in flags if f"`{env_name(f)}` (`{f}`)" not in readme)
-    assert not missing, f"README's configuration table lacks {missing}"
+    expected: dict[str, tuple] = {}
+    variants: dict[str, set] = {}  # (default, help) per command: a flag shared with other meanings has several
+    commands = [("all", parser)] + list(parser._subparsers._group_actions[0].choices.items())
+    for command, sub in commands:
+        for action in sub._actions:
+            for flag in (o for o in action.option_strings if o.startswith("--") and o != "--help"):
+                shown = "" if action.default in (None, False, [], "") else str(action.default)
+                help_text = action.help.rsplit(" [env ", 1)[0]
+                variable, names, _, _ = expected.get(flag, (env_name(flag), set(), shown, help_text))
+                expected[flag] = (variable, names | {command}, shown, help_text)
+                variants.setdefault(flag, set()).add((shown, help_text))
+    for flag, kinds in variants.items():
+        if len(kinds) > 1:  # the README describes every use in one row: check its variable and commands
+            expected[flag] = expected[flag][:2] + rows.get(flag, ("",) * 4)[2:]
+    assert sorted(rows) == sorted(expected), "README's configuration table and the parser differ in flags"
+    wrong = {flag: (rows[flag], want) for flag, want in expected.items() if rows[flag] != want}
+    assert not wrong, "README rows that differ from the parser (README, parser): " + repr(wrong)
 
 
 async def test_start_up_errors_are_one_line_and_exit_2(tmp_path):

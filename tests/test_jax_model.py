@@ -120,6 +120,19 @@ def test_info_defaults(model):
 
 
 @pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"max_batch_size": 0}, "max_batch_size must be >= 1, got 0"),
+        ({"max_context_length": 0}, r"max_context_length must be in 1\.\.256 .*got 0"),
+        ({"max_context_length": 257}, r"max_context_length must be in 1\.\.256 .*got 257"),
+    ],
+)
+def test_a_size_the_model_cannot_hold_is_a_clear_error(kw, message):
+    with pytest.raises(ValueError, match=message):
+        JaxModel.load(LLAMA, **kw)
+
+
+@pytest.mark.parametrize(
     "slot, busy",
     [(0, []), (3, []), (1, [0]), (0, [1, 2, 3]), (2, [3, 0, 1])],
     ids=["rows1", "rows4-alone", "rows2", "rows4-shrinking-to-1", "rows4-idle"],

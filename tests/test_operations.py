@@ -113,6 +113,23 @@ async def test_decode_readiness_waits_for_the_model_while_liveness_serves():
         await server.stop(None)
 
 
+async def test_a_model_that_cannot_load_is_one_log_line_and_readiness_never_comes(caplog):
+    from engine.jax_model import JaxModel
+
+    def bad_load():
+        return JaxModel.load(TINY, max_context_length=1000)  # past its max_position_embeddings (256)
+
+    server = await start_decode_server(load_model=bad_load, wait_until_ready=False, health_interval_s=0.05)
+    try:
+        with pytest.raises(RuntimeError, match="failed to start"):
+            await server.until_ready()
+        assert await health(server.port, DECODER_SERVICE) == NOT_SERVING
+        (record,) = [r for r in caplog.records if r.getMessage().startswith("loading the model failed")]
+        assert "max_context_length must be in 1..256" in record.getMessage() and record.exc_info is None
+    finally:
+        await server.stop(None)
+
+
 async def _is(port: int, status: int) -> bool:
     return await health(port, DECODER_SERVICE) == status
 
