@@ -49,10 +49,9 @@ rows, V' ids the tokenizer can produce, E hidden, K kv heads, D head dim, L laye
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 from typing import Sequence
-
-import logging
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,17 @@ import json
 import logging
 import sys
 
-from services.config import DecodeServerConfig, ModelOptions, TextServerConfig, add_flag, non_negative, port_number, positive, seconds, timeout
+from services.config import (
+    DecodeServerConfig,
+    ModelOptions,
+    TextServerConfig,
+    add_flag,
+    non_negative,
+    port_number,
+    positive,
+    seconds,
+    timeout,
+)
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_TEXT_PORT = 50052
