@@ -8,6 +8,7 @@ never at import time.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ def _bounded(kind: type, low: float, high: float | None, wanted: str, low_allowe
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}") from None
-        if value != value or value in (float("inf"), float("-inf")):  # NaN or infinite
+        if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
         if value < low or (value == low and not low_allowed) or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {wanted}, got {value}")
@@ -49,30 +50,33 @@ timeout = _bounded(float, 0.0, None, "a number of seconds > 0", low_allowed=Fals
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs) -> None:
-    """Add `--flag` whose default comes from TOKENWIRE_FLAG when set; the help names the variable."""
+    """Add `--flag` whose default comes from TOKENWIRE_FLAG when set; the help names the variable.
+    The variable is parsed here, so a bad value is an error that names the variable."""
     env = env_name(flag)
     value = os.environ.get(env)
     if kwargs.get("action") == "store_true":
-        kwargs["default"] = value.strip().lower() in TRUE_WORDS if value is not None else False
-    elif kwargs.get("action") == "append":
-        if value is not None:
-            kind = kwargs.get("type", str)
-            try:
-                kwargs["default"] = [kind(v) for v in value.split(",") if v.strip()]
-            except (ValueError, argparse.ArgumentTypeError) as e:
-                parser.error(f"{env}={value!r}: {e}")
+        kwargs["default"] = value is not None and value.strip().lower() in TRUE_WORDS
     elif value is not None:
-        try:  # a bad value is named by its variable here, not later as if typed on the command line
-            parsed = kwargs.get("type", str)(value)
+        try:
+            kwargs["default"] = _env_value(value, kwargs)
         except (ValueError, argparse.ArgumentTypeError) as e:
             parser.error(f"{env}={value!r}: {e}")
-        if "choices" in kwargs and parsed not in kwargs["choices"]:
-            parser.error(f"{env}={value!r}: choose from {', '.join(map(str, kwargs['choices']))}")
-        kwargs["default"] = value
         kwargs.pop("required", None)
     shown = kwargs.get("default")
     suffix = f" [env {env}" + (f"; default {shown}" if shown not in (None, False, [], "") else "") + "]"
     parser.add_argument(flag, help=help + suffix, **kwargs)
+
+
+def _env_value(text: str, kwargs: dict):
+    """A variable's text as its flag's value (a comma-separated list for a repeatable flag),
+    through the flag's type and choices; raises ValueError or ArgumentTypeError."""
+    repeated = kwargs.get("action") == "append"
+    parts = [part for part in text.split(",") if part.strip()] if repeated else [text]
+    values = [kwargs.get("type", str)(part) for part in parts]
+    choices = kwargs.get("choices")
+    if choices is not None and any(v not in choices for v in values):
+        raise ValueError(f"choose from {', '.join(map(str, choices))}")
+    return values if repeated else values[0]
 
 
 def server_options(a: argparse.Namespace) -> ServerOptions:

@@ -14,6 +14,7 @@ import pytest
 from engine import cpu_kernels
 from engine.scripted_model import ScriptedModel
 from services.cli import build_parser
+from services.config import env_name
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -96,38 +97,31 @@ OUT_OF_RANGE = [
 ]
 
 
-def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True,
-        env={**os.environ, **env},
-    )
-
-
 def model_flag(command: str) -> list[str]:
     return [] if command == "health" else ["--model", "m"]
 
 
 @pytest.mark.parametrize("command, flag, value, message", OUT_OF_RANGE)
-def test_an_out_of_range_flag_is_refused_naming_it(command, flag, value, message):
-    done = cli(command, *model_flag(command), flag, value)
-    assert done.returncode == 2 and f"argument {flag}: {message}" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
+async def test_an_out_of_range_flag_is_refused_naming_it(command, flag, value, message):
+    code, _, err = await tokenwire(command, *model_flag(command), flag, value)
+    assert code == 2 and f"argument {flag}: {message}" in err, err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("command, flag, value, message", OUT_OF_RANGE[::3])
-def test_an_out_of_range_variable_is_refused_naming_it(command, flag, value, message):
-    variable = "TOKENWIRE_" + flag[2:].replace("-", "_").upper()
-    done = cli(command, *model_flag(command), **{variable: value})
-    assert done.returncode == 2 and f"{variable}={value!r}: {message}" in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr
+async def test_an_out_of_range_variable_is_refused_naming_it(command, flag, value, message):
+    variable = env_name(flag)
+    code, _, err = await tokenwire(command, *model_flag(command), env={variable: value})
+    assert code == 2 and f"{variable}={value!r}: {message}" in err, err
+    assert "Traceback" not in err
 
 
-def test_a_bad_list_or_choice_in_the_environment_is_a_one_line_error():
-    done = cli("generate", "hi", TOKENWIRE_STOP_TOKEN_ID="3,-1")
-    assert done.returncode == 2 and "TOKENWIRE_STOP_TOKEN_ID='3,-1': must be a whole number >= 0, got -1" in done.stderr
-    done = cli("decode-server", "--model", "m", TOKENWIRE_DTYPE="float16")
-    assert done.returncode == 2 and "TOKENWIRE_DTYPE='float16': choose from float32, bfloat16" in done.stderr
-    assert "Traceback" not in done.stderr
+async def test_a_bad_list_or_choice_in_the_environment_is_a_one_line_error():
+    code, _, err = await tokenwire("generate", "hi", env={"TOKENWIRE_STOP_TOKEN_ID": "3,-1"})
+    assert code == 2 and "TOKENWIRE_STOP_TOKEN_ID='3,-1': must be a whole number >= 0, got -1" in err
+    code, _, err = await tokenwire("decode-server", "--model", "m", env={"TOKENWIRE_DTYPE": "float16"})
+    assert code == 2 and "TOKENWIRE_DTYPE='float16': choose from float32, bfloat16" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("value, on", [("on", True), ("off", False)])
@@ -143,9 +137,9 @@ def test_cpu_kernels_flag_reaches_the_model(value, on, caplog):
     assert ("turned off by configuration" in caplog.text) is not on
 
 
-def test_the_log_level_takes_any_case():
-    done = cli("health", "--server", "127.0.0.1:1", "--timeout", "1", TOKENWIRE_LOG_LEVEL="debug")
-    assert done.returncode == 1 and "UNAVAILABLE" in done.stderr and "Traceback" not in done.stderr
+async def test_the_log_level_takes_any_case():
+    code, _, err = await tokenwire("health", "--server", "127.0.0.1:1", "--timeout", "1", env={"TOKENWIRE_LOG_LEVEL": "debug"})
+    assert code == 1 and "UNAVAILABLE" in err and "Traceback" not in err
 
 
 async def test_chat_streams_replies_and_keeps_history(text_port):
@@ -173,8 +167,6 @@ def test_every_command_has_help():
 def test_readme_documents_every_flag_as_the_parser_has_it():
     """Each flag's README row names its variable, its commands, its default and its --help text."""
     import re
-
-    from services.config import env_name
 
     rows = {}
     for line in (ROOT / "README.md").read_text().splitlines():
