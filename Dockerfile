@@ -28,7 +28,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     TOKENWIRE_CACHE=/cache
 COPY --from=wheel /wheels /wheels
 # The CPU image carries g++: on first start the engine compiles its C++ decode kernels
-# (engine/kernels/) into /cache/kernels; without a compiler it logs that and runs plain JAX.
+# (engine/jax_backend/kernels/) into /cache/kernels; without a compiler it logs that and runs plain JAX.
 RUN if [ "$JAX_EXTRA" = cpu ]; then \
       apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; \
     fi

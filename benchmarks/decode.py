@@ -33,10 +33,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
-from engine.jax_model import JaxModel  # noqa: E402
-from engine.model import DecodeInput, SlotSetup  # noqa: E402
-from engine.model_registry import resolve_model  # noqa: E402
-from engine.request import SamplingParams  # noqa: E402
+from engine.jax_backend.jax_model import JaxModel  # noqa: E402
+from engine.core.model import DecodeInput, SlotSetup  # noqa: E402
+from engine.model_store.registry import resolve_model  # noqa: E402
+from engine.core.request import SamplingParams  # noqa: E402
 
 
 class Bandwidth:

@@ -1,6 +1,10 @@
-"""tokenwire's decode engine: pure Python + JAX, no gRPC.
+"""tokenwire's decode engine, no gRPC. Three parts, imported in one direction:
 
-Data flow: `Request` -> `Engine.submit` -> scheduler loop (engine thread) ->
-`Model.prefill` / `Model.decode` -> sampled ids -> `stopping.decide` ->
-`Token` / `Finished` events -> the caller's event sink.
+- `engine.core`: requests, events, the stop decision, the `Model` protocol, the scheduler loop
+  and its asyncio face; plain Python.
+- `engine.model_store`: checkpoints, model files, the model registry and the GGUF converter;
+  numpy, no JAX.
+- `engine.jax_backend`: the JAX model; imports both of the above.
+
+The layering is checked by import-linter (`.importlinter`, run by tests/test_layering.py).
 """

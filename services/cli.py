@@ -36,13 +36,13 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
 def _model_dir(name_or_dir: str):
-    from engine.model_registry import resolve_model
+    from engine.model_store.registry import resolve_model
 
     return resolve_model(name_or_dir, log=lambda line: print(line, file=sys.stderr))
 
 
 def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
-    from engine.jax_model import JaxModel
+    from engine.jax_backend.jax_model import JaxModel
 
     return JaxModel.load(
         model_dir,
@@ -168,8 +168,8 @@ async def _generator(a: argparse.Namespace):
             yield client.stream
         return
 
-    from engine.async_engine import AsyncEngine
-    from engine.engine import Engine
+    from engine.core.async_engine import AsyncEngine
+    from engine.core.engine import Engine
     from services.decode_service import local_decode
     from services.text_server import check_tokenizer_matches
     from services.text_service import TextGenerationServicer
@@ -260,7 +260,7 @@ async def _chat(a: argparse.Namespace) -> int:
 def _pull(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from engine.model_registry import pull
+    from engine.model_store.registry import pull
 
     directory = pull(a.name, Path(a.cache) if a.cache else None, log=lambda line: print(line, file=sys.stderr))
     print(directory)

@@ -12,7 +12,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from engine.engine import EngineConfig
+from engine.core.engine import EngineConfig
 from services.security import ClientTlsConfig, ServerTlsConfig
 from services.server import ServerOptions
 

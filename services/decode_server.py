@@ -14,9 +14,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from engine.async_engine import AsyncEngine
-from engine.engine import Engine, EngineConfig
-from engine.model import Model
+from engine.core.async_engine import AsyncEngine
+from engine.core.engine import Engine, EngineConfig
+from engine.core.model import Model
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.admission import Admission
 from services.decode_service import DecoderServicer

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import contextlib
 
-from engine.async_engine import AsyncEngine
-from engine.events import Event, FinishReason, Token
-from engine.model import ModelInfo
+from engine.core.async_engine import AsyncEngine
+from engine.core.events import Event, FinishReason, Token
+from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services import validation
 from services.admission import Admission

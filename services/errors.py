@@ -15,7 +15,7 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine.engine import EngineStopped, QueueFull
+from engine.core.engine import EngineStopped, QueueFull
 
 log = logging.getLogger("tokenwire.errors")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.model import ModelInfo
+from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services.admission import Admission

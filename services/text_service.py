@@ -15,7 +15,7 @@ from typing import AsyncIterator, Callable
 
 import grpc
 
-from engine.model import ModelInfo
+from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services import validation

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import uuid
 
-from engine.model import ModelInfo
-from engine.request import Request, SamplingParams, StoppingCriteria
+from engine.core.model import ModelInfo
+from engine.core.request import Request, SamplingParams, StoppingCriteria
 from protos.decode.v1 import decode_pb2
 from services.errors import InvalidArgument
 

@@ -9,8 +9,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.engine import EngineConfig
-from engine.scripted_model import ScriptedModel
+from engine.core.engine import EngineConfig
+from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2_grpc
 from services.decode_server import start_decode_server
 

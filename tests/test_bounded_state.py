@@ -31,8 +31,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.engine import EngineConfig
-from engine.scripted_model import ScriptedModel
+from engine.core.engine import EngineConfig
+from engine.core.scripted_model import ScriptedModel
 from protos.text.v1 import text_pb2 as tpb
 from protos.text.v1 import text_pb2_grpc
 from services.decode_server import start_decode_server

@@ -1,4 +1,4 @@
-"""engine.checkpoint on the tiny Hugging Face directories (tests/assets/tiny-*): config fields,
+"""engine.model_store.checkpoint on the tiny Hugging Face directories (tests/assets/tiny-*): config fields,
 EOS union, sharded loading, and errors that name what is wrong."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.checkpoint import CheckpointError, RopeScaling, load_checkpoint, parse_config, tokenizer_size
-from engine.jax_model import JaxModel
+from engine.model_store.checkpoint import CheckpointError, RopeScaling, load_checkpoint, parse_config, tokenizer_size
+from engine.jax_backend.jax_model import JaxModel
 
 ASSETS = Path(__file__).parent / "assets"
 EOT, IM_END = 0, 2  # <|endoftext|>, <|im_end|> in the shared tiny tokenizer

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_kernels
-from engine.scripted_model import ScriptedModel
+from engine.jax_backend import cpu_kernels
+from engine.core.scripted_model import ScriptedModel
 from services.cli import build_parser
 from services.config import env_name
 from services.decode_server import start_decode_server

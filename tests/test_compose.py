@@ -36,7 +36,7 @@ from services.health_probe import health_check
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
 SERVERS = ("decode", "text")
-# Read from the environment directly (engine.model_registry.default_cache_dir), not through a flag.
+# Read from the environment directly (engine.model_store.registry.default_cache_dir), not through a flag.
 ENV_ONLY = {"TOKENWIRE_CACHE"}
 
 
@@ -121,7 +121,7 @@ def test_env_vars_are_flags_of_their_command(file, name, monkeypatch, tmp_path):
         assert key.startswith("TOKENWIRE_"), key
         assert key in flags or key in ENV_ONLY, f"{file}: {name} sets {key}, but `tokenwire {command}` has no such flag"
     monkeypatch.setenv("TOKENWIRE_CACHE", str(tmp_path))  # ENV_ONLY really is read where we say
-    from engine.model_registry import default_cache_dir
+    from engine.model_store.registry import default_cache_dir
 
     assert default_cache_dir() == tmp_path
 
@@ -249,9 +249,6 @@ def wait_healthy(process: subprocess.Popen, name: str, log: Path, port: int, bud
     pytest.fail(f"{name} not SERVING after {budget_s} s:\n{log.read_text()[-3000:]}")
 
 
-@pytest.mark.skipif(
-    not (ROOT / "engine" / "jax_model.py").exists(), reason="decode-server needs engine/jax_model.py (in progress)"
-)
 def test_services_start_as_compose_starts_them_and_answer(tmp_path):
     from protos.decode.v1 import decode_pb2
     from services.client import TextClient

@@ -1,4 +1,4 @@
-"""engine.cpu_kernels: the C++ decode attention equals transformer.decode_attention (the JAX
+"""engine.jax_backend.cpu_kernels: the C++ decode attention equals transformer.decode_attention (the JAX
 reference) on random inputs of many shapes, on one thread and split across the pool; the one-row
 product equals x @ w; and a machine that cannot build the kernels gets None (the engine then runs
 plain JAX), never an error.
@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import cpu_kernels, transformer
-from engine.checkpoint import ModelConfig
+from engine.jax_backend import cpu_kernels, transformer
+from engine.model_store.checkpoint import ModelConfig
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None, reason="the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)"
@@ -110,14 +110,14 @@ def test_keys_past_a_rows_position_are_never_read():
 def test_a_machine_without_a_compiler_gets_plain_jax(tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or clang++ on it
-    with caplog.at_level(logging.INFO, logger="engine.cpu_kernels"):
+    with caplog.at_level(logging.INFO, logger="engine.jax_backend.cpu_kernels"):
         assert cpu_kernels.load(tmp_path) is None
     assert "no C++ compiler" in caplog.text
 
 
 def test_a_failed_build_gets_plain_jax_and_leaves_no_library(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
-    with caplog.at_level(logging.WARNING, logger="engine.cpu_kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine.jax_backend.cpu_kernels"):
         assert cpu_kernels.load(tmp_path) is None
     assert "CPU decode kernels off" in caplog.text
     assert list((tmp_path / "kernels").iterdir()) == []  # the staged file was removed

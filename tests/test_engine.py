@@ -6,10 +6,10 @@ import threading
 
 import pytest
 
-from engine.engine import Engine, EngineConfig, EngineStopped, QueueFull
-from engine.events import Finished, FinishReason, Token
-from engine.request import Request, StoppingCriteria
-from engine.scripted_model import ScriptedModel
+from engine.core.engine import Engine, EngineConfig, EngineStopped, QueueFull
+from engine.core.events import Finished, FinishReason, Token
+from engine.core.request import Request, StoppingCriteria
+from engine.core.scripted_model import ScriptedModel
 
 
 class Recorder:

@@ -41,8 +41,8 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine.engine import EngineConfig
-from engine.scripted_model import ScriptedModel
+from engine.core.engine import EngineConfig
+from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2 as tpb
@@ -202,7 +202,7 @@ def control_ids(stopping: dpb.StoppingCriteria) -> set[int]:
 
 def scripted_output(prompt: list[int], stopping: dpb.StoppingCriteria) -> tuple[list[int], int, int | None]:
     """(tokens, reason, stop_token_id) of a valid request: count up from the prompt's last id,
-    skipping control ids while fewer than min_output_tokens were sent (engine/stopping.py)."""
+    skipping control ids while fewer than min_output_tokens were sent (engine/core/stopping.py)."""
     control = control_ids(stopping)
     room = CONTEXT - len(prompt)
     cap = min(stopping.max_output_tokens, room) if stopping.HasField("max_output_tokens") else room

@@ -21,9 +21,9 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
-from engine import model_registry
-from engine.gguf_convert import GGUFConversionError, convert_gguf, unpermute_rope_rows
-from engine.model_registry import MARKER_NAME, ModelRegistryError, pull, resolve_model
+from engine.model_store import registry as model_registry
+from engine.model_store.gguf_convert import GGUFConversionError, convert_gguf, unpermute_rope_rows
+from engine.model_store.registry import MARKER_NAME, ModelRegistryError, pull, resolve_model
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, CONTEXT = 2, 64, 4, 2, 16, 96, 512
 Q8_0 = gguf.GGMLQuantizationType.Q8_0

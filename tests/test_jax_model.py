@@ -1,4 +1,4 @@
-"""JaxModel through the engine.model.Model interface, on tiny-llama (4 slots: row buckets 1, 2, 4;
+"""JaxModel through the engine.core.model.Model interface, on tiny-llama (4 slots: row buckets 1, 2, 4;
 context 32: prompt and attend buckets 16 and 32): batch invariance across row buckets, seeds,
 masks, padding ids never sampled, no compilation after warm-up, and a cache that is updated in
 place rather than copied per step; each with decode attention in JAX and in the CPU kernel."""
@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine import cpu_kernels, transformer
-from engine.checkpoint import load_checkpoint
-from engine.jax_model import JaxModel, length_buckets
-from engine.model import DecodeInput, SlotSetup
-from engine.request import SamplingParams
+from engine.jax_backend import cpu_kernels, transformer
+from engine.model_store.checkpoint import load_checkpoint
+from engine.jax_backend.jax_model import JaxModel, length_buckets
+from engine.core.model import DecodeInput, SlotSetup
+from engine.core.request import SamplingParams
 
 ASSETS = Path(__file__).parent / "assets"
 LLAMA = ASSETS / "tiny-llama"

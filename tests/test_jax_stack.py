@@ -18,8 +18,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from engine.engine import EngineConfig
-from engine.jax_model import JaxModel
+from engine.core.engine import EngineConfig
+from engine.jax_backend.jax_model import JaxModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2_grpc

@@ -17,9 +17,9 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.engine import EngineConfig
-from engine.events import FinishReason
-from engine.scripted_model import ScriptedModel
+from engine.core.engine import EngineConfig
+from engine.core.events import FinishReason
+from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
 from services.decode_server import start_decode_server

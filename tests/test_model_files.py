@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.checkpoint import load_checkpoint
-from engine.model_files import ModelFilesError, eos_token_ids
+from engine.model_store.checkpoint import load_checkpoint
+from engine.model_store.model_files import ModelFilesError, eos_token_ids
 from tokenizer_svc.tokenizer import TextTokenizer
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"

@@ -19,8 +19,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.engine import EngineConfig
-from engine.scripted_model import ScriptedModel
+from engine.core.engine import EngineConfig
+from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2_grpc
@@ -114,7 +114,7 @@ async def test_decode_readiness_waits_for_the_model_while_liveness_serves():
 
 
 async def test_a_model_that_cannot_load_is_one_log_line_and_readiness_never_comes(caplog):
-    from engine.jax_model import JaxModel
+    from engine.jax_backend.jax_model import JaxModel
 
     def bad_load():
         return JaxModel.load(TINY, max_context_length=1000)  # past its max_position_embeddings (256)

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.jax_model import JaxModel
+from engine.jax_backend.jax_model import JaxModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.text.v1 import text_pb2 as pb
 from protos.text.v1 import text_pb2_grpc

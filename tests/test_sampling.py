@@ -1,4 +1,4 @@
-"""engine.sampling on hand-made logits: greedy, cuts, masks, seeds, raw logprobs.
+"""engine.jax_backend.sampling on hand-made logits: greedy, cuts, masks, seeds, raw logprobs.
 
 All calls share two shapes ([ROWS, 4] and [8, 64]) so the suite compiles `sample` twice."""
 
@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.sampling import SlotSampling, row_key, sample, seed_words
+from engine.jax_backend.sampling import SlotSampling, row_key, sample, seed_words
 
 ROWS = 2000
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)

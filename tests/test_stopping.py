@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.events import FinishReason
-from engine.request import StoppingCriteria
-from engine.stopping import Decision, StopRule, decide, resolve
+from engine.core.events import FinishReason
+from engine.core.request import StoppingCriteria
+from engine.core.stopping import Decision, StopRule, decide, resolve
 
 EOS = frozenset({2})
 STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH

@@ -14,8 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.engine import EngineConfig
-from engine.scripted_model import ScriptedModel
+from engine.core.engine import EngineConfig
+from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.text.v1 import text_pb2 as pb
 from protos.text.v1 import text_pb2_grpc

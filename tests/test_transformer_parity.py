@@ -1,10 +1,10 @@
-"""engine.transformer against transformers' own outputs (tests/assets/tiny-*/golden.json, made by
+"""engine.jax_backend.transformer against transformers' own outputs (tests/assets/tiny-*/golden.json, made by
 scripts/make_tiny_checkpoints.py with torch 2.13.0 / transformers 5.24.0).
 
 Each golden case is run the way the engine runs it: prefill into a slot of a batch, then decode
 one token per step with the other slots idle; logits must match within float32 noise and the
 greedy ids exactly (the goldens keep every greedy step >= 2e-3 away from a tie). Decode runs
-in plain JAX and with the CPU kernels (engine.cpu_kernels: attention, and the one-row products
+in plain JAX and with the CPU kernels (engine.jax_backend.cpu_kernels: attention, and the one-row products
 since each step here decodes one slot)."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine import cpu_kernels, transformer
-from engine.checkpoint import load_checkpoint
+from engine.jax_backend import cpu_kernels, transformer
+from engine.model_store.checkpoint import load_checkpoint
 
 ASSETS = Path(__file__).parent / "assets"
 BATCH, CONTEXT, PROMPT_BUCKET = 3, 64, 32

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 
 from tokenizers import Tokenizer
 
-from engine.model_files import eos_token_ids, read_json
+from engine.model_store.model_files import eos_token_ids, read_json
 from tokenizer_svc.chat import SPECIAL_TOKEN_NAMES, ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
 from tokenizer_svc.detokenizer import IncrementalDetokenizer
 

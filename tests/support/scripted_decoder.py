@@ -17,8 +17,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from engine.engine import EngineConfig  # noqa: E402
-from engine.scripted_model import ScriptedModel  # noqa: E402
+from engine.core.engine import EngineConfig  # noqa: E402
+from engine.core.scripted_model import ScriptedModel  # noqa: E402
 from services.decode_server import start_decode_server  # noqa: E402
 from services.server import ServerOptions  # noqa: E402
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from engine.gguf_convert import convert_gguf
+from engine.model_store.gguf_convert import convert_gguf
 
 Log = Callable[[str], None]
 

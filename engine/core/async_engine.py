@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from engine.engine import Engine
-from engine.events import Event, Finished
-from engine.request import Request
+from engine.core.engine import Engine
+from engine.core.events import Event, Finished
+from engine.core.request import Request
 
 
 class _QueueSink:

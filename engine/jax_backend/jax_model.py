@@ -1,18 +1,18 @@
-"""`JaxModel`: the real model behind engine.model.Model, a JAX decoder with a slot-based KV cache.
+"""`JaxModel`: the real model behind engine.core.model.Model, a JAX decoder with a slot-based KV cache.
 
-Data flow: `load` reads a checkpoint (engine.checkpoint) and allocates the device state once: the
+Data flow: `load` reads a checkpoint (engine.model_store.checkpoint) and allocates the device state once: the
 KV cache (L buffers of [B, K, S, D]) and each slot's banned-id row [B, V']. `prefill` runs one
 prompt, padded to the smallest prompt bucket that holds it, into a slot and samples its first
 token. `decode` runs one token for the first R slots, R being the smallest row bucket above the
 highest active slot (the scheduler fills the lowest free slot first, so live slots sit low), and
 attends over the smallest attend bucket that covers every active position; on the CPU (float32)
-the attention is a C++ kernel (engine.cpu_kernels) that reads each row's live keys in place, so
+the attention is a C++ kernel (engine.jax_backend.cpu_kernels) that reads each row's live keys in place, so
 there is one attend bucket, the context, and no window is copied; and a one-row step's weight
 products run on a second kernel over [out, in] copies of the projections, made once here (the
 [in, out] originals serve prefill and batches). A step is a chain of
 jitted calls: embed, then the layers `layers_per_call` at a time, each call taking its layers'
 cache buffers donated and handing them back written in place, then head and sampling
-(engine.sampling) on the device; only the sampled ids and logprobs come back to the host.
+(engine.jax_backend.sampling) on the device; only the sampled ids and logprobs come back to the host.
 Per-slot sampling parameters live on the host and travel with each step as [R] arrays.
 
 Shapes and warm-up. `warm_up` compiles every shape serving can use, so serving compiles nothing
@@ -57,10 +57,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import cpu_kernels, sampling, transformer
-from engine.checkpoint import CheckpointError, ModelConfig, Weights, default_dtype, load_checkpoint
-from engine.model import DecodeInput, ModelInfo, Sample, SlotSetup
-from engine.sampling import SlotSampling
+from engine.jax_backend import cpu_kernels, sampling, transformer
+from engine.model_store.checkpoint import CheckpointError, ModelConfig, Weights, default_dtype, load_checkpoint
+from engine.core.model import DecodeInput, ModelInfo, Sample, SlotSetup
+from engine.jax_backend.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def _head_and_sample(
 
 
 class JaxModel:
-    """A loaded checkpoint plus its device state; implements engine.model.Model."""
+    """A loaded checkpoint plus its device state; implements engine.core.model.Model."""
 
     def __init__(
         self,
@@ -176,7 +176,7 @@ class JaxModel:
         self._decode_groups = layer_groups(config.n_layers, layers_per_call)
         self._prefill_groups = layer_groups(config.n_layers, 1)
         layers = weights.layers
-        if self.kernels:  # [out, in] copies for one-row steps (engine.cpu_kernels.gemv)
+        if self.kernels:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
             layers = tuple(transformer.with_one_row_copies(layer) for layer in layers)
         self._layers = {g: layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot

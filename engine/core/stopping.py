@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.events import FinishReason
-from engine.request import StoppingCriteria
+from engine.core.events import FinishReason
+from engine.core.request import StoppingCriteria
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from engine.model_files import eos_token_ids
+from engine.model_store.model_files import eos_token_ids
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
@@ -79,7 +79,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class OutInWeights:
     """A layer's four projections again, stored [out, in]: what the CPU one-row kernel reads
-    (engine.cpu_kernels.gemv). Made by engine.transformer.with_one_row_copies, never loaded."""
+    (engine.jax_backend.cpu_kernels.gemv). Made by engine.jax_backend.transformer.with_one_row_copies, never loaded."""
 
     qkv: jax.Array  # [(H + 2K) * D, E]
     o: jax.Array  # [E, H * D]

@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from engine.events import Event, Finished, Token, Usage
-from engine.model import DecodeInput, Model, Sample, SlotSetup
-from engine.request import Request
-from engine.stopping import StopRule, decide, resolve
+from engine.core.events import Event, Finished, Token, Usage
+from engine.core.model import DecodeInput, Model, Sample, SlotSetup
+from engine.core.request import Request
+from engine.core.stopping import StopRule, decide, resolve
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ one row for SmolLM2, against 0.19 ms and 23 us for `decode_attention` here, whic
 keys in place); and a one-row step's weight products, which XLA:CPU runs as one or two uneven
 tasks, stream faster as `gemv` here, one contiguous row of an [out, in] copy of each projection
 per output (SmolLM2 batch 1: 20.8 against 24.9 ms a step, interleaved A/B). The copies are made
-by engine.transformer.with_one_row_copies. The sources are in engine/kernels/; each file's header
+by engine.jax_backend.transformer.with_one_row_copies. The sources are in engine/jax_backend/kernels/; each file's header
 says what it computes and why.
 
 Data flow: `load()` compiles the sources once per (source, compiler flags, jaxlib) into
@@ -124,7 +124,7 @@ def _compiler() -> str | None:
 def _build(cache_dir: Path | None) -> Path:
     """Compile into `<cache>/kernels/<hash>.so` unless it is there; a temporary file is renamed
     into place, so concurrent builders never load a half-written library."""
-    from engine.model_registry import default_cache_dir  # here: it imports the GGUF converter
+    from engine.model_store.registry import default_cache_dir  # here: it imports the GGUF converter
 
     compiler = _compiler()
     assert compiler is not None

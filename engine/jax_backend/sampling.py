@@ -32,7 +32,7 @@ BLOCK = 256  # ids per block of the two-level inverse CDF
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class SlotSampling:
-    """Per-row sampling parameters as arrays (see engine.request.SamplingParams for meanings)."""
+    """Per-row sampling parameters as arrays (see engine.core.request.SamplingParams for meanings)."""
 
     temperature: jax.Array  # [B] f32, 0 = greedy
     top_k: jax.Array  # [B] i32, 0 = off

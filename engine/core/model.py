@@ -4,7 +4,7 @@ A model owns a slot-based KV cache of `max_batch_size` slots x `max_context_leng
 positions. The scheduler prefills one request into a free slot, then calls `decode`
 once per step for every active slot, and releases a slot when its request ends.
 A model samples on its own (on the device for the JAX model); it never decides
-whether a token is emitted: that is `engine.stopping.decide`.
+whether a token is emitted: that is `engine.core.stopping.decide`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from engine.request import SamplingParams
+from engine.core.request import SamplingParams
 
 
 @dataclass(frozen=True)

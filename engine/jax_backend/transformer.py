@@ -1,7 +1,7 @@
 """The decoder forward pass in pure JAX, over a slot-based KV cache updated in place.
 
 The pass is cut into pieces that the caller jits separately, so that a group of layers compiles
-once and runs for every group of the same shape (see engine.jax_model for why):
+once and runs for every group of the same shape (see engine.jax_backend.jax_model for why):
 - `prefill_layers`: one request's prompt (padded to a bucket of T tokens) through a group of
   layers; writes the slot's K/V for positions [0, T). The prompt attends to its own fresh K/V.
 - `decode_layers`: one token for each of the first R slots through a group of layers; writes each
@@ -25,7 +25,7 @@ positions feeds the batched attention products without a transpose (with [B, S, 
 transposed that slice in every layer: a 32-row step took 305 ms against 281). Even so, at 32 rows the
 XLA attention is ~40% of a step on XLA:CPU: it copies the sliced window, then runs each of the
 R x K [G, D] x [D, A] products as a separate small matmul. On the CPU the engine therefore uses
-a C++ kernel for decode attention (`kernels=True`, engine.cpu_kernels), which reads each row's
+a C++ kernel for decode attention (`kernels=True`, engine.jax_backend.cpu_kernels), which reads each row's
 live keys in place; `decode_attention` below is the same computation in JAX (the GPU path, and
 the reference the kernel is tested against). A one-row step's projections go to a second kernel
 when the layer carries [out, in] copies (`with_one_row_copies`, `_project`).
@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine import cpu_kernels
-from engine.checkpoint import LayerWeights, ModelConfig, OutInWeights, RopeScaling, Weights
+from engine.jax_backend import cpu_kernels
+from engine.model_store.checkpoint import LayerWeights, ModelConfig, OutInWeights, RopeScaling, Weights
 
 
 @jax.tree_util.register_dataclass
@@ -143,7 +143,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
 
 def with_one_row_copies(layer: LayerWeights) -> LayerWeights:
     """The layer with [out, in] copies of its projections for the CPU one-row kernel (doubles the
-    projections' memory; only engine.jax_model makes them, when its CPU kernels are on)."""
+    projections' memory; only engine.jax_backend.jax_model makes them, when its CPU kernels are on)."""
     t = jnp.transpose
     return replace(
         layer, out_in=OutInWeights(t(layer.w_qkv), t(layer.w_o), t(layer.w_gate_up), t(layer.w_down))
@@ -223,7 +223,7 @@ def decode_layers(
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """x [R, 1, E], positions/active [R] for slots 0..R-1 -> x [R, 1, E] and the group's caches.
     `attend` (static) > every active position. `kernels` (static): attention by the CPU kernel
-    (engine.cpu_kernels), which reads each row's live keys in place and ignores `attend`.
+    (engine.jax_backend.cpu_kernels), which reads each row's live keys in place and ignores `attend`.
 
     Inactive rows compute garbage and write back what their slot already holds, so a slot between
     prefill and its first decode keeps its prompt intact. (Dropping an out-of-range write instead,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from engine.model import DecodeInput, ModelInfo, Sample, SlotSetup
+from engine.core.model import DecodeInput, ModelInfo, Sample, SlotSetup
 
 
 class ScriptedModel:
