@@ -397,7 +397,7 @@ def _run(args: argparse.Namespace) -> int:
         from services.security import ClientTlsConfig
 
         tls = ClientTlsConfig.from_paths(args.tls_ca, args.tls_cert, args.tls_key)
-        return health_check(args.server, args.service, args.timeout, args.wait, tls.credentials() if tls else None)
+        return health_check(args.server, args.service, args.timeout, args.wait, tls)
     return _pull(args)
 
 

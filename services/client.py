@@ -13,40 +13,14 @@ server that requires a bearer token (sent only over TLS).
 from __future__ import annotations
 
 import contextlib
-from typing import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence, TypeVar
+from typing import AsyncIterator, Iterable, Iterator, Sequence
 
 import grpc
 
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
-from services.security import ClientTlsConfig, aio_channel
-
-T = TypeVar("T")
-
-
-def cancelling(call: Iterable[T]) -> Iterator[T]:
-    """Iterate a server-streaming call; leaving early (break, error, close) cancels it."""
-    try:
-        yield from call
-    finally:
-        call.cancel()  # a no-op once the call has finished
-
-
-async def cancelling_aio(call: AsyncIterable[T]) -> AsyncIterator[T]:
-    """`cancelling` for a grpc.aio call: closing the iterator early cancels the RPC."""
-    try:
-        async for item in call:
-            yield item
-    finally:
-        call.cancel()
-
-
-def _sync_channel(target: str, tls: ClientTlsConfig | None, token: str | None) -> grpc.Channel:
-    if tls is None:
-        if token is not None:
-            raise ValueError("a bearer token is only sent over TLS: pass tls=ClientTlsConfig(...) too")
-        return grpc.insecure_channel(target)
-    return grpc.secure_channel(target, tls.credentials(token))
+from services.channels import cancelling, cancelling_aio, open_channel
+from services.security import ClientTlsConfig
 
 
 def _params(
@@ -116,7 +90,7 @@ class TextClient:
     def __init__(
         self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
     ) -> None:
-        self.channel = _sync_channel(target, tls, token)
+        self.channel = open_channel(target, tls, token, asynchronous=False)
         self.timeout = timeout
         self._tokenizer = text_pb2_grpc.TokenizerStub(self.channel)
         self._generation = text_pb2_grpc.TextGenerationStub(self.channel)
@@ -150,7 +124,7 @@ class AsyncTextClient:
     def __init__(
         self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
     ) -> None:
-        self.channel = aio_channel(target, tls, token)
+        self.channel = open_channel(target, tls, token)
         self.timeout = timeout
         self._tokenizer = text_pb2_grpc.TokenizerStub(self.channel)
         self._generation = text_pb2_grpc.TextGenerationStub(self.channel)
@@ -187,7 +161,7 @@ class DecodeClient:
     def __init__(
         self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
     ) -> None:
-        self.channel = _sync_channel(target, tls, token)
+        self.channel = open_channel(target, tls, token, asynchronous=False)
         self.timeout = timeout
         self._stub = decode_pb2_grpc.DecoderStub(self.channel)
 
@@ -214,7 +188,7 @@ class AsyncDecodeClient:
     def __init__(
         self, target: str, timeout: float | None = None, tls: ClientTlsConfig | None = None, token: str | None = None
     ) -> None:
-        self.channel = aio_channel(target, tls, token)
+        self.channel = open_channel(target, tls, token)
         self.timeout = timeout
         self._stub = decode_pb2_grpc.DecoderStub(self.channel)
 

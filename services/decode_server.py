@@ -17,16 +17,14 @@ from typing import Callable
 from engine.core.async_engine import AsyncEngine
 from engine.core.engine import Engine, EngineConfig
 from engine.core.model import Model
-from protos.decode.v1 import decode_pb2, decode_pb2_grpc
+from protos.decode.v1 import decode_pb2_grpc
 from services.admission import Admission
 from services.decode_service import DecoderServicer
 from services.metrics import Metrics
+from services.service_names import DECODER_SERVICE
 from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
 
 log = logging.getLogger("tokenwire.decode")
-
-DECODER_SERVICE = decode_pb2.DESCRIPTOR.services_by_name["Decoder"].full_name  # tokenwire.decode.v1.Decoder
-
 
 @dataclass
 class DecodeServer:

@@ -15,17 +15,9 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine.core.engine import EngineStopped, QueueFull
+from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
 
 log = logging.getLogger("tokenwire.errors")
-
-
-class InvalidArgument(ValueError):
-    """A request field is out of range. `field` is its path in the request message."""
-
-    def __init__(self, field: str, problem: str) -> None:
-        super().__init__(f"{field}: {problem}")
-        self.field = field
 
 
 class ServiceError(Exception):

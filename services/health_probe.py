@@ -17,13 +17,15 @@ import time
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.channels import open_channel
+from services.security import ClientTlsConfig
+
 POLL_INTERVAL_S = 0.5
 
 
-def check_once(target: str, service: str, timeout: float, credentials: grpc.ChannelCredentials | None = None) -> str:
+def check_once(target: str, service: str, timeout: float, tls: ClientTlsConfig | None = None) -> str:
     """The service's status name (SERVING, NOT_SERVING, ...) or the RPC error that prevented knowing."""
-    channel = grpc.secure_channel(target, credentials) if credentials is not None else grpc.insecure_channel(target)
-    with channel:
+    with open_channel(target, tls, asynchronous=False) as channel:
         try:
             response = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -38,7 +40,7 @@ def health_check(
     service: str = "",
     timeout: float = 5.0,
     wait: float = 0.0,
-    credentials: grpc.ChannelCredentials | None = None,
+    tls: ClientTlsConfig | None = None,
 ) -> int:
     """Exit code 0 when `service` ('' = the whole server) at `target` is SERVING, else 1.
 
@@ -48,7 +50,7 @@ def health_check(
     deadline = time.monotonic() + wait
     name = service or "(server)"
     while True:
-        status = check_once(target, service, timeout, credentials)
+        status = check_once(target, service, timeout, tls)
         if status == "SERVING":
             print(f"{target} {name}: SERVING")
             return 0

@@ -98,15 +98,6 @@ class ClientTlsConfig:
         return grpc.composite_channel_credentials(channel, grpc.access_token_call_credentials(_check_token(token)))
 
 
-def aio_channel(target: str, tls: ClientTlsConfig | None = None, token: str | None = None, options=None) -> grpc.aio.Channel:
-    """An asyncio channel: plaintext without `tls`, TLS (with the token, if any) with it."""
-    if tls is None:
-        if token is not None:
-            raise TlsError("a bearer token is only sent over TLS: configure a CA (and the server's TLS) as well")
-        return grpc.aio.insecure_channel(target, options=options)
-    return grpc.aio.secure_channel(target, tls.credentials(token), options=options)
-
-
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     """Per-call metadata carrying `token`, for `stub.Method(request, metadata=...)`."""
     return (("authorization", f"Bearer {_check_token(token)}"),)

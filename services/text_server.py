@@ -18,19 +18,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
-from protos.text.v1 import text_pb2, text_pb2_grpc
+from protos.text.v1 import text_pb2_grpc
 from services.admission import Admission
-from services.decode_server import DECODER_SERVICE
 from services.metrics import Metrics
-from services.security import ClientTlsConfig, aio_channel
+from services.channels import open_channel
+from services.security import ClientTlsConfig
+from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE, TOKENIZER_SERVICE
 from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
 from services.text_service import TextGenerationServicer, TokenizerServicer, remote_decode
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = logging.getLogger("tokenwire.text")
 
-TOKENIZER_SERVICE = text_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
-TEXT_GENERATION_SERVICE = text_pb2.DESCRIPTOR.services_by_name["TextGeneration"].full_name
 
 # Reconnect quickly after the decoder restarts (gRPC's default backoff grows to 120 s).
 DECODER_CHANNEL_OPTIONS = [
@@ -141,7 +140,7 @@ async def start_text_server(
     """Connect to the decoder, check that it serves this tokenizer's model, then serve.
     Raises ModelMismatch, or grpc.aio.AioRpcError when the decoder cannot be reached in time."""
     metrics = metrics or Metrics()
-    channel = aio_channel(decoder_target, decoder_tls, options=DECODER_CHANNEL_OPTIONS)
+    channel = open_channel(decoder_target, decoder_tls, options=DECODER_CHANNEL_OPTIONS)
     try:
         decoder = decode_pb2_grpc.DecoderStub(channel)
         health = health_pb2_grpc.HealthStub(channel)

@@ -20,7 +20,7 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services import validation
 from services.admission import Admission
-from services.client import cancelling_aio
+from services.channels import cancelling_aio
 from services.errors import InvalidArgument, ServiceError, grpc_errors
 from services.metrics import Metrics
 from tokenizer_svc.chat import ChatMessage, ChatTemplateError

@@ -12,7 +12,7 @@ import uuid
 from engine.core.model import ModelInfo
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from protos.decode.v1 import decode_pb2
-from services.errors import InvalidArgument
+from engine.core.errors import InvalidArgument, check_token_ids
 
 MAX_REQUEST_ID_LENGTH = 128
 
@@ -57,9 +57,7 @@ def stopping_criteria(pb: decode_pb2.StoppingCriteria, prompt_len: int, info: Mo
                 f"prompt ({prompt_len} tokens) + max_output_tokens ({max_output}) exceeds the "
                 f"context length ({info.max_context_length})",
             )
-    for i, token_id in enumerate(pb.stop_token_ids):
-        if token_id >= info.vocab_size:
-            raise InvalidArgument(f"stopping.stop_token_ids[{i}]", f"{token_id} is not < vocab_size {info.vocab_size}")
+    check_token_ids(pb.stop_token_ids, info.vocab_size, "stopping.stop_token_ids")
     cap = room if max_output is None else max_output
     if pb.min_output_tokens > cap:
         raise InvalidArgument(
@@ -72,9 +70,7 @@ def stopping_criteria(pb: decode_pb2.StoppingCriteria, prompt_len: int, info: Mo
 def prompt_ids(ids, info: ModelInfo, field: str = "prompt_token_ids") -> tuple[int, ...]:
     if not ids:
         raise InvalidArgument(field, "must not be empty")
-    for i, token_id in enumerate(ids):
-        if token_id >= info.vocab_size:
-            raise InvalidArgument(f"{field}[{i}]", f"{token_id} is not < vocab_size {info.vocab_size}")
+    check_token_ids(ids, info.vocab_size, field)
     if len(ids) >= info.max_context_length:
         raise InvalidArgument(
             field, f"{len(ids)} tokens leave no room for output in a context of {info.max_context_length}"

@@ -136,8 +136,7 @@ def test_service_env_does_not_change_its_healthcheck(name):
 
 @pytest.mark.parametrize("name", SERVERS)
 def test_healthcheck_probes_the_service_that_the_server_registers(name):
-    from services.decode_server import DECODER_SERVICE
-    from services.text_server import TEXT_GENERATION_SERVICE
+    from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE
 
     service = SERVICES[name]
     argv = healthcheck_argv(name)

@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from engine.core.engine import Engine, EngineConfig, EngineStopped, QueueFull
+from engine.core.engine import Engine, EngineConfig
+from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Finished, FinishReason, Token
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel

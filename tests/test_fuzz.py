@@ -48,7 +48,7 @@ from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2 as tpb
 from protos.text.v1 import text_pb2_grpc
 from services.decode_server import DecodeServer, start_decode_server
-from services.errors import InvalidArgument
+from engine.core.errors import InvalidArgument
 from services.text_server import TextServer, start_text_server
 from services.text_service import encode_chat
 from services.validation import MAX_REQUEST_ID_LENGTH

@@ -23,7 +23,7 @@ from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
 from services.decode_server import start_decode_server
-from services.errors import InvalidArgument
+from engine.core.errors import InvalidArgument
 from services.metrics import Metrics, start_metrics_server, stop_metrics_server
 
 FAMILIES = {

@@ -25,10 +25,11 @@ from protos.decode.v1 import decode_pb2 as dpb
 from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2_grpc
 from services.client import AsyncTextClient, decode_request, generate_request
-from services.decode_server import DECODER_SERVICE, start_decode_server
+from services.decode_server import start_decode_server
+from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE
 from services.security import ClientTlsConfig, ServerTlsConfig
 from services.server import ServerOptions
-from services.text_server import TEXT_GENERATION_SERVICE, start_text_server
+from services.text_server import start_text_server
 from tokenizer_svc.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent

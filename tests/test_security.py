@@ -19,13 +19,13 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
+from services.channels import open_channel as aio_channel
 from services.health_probe import health_check
 from services.security import (
     BearerTokenInterceptor,
     ClientTlsConfig,
     ServerTlsConfig,
     TlsError,
-    aio_channel,
     bearer_metadata,
 )
 
@@ -168,7 +168,7 @@ async def test_token_as_call_credentials_over_tls_with_probe(pki):
         async with aio_channel(target, client, token="not-it") as channel:
             assert (await _refused(_protected_check(channel)(request))).code() == grpc.StatusCode.UNAUTHENTICATED
         # the probe needs TLS to reach the server, and no token
-        assert await asyncio.to_thread(health_check, target, "", 5.0, 0.0, client.credentials()) == 0
+        assert await asyncio.to_thread(health_check, target, "", 5.0, 0.0, client) == 0
         assert await asyncio.to_thread(health_check, target, "", 2.0) == 1  # plaintext to a TLS port
 
 

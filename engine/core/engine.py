@@ -25,20 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
+from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
 from engine.core.model import DecodeInput, Model, Sample, SlotSetup
 from engine.core.request import Request
 from engine.core.stopping import StopRule, decide, resolve
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(Exception):
-    """The admission queue is at its bound; the caller should retry later."""
-
-
-class EngineStopped(Exception):
-    """The engine is not running (not started, stopping, or its loop died)."""
 
 
 class EventSink(Protocol):

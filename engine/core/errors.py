@@ -1,0 +1,36 @@
+"""The errors the cores raise for a caller to act on; `services.errors` maps each to a status code.
+
+They live here, below both cores, so that the text use case (tokenizer_svc) and the engine can
+refuse input in the same terms without importing the gRPC shell.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class InvalidArgument(ValueError):
+    """A request field is out of range. `field` is its path in the request message."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+class QueueFull(Exception):
+    """The admission queue is at its bound; the caller should retry later."""
+
+
+class EngineStopped(Exception):
+    """The engine is not running (not started, stopping, or its loop died)."""
+
+
+def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
+    """Refuse ids outside [0, vocab_size), naming the first one as `field[i]`.
+
+    The one vocabulary check: the decode service's prompt and stop ids, the text service's
+    Detokenize ids and the tokenizer's own decode all go through it. Downstream nothing would
+    notice: JAX clamps an out-of-range gather index, and a tokenizer drops an unknown id."""
+    for i, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidArgument(f"{field}[{i}]", f"{token_id} is not in the vocabulary [0, {vocab_size})")
