@@ -1,12 +1,14 @@
-# tokenwire: one image for every command (decode-server, text-server, pull, generate, health).
+# tokenwire: one Dockerfile for every command (decode-server, text-server, pull, generate, health).
 #
 #   docker build -t tokenwire:cpu .                                   # CPU JAX (the pinned jaxlib)
 #   docker build -t tokenwire:gpu --build-arg JAX_EXTRA=gpu .         # jax[cuda12]; run with --gpus all
+#   docker build -t tokenwire:text --build-arg JAX_EXTRA=text .       # no JAX: text-server, pull, clients
 #   docker run --rm tokenwire:cpu --help
 #
-# JAX_EXTRA picks the optional dependency group of pyproject.toml: `cpu` (jax/jaxlib pinned) or
+# JAX_EXTRA picks the optional dependency group of pyproject.toml: `cpu` (jax/jaxlib pinned),
 # `gpu` (jax[cuda12], whose wheels bring the CUDA libraries: the host needs only the NVIDIA
-# driver and the container toolkit). See docs/deployment.md; compose.yaml runs the services.
+# driver and the container toolkit) or `text` (no JAX: every command but decode-server and
+# generate/chat --local). See docs/deployment.md; compose.yaml runs the services.
 
 # -- build the wheel from the repository (only the package sources are copied) --------------
 FROM python:3.11-slim AS wheel

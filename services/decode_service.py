@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 
 from engine.core.async_engine import AsyncEngine
-from engine.core.events import Event, FinishReason, Token
+from engine.core.events import Event, Finished, FinishReason, Token, Usage
 from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services import validation
@@ -14,6 +14,7 @@ from services.errors import grpc_errors
 from services.metrics import Metrics
 
 _REASONS = {FinishReason.STOP: decode_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: decode_pb2.FINISH_REASON_LENGTH}
+_REASONS_FROM_PB = {pb: reason for reason, pb in _REASONS.items()}
 
 
 def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
@@ -30,6 +31,24 @@ def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
     )
 
 
+def event_from_pb(pb: decode_pb2.DecodeEvent) -> Event:
+    """The inverse of `event_to_pb`: what a remote Decoder streamed, as the engine's own event.
+    ValueError for an event the stream contract rules out (unset, or an UNSPECIFIED reason)."""
+    kind = pb.WhichOneof("event")
+    if kind == "token":
+        return Token(pb.token.id, pb.token.logprob if pb.token.HasField("logprob") else None)
+    if kind != "finished":
+        raise ValueError("the decoder sent an event that is neither a token nor a finish")
+    finished = pb.finished
+    if finished.reason not in _REASONS_FROM_PB:
+        raise ValueError(f"the decoder sent finish reason {finished.reason}, which is neither STOP nor LENGTH")
+    return Finished(
+        _REASONS_FROM_PB[finished.reason],
+        Usage(finished.usage.prompt_tokens, finished.usage.completion_tokens),
+        finished.stop_token_id if finished.HasField("stop_token_id") else None,
+    )
+
+
 def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
     return decode_pb2.ModelInfo(
         model_id=info.model_id,
@@ -40,18 +59,6 @@ def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
     )
 
 
-def local_decode(engine: AsyncEngine, info: ModelInfo):
-    """A `DecodeFn` over an in-process engine: what `Decode` streams, without a socket."""
-
-    async def decode(request: decode_pb2.DecodeRequest, timeout: float | None):
-        engine_request = validation.decode_request(request, info)
-        async with contextlib.aclosing(engine.stream(engine_request)) as events:
-            async for batch in events:
-                yield decode_pb2.DecodeResponse(events=[event_to_pb(e) for e in batch])
-
-    return decode
-
-
 class DecoderServicer(decode_pb2_grpc.DecoderServicer):
     """Serves nothing until `attach` gives it a warmed-up engine; `admission` gates every call."""
 
@@ -59,18 +66,20 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
         self.admission = admission
         self.metrics = metrics
         self.info: ModelInfo | None = None
-        self._decode = None
+        self.engine: AsyncEngine | None = None
 
     def attach(self, engine: AsyncEngine, info: ModelInfo) -> None:
         self.info = info
-        self._decode = local_decode(engine, info)
+        self.engine = engine
 
     @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
         with self.admission.admit(), self.metrics.track(request.request_id, len(request.prompt_token_ids)) as tracker:
             request.request_id = tracker.request_id = validation.request_id_of(request.request_id)
-            async with contextlib.aclosing(self._decode(request, None)) as responses:
-                async for response in responses:
+            engine_request = validation.decode_request(request, self.info)
+            async with contextlib.aclosing(self.engine.stream(engine_request)) as steps:
+                async for events in steps:  # one response per engine step for this request
+                    response = decode_pb2.DecodeResponse(events=[event_to_pb(e) for e in events])
                     tracker.decode_response(response)
                     yield response
 

@@ -15,7 +15,8 @@ import logging
 import grpc
 from google.protobuf.message import DecodeError
 
-from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
+from engine.core.errors import DecoderFault, EngineStopped, InvalidArgument, QueueFull, StreamEndedWithoutFinished
+from services.handlers import rewrap
 
 log = logging.getLogger("tokenwire.errors")
 
@@ -38,6 +39,10 @@ def status_for(error: BaseException) -> tuple[grpc.StatusCode, str] | None:
         return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, ServiceError):
         return error.code, str(error)
+    if isinstance(error, DecoderFault):  # the decoder broke its contract: our fault, not the caller's
+        return grpc.StatusCode.INTERNAL, str(error)
+    if isinstance(error, StreamEndedWithoutFinished):  # the decoder went away mid-stream
+        return grpc.StatusCode.UNAVAILABLE, str(error)
     if isinstance(error, grpc.aio.AioRpcError):  # an upstream call failed: pass its status on
         return error.code(), error.details() or error.code().name
     return None
@@ -49,6 +54,8 @@ def _failure(method: str, error: Exception) -> tuple[grpc.StatusCode, str]:
     if mapped is None:
         log.error("unexpected error in %s", method, exc_info=error)
         mapped = (grpc.StatusCode.INTERNAL, f"internal error in {method}; see the server log")
+    elif mapped[0] == grpc.StatusCode.INTERNAL:
+        log.error("%s: %s", method, mapped[1])
     return mapped
 
 
@@ -108,17 +115,18 @@ class ParseRequestsInHandler(grpc.aio.ServerInterceptor):
                 problem = f"the request is not a valid message for {details.method}"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
-        if handler.response_streaming:
-            behaviour = handler.unary_stream
+        def parse_first(behaviour):
+            if handler.response_streaming:
 
-            async def unary_stream(raw, context):
-                async for response in behaviour(await parsed(raw, context), context):
-                    yield response
+                async def unary_stream(raw, context):
+                    async for response in behaviour(await parsed(raw, context), context):
+                        yield response
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, None, handler.response_serializer)
-        behaviour = handler.unary_unary
+                return unary_stream
 
-        async def unary_unary(raw, context):
-            return await behaviour(await parsed(raw, context), context)
+            async def unary_unary(raw, context):
+                return await behaviour(await parsed(raw, context), context)
 
-        return grpc.unary_unary_rpc_method_handler(unary_unary, None, handler.response_serializer)
+            return unary_unary
+
+        return rewrap(handler, parse_first, request_deserializer=None)

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
 from services.errors import status_for
+from services.handlers import rewrap
 
 request_log = logging.getLogger("tokenwire.requests")
 
@@ -230,13 +231,6 @@ def _escape(c: str) -> str:
 
 # -- every RPC's status code, at the server boundary ------------------------------------------
 
-_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
-
 
 class StatusCodeInterceptor(grpc.aio.ServerInterceptor):
     """Counts each RPC's final status in `tokenwire_responses_total{method, code}`.
@@ -254,15 +248,7 @@ class StatusCodeInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         count = functools.partial(self._count, handler_call_details.method)
-        for kind, factory in _FACTORIES.items():
-            behavior = getattr(handler, kind)
-            if behavior is not None:
-                return factory(
-                    _counted(behavior, count),
-                    request_deserializer=handler.request_deserializer,
-                    response_serializer=handler.response_serializer,
-                )
-        return handler
+        return rewrap(handler, lambda behavior: _counted(behavior, count))
 
     def _count(self, method: str, code: grpc.StatusCode) -> None:
         self._responses.labels(method, code.name).inc()

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import grpc
 
+from services.handlers import rewrap
+
 # Methods reachable without a token: liveness/readiness probes and schema discovery.
 OPEN_METHOD_PREFIXES = (
     "/grpc.health.v1.Health/",
@@ -111,13 +113,6 @@ def _check_token(token: str) -> str:
 
 # -- server side --------------------------------------------------------------------------
 
-_FACTORIES = {
-    "unary_unary": grpc.unary_unary_rpc_method_handler,
-    "unary_stream": grpc.unary_stream_rpc_method_handler,
-    "stream_unary": grpc.stream_unary_rpc_method_handler,
-    "stream_stream": grpc.stream_stream_rpc_method_handler,
-}
-
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuse, with UNAUTHENTICATED, RPCs without `authorization: Bearer <token>`.
@@ -156,8 +151,5 @@ def _refusing(handler: grpc.RpcMethodHandler, problem: str) -> grpc.RpcMethodHan
     async def refuse(request_or_iterator, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, problem)
 
-    for kind, factory in _FACTORIES.items():
-        if getattr(handler, kind) is not None:
-            # no deserializer: the unauthenticated request stays bytes and is never parsed
-            return factory(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
-    raise TypeError(f"not an RPC method handler: {handler!r}")
+    # no deserializer: the unauthenticated request stays bytes and is never parsed
+    return rewrap(handler, lambda _behaviour: refuse, request_deserializer=None)

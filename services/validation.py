@@ -67,21 +67,10 @@ def stopping_criteria(pb: decode_pb2.StoppingCriteria, prompt_len: int, info: Mo
     return StoppingCriteria(max_output, frozenset(pb.stop_token_ids), pb.ignore_eos, pb.min_output_tokens)
 
 
-def prompt_ids(ids, info: ModelInfo, field: str = "prompt_token_ids") -> tuple[int, ...]:
-    if not ids:
-        raise InvalidArgument(field, "must not be empty")
-    check_token_ids(ids, info.vocab_size, field)
-    if len(ids) >= info.max_context_length:
-        raise InvalidArgument(
-            field, f"{len(ids)} tokens leave no room for output in a context of {info.max_context_length}"
-        )
-    return tuple(ids)
-
-
 def decode_request(pb: decode_pb2.DecodeRequest, info: ModelInfo) -> Request:
     """Validate a DecodeRequest against the served model and convert it."""
     request_id = request_id_of(pb.request_id)
-    prompt = prompt_ids(pb.prompt_token_ids, info)
+    prompt = info.check_prompt(pb.prompt_token_ids, "prompt_token_ids")
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,

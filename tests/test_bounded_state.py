@@ -225,9 +225,11 @@ def test_detokenizer_holds_a_window_plus_the_current_byte_run(family):
     tokenizer = TextTokenizer.from_dir(ASSETS / family)
     rng = random.Random(family)
     ids = range(min(tokenizer.vocab_size, 5000))
-    byte_ids = [i for i in ids if tokenizer.is_byte_token(i)]  # <0xHH> tokens (sp-bpe only)
-    other_ids = [i for i in ids if not tokenizer.is_byte_token(i)]
-    detokenizer = tokenizer.detokenizer(rng.choices(other_ids, k=40), keep_special_tokens=rng.random() < 0.5)
+    vocabulary = tokenizer.vocabulary
+    byte_ids = [i for i in ids if vocabulary.is_byte_token(i)]  # <0xHH> tokens (sp-bpe only)
+    other_ids = [i for i in ids if not vocabulary.is_byte_token(i)]
+    prompt = rng.choices(other_ids, k=40)
+    detokenizer = IncrementalDetokenizer(vocabulary, prompt, keep_special_tokens=rng.random() < 0.5)
     run = peak = 0  # run: byte-fallback tokens pushed since the last other token
     for _ in range(3000):
         if byte_ids and rng.random() < 0.1:  # now and then a short run of byte tokens
@@ -249,7 +251,7 @@ def test_detokenizer_holds_a_window_plus_the_current_byte_run(family):
     stops=st.lists(st.text("abcdefghijklmnopqrstuvwxyz !()_\n", min_size=1, max_size=12), min_size=1, max_size=4),
 )
 def test_a_text_stream_holds_less_text_than_its_longest_stop_string(ids, stops):
-    stream = TextStream(tiny_tokenizer().detokenizer([300]), StopStringMatcher(stops))
+    stream = TextStream(IncrementalDetokenizer(tiny_tokenizer().vocabulary, [300]), StopStringMatcher(stops))
     longest = max(map(len, stops))
     for token_id in ids:
         if stream.push([token_id]).stop_string is not None:

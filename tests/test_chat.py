@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from support.tokenizers import ASSETS, load_tokenizer as load
+from support.tokenizer_assets import ASSETS, load_tokenizer as load
 from tokenizer_svc import ChatMessage, ChatTemplate, ChatTemplateError, TextTokenizer
 
 GOLDEN = json.loads((ASSETS / "chat_golden.json").read_text(encoding="utf-8"))
@@ -49,7 +49,7 @@ def test_qwen3_renders_chatml_with_a_generation_prompt():
 
 def test_missing_template_is_a_clear_error():
     tok = load("gpt2")
-    assert not tok.has_chat_template()
+    assert tok.chat_template is None
     with pytest.raises(ChatTemplateError, match="no chat template"):
         tok.render_chat([ChatMessage("user", "hi")])
     with pytest.raises(ValueError):  # ChatTemplateError is a ValueError

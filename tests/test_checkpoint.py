@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from engine.jax_backend import weights as device_weights
 from engine.model_store.checkpoint import CheckpointError, RopeScaling, load_checkpoint, parse_config, tokenizer_size
 from engine.jax_backend.jax_model import JaxModel
 
@@ -101,7 +102,7 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
 
 
 def test_bfloat16_on_request():
-    w = load_checkpoint(ASSETS / "tiny-llama", dtype="bfloat16").weights
+    w = device_weights.load_checkpoint(ASSETS / "tiny-llama", dtype="bfloat16").weights
     assert w.embed.dtype.name == "bfloat16" and w.layers[1].w_qkv.dtype.name == "bfloat16"
 
 

@@ -36,8 +36,6 @@ from services.health_probe import health_check
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
 SERVERS = ("decode", "text")
-# Read from the environment directly (engine.model_store.registry.default_cache_dir), not through a flag.
-ENV_ONLY = {"TOKENWIRE_CACHE"}
 
 
 def load(name: str) -> dict:
@@ -113,17 +111,13 @@ def test_every_command_word_exists_in_the_cli(monkeypatch):
 
 
 @pytest.mark.parametrize("file, name", [("compose.yaml", n) for n in SERVICES] + [("compose.gpu.yaml", n) for n in GPU["services"]])
-def test_env_vars_are_flags_of_their_command(file, name, monkeypatch, tmp_path):
+def test_env_vars_are_flags_of_their_command(file, name):
     command = SERVICES[name]["command"][0]
     env = load(file)["services"][name].get("environment", {})
     flags = {env_name(flag): flag for flag in command_flags(command)}
     for key in env:
         assert key.startswith("TOKENWIRE_"), key
-        assert key in flags or key in ENV_ONLY, f"{file}: {name} sets {key}, but `tokenwire {command}` has no such flag"
-    monkeypatch.setenv("TOKENWIRE_CACHE", str(tmp_path))  # ENV_ONLY really is read where we say
-    from engine.model_store.registry import default_cache_dir
-
-    assert default_cache_dir() == tmp_path
+        assert key in flags, f"{file}: {name} sets {key}, but `tokenwire {command}` has no such flag"
 
 
 @pytest.mark.parametrize("name", SERVERS)
@@ -159,6 +153,18 @@ def test_ports_are_published_and_grace_fits(name):
     assert seconds(service["stop_grace_period"]) > grace, "docker would SIGKILL before the drain ends"
 
 
+def test_the_text_side_installs_and_ships_without_jax():
+    """The base install (and the `text` extra) has no JAX, and compose builds the text and model
+    services from it: only the decode image carries jaxlib."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    base = [d.lower() for d in pyproject["project"]["dependencies"]]
+    assert not [d for d in base if d.startswith(("jax", "jaxlib"))]
+    assert pyproject["project"]["optional-dependencies"]["text"] == []
+    for name in ("model", "text"):
+        assert SERVICES[name]["build"]["args"]["JAX_EXTRA"] == "text", name
+        assert SERVICES[name]["image"] != SERVICES["decode"]["image"], name
+
+
 def test_dockerfile_and_gpu_override_match_pyproject():
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["tokenwire"] == "services.cli:main"
@@ -171,6 +177,7 @@ def test_dockerfile_and_gpu_override_match_pyproject():
     assert COMPOSE["x-tokenwire"]["build"]["args"]["JAX_EXTRA"] in extras
     decode = GPU["services"]["decode"]
     assert decode["build"]["args"]["JAX_EXTRA"] == "gpu"
+    assert SERVICES["decode"]["build"]["args"]["JAX_EXTRA"] == "cpu"
     assert decode["image"] != COMPOSE["x-tokenwire"]["image"]
     devices = decode["deploy"]["resources"]["reservations"]["devices"]
     assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]

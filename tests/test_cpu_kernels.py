@@ -108,17 +108,15 @@ def test_keys_past_a_rows_position_are_never_read():
 
 
 def test_a_machine_without_a_compiler_gets_plain_jax(tmp_path, monkeypatch, caplog):
-    monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or clang++ on it
     with caplog.at_level(logging.INFO, logger="engine.jax_backend.cpu_kernels"):
-        assert cpu_kernels.load(tmp_path) is None
+        assert cpu_kernels.load(cpu_kernels.BuildOptions(tmp_path)) is None
     assert "no C++ compiler" in caplog.text
 
 
 def test_a_failed_build_gets_plain_jax_and_leaves_no_library(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("CXX", "false")  # a "compiler" that always fails
     with caplog.at_level(logging.WARNING, logger="engine.jax_backend.cpu_kernels"):
-        assert cpu_kernels.load(tmp_path) is None
+        assert cpu_kernels.load(cpu_kernels.BuildOptions(tmp_path, compiler="false")) is None  # always fails
     assert "CPU decode kernels off" in caplog.text
     assert list((tmp_path / "kernels").iterdir()) == []  # the staged file was removed
 
@@ -127,4 +125,4 @@ def test_the_library_is_built_once_and_reused():
     first = cpu_kernels.load()
     assert first is not None and first.path.is_file() and first.path.parent.name == "kernels"
     assert cpu_kernels.load() is first
-    assert cpu_kernels._build(None) == first.path  # same sources, flags and jaxlib: same file, no rebuild
+    assert cpu_kernels._build(cpu_kernels.BuildOptions()) == first.path  # same sources, flags and jaxlib: same file, no rebuild

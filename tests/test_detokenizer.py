@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer
 
-from support.tokenizers import load_tokenizer as load
+from engine.core.errors import InvalidArgument
+from support.tokenizer_assets import ASSETS, load_tokenizer as load
 from tokenizer_svc import TextTokenizer
-from tokenizer_svc.detokenizer import CONTEXT_TOKENS, ends_inside_char
+from tokenizer_svc.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, ends_inside_char
 
 FAMILIES = ["gpt2", "sp-bpe", "qwen3"]
 
@@ -37,8 +39,17 @@ def split(ids: list[int], cuts: list[int]) -> list[list[int]]:
     return [ids[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
+def detokenizer(tok: TextTokenizer, prompt: list[int], keep: bool = False) -> IncrementalDetokenizer:
+    return IncrementalDetokenizer(tok.vocabulary, prompt, keep_special_tokens=keep)
+
+
+def token_id(name: str, token: str) -> int:
+    """The id of an exact token string, read with the tokenizers library itself."""
+    return Tokenizer.from_file(str(ASSETS / name / "tokenizer.json")).token_to_id(token)
+
+
 def stream(tok: TextTokenizer, prompt: list[int], chunks: list[list[int]], keep: bool) -> list[str]:
-    detok = tok.detokenizer(prompt, keep_special_tokens=keep)
+    detok = detokenizer(tok, prompt, keep)
     return [detok.push(chunk) for chunk in chunks] + [detok.finish()]
 
 
@@ -106,14 +117,14 @@ def test_text_is_released_as_soon_as_no_token_can_change_it(name):
     """For ids of real text, after each push everything is out except an unfinished last
     character (byte-level) or a run of <0xHH> tokens that may go on (byte fallback)."""
     tok = load(name)
-    byte_level = tok.decoder_traits.byte_level
+    byte_level = tok.vocabulary.decoder_traits.byte_level
 
     @PROPERTY
     @given(text=texts, cuts=cuts)
     def check(text, cuts):
         ids = tok.encode(text)
         final = tok.decode(ids)
-        detok = tok.detokenizer([])
+        detok = detokenizer(tok, [])
         out, seen = "", []
         for chunk in split(ids, cuts):
             out += detok.push(chunk)
@@ -122,7 +133,7 @@ def test_text_is_released_as_soon_as_no_token_can_change_it(name):
             kept = [i for i in seen if i not in tok.special_token_ids]
             if byte_level:  # an unfinished character shows as one U+FFFD in decode(seen)
                 assert out == (so_far if final.startswith(so_far) else so_far[:-1])
-            elif final.startswith(so_far) and not (kept and tok.is_byte_token(kept[-1])):
+            elif final.startswith(so_far) and not (kept and tok.vocabulary.is_byte_token(kept[-1])):
                 assert out == so_far
             assert final.startswith(out)
         assert out + detok.finish() == final
@@ -145,13 +156,13 @@ def test_sentencepiece_first_delta_gets_its_leading_space_from_the_prompt():
 
 def test_byte_fallback_run_is_held_until_a_non_byte_token_and_an_invalid_run_is_all_fffd():
     tok = load("sp-bpe")
-    e4, b8, ad, ff = (tok.token_id(f"<0x{b}>") for b in ("E4", "B8", "AD", "FF"))
-    assert tok.decode([e4, b8, ad]) == "中" and all(tok.is_byte_token(i) for i in (e4, b8, ad, ff))
-    word = tok.token_id("▁x")  # " x" after other text
-    detok = tok.detokenizer(tok.encode("Say"))
+    e4, b8, ad, ff = (token_id("sp-bpe", f"<0x{b}>") for b in ("E4", "B8", "AD", "FF"))
+    assert tok.decode([e4, b8, ad]) == "中" and all(tok.vocabulary.is_byte_token(i) for i in (e4, b8, ad, ff))
+    word = token_id("sp-bpe", "▁x")  # " x" after other text
+    detok = detokenizer(tok, tok.encode("Say"))
     assert [detok.push([i]) for i in (e4, b8, ad)] == ["", "", ""]
     assert detok.push([word]) == "中 x"
-    detok = tok.detokenizer(tok.encode("Say"))
+    detok = detokenizer(tok, tok.encode("Say"))
     assert [detok.push([i]) for i in (e4, b8, ad, ff)] == ["", "", "", ""]
     assert detok.push([word]) == "\ufffd" * 4 + " x"
 
@@ -160,10 +171,10 @@ def test_byte_level_holds_a_split_character_and_finish_flushes_it_as_decode_does
     tok = load("gpt2")
     ids = tok.encode("𠜎")  # four single-byte tokens in GPT-2
     assert len(ids) == 4 and tok.decode(ids[:1]) == "\ufffd"
-    detok = tok.detokenizer([])
+    detok = detokenizer(tok, [])
     assert [detok.push([i]) for i in ids[:-1]] == [""] * (len(ids) - 1)
     assert detok.push(ids[-1:]) == "𠜎"
-    detok = tok.detokenizer([])
+    detok = detokenizer(tok, [])
     assert detok.push(ids[:1]) == "" and detok.finish() == "\ufffd" == tok.decode(ids[:1])
 
 
@@ -172,12 +183,12 @@ def test_characters_that_every_token_boundary_cuts_still_stream_with_window_stat
     "朶朶朶..." as E6 | 9C | B6E6 | 9C | B6E6 ... never reaches a token end outside a character,
     yet each 朶 comes out as soon as it is complete and the state stays window-sized."""
     tok = load("gpt2")
-    single = {tok.token_bytes(i): i for i in range(256)}
+    single = {tok.vocabulary.token_bytes(i): i for i in range(256)}
     joint = 35050
-    assert tok.token_bytes(joint) == b"\xb6\xe6"
+    assert tok.vocabulary.token_bytes(joint) == b"\xb6\xe6"
     ids = [single[b"\xe6"]] + [single[b"\x9c"], joint] * 199 + [single[b"\x9c"], single[b"\xb6"]]
     assert tok.decode(ids) == "朶" * 200
-    detok = tok.detokenizer([])
+    detok = detokenizer(tok, [])
     out = []
     for i in ids:
         out.append(detok.push([i]))
@@ -203,7 +214,7 @@ def test_prompt_ending_inside_a_character_gives_the_completed_character_to_the_o
 def test_state_stays_window_sized_over_a_long_stream():
     tok = load("qwen3")
     ids = tok.encode("Grüße, 世界! 😀 " * 400)
-    detok = tok.detokenizer(tok.encode("prompt " * 100))
+    detok = detokenizer(tok, tok.encode("prompt " * 100))
     peak, out = 0, []
     for i in ids:
         out.append(detok.push([i]))
@@ -215,11 +226,13 @@ def test_state_stays_window_sized_over_a_long_stream():
 
 def test_bad_ids_and_push_after_finish_are_refused():
     tok = load("gpt2")
-    detok = tok.detokenizer([])
-    with pytest.raises(ValueError):
-        detok.push([tok.vocab_size])
-    with pytest.raises(ValueError):
+    detok = detokenizer(tok, [])
+    with pytest.raises(InvalidArgument, match=rf"^token_ids\[1\]: {tok.vocab_size} is not in the vocabulary"):
+        detok.push([1, tok.vocab_size])
+    with pytest.raises(InvalidArgument, match=r"^token_ids\[0\]: -1 "):
         detok.push([-1])
+    with pytest.raises(InvalidArgument, match=r"^prompt_token_ids\[2\]: "):
+        detokenizer(tok, [1, 2, tok.vocab_size])
     detok.finish()
     assert detok.finish() == ""
     with pytest.raises(RuntimeError):
@@ -246,7 +259,7 @@ def test_a_boundary_splits_the_tokenizers_own_lossy_utf8(head, rest):
     inside a character, the text of what follows does not depend on them; otherwise some
     continuation (the smallest valid one) changes it."""
     tok = load("gpt2")
-    byte_id = {tok.token_bytes(i): i for i in range(256)}  # GPT-2 ids 0..255 are the 256 single bytes
+    byte_id = {tok.vocabulary.token_bytes(i): i for i in range(256)}  # GPT-2 ids 0..255 are the 256 single bytes
     ids = lambda data: [byte_id[bytes([b])] for b in data]  # noqa: E731
     if not ends_inside_char(head[-3:]):
         assert tok.decode(ids(head + rest)) == tok.decode(ids(head)) + tok.decode(ids(rest))

@@ -259,11 +259,17 @@ def test_tokenizer_special_and_user_tokens(tokenizer):
 # --- registry and pull -------------------------------------------------------------------------
 
 
-def test_default_cache_dir_reads_env_at_call_time(monkeypatch, tmp_path):
+def test_the_cache_comes_from_the_flag_not_from_the_registry_reading_the_environment(monkeypatch, tmp_path):
+    from services.cli import build_parser
+    from services.config import DecodeServerConfig, TextServerConfig, cache_dir
+
     monkeypatch.setenv("TOKENWIRE_CACHE", str(tmp_path))
-    assert model_registry.default_cache_dir() == tmp_path
-    monkeypatch.delenv("TOKENWIRE_CACHE")
-    assert model_registry.default_cache_dir() == Path.home() / ".cache" / "tokenwire"
+    assert model_registry.default_cache_dir() == Path.home() / ".cache" / "tokenwire"  # the registry ignores it
+    parse = build_parser().parse_args  # built in main, where the environment is read
+    assert cache_dir(parse(["pull"])) == tmp_path
+    assert DecodeServerConfig.from_args(parse(["decode-server", "--model", "m"])).model_options.cache_dir == tmp_path
+    assert TextServerConfig.from_args(parse(["text-server", "--model", "m"])).cache_dir == tmp_path
+    assert cache_dir(parse(["pull", "--cache", "~/elsewhere"])) == Path.home() / "elsewhere"  # the flag wins
 
 
 def test_resolve_model_directory_and_unknown_names(tiny, tmp_path):

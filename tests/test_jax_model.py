@@ -19,9 +19,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine.jax_backend import cpu_kernels, transformer
-from engine.model_store.checkpoint import load_checkpoint
+from engine.jax_backend.weights import load_checkpoint
 from engine.jax_backend.jax_model import JaxModel, length_buckets
-from engine.core.model import DecodeInput, SlotSetup
+from engine.core.model import DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import SamplingParams
 
 ASSETS = Path(__file__).parent / "assets"
@@ -278,3 +278,23 @@ def test_padding_ids_past_the_tokenizer_are_never_sampled(tmp_path):
     ])
     assert greedy == case["greedy_ids"]  # the real ids' logits are untouched
     assert max(greedy + sampled + cut) < 512 and 3 not in sampled
+
+
+def test_a_broken_model_contract_raises_even_under_python_O(model):
+    """The checks that JAX would otherwise clamp away raise ModelUsageError (not `assert`, which
+    `python -O` strips); the model's state is untouched by a refused call."""
+    setup = SlotSetup(GREEDY, frozenset())
+    first = model.prefill(0, (1, 2, 3), setup, masked=False)
+    try:
+        with pytest.raises(ModelUsageError, match="in use"):
+            model.prefill(0, (1, 2, 3), setup, masked=False)
+        with pytest.raises(ModelUsageError, match="next one"):
+            model.decode([DecodeInput(0, first.token_id, 5, False)])  # the slot's next position is 3
+        with pytest.raises(ModelUsageError, match="vocabulary"):
+            model.decode([DecodeInput(0, model.config.vocab_size, 3, False)])
+        with pytest.raises(ModelUsageError, match="vocabulary"):
+            model.prefill(1, (1, model.config.vocab_size), setup, masked=False)
+        assert model.decode([DecodeInput(0, first.token_id, 3, False)])[0].token_id >= 0  # still serves
+    finally:
+        model.release(0)
+        model.release(1)

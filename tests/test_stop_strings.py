@@ -53,7 +53,7 @@ def test_joined_output_is_the_text_cut_at_the_first_stop_and_nothing_is_held_nee
         result = matcher.push(piece)
         out += result.text
         seen += piece
-        if result.stopped:
+        if result.stop_string is not None:
             stop = result.stop_string
             break
         held = minimal_held(seen, stops)
@@ -72,7 +72,7 @@ def test_one_character_at_a_time_equals_one_chunk(text, stops, include):
         for chunk in chunks:
             result = matcher.push(chunk)
             out += result.text
-            if result.stopped:
+            if result.stop_string is not None:
                 return out, result.stop_string
         return out + matcher.finish(), None
 

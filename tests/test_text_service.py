@@ -14,14 +14,20 @@ from pathlib import Path
 import grpc
 import pytest
 
-from engine.core.engine import EngineConfig
+from engine.core.async_engine import AsyncEngine
+from engine.core.engine import Engine, EngineConfig
+from engine.core.errors import InvalidArgument
+from engine.core.events import Finished, FinishReason, Token, Usage
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.text.v1 import text_pb2 as pb
 from protos.text.v1 import text_pb2_grpc
 from services.client import generate_request
 from services.decode_server import start_decode_server
+from services.decode_service import event_from_pb, event_to_pb
+from services.errors import status_for
 from services.text_server import ModelMismatch, start_text_server
+from services.text_service import TextGenerationServicer, collect, engine_decode
 from tokenizer_svc.tokenizer import TextTokenizer
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
@@ -288,3 +294,83 @@ async def test_chat_without_a_template_is_invalid_argument(model, tmp_path):
     finally:
         await text.stop(None)
         await decode.stop(None)
+
+
+# -- the shell's conversions, and the in-process path -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        Token(7),
+        Token(7, -0.5),
+        Finished(FinishReason.LENGTH, Usage(3, 4)),
+        Finished(FinishReason.STOP, Usage(3, 0), stop_token_id=2),
+    ],
+)
+def test_engine_events_round_trip_through_the_decode_proto(event):
+    assert event_from_pb(event_to_pb(event)) == event
+
+
+def test_a_decode_event_outside_the_stream_contract_is_refused():
+    with pytest.raises(ValueError, match="neither a token nor a finish"):
+        event_from_pb(dpb.DecodeEvent())
+    with pytest.raises(ValueError, match="finish reason 0"):
+        event_from_pb(dpb.DecodeEvent(finished=dpb.Finished(usage=dpb.Usage())))
+
+
+async def test_generate_over_an_in_process_engine_equals_complete_over_grpc(stack, model, tokenizer):
+    """What `tokenwire generate --local` runs: the same servicer over the engine's own events."""
+    _, gen, _ = stack
+    local_model = ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_context_length=128)
+    info = local_model.info
+    engine = Engine(local_model)
+    engine.start()
+    try:
+        local = TextGenerationServicer(tokenizer, engine_decode(AsyncEngine(engine), info), info)
+        stopped = generate_request(prompt_ending_in(tokenizer, 300), max_output_tokens=30, ignore_eos=True)
+        stopped.stop_strings.append("pionc")
+        for request in (
+            generate_request(prompt_ending_in(tokenizer, 300), max_output_tokens=7),
+            generate_request(prompt_ending_in(tokenizer, 507), max_output_tokens=10),
+            stopped,
+        ):
+            assert await collect(local.generate(request)) == await gen.Complete(request)
+        with pytest.raises(InvalidArgument, match="^sampling.temperature:"):
+            await collect(local.generate(generate_request("hi", temperature=float("nan"))))
+        for _ in range(300):  # the stop string's cancel reaches the engine within a step
+            if engine.stats().slots_in_use == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.stats().slots_in_use == 0 and local_model.slots_held == 0
+    finally:
+        engine.stop()
+
+
+def scripted_decode(steps):
+    """A DecodeFn that sends `steps` (lists of engine events) whatever it is asked."""
+
+    def decode(request, timeout):
+        async def events():
+            for step in steps:
+                yield step
+
+        return events()
+
+    return decode
+
+
+@pytest.mark.parametrize(
+    "steps, code",
+    [
+        ([[Token(301), Finished(FinishReason.LENGTH, Usage(4, 2))]], grpc.StatusCode.INTERNAL),  # counts 2, sent 1
+        ([[Token(301), Token(512)]], grpc.StatusCode.INTERNAL),  # an id the tokenizer does not have
+        ([[Token(301)], [Token(302)]], grpc.StatusCode.UNAVAILABLE),  # ends without Finished
+    ],
+    ids=["accounting mismatch", "unknown id", "no Finished"],
+)
+async def test_a_decoder_breaking_the_stream_contract_gets_a_status(tokenizer, model, steps, code):
+    servicer = TextGenerationServicer(tokenizer, scripted_decode(steps), model.info)
+    with pytest.raises(Exception) as error:
+        await collect(servicer.generate(generate_request("hello", max_output_tokens=5)))
+    assert status_for(error.value)[0] == code  # as services.errors maps it at the gRPC boundary

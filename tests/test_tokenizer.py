@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from support.tokenizers import ASSETS, load_tokenizer as load
+from engine.core.errors import InvalidArgument
+from support.tokenizer_assets import ASSETS, load_tokenizer as load
 from tokenizer_svc import DecoderTraits, TextTokenizer
-
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ def test_loads_sizes_special_and_eos_ids(name, vocab_size, eos, special, traits)
     tok = load(name)
     assert tok.vocab_size == vocab_size
     assert tok.eos_token_ids == frozenset(eos)
-    assert tok.decoder_traits == traits
+    assert tok.vocabulary.decoder_traits == traits
     if special is not None:
         assert tok.special_token_ids == frozenset(special)
 
@@ -36,7 +36,7 @@ def test_loads_sizes_special_and_eos_ids(name, vocab_size, eos, special, traits)
 def test_qwen_special_ids_are_the_added_tokens_marked_special():
     tok = load("qwen3")
     assert {151643, 151644, 151645} <= tok.special_token_ids
-    assert tok.token_id("<think>") == 151667 and 151667 not in tok.special_token_ids  # added, not special
+    assert tok.encode("<think>") == [151667] and 151667 not in tok.special_token_ids  # added, not special
 
 
 def test_eos_ids_are_the_union_of_config_generation_config_and_tokenizer_config(tmp_path: Path):
@@ -50,7 +50,7 @@ def test_eos_ids_are_the_union_of_config_generation_config_and_tokenizer_config(
 def test_a_directory_with_only_tokenizer_json_loads_and_one_without_it_fails(tmp_path: Path):
     shutil.copy(ASSETS / "gpt2" / "tokenizer.json", tmp_path)
     tok = TextTokenizer.from_dir(tmp_path)
-    assert tok.eos_token_ids == frozenset() and not tok.has_chat_template()
+    assert tok.eos_token_ids == frozenset() and tok.chat_template is None
     with pytest.raises(FileNotFoundError):
         TextTokenizer.from_dir(tmp_path / "missing")
 
@@ -77,9 +77,9 @@ def test_decode_skips_special_tokens_unless_kept():
 @pytest.mark.parametrize("name", ["gpt2", "sp-bpe", "qwen3"])
 def test_decode_refuses_ids_outside_the_vocabulary(name):
     tok = load(name)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
+    with pytest.raises(InvalidArgument, match=rf"^token_ids\[1\]: {tok.vocab_size} is not in the vocabulary"):
         tok.decode([1, tok.vocab_size])
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument, match=r"^token_ids\[0\]: -1 is not in the vocabulary"):
         tok.decode([-1])
 
 
@@ -96,4 +96,4 @@ def test_sentencepiece_round_trip_drops_only_the_first_space_and_uses_byte_fallb
     ids = tok.encode(text)
     assert tok.decode(ids) == text
     assert tok.decode(tok.encode(" lead")) == "lead"  # Metaspace prepends ▁; the decoder strips one space
-    assert [tok.is_byte_token(i) for i in tok.encode("中")] == [False, True, True, True]
+    assert [tok.vocabulary.is_byte_token(i) for i in tok.encode("中")] == [False, True, True, True]

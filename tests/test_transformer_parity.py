@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from engine.jax_backend import cpu_kernels, transformer
-from engine.model_store.checkpoint import load_checkpoint
+from engine.jax_backend.weights import load_checkpoint, with_one_row_copies
 
 ASSETS = Path(__file__).parent / "assets"
 BATCH, CONTEXT, PROMPT_BUCKET = 3, 64, 32
@@ -35,7 +35,7 @@ def test_logits_and_greedy_ids_match_transformers(name, kernels):
     cfg = ckpt.config
     weights = ckpt.weights
     if kernels:  # one-row decode steps then run their products on the kernel too
-        weights = replace(weights, layers=tuple(map(transformer.with_one_row_copies, weights.layers)))
+        weights = replace(weights, layers=tuple(map(with_one_row_copies, weights.layers)))
     cases = json.loads((ASSETS / name / "golden.json").read_text())["cases"]
     prefill = jax.jit(transformer.prefill, static_argnames="cfg", donate_argnums=1)
     decode = jax.jit(transformer.decode, static_argnames=("cfg", "attend", "kernels"), donate_argnums=1)

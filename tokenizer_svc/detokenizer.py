@@ -1,12 +1,13 @@
 """Incremental detokenization: a stream of generated token ids -> text deltas that are final.
 
-Data flow: the text service makes one `IncrementalDetokenizer` per generation stream, `push`es each
-batch of ids the engine sends and forwards the returned delta (maybe ""), and calls `finish` when
-the engine reports Finished.
+Data flow: the generation use case (tokenizer_svc/generation.py) makes one `IncrementalDetokenizer`
+per generation stream over the tokenizer's `Vocabulary`, `push`es each batch of ids the engine
+sends and forwards the returned delta (maybe ""), and calls `finish` when the engine reports
+Finished. The `Vocabulary` is all it reads: single-token facts and the reference decode.
 
 What holds (checked by property tests over GPT-2, Qwen3 and a SentencePiece-style tokenizer):
   * Exactness. With no prompt, the deltas of all pushes joined with `finish()` equal
-    `tokenizer.decode(all ids)` with the same special-token setting, for any ids split into
+    `vocabulary.decode(all ids)` with the same special-token setting, for any ids split into
     chunks in any way. With a prompt P and output O they equal `decode(P + O)` with the prompt's
     text removed: `decode(P + O)[len(decode(P)):]` whenever the prompt ends on a complete
     character (the normal case). If the prompt ends inside an unfinished character, the output
@@ -43,10 +44,9 @@ two decodes of at most CONTEXT_TOKENS + len(pending) ids, independent of the out
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
-if TYPE_CHECKING:
-    from tokenizer_svc.tokenizer import TextTokenizer
+from tokenizer_svc.vocabulary import Vocabulary
 
 CONTEXT_TOKENS = 4  # released ids kept as decode context (their text is subtracted again)
 PROMPT_SCAN_TOKENS = 64  # how far back the prompt is read for context
@@ -95,11 +95,11 @@ class IncrementalDetokenizer:
     """Per-stream state; not thread-safe (one stream is fed by one task)."""
 
     def __init__(
-        self, tokenizer: "TextTokenizer", prompt_token_ids: Sequence[int], keep_special_tokens: bool = False
+        self, vocabulary: Vocabulary, prompt_token_ids: Sequence[int], keep_special_tokens: bool = False
     ) -> None:
-        self._tokenizer = tokenizer
+        self._vocabulary = vocabulary
         self._keep_special = keep_special_tokens
-        self._traits = tokenizer.decoder_traits
+        self._traits = vocabulary.decoder_traits
         self._tail = b""  # last <= 3 bytes of the kept tokens (ByteLevel)
         self._in_byte_run = False  # the last kept token is a <0xHH> token (ByteFallback)
         self._finished = False
@@ -107,9 +107,9 @@ class IncrementalDetokenizer:
         # Read the prompt's end: ids up to its last boundary are context; ids after it (a run of
         # byte-fallback tokens) are pending. Text the prompt already shows for its unfinished end
         # is skipped from the first delta where the output shares it.
+        vocabulary.check_ids(prompt_token_ids, "prompt_token_ids")
         scan = list(prompt_token_ids[-PROMPT_SCAN_TOKENS:])
-        tokenizer.check_ids(scan)
-        kept = [t for t in scan if not tokenizer.is_dropped(t, keep_special_tokens)]
+        kept = [t for t in scan if not vocabulary.is_dropped(t, keep_special_tokens)]
         boundary, boundary_open = 0, False
         for i, token_id in enumerate(kept, start=1):
             at_boundary, inside_char = self._track(token_id)
@@ -129,12 +129,13 @@ class IncrementalDetokenizer:
         return len(self._context) + len(self._pending)
 
     def push(self, token_ids: Sequence[int]) -> str:
-        """Add generated ids; return the text that became final ("" while nothing did)."""
+        """Add generated ids; return the text that became final ("" while nothing did).
+        An id outside the vocabulary raises InvalidArgument (`token_ids[i]`) before any is taken."""
         if self._finished:
             raise RuntimeError("push after finish")
-        self._tokenizer.check_ids(token_ids)
+        self._vocabulary.check_ids(token_ids)
         for token_id in token_ids:
-            if self._tokenizer.is_dropped(token_id, self._keep_special):
+            if self._vocabulary.is_dropped(token_id, self._keep_special):
                 continue
             self._pending.append(token_id)
             at_boundary, inside_char = self._track(token_id)
@@ -159,7 +160,7 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        return self._tokenizer.decode(token_ids, keep_special_tokens=self._keep_special)
+        return self._vocabulary.decode(token_ids, keep_special_tokens=self._keep_special)
 
     def _track(self, token_id: int) -> tuple[bool, bool]:
         """Account for one kept token: (is the stream now at a token boundary, does its text end
@@ -167,10 +168,10 @@ class IncrementalDetokenizer:
         every token end is a boundary there; a byte-fallback run is not."""
         inside_char = False
         if self._traits.byte_level:
-            self._tail = (self._tail + self._tokenizer.token_bytes(token_id))[-3:]
+            self._tail = (self._tail + self._vocabulary.token_bytes(token_id))[-3:]
             inside_char = ends_inside_char(self._tail)
         if self._traits.byte_fallback:
-            self._in_byte_run = self._tokenizer.is_byte_token(token_id)
+            self._in_byte_run = self._vocabulary.is_byte_token(token_id)
         return not self._in_byte_run, inside_char
 
     def _set_context(self, token_ids: list[int], inside_char: bool) -> None:

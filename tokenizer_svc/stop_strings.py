@@ -1,10 +1,10 @@
 """Stop strings: cut a stream of text deltas at the first stop string, across chunk boundaries.
 
 Data flow: per generation stream, each delta from the IncrementalDetokenizer goes through
-`StopStringMatcher.push`; the service sends `result.text` and, when `result.stop_string` is set,
-ends the stream with finish reason STOP (and cancels generation). At the engine's Finished, the
-detokenizer's `finish()` text is pushed too, then `StopStringMatcher.finish()` releases what was
-held back.
+`StopStringMatcher.push` (in `TextStream`); the generation use case sends `result.text` and, when
+`result.stop_string` is set, ends the stream with finish reason STOP (and cancels generation). At
+the engine's Finished, the detokenizer's `finish()` text is pushed too, then
+`StopStringMatcher.finish()` releases what was held back.
 
 What holds (property-tested in tests/test_stop_strings.py):
   * Which match wins: the first stop string to be *completed* in the text; if several complete at
@@ -31,10 +31,6 @@ class StopResult:
 
     text: str
     stop_string: str | None = None
-
-    @property
-    def stopped(self) -> bool:
-        return self.stop_string is not None
 
 
 def _first_match(text: str, stop_strings: Sequence[str]) -> tuple[int, str] | None:

@@ -1,9 +1,10 @@
 """One generation's output text: token ids in, final text out, cut at the first stop string.
 
-Per request, the text service feeds each batch of received ids to `TextStream.push` and, when
-the decoder finishes, calls `finish`. Ids go through the incremental detokenizer and then the
-stop-string matcher one at a time, so when a stop string matches, `consumed` says exactly how
-many ids were used: usage counts the ids up to and including the one that completed the match.
+Per request, the generation use case (tokenizer_svc/generation.py) feeds each batch of received
+ids to `TextStream.push` and, when the decoder finishes, calls `finish`. Ids go through the
+incremental detokenizer and then the stop-string matcher one at a time, so when a stop string
+matches, `consumed` says exactly how many ids were used: usage counts the ids up to and including
+the one that completed the match.
 
 State is the detokenizer's window plus the matcher's held text: bounded, and dropped with the
 object when the request ends (finish, error or cancel).

@@ -53,7 +53,6 @@ class EngineConfig:
 class EngineStats:
     queue_depth: int
     slots_in_use: int
-    steps: int  # decode steps taken so far
     alive: bool
     stalled_s: float  # seconds since the loop last made progress while work was pending; 0 when idle
 
@@ -91,7 +90,6 @@ class Engine:
         self._aborts: set[int] = set()
         self._active: dict[int, _Live] = {}  # slot -> live request
         self._tickets = itertools.count(1)
-        self._steps = 0
         self._running = False
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -146,7 +144,7 @@ class Engine:
             pending = bool(self._waiting or self._active)
             stalled = time.monotonic() - self._progress_at if pending else 0.0
             return EngineStats(
-                len(self._waiting), len(self._active), self._steps, self._dead is None and self._running, stalled
+                len(self._waiting), len(self._active), self._dead is None and self._running, stalled
             )
 
     def _progressed(self) -> None:
@@ -235,7 +233,6 @@ class Engine:
         ]
         samples = self.model.decode(inputs)
         with self._cond:  # requests aborted during the step are freed now, with no more events
-            self._steps += 1
             aborted = {live.ticket for live in lives} & self._aborts
             self._aborts -= aborted
         for live, sample in zip(lives, samples, strict=True):

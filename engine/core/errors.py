@@ -25,6 +25,18 @@ class EngineStopped(Exception):
     """The engine is not running (not started, stopping, or its loop died)."""
 
 
+class DecoderFault(Exception):
+    """A decode stream broke its contract (a miscount, an id the tokenizer does not have): a bug or
+    a mismatched decoder, not the caller's fault. tokenizer_svc.generation raises its kinds."""
+
+
+class StreamEndedWithoutFinished(Exception):
+    """A decode stream ended without its Finished: the decoder went away mid-stream."""
+
+    def __init__(self) -> None:
+        super().__init__("the decode stream ended without Finished")
+
+
 def check_token_ids(ids: Iterable[int], vocab_size: int, field: str) -> None:
     """Refuse ids outside [0, vocab_size), naming the first one as `field[i]`.
 

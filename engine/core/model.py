@@ -12,7 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from engine.core.errors import InvalidArgument, check_token_ids
 from engine.core.request import SamplingParams
+
+
+class ModelUsageError(RuntimeError):
+    """A caller broke this contract (a slot prefilled twice, a position that is not the slot's
+    next one, an id outside the vocabulary): a bug upstream, not bad user input, which the services
+    refuse earlier. Models raise it rather than assert: JAX would clamp an out-of-range id or
+    position silently, and `python -O` strips asserts. In the engine loop it is fatal."""
 
 
 @dataclass(frozen=True)
@@ -22,6 +30,19 @@ class ModelInfo:
     max_context_length: int
     max_batch_size: int
     eos_token_ids: frozenset[int]  # union of config.json, generation_config.json and tokenizer eos
+
+    def check_prompt(self, ids: Sequence[int], field: str) -> tuple[int, ...]:
+        """Prompt ids this model can take: not empty, in its vocabulary, leaving room for output;
+        else InvalidArgument naming `field`. The decode service's prompt_token_ids and the text
+        service's tokenized prompt both go through it."""
+        if not ids:
+            raise InvalidArgument(field, "must not be empty")
+        check_token_ids(ids, self.vocab_size, field)
+        if len(ids) >= self.max_context_length:
+            raise InvalidArgument(
+                field, f"{len(ids)} tokens leave no room for output in a context of {self.max_context_length}"
+            )
+        return tuple(ids)
 
 
 @dataclass(frozen=True)

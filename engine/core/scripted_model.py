@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 
-from engine.core.model import DecodeInput, ModelInfo, Sample, SlotSetup
+from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 
 
 class ScriptedModel:
@@ -47,8 +47,8 @@ class ScriptedModel:
         return Sample(token, -(token % 10) / 10)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
-        assert slot not in self._masked, f"slot {slot} prefilled twice without release"
-        assert 0 <= slot < self.info.max_batch_size
+        if slot in self._masked or not 0 <= slot < self.info.max_batch_size:
+            raise ModelUsageError(f"slot {slot} is in use or not one of the {self.info.max_batch_size} slots")
         self.prefills += 1
         self._masked[slot] = setup.masked_token_ids
         return self._next(slot, prompt_token_ids[-1], masked)
@@ -60,7 +60,8 @@ class ScriptedModel:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
         for i in inputs:
-            assert i.position < self.info.max_context_length, f"slot {i.slot} decoded past the context"
+            if i.position >= self.info.max_context_length:
+                raise ModelUsageError(f"slot {i.slot} decoded past the context")
         return [self._next(i.slot, i.token_id, i.masked) for i in inputs]
 
     def release(self, slot: int) -> None:

@@ -1,16 +1,15 @@
 """C++ kernels for the CPU decode step, called from jitted code as XLA FFI custom calls.
 
 Why: on XLA:CPU a decode step's attention copies each sliced cache window and then runs its
-[G, D] x [D, A] products one small matmul at a time (about 1.9 ms a layer at 32 rows and 80 us at
-one row for SmolLM2, against 0.19 ms and 23 us for `decode_attention` here, which reads the live
-keys in place); and a one-row step's weight products, which XLA:CPU runs as one or two uneven
+[G, D] x [D, A] products one small matmul at a time, where `decode_attention` here reads the live
+keys in place; and a one-row step's weight products, which XLA:CPU runs as one or two uneven
 tasks, stream faster as `gemv` here, one contiguous row of an [out, in] copy of each projection
-per output (SmolLM2 batch 1: 20.8 against 24.9 ms a step, interleaved A/B). The copies are made
-by engine.jax_backend.transformer.with_one_row_copies. The sources are in engine/jax_backend/kernels/; each file's header
+per output. The copies are made by engine.jax_backend.weights.with_one_row_copies. The figures
+are in docs/benchmarks.md; the sources are in engine/jax_backend/kernels/, and each file's header
 says what it computes and why.
 
 Data flow: `load()` compiles the sources once per (source, compiler flags, jaxlib) into
-`<cache>/kernels/<hash>.so` with the system C++ compiler and XLA's FFI headers (shipped in
+`<cache>/kernels/<hash>.so` with the C++ compiler `BuildOptions` names and XLA's FFI headers (shipped in
 jaxlib), loads it and registers its handlers with XLA for the CPU platform; the result is
 memoised for the process. The engine calls `load()` when it builds a model on the CPU backend
 and falls back to plain JAX when it returns None (no compiler, a CPU without AVX2 and FMA, a
@@ -37,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from engine.model_store.registry import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.cc", "gemv.cc")
@@ -44,6 +45,14 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++
 ATTENTION_TARGET = "tokenwire_decode_attention"
 GEMV_TARGET = "tokenwire_gemv"
 _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Where and with what the kernels are built; from the configuration built in `main`."""
+
+    cache_dir: Path | None = None  # the library goes to <cache_dir>/kernels; None: the default cache
+    compiler: str | None = None  # a C++ compiler command (CXX); None: g++, then clang++, on PATH
 
 
 @dataclass(frozen=True)
@@ -68,21 +77,22 @@ def gemv(x: jax.Array, wt: jax.Array) -> jax.Array:
     """x @ wt.T for one row: x [..., K] f32 holding a single row (every leading dim 1), wt [N, K]
     f32 (a projection stored [out, in]) -> [..., N] f32. Equal to float rounding; needs `load()`."""
     n, k = wt.shape
-    assert x.size == k, (x.shape, wt.shape)
+    if x.size != k:  # checked while tracing, so it costs nothing per step
+        raise ValueError(f"gemv takes one row of {k} values, got shape {x.shape}")
     call = jax.ffi.ffi_call(GEMV_TARGET, jax.ShapeDtypeStruct((1, n), jnp.float32))
     return call(x.reshape(1, k), wt).reshape(*x.shape[:-1], n)
 
 
 @functools.cache
-def load(cache_dir: Path | None = None) -> Kernels | None:
-    """Build (once per cache) and register the kernels; None, with the reason logged, when they
+def load(build: BuildOptions = BuildOptions()) -> Kernels | None:
+    """Build (once per `build`) and register the kernels; None, with the reason logged, when they
     cannot be used here."""
-    reason = _unsupported()
+    reason = _unsupported(build.compiler)
     if reason:
         log.info("CPU decode kernels off: %s; using plain JAX", reason)
         return None
     try:
-        path = _build(cache_dir)
+        path = _build(build)
         library = ctypes.cdll.LoadLibrary(str(path))
         handlers = {ATTENTION_TARGET: library.TokenwireDecodeAttention, GEMV_TARGET: library.TokenwireGemv}
         for target, handler in handlers.items():
@@ -94,7 +104,7 @@ def load(cache_dir: Path | None = None) -> Kernels | None:
     return Kernels(path, library)
 
 
-def _unsupported() -> str | None:
+def _unsupported(compiler: str | None) -> str | None:
     if jax.default_backend() != "cpu":
         return f"backend is {jax.default_backend()}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -102,7 +112,7 @@ def _unsupported() -> str | None:
     flags = _cpu_flags()
     if not {"avx2", "fma"} <= flags:
         return "the CPU lacks AVX2 or FMA"
-    if _compiler() is None:
+    if _compiler(compiler) is None:
         return "no C++ compiler (set CXX, or install g++)"
     return None
 
@@ -117,23 +127,22 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "")) or shutil.which("g++") or shutil.which("clang++")
+def _compiler(requested: str | None) -> str | None:
+    return shutil.which(requested or "") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(cache_dir: Path | None) -> Path:
+def _build(build: BuildOptions) -> Path:
     """Compile into `<cache>/kernels/<hash>.so` unless it is there; a temporary file is renamed
     into place, so concurrent builders never load a half-written library."""
-    from engine.model_store.registry import default_cache_dir  # here: it imports the GGUF converter
-
-    compiler = _compiler()
-    assert compiler is not None
+    compiler = _compiler(build.compiler)
+    if compiler is None:  # _unsupported said so first; kept as an error for direct callers
+        raise OSError("no C++ compiler (set CXX, or install g++)")
     include = jax.ffi.include_dir()
     sources = [_KERNEL_DIR / name for name in SOURCES]
     digest = hashlib.sha256()
     for part in (compiler, jaxlib.__version__, *FLAGS, *(s.read_text() for s in sources)):
         digest.update(part.encode())
-    target = (cache_dir or default_cache_dir()) / "kernels" / f"{digest.hexdigest()[:16]}.so"
+    target = (build.cache_dir or default_cache_dir()) / "kernels" / f"{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

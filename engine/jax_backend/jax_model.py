@@ -19,27 +19,19 @@ Shapes and warm-up. `warm_up` compiles every shape serving can use, so serving c
 (`compilations()` lets tests check): per prompt bucket a prefill layer; per (row bucket, attend
 bucket) a decode layer group; per row bucket embed, head and sampling. Row buckets are powers of
 two up to B, attend buckets powers of two from `min_attend` (128) up to the context, prompt
-buckets from `min_bucket` (16). Figures measured on 2 shared Zen 4 vCPUs (load 1.3-1.8),
-SmolLM2-135M f32, 30 layers:
-- A 30-layer step unrolled in one call compiled in 5-11 s per shape; one layer per call in
-  0.6-1 s, 5 layers in 1.2-1.4 s, 10 in ~1.9 s. Batch-1 step time against one call per step, same
-  run: 1 layer per call +5-7% (30 dispatches), 3: +1%, 5 and 10: within the +-5% noise. Hence
-  decode runs 5 layers per call (6 calls a step) and prefill, compute-bound, one layer per call.
-- The CLI defaults (8 slots, context 2048) make 20 decode shapes without the CPU kernel (rows 1,
-  2, 4, 8 x attend 128 .. 2048) and 8 prompt buckets, 53 compilations in all; with the kernel the
-  decode shapes are the 4 row buckets, 37 compilations. Warm-up was 45 s with 5 layers per call
-  (60 s with 10, 32 s with 1) on a busy day; on a quieter one (same run) 13.1 s without the kernel
-  and 9.0 s with it. Decode layers take 60-70% of it without the kernel, head and sampling ~2 s
-  per row bucket, prefill ~1 s per prompt bucket. The one-call design before this took 119 s for
-  its 16 shapes (no row buckets, attend from 16).
+buckets from `min_bucket` (16). Why these shapes (measured on the project's CPU machine; the
+figures are in docs/benchmarks.md, "Design measurements"):
+- Decode runs 5 layers per jitted call (6 calls a step for 30 layers): a whole unrolled model per
+  call compiles several times slower per shape, one layer per call adds dispatches to every step,
+  and 5 or 10 layers per call step equally fast. Prefill, compute-bound, runs one layer per call.
+- With the CPU kernel the decode shapes are the row buckets alone (the kernel reads the live
+  length), far fewer compilations than rows x attend buckets without it.
 - Without the kernel (GPU, or a CPU that cannot build it), attend buckets start at 128 because
-  fewer, longer reads are cheap at decode: the K/V of 128 positions is 6 MB a row against 538 MB
-  of weights a step.
-- Compiling shapes from 2 threads was 10-20% faster on a toy function under this load; not done,
-  because warm-up runs real calls on the donated cache buffers.
+  fewer, longer reads are cheap at decode: the K/V of 128 positions is small next to the weights
+  a step reads.
 
-The service validates requests; here only asserts guard the invariants, because JAX would clamp an
-out-of-range id or position silently instead of failing. Ids at or past the tokenizer's size
+The service validates requests; here `ModelUsageError` guards the Model contract, because JAX
+would clamp an out-of-range id or position silently instead of failing. Ids at or past the tokenizer's size
 (padding rows of the embedding) have no head column, so no sampling mode can ever choose one.
 
 Shapes: B slots, R rows in a step, T prompt tokens, S context, A attended positions, V embedding
@@ -58,8 +50,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import cpu_kernels, sampling, transformer
-from engine.model_store.checkpoint import CheckpointError, ModelConfig, Weights, default_dtype, load_checkpoint
-from engine.core.model import DecodeInput, ModelInfo, Sample, SlotSetup
+from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, with_one_row_copies
+from engine.model_store.checkpoint import CheckpointError, ModelConfig
+from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 from engine.jax_backend.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
@@ -69,12 +62,11 @@ MIN_ATTEND = 128  # smallest decode attend bucket
 LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
 # XLA:CPU hands matmuls with more than one row, batched attention products and reductions to
 # YNNPACK by default; its own emitters and Eigen were faster for the decode shapes measured here
-# (a 32-row step 305 vs 451 ms, 8 rows 154 vs 197 ms, 1 row equal), so on CPU every call compiles
-# with YNNPACK fusions off.
+# (docs/benchmarks.md, "Design measurements"), so on CPU every call compiles with YNNPACK fusions off.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def use_cpu_kernels(requested: bool, dtype: jnp.dtype) -> bool:
+def use_cpu_kernels(requested: bool, dtype: jnp.dtype, build: cpu_kernels.BuildOptions) -> bool:
     """Whether a model's decode steps use the CPU kernels; when not, the log says why."""
     if not requested:
         log.info("CPU decode kernels off: turned off by configuration; using plain JAX")
@@ -82,7 +74,7 @@ def use_cpu_kernels(requested: bool, dtype: jnp.dtype) -> bool:
     if jax.default_backend() == "cpu" and dtype != jnp.float32:
         log.info("CPU decode kernels off: they are float32 only, the dtype is %s; using plain JAX", dtype)
         return False
-    return cpu_kernels.load() is not None
+    return cpu_kernels.load(build) is not None
 
 
 def cpu_compiler_options() -> dict[str, str] | None:
@@ -112,6 +104,11 @@ def layer_groups(n_layers: int, per_call: int) -> list[tuple[int, int]]:
     calls = -(-n_layers // max(1, min(per_call, n_layers)))
     bounds = [n_layers * i // calls for i in range(calls + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _require(condition: bool, problem: str) -> None:
+    if not condition:
+        raise ModelUsageError(problem)
 
 
 def _bucket(buckets: tuple[int, ...], length: int) -> int:
@@ -159,6 +156,7 @@ class JaxModel:
         min_attend: int = MIN_ATTEND,
         layers_per_call: int = LAYERS_PER_CALL,
         kernels: bool = True,
+        kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -170,14 +168,14 @@ class JaxModel:
         self._mask = jnp.zeros((b, self._head_size), bool)
         self._prompt_buckets = length_buckets(s, min_bucket)
         # The CPU attention kernel reads each row's live keys itself: one attend shape is enough.
-        self.kernels = use_cpu_kernels(kernels, dtype)
+        self.kernels = use_cpu_kernels(kernels, dtype, kernel_build)
         self._attend_buckets = (s,) if self.kernels else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, 1)
         self._decode_groups = layer_groups(config.n_layers, layers_per_call)
         self._prefill_groups = layer_groups(config.n_layers, 1)
         layers = weights.layers
         if self.kernels:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
-            layers = tuple(transformer.with_one_row_copies(layer) for layer in layers)
+            layers = tuple(with_one_row_copies(layer) for layer in layers)
         self._layers = {g: layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
         self._temperature = np.zeros(b, np.float32)
@@ -219,6 +217,7 @@ class JaxModel:
         min_attend: int = MIN_ATTEND,
         layers_per_call: int = LAYERS_PER_CALL,
         kernels: bool = True,
+        kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
@@ -229,7 +228,8 @@ class JaxModel:
         prefill runs one). `kernels`: use the CPU decode kernels where they apply (CPU backend,
         float32, and they build here; `self.kernels` says whether they are on): attention, and the
         one-row weight products on [out, in] copies of the projections (held in memory besides the
-        originals); False forces plain JAX and makes no copies.
+        originals); False forces plain JAX and makes no copies. `kernel_build` says where they
+        are built and with which compiler.
         """
         model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir, dtype)
@@ -254,7 +254,7 @@ class JaxModel:
             eos_token_ids=ckpt.eos_token_ids,
         )
         dtype_ = jnp.dtype(dtype or default_dtype())
-        return cls(cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels)
+        return cls(cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels, kernel_build)
 
     @property
     def buckets(self) -> tuple[int, ...]:
@@ -298,7 +298,8 @@ class JaxModel:
 
         Runs one layer group of each distinct size per shape (not the whole model), so warming up
         costs the compiles and little else."""
-        assert not self._length.any(), "warm_up with requests in flight"
+        if self._length.any():
+            raise ModelUsageError("warm_up with requests in flight")
         decode_groups = list({hi - lo: (lo, hi) for lo, hi in self._decode_groups}.values())
         for t in self._prompt_buckets:
             x = self._embed(self._weights.embed, np.zeros((1, t), np.int32))
@@ -317,14 +318,14 @@ class JaxModel:
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
         n = len(prompt_token_ids)
         v = self.config.vocab_size
-        assert self._length[slot] == 0, f"slot {slot} is in use"
-        assert 1 <= n < self.info.max_context_length, n
+        _require(self._length[slot] == 0, f"slot {slot} is in use")
+        _require(1 <= n < self.info.max_context_length, f"a prompt of {n} tokens in a context of {self.info.max_context_length}")
         tokens = np.zeros(_bucket(self._prompt_buckets, n), np.int32)
         tokens[:n] = prompt_token_ids
-        assert 0 <= tokens.min() and tokens.max() < v, "prompt id out of vocab"
-        assert all(0 <= t < v for t in setup.masked_token_ids), "masked id out of vocab"
+        _require(0 <= tokens.min() and tokens.max() < v, "a prompt id outside the vocabulary")
+        _require(all(0 <= t < v for t in setup.masked_token_ids), "a masked id outside the vocabulary")
         s = setup.sampling
-        assert s.seed is not None, "the engine sets a seed for every request"
+        _require(s.seed is not None, "no seed (the engine sets one for every request)")
         self._temperature[slot], self._top_k[slot] = s.temperature, s.top_k
         self._top_p[slot], self._min_p[slot] = s.top_p, s.min_p
         self._seed[slot] = sampling.seed_words(s.seed)
@@ -347,11 +348,11 @@ class JaxModel:
         slots = np.fromiter((i.slot for i in inputs), np.int64, len(inputs))
         given = np.fromiter((i.position for i in inputs), np.int64, len(inputs))
         ids = np.fromiter((i.token_id for i in inputs), np.int64, len(inputs))
-        assert len(np.unique(slots)) == len(slots), "a slot twice in one step"
-        assert (self._length[slots] > 0).all(), "a slot that was not prefilled"
-        assert (given == self._length[slots]).all(), "a position that is not the slot's next one"
-        assert given.max() < self.info.max_context_length, "a position past the context"
-        assert 0 <= ids.min() and ids.max() < self.config.vocab_size, "token id out of vocab"
+        _require(len(np.unique(slots)) == len(slots), "a slot twice in one step")
+        _require((self._length[slots] > 0).all(), "a slot that was not prefilled")
+        _require((given == self._length[slots]).all(), "a position that is not the slot's next one")
+        _require(given.max() < self.info.max_context_length, "a position past the context")
+        _require(0 <= ids.min() and ids.max() < self.config.vocab_size, "a token id outside the vocabulary")
         rows = _bucket(self._row_buckets, int(slots.max()) + 1)
         tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
         active, masked = np.zeros(rows, bool), np.zeros(rows, bool)

@@ -7,8 +7,8 @@ sampled requests. What holds for every row:
   top_k keeps the k best, top_p the smallest set of best tokens whose probability reaches top_p
   (after top_k), min_p the tokens with probability >= min_p x the best one's. Ties at a cut's
   boundary are kept. The cuts are thresholds found by bisection on the logits' bit patterns,
-  exact without a sort (a full sort of [8, 49152] took ~150 ms on the CPU; a bisection 3-16 ms, and
-  it only runs in a batch where some row asks for that cut).
+  exact without a sort (a full sort of the vocabulary costs several times more on the CPU; see
+  docs/benchmarks.md), and it only runs in a batch where some row asks for that cut.
 - The draw is one uniform per row from key = fold_in(PRNGKey(seed), position), position being the
   sampled token's own position: the same seed and prompt give the same tokens whatever else is in
   the batch. It picks a token by inverse CDF over the kept weights in two levels (block sums, then
@@ -43,7 +43,8 @@ class SlotSampling:
 
 def seed_words(seed: int) -> tuple[int, int]:
     """A 64-bit seed as the (high, low) words that make up its threefry key."""
-    assert 0 <= seed < 2**64, seed
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"a seed is a 64-bit unsigned number, got {seed}")
     return (seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF
 
 
@@ -75,8 +76,8 @@ def sample(
 
 def _first_max(x: jax.Array) -> jax.Array:
     """argmax over the last axis (the first index of the maximum), as a max and a min: two plain
-    reductions that XLA:CPU vectorises, where its index-carrying argmax reduce took 3.7 against
-    1.5 ms on [32, 49152]. Always in range, even for a row of NaNs: [B, V] -> [B] i32."""
+    reductions that XLA:CPU vectorises, where its index-carrying argmax reduce is slower
+    (docs/benchmarks.md). Always in range, even for a row of NaNs: [B, V] -> [B] i32."""
     v = x.shape[-1]
     top = jnp.max(x, axis=-1, keepdims=True)  # [B, 1]
     first = jnp.min(jnp.where(x == top, jnp.arange(v, dtype=jnp.int32), v), axis=-1)  # [B]

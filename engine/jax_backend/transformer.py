@@ -10,11 +10,11 @@ once and runs for every group of the same shape (see engine.jax_backend.jax_mode
 - `logits`: final norm and head -> float32 logits over the ids the tokenizer can produce.
 `prefill` and `decode` chain them into one whole-model call (tests; one-call serving).
 
-Layers are unrolled over separate per-layer weights and per-layer cache buffers. Measured here on
-a SmolLM2-shaped model (30 layers): a `lax.scan` over stacked weights compiled ~4x faster but
-decoded ~25% slower, because XLA:CPU copies each layer's slice of a stacked array before the
-matmul reads it; decode is memory-bound, so we take the speed (and cut compile time by compiling
-a group of layers once and calling it for every group instead). Each cache buffer is written with
+Layers are unrolled over separate per-layer weights and per-layer cache buffers. A `lax.scan` over
+stacked weights compiles faster but decodes slower, because XLA:CPU copies each layer's slice of a
+stacked array before the matmul reads it; decode is memory-bound, so we take the speed (and cut
+compile time by compiling a group of layers once and calling it for every group instead). The
+figures behind this file's choices are in docs/benchmarks.md, "Design measurements". Each cache buffer is written with
 a scatter/dynamic-update-slice on the donated input, which XLA performs in place: step time does
 not grow with the context or the slot count at equal live rows and length (see
 tests/test_jax_model.py). Positions past a slot's live length hold stale values; they are never
@@ -22,13 +22,13 @@ attended because every query masks later positions.
 
 The cache is kv-head-major, [B, K, S, D], so a decode step's read of its rows and attended
 positions feeds the batched attention products without a transpose (with [B, S, K, D] XLA
-transposed that slice in every layer: a 32-row step took 305 ms against 281). Even so, at 32 rows the
-XLA attention is ~40% of a step on XLA:CPU: it copies the sliced window, then runs each of the
-R x K [G, D] x [D, A] products as a separate small matmul. On the CPU the engine therefore uses
+transposed that slice in every layer). Even so, at 32 rows the XLA attention is a large part of a
+step on XLA:CPU: it copies the sliced window, then runs each of the R x K [G, D] x [D, A] products
+as a separate small matmul. On the CPU the engine therefore uses
 a C++ kernel for decode attention (`kernels=True`, engine.jax_backend.cpu_kernels), which reads each row's
 live keys in place; `decode_attention` below is the same computation in JAX (the GPU path, and
 the reference the kernel is tested against). A one-row step's projections go to a second kernel
-when the layer carries [out, in] copies (`with_one_row_copies`, `_project`).
+when the layer carries [out, in] copies (`weights.with_one_row_copies`, `_project`).
 
 Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S cache positions (max
 context), A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
@@ -37,14 +37,15 @@ context), A attended positions, V embedding rows, V' head columns (ids the token
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import cpu_kernels
-from engine.model_store.checkpoint import LayerWeights, ModelConfig, OutInWeights, RopeScaling, Weights
+from engine.jax_backend.weights import LayerWeights, Weights
+from engine.model_store.checkpoint import ModelConfig, RopeScaling
 
 
 @jax.tree_util.register_dataclass
@@ -139,15 +140,6 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [R, K, G, A]
     out = jnp.einsum("rkga,rkad->rkgd", probs, v)  # [R, K, G, D]
     return out.reshape(r, cfg.n_heads * d)
-
-
-def with_one_row_copies(layer: LayerWeights) -> LayerWeights:
-    """The layer with [out, in] copies of its projections for the CPU one-row kernel (doubles the
-    projections' memory; only engine.jax_backend.jax_model makes them, when its CPU kernels are on)."""
-    t = jnp.transpose
-    return replace(
-        layer, out_in=OutInWeights(t(layer.w_qkv), t(layer.w_o), t(layer.w_gate_up), t(layer.w_down))
-    )
 
 
 def _project(x: jax.Array, w: jax.Array, out_in: jax.Array | None) -> jax.Array:

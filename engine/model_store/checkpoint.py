@@ -1,20 +1,23 @@
 """Read a Hugging Face model directory into a static config, weights in our layout, and EOS ids.
 
 Data flow: config.json -> `ModelConfig` (frozen, hashable: it is the static argument of every
-jitted step); `model.safetensors` (or `model-*.safetensors` + index) -> `Weights`, a pytree with
-one `LayerWeights` per layer (separate arrays, not stacked: on XLA:CPU a layer sliced out of a
-stacked array inside the step is copied first, which halved decode speed) and projections stored
-[in, out] so the forward pass multiplies `x @ w`; config.json + generation_config.json + the
-tokenizer's eos token -> `eos_token_ids`. Everything a checkpoint can get wrong (an architecture we
-do not run, a missing or misshapen tensor) raises `CheckpointError` here, before anything is
-compiled.
+jitted step); `model.safetensors` (or `model-*.safetensors` + index) -> `Weights`, one
+`LayerWeights` per layer (separate arrays, not stacked: on XLA:CPU a layer sliced out of a
+stacked array inside the step is copied first) and projections stored [in, out] so the forward
+pass multiplies `x @ w`; config.json + generation_config.json + the tokenizer's eos token ->
+`eos_token_ids`. Everything a checkpoint can get wrong (an architecture we do not run, a missing or
+misshapen tensor) raises `CheckpointError` here, before anything is compiled.
+
+No JAX here: each tensor is read as float32 numpy and handed to `place`, which returns what the
+weights hold. The default keeps numpy; `engine.jax_backend.weights` places each tensor on the
+device as it is read (so the host never holds the whole model twice) and registers these classes
+as JAX pytrees.
 
 The head is always its own [E, V'] array, V' being the ids the tokenizer can produce
 (`tokenizer_size`): some checkpoints (Qwen2/3) pad the embedding past the tokenizer (151936 rows
 for 151669 ids), and a padding id must never be sampled, so the head has no column for one. A
 tied embedding is copied transposed for the head (one extra V' x E array): on XLA:CPU the [E, V']
-product was faster for the few-row steps that matter most (SmolLM2's head: 6.7 against 8.1 ms at
-one row, 23 against 119 ms at two), ~40% slower at 8 and 16 rows, even at 32.
+product was the faster layout for the few-row steps that matter most (docs/benchmarks.md).
 
 Shapes: V vocab (embedding rows), V' head columns, E hidden, F ffn, H heads, K kv heads, D head
 dim, L layers.
@@ -27,8 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
@@ -36,6 +37,10 @@ from engine.model_store.model_files import eos_token_ids
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+Array = Any  # a weight tensor: numpy as read, or whatever `place` made of it (a jax.Array)
+Place = Callable[[np.ndarray], Array]
 
 
 class CheckpointError(ValueError):
@@ -75,42 +80,28 @@ class ModelConfig:
     sliding_window: int | None  # None: full attention; JaxModel refuses a window below its context
 
 
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class OutInWeights:
-    """A layer's four projections again, stored [out, in]: what the CPU one-row kernel reads
-    (engine.jax_backend.cpu_kernels.gemv). Made by engine.jax_backend.transformer.with_one_row_copies, never loaded."""
-
-    qkv: jax.Array  # [(H + 2K) * D, E]
-    o: jax.Array  # [E, H * D]
-    gate_up: jax.Array  # [2F, E]
-    down: jax.Array  # [E, F]
-
-
-@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class LayerWeights:
-    """One decoder layer's tensors."""
+    """One decoder layer's tensors (each an `Array`: what `place` returned for it)."""
 
-    attn_norm: jax.Array  # [E]
-    w_qkv: jax.Array  # [E, (H + 2K) * D]  q, k, v projections side by side
-    w_o: jax.Array  # [H * D, E]
-    mlp_norm: jax.Array  # [E]
-    w_gate_up: jax.Array  # [E, 2F]  gate then up
-    w_down: jax.Array  # [F, E]
-    b_qkv: jax.Array | None  # [(H + 2K) * D]  only when qkv_bias
-    q_norm: jax.Array | None  # [D]  only when qk_norm
-    k_norm: jax.Array | None  # [D]  only when qk_norm
-    out_in: OutInWeights | None = None  # copies for one-row steps on the CPU, when made
+    attn_norm: Array  # [E]
+    w_qkv: Array  # [E, (H + 2K) * D]  q, k, v projections side by side
+    w_o: Array  # [H * D, E]
+    mlp_norm: Array  # [E]
+    w_gate_up: Array  # [E, 2F]  gate then up
+    w_down: Array  # [F, E]
+    b_qkv: Array | None  # [(H + 2K) * D]  only when qkv_bias
+    q_norm: Array | None  # [D]  only when qk_norm
+    k_norm: Array | None  # [D]  only when qk_norm
+    out_in: Any = None  # [out, in] copies for one-row CPU steps, added by engine.jax_backend
 
 
-@jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Weights:
-    embed: jax.Array  # [V, E]
+    embed: Array  # [V, E]
     layers: tuple[LayerWeights, ...]  # L of them
-    final_norm: jax.Array  # [E]
-    lm_head: jax.Array  # [E, V']; the embedding's first V' rows, transposed, when tied
+    final_norm: Array  # [E]
+    lm_head: Array  # [E, V']; the embedding's first V' rows, transposed, when tied
 
 
 @dataclass(frozen=True)
@@ -121,17 +112,14 @@ class Checkpoint:
     tokenizer_size: int  # V': ids the tokenizer can produce, <= config.vocab_size; the head's width
 
 
-def default_dtype() -> str:
-    """float32 on CPU (XLA:CPU bf16 GEMVs are 10-27x slower), bfloat16 on accelerators."""
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-
-
-def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoint:
+def load_checkpoint(model_dir: str | Path, place: Place = np.asarray) -> Checkpoint:
+    """The directory's config, weights (each tensor handed to `place` as it is read), EOS ids and
+    tokenizer size."""
     model_dir = Path(model_dir)
     raw = _read_json(model_dir / "config.json", required=True)
     config = parse_config(raw)
     head_size = tokenizer_size(model_dir, config.vocab_size)
-    weights = load_weights(model_dir, config, jnp.dtype(dtype or default_dtype()), head_size)
+    weights = load_weights(model_dir, config, place, head_size)
     return Checkpoint(config, weights, eos_token_ids(model_dir), head_size)
 
 
@@ -204,9 +192,9 @@ def _rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
     raise CheckpointError(f"{arch}: unsupported rope scaling type {kind!r} (default, linear, llama3)")
 
 
-def load_weights(model_dir: Path, config: ModelConfig, dtype: jnp.dtype, head_size: int | None = None) -> Weights:
-    """Read, check shapes against `config`, transpose to [in, out], cast, put on device; the head
-    keeps the first `head_size` ids (default: all)."""
+def load_weights(model_dir: Path, config: ModelConfig, place: Place = np.asarray, head_size: int | None = None) -> Weights:
+    """Read, check shapes against `config`, transpose to [in, out], hand each tensor to `place`;
+    the head keeps the first `head_size` ids (default: all)."""
     get = _tensor_reader(model_dir, config.architecture)
     c = config
     E, F, D, H, K = c.hidden_size, c.ffn_size, c.head_dim, c.n_heads, c.n_kv_heads
@@ -219,8 +207,7 @@ def load_weights(model_dir: Path, config: ModelConfig, dtype: jnp.dtype, head_si
             )
         return array.astype(np.float32)
 
-    def device(array: np.ndarray) -> jax.Array:
-        return jnp.asarray(array, dtype)
+    device = place
 
     def qkv(p: str) -> np.ndarray:  # [E, (H + 2K) * D]
         a = p + "self_attn."

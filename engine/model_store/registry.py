@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -24,8 +23,6 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
-
-from engine.model_store.gguf_convert import convert_gguf
 
 Log = Callable[[str], None]
 
@@ -64,9 +61,10 @@ REGISTERED_MODELS: dict[str, RegisteredModel] = {
 
 
 def default_cache_dir() -> Path:
-    """`$TOKENWIRE_CACHE` if set (read now, not at import), else `~/.cache/tokenwire`."""
-    env = os.environ.get("TOKENWIRE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenwire"
+    """`~/.cache/tokenwire`, where models (and the CPU kernels) go unless the caller names another
+    directory. The environment is not read here: `--cache` (TOKENWIRE_CACHE) is a flag, read once
+    in `main` and passed down."""
+    return Path.home() / ".cache" / "tokenwire"
 
 
 def model_dir(name: str, cache_dir: Path | None = None) -> Path:
@@ -97,6 +95,8 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = pr
     staging directory beside the target (same filesystem, so the final rename is atomic) and
     swaps it in; the staging directory is removed whatever happens.
     """
+    from engine.model_store.gguf_convert import convert_gguf  # here: naming a model needs no gguf/tokenizers
+
     spec = _registered(name)
     target = model_dir(name, cache_dir)
     if is_prepared(target, spec):
