@@ -28,6 +28,7 @@ from services.config import (
     cache_dir,
     non_negative,
     port_number,
+    milliseconds,
     positive,
     seconds,
     timeout,
@@ -57,6 +58,30 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
     )
 
 
+SCRIPTED_PREFIX = "scripted:"
+
+
+def _scripted_model(model_dir, config: DecodeServerConfig):
+    """The scripted model (engine.core.scripted_model: the token after t is t + 1) with a fixed
+    step time, in place of a real one: a stand-in for an accelerator when measuring the transport.
+    Its vocabulary size and EOS ids are those of `model_dir`'s tokenizer, so a text service for
+    that model can sit in front of it."""
+    from engine.core.scripted_model import ScriptedModel
+    from engine.model_store.checkpoint import tokenizer_size
+    from engine.model_store.model_files import eos_token_ids
+
+    if not (model_dir / "tokenizer.json").is_file():
+        raise ValueError(f"--model scripted:DIR takes its vocabulary from DIR/tokenizer.json, and {model_dir} has none")
+    return ScriptedModel(
+        vocab_size=tokenizer_size(model_dir, 1 << 31),
+        eos_token_ids=eos_token_ids(model_dir),
+        max_batch_size=config.max_batch_size,
+        max_context_length=config.model_options.max_context_length or 2048,
+        step_delay_s=config.step_ms / 1000,
+        model_id=f"{SCRIPTED_PREFIX}{model_dir.name}",
+    )
+
+
 # -- commands -----------------------------------------------------------------------------
 
 
@@ -76,7 +101,12 @@ async def _decode_server(config: DecodeServerConfig) -> int:
     from services.metrics import Metrics, stop_metrics_server
 
     log = logging.getLogger("tokenwire")
-    model_dir = _model_dir(config.model, config.model_options.cache_dir)  # pull before serving: a failed pull is a failed start
+    scripted = config.model.startswith(SCRIPTED_PREFIX)
+    model_dir = _model_dir(config.model.removeprefix(SCRIPTED_PREFIX), config.model_options.cache_dir)  # pull before serving
+    if scripted:
+        load_model = lambda: _scripted_model(model_dir, config)  # noqa: E731
+    else:
+        load_model = lambda: _load_model(model_dir, config.max_batch_size, config.model_options)  # noqa: E731
     metrics = Metrics()
     server = await start_decode_server(
         engine_config=config.engine,
@@ -84,7 +114,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         metrics=metrics,
         stall_timeout_s=config.stall_timeout_s,
         wait_until_ready=False,
-        load_model=lambda: _load_model(model_dir, config.max_batch_size, config.model_options),
+        load_model=load_model,
     )
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
     log.info("decode service listening on %s:%d; loading %s", config.server.host, server.port, model_dir)
@@ -283,10 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
     def cache_flag(p):
         add_flag(p, "--cache", help="cache directory for prepared models (and the CPU kernels) (default ~/.cache/tokenwire)", default=None)
 
-    def model_flags(p, required=True):
+    def model_flags(p, required=True, scripted=False):
+        also = "; or scripted:DIR|NAME, the scripted stand-in model with that tokenizer's vocabulary (see --step-ms)"
         add_flag(
             p, "--model", help=f"model directory (Hugging Face layout) or registered name such as {DEFAULT_MODEL}, "
-            "pulled on first use", required=required, default=None if required else DEFAULT_MODEL,
+            "pulled on first use" + (also if scripted else ""), required=required, default=None if required else DEFAULT_MODEL,
         )
         cache_flag(p)
 
@@ -315,11 +346,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
-    model_flags(p)
+    model_flags(p, scripted=True)
     server_flags(p, DEFAULT_DECODE_PORT)
     add_flag(p, "--max-batch-size", help="slots decoded together per step (KV cache is preallocated for them)", type=positive, default=8)
     add_flag(p, "--max-queue-size", help="requests waiting for a slot; past it, RESOURCE_EXHAUSTED", type=non_negative, default=64)
     add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=timeout, default=30.0)
+    add_flag(p, "--step-ms", help="with --model scripted:DIR (a fixed-cost stand-in for a model, for transport benchmarks): milliseconds each decode step takes", type=milliseconds, default=0.0)
     engine_flags(p)
 
     p = commands.add_parser("text-server", help="serve Tokenizer and TextGeneration over gRPC", description="Serve Tokenizer and TextGeneration (tokenwire.text.v1) in front of a decode-server; refuses to start if the decoder serves another model.")

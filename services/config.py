@@ -48,6 +48,7 @@ non_negative = _bounded(int, 0, None, "a whole number >= 0")  # counts, ids, que
 positive = _bounded(int, 1, None, "a whole number >= 1")  # sizes that cannot be empty
 port_number = _bounded(int, 0, 65535, "a port in 0..65535")
 seconds = _bounded(float, 0.0, None, "a number of seconds >= 0")
+milliseconds = _bounded(float, 0.0, None, "a number of milliseconds >= 0")
 timeout = _bounded(float, 0.0, None, "a number of seconds > 0", low_allowed=False)
 
 
@@ -122,9 +123,12 @@ class DecodeServerConfig:
     stall_timeout_s: float
     grace_period_s: float
     metrics_port: int | None
+    step_ms: float = 0.0  # the scripted model's step time (--model scripted:DIR only)
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "DecodeServerConfig":
+        if a.step_ms and not a.model.startswith("scripted:"):
+            raise ValueError("--step-ms sets the scripted model's step time: it needs --model scripted:DIR")
         return DecodeServerConfig(
             model=a.model,
             server=server_options(a),
@@ -134,6 +138,7 @@ class DecodeServerConfig:
             stall_timeout_s=a.stall_timeout,
             grace_period_s=a.grace_period,
             metrics_port=a.metrics_port,
+            step_ms=a.step_ms,
         )
 
 

@@ -27,7 +27,7 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services import validation
 from services.admission import Admission
-from services.channels import cancelling_aio
+from services.channels import cancelling_aio, read_ahead
 from services.decode_service import event_from_pb, event_to_pb
 from services.errors import grpc_errors
 from services.metrics import Metrics
@@ -107,10 +107,15 @@ DecodeFn = Callable[[decode_pb2.DecodeRequest, "float | None"], AsyncGenerator[S
 
 
 def remote_decode(stub: decode_pb2_grpc.DecoderStub) -> DecodeFn:
+    """The remote Decoder's stream, read ahead: the responses that arrived while the consumer was
+    busy come as one list of events (services.channels.read_ahead), so the client gets them in one
+    message instead of one each."""
+
     async def decode(request: decode_pb2.DecodeRequest, timeout: float | None):
-        async with contextlib.aclosing(cancelling_aio(stub.Decode(request, timeout=timeout))) as responses:
-            async for response in responses:
-                yield [event_from_pb(e) for e in response.events]
+        responses = cancelling_aio(stub.Decode(request, timeout=timeout))
+        async with contextlib.aclosing(read_ahead(responses)) as batches:
+            async for batch in batches:
+                yield [event_from_pb(e) for response in batch for e in response.events]
 
     return decode
 

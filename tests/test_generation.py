@@ -162,7 +162,7 @@ async def test_a_finish_that_miscounts_the_tokens_is_an_accounting_mismatch():
 
 
 async def test_an_id_the_tokenizer_does_not_have_is_the_decoders_fault_not_the_callers():
-    with pytest.raises(UnknownTokenId, match=r"token_ids\[0\]: 512 is not in the vocabulary \[0, 512\)") as error:
+    with pytest.raises(UnknownTokenId, match=r"token_ids\[1\]: 512 is not in the vocabulary \[0, 512\)") as error:
         await run(TextRequest(PROMPT), ScriptedDecode([tokens([301, 512])]).stream())
     assert isinstance(error.value, DecoderFault) and not isinstance(error.value, InvalidArgument)
 

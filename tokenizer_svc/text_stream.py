@@ -38,6 +38,8 @@ class TextStream:
         return result.text, result.stop_string
 
     def push(self, token_ids: Sequence[int]) -> TextChunk:
+        if self.matcher is None:  # no stop string to place: the whole batch in one detokenizer push
+            return TextChunk(self.detokenizer.push(token_ids), len(token_ids))
         text = ""
         for n, token_id in enumerate(token_ids, start=1):
             piece, stop = self._through_matcher(self.detokenizer.push([token_id]))

@@ -1,53 +1,125 @@
 """The asyncio face of the engine: one request in, an async iterator of event lists out.
 
-The engine loop runs on its own thread; events cross to the event loop with
-`call_soon_threadsafe`, so the event loop never blocks on the engine. Leaving the iterator
-early (a client cancel, a deadline, an error downstream) aborts the engine request, which
-frees its slot before the next engine step.
+Data flow: the engine loop runs on its own thread and hands each request's events to its sink
+once per iteration. The sinks of one event loop share a `_Mailbox`: the engine thread appends
+(queue, events) pairs under a lock, and after each prefill and step (`Engine.after_delivery`)
+wakes the event loop with one `call_soon_threadsafe` if anything is waiting, so a step that
+advances 64 requests costs one wake-up, not 64. On the loop, the mailbox moves each list into
+its request's queue.
+
+What holds:
+  * Coalescing: `stream` yields everything that has arrived for the request when its consumer
+    asks, as one list in order. A consumer that keeps up gets one list per engine step; one that
+    is behind (a slow network write) gets the steps it missed together, in one list, so it
+    catches up with fewer, larger messages. Nothing that has arrived is held back.
+  * The list holding Finished is the last; nothing follows it.
+  * Bounded: a request's queue holds at most its remaining output (max_output_tokens, at most
+    the context), because the engine produces at most that many tokens for it. A consumer that
+    stops reading does not slow the engine or other requests: its request keeps its slot until
+    it finishes or is cancelled.
+  * Leaving the iterator early (a client cancel, a deadline, an error downstream) aborts the
+    engine request, which frees its slot before the next engine step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import AsyncIterator
 
 from engine.core.engine import Engine
 from engine.core.events import Event, Finished
 from engine.core.request import Request
 
+Item = list[Event] | BaseException  # what a request's queue holds: an iteration's events, or its failure
 
-class _QueueSink:
-    """Forwards engine-thread events into an asyncio queue (unbounded: at most one list per step)."""
+
+class _Mailbox:
+    """Engine thread -> event loop, one wake-up per batch of deliveries."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self.queue: asyncio.Queue[list[Event] | BaseException] = asyncio.Queue()
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue[Item], Item]] = []
+        self._waking = False  # a wake-up is scheduled and has not run yet
+        self.wake_ups = 0  # how many times the engine thread woke the loop (tests read it)
+
+    def post(self, queue: asyncio.Queue[Item], item: Item) -> None:
+        """Called on the engine thread; never blocks. Sent at the next `flush`."""
+        with self._lock:
+            self._items.append((queue, item))
+
+    def flush(self) -> None:
+        """Called on the engine thread after a step: wake the loop once for everything posted."""
+        with self._lock:
+            if self._waking or not self._items:
+                return
+            self._waking = True
+            self.wake_ups += 1
+        try:
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed: nobody is left to deliver to
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._waking = False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+class _QueueSink:
+    """One request's sink: its events go through the loop's mailbox into `queue` (unbounded:
+    at most one list per engine iteration, and at most the request's output in all)."""
+
+    def __init__(self, mailbox: _Mailbox) -> None:
+        self._mailbox = mailbox
+        self.queue: asyncio.Queue[Item] = asyncio.Queue()
 
     def events(self, events: list[Event]) -> None:
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, events)
+        self._mailbox.post(self.queue, events)
 
     def fail(self, error: BaseException) -> None:
-        self._loop.call_soon_threadsafe(self.queue.put_nowait, error)
+        self._mailbox.post(self.queue, error)
 
 
 class AsyncEngine:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._mailboxes: dict[asyncio.AbstractEventLoop, _Mailbox] = {}
+
+    def _mailbox(self) -> _Mailbox:
+        loop = asyncio.get_running_loop()
+        mailbox = self._mailboxes.get(loop)
+        if mailbox is None:
+            mailbox = self._mailboxes[loop] = _Mailbox(loop)
+            self.engine.after_delivery(mailbox.flush)
+        return mailbox
 
     async def stream(self, request: Request) -> AsyncIterator[list[Event]]:
-        """Yield the request's events, one list per engine step, ending with the list holding Finished.
+        """Yield the request's events in order, as lists: everything that has arrived when the
+        consumer asks (see Coalescing), the last list ending with Finished.
         Raises what `Engine.submit` raises, or the engine's failure."""
-        sink = _QueueSink(asyncio.get_running_loop())
+        sink = _QueueSink(self._mailbox())
         ticket = self.engine.submit(request, sink)
         finished = False
+        failure: BaseException | None = None  # arrived behind events not yet yielded
         try:
             while not finished:
-                item = await sink.queue.get()
+                item = failure or await sink.queue.get()
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
                     raise item
-                finished = isinstance(item[-1], Finished)
-                yield item
+                events = item
+                while not sink.queue.empty() and not isinstance(events[-1], Finished):
+                    more = sink.queue.get_nowait()
+                    if isinstance(more, BaseException):
+                        failure = more
+                        break
+                    events = events + more
+                finished = isinstance(events[-1], Finished)
+                yield events
         finally:
             if not finished:
                 self.engine.abort(ticket)

@@ -9,6 +9,8 @@ Data flow, on the engine thread, once per iteration:
      once and never joins a decode step;
   4. one `model.decode` step for every active slot -> `decide` per slot -> events; finished
      slots are released in the same iteration.
+After each prefill and each step, the `after_delivery` callbacks run (AsyncEngine sends the
+step's events for all its requests to the event loop with one wake-up there).
 This loop is the only place that touches a request per step. Events for one request are
 handed to its `EventSink` as one list per iteration (coalesced), on the engine thread.
 """
@@ -84,6 +86,7 @@ class Engine:
         self.config = config
         self._on_death = on_death
         self._on_step = on_step
+        self._delivered: list[Callable[[], None]] = []  # see after_delivery
         self._progress_at = time.monotonic()  # last prefill or step, or when work arrived at an idle engine
         self._cond = threading.Condition()
         self._waiting: collections.OrderedDict[int, _Live] = collections.OrderedDict()
@@ -139,6 +142,12 @@ class Engine:
                 self._aborts.add(ticket)
                 self._cond.notify_all()
 
+    def after_delivery(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` on the engine thread after each prefill and each decode step, once
+        that step's events are all in their sinks: a sink that batches deliveries (one wake-up of
+        an event loop for every request of a step) sends its batch then. Must not block."""
+        self._delivered.append(callback)
+
     def stats(self) -> EngineStats:
         with self._cond:
             pending = bool(self._waiting or self._active)
@@ -170,10 +179,12 @@ class Engine:
                 self._drop(aborts)
                 for live in admitted:
                     self._prefill(live)
+                    self._after_delivery()
                     self._progressed()
                 if self._active:
                     started = time.perf_counter()
                     self._decode_step()
+                    self._after_delivery()
                     self._progressed()
                     if self._on_step is not None:
                         self._on_step(time.perf_counter() - started)
@@ -186,6 +197,7 @@ class Engine:
                 self._waiting.clear()
             for live in doomed:
                 live.sink.fail(EngineStopped(f"the engine loop died: {type(error).__name__}"))
+            self._after_delivery()
             if self._on_death is not None:
                 self._on_death(error)
         finally:
@@ -195,6 +207,11 @@ class Engine:
                 self._waiting.clear()
             for live in stopped:
                 live.sink.fail(EngineStopped("the engine stopped"))
+            self._after_delivery()
+
+    def _after_delivery(self) -> None:
+        for callback in self._delivered:
+            callback()
 
     def _free_slot(self) -> int:
         return next(s for s in range(self.model.info.max_batch_size) if s not in self._active)
