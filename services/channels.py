@@ -8,8 +8,6 @@ plaintext channel, and we refuse earlier, with a message that says what to confi
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from typing import AsyncIterable, AsyncIterator, Iterable, Iterator, Sequence, TypeVar
 
 import grpc
@@ -54,57 +52,3 @@ async def cancelling_aio(call: AsyncIterable[T]) -> AsyncIterator[T]:
     finally:
         call.cancel()
 
-
-async def read_ahead(source: AsyncIterator[T]) -> AsyncIterator[list[T]]:
-    """Read `source` as fast as it delivers, and yield what has arrived whenever the consumer
-    asks: one list per ask, in order, never empty. A consumer that keeps up gets one item per
-    list; one that is behind (a slow write downstream) gets the backlog together, so it can
-    send it as one message. Nothing that has arrived is held back.
-
-    Memory: the backlog is what `source` produced and the consumer has not taken yet; for a
-    decode stream that is at most the request's remaining output. Closing this iterator (or an
-    error in `source`, raised to the consumer after the items before it) cancels the reader and
-    closes `source`.
-    """
-    queue: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
-
-    async def pump() -> None:
-        try:
-            async for item in source:
-                queue.put_nowait(("item", item))
-        except Exception as error:  # handed to the consumer; a cancel of the pump stays a cancel
-            queue.put_nowait(("error", error))
-            return
-        queue.put_nowait(("end", None))
-
-    reader = asyncio.create_task(pump())
-    try:
-        ended = False
-        while not ended:
-            kind, value = await queue.get()
-            batch: list[T] = []
-            while True:
-                if kind == "error":
-                    if batch:
-                        yield batch
-                    error, value = value, None
-                    try:
-                        raise error  # type: ignore[misc]
-                    finally:  # no frame local keeps the error (and the request state) in a cycle
-                        error = None
-                if kind == "end":
-                    ended = True
-                    break
-                batch.append(value)  # type: ignore[arg-type]
-                if queue.empty():
-                    break
-                kind, value = queue.get_nowait()
-            if batch:
-                yield batch
-    finally:
-        reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await reader
-        aclose = getattr(source, "aclose", None)
-        if aclose is not None:
-            await aclose()

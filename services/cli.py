@@ -59,6 +59,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
 
 
 SCRIPTED_PREFIX = "scripted:"
+ENGINE_SWITCH_INTERVAL_S = 0.0005  # the decode service's GIL switch interval (see _decode_server)
 
 
 def _scripted_model(model_dir, config: DecodeServerConfig):
@@ -101,6 +102,10 @@ async def _decode_server(config: DecodeServerConfig) -> int:
     from services.metrics import Metrics, stop_metrics_server
 
     log = logging.getLogger("tokenwire")
+    # The engine thread wakes from each device step (which released the GIL) and needs the GIL at
+    # once; CPython's default 5 ms switch interval can keep it waiting that long behind the gRPC
+    # event loop's serialization, stretching every step. 0.5 ms: docs/benchmarks.md, Transport.
+    sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     scripted = config.model.startswith(SCRIPTED_PREFIX)
     model_dir = _model_dir(config.model.removeprefix(SCRIPTED_PREFIX), config.model_options.cache_dir)  # pull before serving
     if scripted:

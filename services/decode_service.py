@@ -1,53 +1,23 @@
-"""The Decoder servicer: validate, stream the engine's events as protobuf, nothing else."""
+"""The Decoder servicer: validate, stream the engine's events as protobuf, nothing else.
+
+`Decode` serves one request per RPC; `DecodeStream` many over one RPC (services.decode_stream).
+"""
 
 from __future__ import annotations
 
 import contextlib
 
+import grpc
+
 from engine.core.async_engine import AsyncEngine
-from engine.core.events import Event, Finished, FinishReason, Token, Usage
 from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services import validation
 from services.admission import Admission
-from services.errors import grpc_errors
+from services.decode_events import event_to_pb
+from services.decode_stream import DecodeStreamSession
+from services.errors import ServiceError, grpc_errors
 from services.metrics import Metrics
-
-_REASONS = {FinishReason.STOP: decode_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: decode_pb2.FINISH_REASON_LENGTH}
-_REASONS_FROM_PB = {pb: reason for reason, pb in _REASONS.items()}
-
-
-def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
-    if isinstance(event, Token):
-        return decode_pb2.DecodeEvent(token=decode_pb2.Token(id=event.id, logprob=event.logprob))
-    return decode_pb2.DecodeEvent(
-        finished=decode_pb2.Finished(
-            reason=_REASONS[event.reason],
-            usage=decode_pb2.Usage(
-                prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens
-            ),
-            stop_token_id=event.stop_token_id,
-        )
-    )
-
-
-def event_from_pb(pb: decode_pb2.DecodeEvent) -> Event:
-    """The inverse of `event_to_pb`: what a remote Decoder streamed, as the engine's own event.
-    ValueError for an event the stream contract rules out (unset, or an UNSPECIFIED reason)."""
-    kind = pb.WhichOneof("event")
-    if kind == "token":
-        return Token(pb.token.id, pb.token.logprob if pb.token.HasField("logprob") else None)
-    if kind != "finished":
-        raise ValueError("the decoder sent an event that is neither a token nor a finish")
-    finished = pb.finished
-    if finished.reason not in _REASONS_FROM_PB:
-        raise ValueError(f"the decoder sent finish reason {finished.reason}, which is neither STOP nor LENGTH")
-    return Finished(
-        _REASONS_FROM_PB[finished.reason],
-        Usage(finished.usage.prompt_tokens, finished.usage.completion_tokens),
-        finished.stop_token_id if finished.HasField("stop_token_id") else None,
-    )
-
 
 def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
     return decode_pb2.ModelInfo(
@@ -82,6 +52,18 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
                     response = decode_pb2.DecodeResponse(events=[event_to_pb(e) for e in events])
                     tracker.decode_response(response)
                     yield response
+
+    @grpc_errors
+    async def DecodeStream(self, request_iterator, context):
+        """Many requests over one stream (services.decode_stream; the proto's invariants 10-14).
+        Refused as a whole (UNAVAILABLE) only while the model loads or the engine is down;
+        while draining it stays open for its live requests and refuses new starts one by one."""
+        if self.engine is None:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, self.admission.closed_reason or "the model is still loading")
+        session = DecodeStreamSession(self.engine, self.info, self.admission, self.metrics)
+        async with contextlib.aclosing(session.run(request_iterator)) as responses:
+            async for response in responses:
+                yield response
 
     @grpc_errors
     async def GetModelInfo(self, request, context):

@@ -3,7 +3,8 @@
 At start it waits for the decoder and refuses to serve a model its tokenizer does not belong
 to. Then a monitor keeps `tokenwire.text.v1.TextGeneration` readiness equal to the decoder's
 (re-checking the model whenever the decoder comes back); `tokenwire.text.v1.Tokenizer` needs
-no decoder and is ready until draining. The channel reconnects by itself when the decoder
+no decoder and is ready until draining. Generations share one `Decoder.DecodeStream` on the
+channel (services.decode_stream_client). The channel reconnects by itself when the decoder
 restarts; while it is down, generation calls fail fast with UNAVAILABLE.
 """
 
@@ -25,7 +26,8 @@ from services.channels import open_channel
 from services.security import ClientTlsConfig
 from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE, TOKENIZER_SERVICE
 from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
-from services.text_service import TextGenerationServicer, TokenizerServicer, remote_decode
+from services.decode_stream_client import DecodeStreamClient
+from services.text_service import TextGenerationServicer, TokenizerServicer
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = logging.getLogger("tokenwire.text")
@@ -67,6 +69,7 @@ class TextServer:
     info: ModelInfo
     admission: Admission
     tokenizer: TextTokenizer
+    upstream: DecodeStreamClient
     draining: bool = False
 
     @property
@@ -124,6 +127,7 @@ class TextServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.running.stop(grace_s)
+        await self.upstream.close()
         await self.channel.close()
 
 
@@ -161,16 +165,17 @@ async def start_text_server(
         raise
 
     admission = Admission()
+    upstream = DecodeStreamClient(decoder)  # every generation shares one DecodeStream
 
     def add(server: grpc.aio.Server) -> None:
         text_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer, admission), server)
         text_pb2_grpc.add_TextGenerationServicer_to_server(
-            TextGenerationServicer(tokenizer, remote_decode(decoder), info, admission, metrics), server
+            TextGenerationServicer(tokenizer, upstream.decode, info, admission, metrics), server
         )
 
     running = await start_server(add, [TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], options, metrics)
     await running.set_ready(True)
-    server = TextServer(running, channel, info, admission, tokenizer)
+    server = TextServer(running, channel, info, admission, tokenizer, upstream)
     server.running.tasks.append(asyncio.create_task(server._monitor(health_interval_s)))
     log.info("text service on %s:%d, decoder %s serving %s", options.host, running.port, decoder_target, info.model_id)
     return server

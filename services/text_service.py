@@ -1,8 +1,9 @@
 """The Tokenizer and TextGeneration servicers: protobuf in and out around tokenizer_svc.
 
 Generate: GenerateRequest -> `tokenizer_svc.generation.prepare_request` (the prompt's ids,
-validated) -> one decode of those ids (`remote_decode`: a `Decoder.Decode` call whose responses
-become engine events; `engine_decode`: an in-process engine's own events) ->
+validated) -> one decode of those ids (services.decode_stream_client: a request on the text
+service's one `Decoder.DecodeStream`, whose entries become engine events; `engine_decode`: an
+in-process engine's own events) ->
 `generate_text` -> each TextDelta / TextFinished as a GenerateResponse. `Complete` collects the
 very same stream, and `tokenwire generate --local` runs it too, so none of them can disagree.
 Leaving the stream early (client cancel, deadline, error) closes `generate_text`, which closes
@@ -23,12 +24,11 @@ from engine.core.async_engine import AsyncEngine
 from engine.core.errors import check_token_ids
 from engine.core.events import Event, Finished
 from engine.core.model import ModelInfo
-from protos.decode.v1 import decode_pb2, decode_pb2_grpc
+from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services import validation
 from services.admission import Admission
-from services.channels import cancelling_aio, read_ahead
-from services.decode_service import event_from_pb, event_to_pb
+from services.decode_events import event_to_pb
 from services.errors import grpc_errors
 from services.metrics import Metrics
 from tokenizer_svc import generation
@@ -104,20 +104,6 @@ class TokenizerServicer(text_pb2_grpc.TokenizerServicer):
 # step: from the remote Decoder (gRPC) or, for `generate --local`, an in-process engine. Closing
 # the iterator early must cancel the decode.
 DecodeFn = Callable[[decode_pb2.DecodeRequest, "float | None"], AsyncGenerator[Sequence[Event], None]]
-
-
-def remote_decode(stub: decode_pb2_grpc.DecoderStub) -> DecodeFn:
-    """The remote Decoder's stream, read ahead: the responses that arrived while the consumer was
-    busy come as one list of events (services.channels.read_ahead), so the client gets them in one
-    message instead of one each."""
-
-    async def decode(request: decode_pb2.DecodeRequest, timeout: float | None):
-        responses = cancelling_aio(stub.Decode(request, timeout=timeout))
-        async with contextlib.aclosing(read_ahead(responses)) as batches:
-            async for batch in batches:
-                yield [event_from_pb(e) for response in batch for e in response.events]
-
-    return decode
 
 
 def engine_decode(engine: AsyncEngine, info: ModelInfo) -> DecodeFn:

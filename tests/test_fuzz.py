@@ -71,7 +71,8 @@ SERVICES = {  # which server serves each service
     tpb.DESCRIPTOR.services_by_name["Tokenizer"]: "text",
     tpb.DESCRIPTOR.services_by_name["TextGeneration"]: "text",
 }
-METHODS = sorted(f"/{service.full_name}/{m.name}" for service in SERVICES for m in service.methods)
+# Unary-request methods (DecodeStream's malformed messages: tests/test_transport.py)
+METHODS = sorted(f"/{service.full_name}/{m.name}" for service in SERVICES for m in service.methods if not m.client_streaming)
 
 
 def examples(n: int) -> settings:
@@ -122,7 +123,7 @@ async def stack():
                 [("decode", decode), ("text", text)]}
     raw = {}
     for service, server in SERVICES.items():
-        for method in service.methods:
+        for method in (m for m in service.methods if not m.client_streaming):
             path = f"/{service.full_name}/{method.name}"
             kind = channels[server].unary_stream if method.server_streaming else channels[server].unary_unary
             call = kind(path, request_serializer=lambda b: b, response_deserializer=lambda b: b)

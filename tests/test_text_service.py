@@ -24,7 +24,7 @@ from protos.text.v1 import text_pb2 as pb
 from protos.text.v1 import text_pb2_grpc
 from services.client import generate_request
 from services.decode_server import start_decode_server
-from services.decode_service import event_from_pb, event_to_pb
+from services.decode_events import event_from_pb, event_to_pb
 from services.errors import status_for
 from services.text_server import ModelMismatch, start_text_server
 from services.text_service import TextGenerationServicer, collect, engine_decode

@@ -15,8 +15,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.core.events import Finished, Token
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
-from protos.decode.v1 import decode_pb2_grpc
-from services.channels import read_ahead
+from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
 from services.decode_server import start_decode_server
 
@@ -76,58 +75,6 @@ async def test_leaving_a_coalesced_stream_early_frees_the_slot(engine):
     assert engine.stats().slots_in_use == 0
 
 
-# -- read-ahead (the text service's upstream) ------------------------------------------------
-
-
-class Source:
-    """An async iterator of 0, 1, 2, ... that may fail after `fail_after` items; records closing."""
-
-    def __init__(self, n: int, fail_after: int | None = None) -> None:
-        self.n, self.fail_after, self.closed, self.sent = n, fail_after, False, 0
-
-    async def items(self):
-        try:
-            for i in range(self.n):
-                if i == self.fail_after:
-                    raise ValueError("upstream failed")
-                self.sent += 1
-                yield i
-                await asyncio.sleep(0)
-        finally:
-            self.closed = True
-
-
-async def test_read_ahead_batches_what_arrived_in_order():
-    source = Source(10)
-    batches = read_ahead(source.items())
-    async with contextlib.aclosing(batches):
-        first = await anext(batches)
-        while source.sent < 10:  # the reader runs on while the consumer is away
-            await asyncio.sleep(0)
-        rest = [b async for b in batches]
-    assert first == [0] and sum(rest, []) == list(range(1, 10)) and len(rest) == 1
-    assert source.closed
-
-
-async def test_read_ahead_delivers_the_items_before_an_error_then_raises_it():
-    source = Source(10, fail_after=4)
-    got = []
-    with pytest.raises(ValueError, match="upstream failed"):
-        async for batch in read_ahead(source.items()):
-            got.extend(batch)
-    assert got == [0, 1, 2, 3] and source.closed
-
-
-async def test_closing_read_ahead_early_stops_reading_and_closes_the_source():
-    source = Source(10_000)
-    batches = read_ahead(source.items())
-    await anext(batches)
-    await batches.aclose()
-    sent = source.sent
-    await asyncio.sleep(0.01)
-    assert source.closed and source.sent == sent < 10_000
-
-
 # -- a reader that stops reading, over gRPC ---------------------------------------------------
 
 
@@ -159,3 +106,142 @@ async def test_a_reader_that_stops_reading_holds_only_its_own_output_and_slows_n
             assert tokens == list(range(101, 701)) and finished.usage.completion_tokens == 600
     finally:
         await server.stop(None)
+
+
+# -- DecodeStream: many requests over one RPC (the proto's invariants 10-14) ------------------
+
+
+def start(key: int, prompt_last: int, n: int, **stopping) -> decode_pb2.DecodeStreamRequest:
+    request = decode_request([1, prompt_last], max_output_tokens=n, ignore_eos=True, **stopping)
+    return decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(key=key, request=request))
+
+
+def cancel(key: int) -> decode_pb2.DecodeStreamRequest:
+    return decode_pb2.DecodeStreamRequest(cancel=decode_pb2.DecodeStreamCancel(key=key))
+
+
+@pytest.fixture
+async def stream_server():
+    model = ScriptedModel(vocab_size=1000, max_batch_size=4, max_context_length=1024, step_delay_s=0.002)
+    server = await start_decode_server(model, EngineConfig(max_queue_size=4))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield server, decode_pb2_grpc.DecoderStub(channel)
+    await server.stop(None)
+
+
+async def read_until_done(call, keys: set[int]) -> tuple[dict, dict, int]:
+    """Per key: its events, and its error if any; and how many responses carried them."""
+    events: dict[int, list] = {k: [] for k in keys}
+    errors: dict[int, decode_pb2.RequestError] = {}
+    responses = 0
+    while any(k not in errors and not (events[k] and events[k][-1].HasField("finished")) for k in keys):
+        response = await call.read()
+        responses += 1
+        seen = [entry.key for entry in response.requests]
+        assert response.requests and len(seen) == len(set(seen))  # never empty, one entry per key
+        for entry in response.requests:
+            assert entry.key not in errors and not (events[entry.key] and events[entry.key][-1].HasField("finished"))
+            if entry.HasField("error"):
+                assert not entry.events
+                errors[entry.key] = entry.error
+            else:
+                events[entry.key].extend(entry.events)
+    return events, errors, responses
+
+
+async def test_many_requests_on_one_stream_each_get_exactly_their_events(stream_server):
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    for key in range(1, 5):
+        await call.write(start(key, 100 * key, 30))
+    events, errors, responses = await read_until_done(call, {1, 2, 3, 4})
+    assert errors == {}
+    for key, evs in events.items():
+        assert [e.token.id for e in evs[:-1]] == list(range(100 * key + 1, 100 * key + 31))
+        assert evs[-1].finished.reason == decode_pb2.FINISH_REASON_LENGTH
+        assert evs[-1].finished.usage.completion_tokens == 30
+    assert responses < 4 * 30  # steps of several requests travel together
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK  # closing our side ends the stream: nothing is live
+
+
+async def test_a_refused_request_ends_alone_and_the_stream_goes_on(stream_server):
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    bad = decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(
+        key=7, request=decode_pb2.DecodeRequest(prompt_token_ids=[1, 5000])))
+    await call.write(bad)
+    await call.write(start(8, 200, 5))
+    events, errors, _ = await read_until_done(call, {7, 8})
+    assert grpc.StatusCode.INVALID_ARGUMENT.value[0] == errors[7].code
+    assert "prompt_token_ids[1]" in errors[7].message
+    assert [e.token.id for e in events[8][:-1]] == [201, 202, 203, 204, 205]
+    call.cancel()
+
+
+async def test_a_cancelled_request_frees_its_slot_and_gets_nothing_more(stream_server):
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    await call.write(start(1, 100, 900))
+    first = await call.read()
+    assert first.requests[0].key == 1
+    await call.write(cancel(1))
+    await call.write(cancel(99))  # unknown: nothing happens
+    await call.write(start(1, 500, 3))  # the key may be used again
+    events, errors, _ = await read_until_done(call, {1})
+    assert [e.token.id for e in events[1] if e.HasField("token")][-3:] == [501, 502, 503]
+    assert all(e.token.id > 500 for e in events[1] if e.HasField("token"))  # none of the old request
+    assert server.engine.stats().slots_in_use == 0
+    call.cancel()
+
+
+async def test_cancelling_the_rpc_frees_every_slot(stream_server):
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    for key in (1, 2):
+        await call.write(start(key, 100 * key, 900))
+    await call.read()
+    call.cancel()
+    for _ in range(200):  # within a few steps of 2 ms
+        if server.engine.stats().slots_in_use == 0 and server.admission.in_flight == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert (server.engine.stats().slots_in_use, server.admission.in_flight) == (0, 0)
+
+
+async def test_a_key_in_use_and_a_malformed_action_fail_the_rpc_as_invalid_argument(stream_server):
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    await call.write(start(1, 100, 900))
+    await call.write(start(1, 200, 5))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        while True:
+            await call.read()
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "key 1" in error.value.details()
+    raw = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    async with raw:
+        method = raw.stream_stream("/tokenwire.decode.v1.Decoder/DecodeStream", lambda b: b, lambda b: b)
+        call = method()
+        await call.write(b"\xff\xff\xff")
+        await call.done_writing()
+        assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for _ in range(200):
+        if server.engine.stats().slots_in_use == 0:
+            break
+        await asyncio.sleep(0.005)
+    assert server.engine.stats().slots_in_use == 0
+
+
+async def test_draining_refuses_new_starts_and_lets_live_ones_finish(stream_server):
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    await call.write(start(1, 100, 60))
+    await call.read()
+    drained = asyncio.create_task(server.drain(10.0))
+    while not server.draining:
+        await asyncio.sleep(0)
+    await call.write(start(2, 300, 5))
+    events, errors, _ = await read_until_done(call, {1, 2})
+    assert errors[2].code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert events[1][-1].finished.usage.completion_tokens == 60  # the live one ran to its end
+    assert await drained is True

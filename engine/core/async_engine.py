@@ -71,17 +71,19 @@ class _Mailbox:
 
 class _QueueSink:
     """One request's sink: its events go through the loop's mailbox into `queue` (unbounded:
-    at most one list per engine iteration, and at most the request's output in all)."""
+    at most one list per engine iteration, and at most the request's output in all), each item
+    as `(tag, item)` when a tag is given (several requests sharing one queue)."""
 
-    def __init__(self, mailbox: _Mailbox) -> None:
+    def __init__(self, mailbox: _Mailbox, queue: asyncio.Queue | None = None, tag: object = None) -> None:
         self._mailbox = mailbox
-        self.queue: asyncio.Queue[Item] = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue() if queue is None else queue
+        self._tag = tag
 
     def events(self, events: list[Event]) -> None:
-        self._mailbox.post(self.queue, events)
+        self._mailbox.post(self.queue, events if self._tag is None else (self._tag, events))
 
     def fail(self, error: BaseException) -> None:
-        self._mailbox.post(self.queue, error)
+        self._mailbox.post(self.queue, error if self._tag is None else (self._tag, error))
 
 
 class AsyncEngine:
@@ -96,6 +98,13 @@ class AsyncEngine:
             mailbox = self._mailboxes[loop] = _Mailbox(loop)
             self.engine.after_delivery(mailbox.flush)
         return mailbox
+
+    def submit(self, request: Request, queue: asyncio.Queue, tag: object) -> int:
+        """Queue `request`; its events arrive in `queue` as `(tag, list of events)` and a failure
+        as `(tag, exception)`, one wake-up per engine step for every request of this loop.
+        For callers that serve many requests from one queue (DecodeStream). Returns the ticket
+        for `Engine.abort`; raises what `Engine.submit` raises."""
+        return self.engine.submit(request, _QueueSink(self._mailbox(), queue, tag))
 
     async def stream(self, request: Request) -> AsyncIterator[list[Event]]:
         """Yield the request's events in order, as lists: everything that has arrived when the

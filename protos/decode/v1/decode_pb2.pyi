@@ -96,6 +96,52 @@ class Usage(_message.Message):
     completion_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
+class DecodeStreamRequest(_message.Message):
+    __slots__ = ("start", "cancel")
+    START_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    start: DecodeStreamStart
+    cancel: DecodeStreamCancel
+    def __init__(self, start: _Optional[_Union[DecodeStreamStart, _Mapping]] = ..., cancel: _Optional[_Union[DecodeStreamCancel, _Mapping]] = ...) -> None: ...
+
+class DecodeStreamStart(_message.Message):
+    __slots__ = ("key", "request")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    request: DecodeRequest
+    def __init__(self, key: _Optional[int] = ..., request: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
+
+class DecodeStreamCancel(_message.Message):
+    __slots__ = ("key",)
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    def __init__(self, key: _Optional[int] = ...) -> None: ...
+
+class DecodeStreamResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestEvents]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestEvents, _Mapping]]] = ...) -> None: ...
+
+class RequestEvents(_message.Message):
+    __slots__ = ("key", "events", "error")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    events: _containers.RepeatedCompositeFieldContainer[DecodeEvent]
+    error: RequestError
+    def __init__(self, key: _Optional[int] = ..., events: _Optional[_Iterable[_Union[DecodeEvent, _Mapping]]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -45,6 +45,11 @@ class DecoderStub:
                 request_serializer=protos_dot_decode_dot_v1_dot_decode__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=protos_dot_decode_dot_v1_dot_decode__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.DecodeStream = channel.stream_stream(
+                '/tokenwire.decode.v1.Decoder/DecodeStream',
+                request_serializer=protos_dot_decode_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+                response_deserializer=protos_dot_decode_dot_v1_dot_decode__pb2.DecodeStreamResponse.FromString,
+                _registered_method=True)
 
 
 class DecoderServicer:
@@ -67,6 +72,29 @@ class DecoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeStream(self, request_iterator, context):
+        """Many Decode requests over one stream, for a service in front of this one (the text
+        service): one response carries the events of every request that advanced since the last,
+        so a step that advances 64 requests costs one message, not 64.
+        Stream invariants, in addition to Decode's 1-9, which hold per request:
+        10. Every DecodeStreamStart.key names one request of this stream; a key may be used again
+        only after its request ended. Per key, the events of all responses, concatenated, are
+        exactly what Decode would stream for that request, in order.
+        11. Each request ends with exactly one of: its Finished event, or a RequestEvents with
+        `error` set (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, as Decode would fail).
+        Nothing follows either for that key. A start whose key is live fails the whole RPC
+        with INVALID_ARGUMENT.
+        12. After DecodeStreamCancel for a live key the request is dropped (its slot freed before
+        the next step) and nothing more is sent for it; cancelling an unknown key does nothing.
+        13. The client closing its side ends the stream once every live request has ended;
+        cancelling the RPC cancels every live request. The RPC's own status is OK unless the
+        stream itself failed (then every request still live failed with it).
+        14. While the server drains, new starts end with UNAVAILABLE; live ones run to their end.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +107,11 @@ def add_DecoderServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=protos_dot_decode_dot_v1_dot_decode__pb2.GetModelInfoRequest.FromString,
                     response_serializer=protos_dot_decode_dot_v1_dot_decode__pb2.ModelInfo.SerializeToString,
+            ),
+            'DecodeStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeStream,
+                    request_deserializer=protos_dot_decode_dot_v1_dot_decode__pb2.DecodeStreamRequest.FromString,
+                    response_serializer=protos_dot_decode_dot_v1_dot_decode__pb2.DecodeStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -136,6 +169,33 @@ class Decoder:
             '/tokenwire.decode.v1.Decoder/GetModelInfo',
             protos_dot_decode_dot_v1_dot_decode__pb2.GetModelInfoRequest.SerializeToString,
             protos_dot_decode_dot_v1_dot_decode__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tokenwire.decode.v1.Decoder/DecodeStream',
+            protos_dot_decode_dot_v1_dot_decode__pb2.DecodeStreamRequest.SerializeToString,
+            protos_dot_decode_dot_v1_dot_decode__pb2.DecodeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

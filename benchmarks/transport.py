@@ -1,0 +1,501 @@
+"""What the transport costs: tokens/s and inter-token latency (ITL) of one fixed-cost model, in
+process and through each service, in one run.
+
+    python benchmarks/transport.py [--step-ms 2,0] [--streams 64,1] [--tokens 300] [--rounds 3]
+                                   [--paths engine,decode,text] [--client-procs N]
+
+The model is the scripted one (engine/core/scripted_model.py): each decode step sleeps
+--step-ms (0 = free) and yields the token after the last, so what differs between the paths is
+the transport alone. Each of N streams asks for exactly M tokens (ignore_eos, max_output_tokens).
+  engine  N asyncio streams over AsyncEngine in this process: no gRPC, no other process.
+  decode  `services.cli decode-server --model scripted:DIR`, a process on loopback.
+  text    `services.cli text-server` in front of that decode server.
+The service paths are read by client processes (spawn), each with its own event loop and one
+channel per server, running every K-th stream; they are released together, so that one client
+process is not what limits.
+
+tok/s: all streams' tokens / (last Finished received - first request sent).
+ITL: per stream, the gap before each token as its client sees it (tokens that arrive in one
+message: the first gets the gap since the previous token, the others 0); the first token is left
+out (its gap is the time to first token). p50 and p99 (nearest rank) over the gaps of all streams
+of a measurement, pooled; also in steps of --step-ms.
+
+Rounds are interleaved (each round measures every configuration and path once), so a noisy
+neighbour hits all alike; ratios to in-process are taken within a round, and the tables give the
+median over rounds with the range. One decode server (and one text server) per step time stays
+up for the whole run; every process started here is stopped at the end (SIGTERM, then kill),
+also on error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+import grpc  # noqa: E402
+
+from benchmarks.machine import describe  # noqa: E402
+from engine.core.async_engine import AsyncEngine  # noqa: E402
+from engine.core.engine import Engine, EngineConfig  # noqa: E402
+from engine.core.events import Finished, Token  # noqa: E402
+from engine.core.request import Request, StoppingCriteria  # noqa: E402
+from engine.core.scripted_model import ScriptedModel  # noqa: E402
+from engine.model_store.checkpoint import tokenizer_size  # noqa: E402
+from engine.model_store.model_files import eos_token_ids  # noqa: E402
+from protos.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
+from protos.text.v1 import text_pb2_grpc  # noqa: E402
+from services.client import decode_request, generate_request  # noqa: E402
+from services.health_probe import check_once  # noqa: E402
+
+PATHS = {"engine": "engine in-process", "decode": "through the decode service", "text": "through the text service"}
+SERVICE_NAMES = {"decode": "tokenwire.decode.v1.Decoder", "text": "tokenwire.text.v1.TextGeneration"}
+
+
+class StreamFailed(RuntimeError):
+    """A stream did not give exactly its M tokens and one Finished{LENGTH}: the run is void."""
+
+
+# -- the workload and what one stream saw -------------------------------------------------
+
+
+def token_counts(spec: str, streams: int) -> list[int]:
+    """M per stream: "300" for all, or "300-400" spread evenly over the streams (deterministic)."""
+    low, _, high = spec.partition("-")
+    low, high = int(low), int(high or low)
+    if not 1 <= low <= high:
+        raise ValueError(f"--tokens {spec!r}: need 1 <= low <= high")
+    if streams == 1:
+        return [(low + high) // 2]
+    return [low + (high - low) * i // (streams - 1) for i in range(streams)]
+
+
+def prompt_ids(index: int) -> list[int]:
+    """A few ids, different per stream (all below 256, so within any vocabulary used here)."""
+    return [3 + index % 200, 4 + index % 200, 5 + index % 200]
+
+
+def prompt_text(index: int) -> str:
+    return f"stream {index}: the quick brown fox"
+
+
+class StreamClock:
+    """One stream as its client sees it: tokens, the gap before each token after the first, the
+    finish. Created just before the request is sent."""
+
+    def __init__(self) -> None:
+        self.sent = time.monotonic()
+        self.finished_at: float | None = None
+        self.tokens = 0
+        self.gaps: list[float] = []
+        self.finish: tuple[str, int] | None = None  # (reason name, usage.completion_tokens)
+        self._last: float | None = None
+
+    def arrived(self, tokens: int, finish: tuple[str, int] | None = None) -> None:
+        """One message: `tokens` tokens, then the Finished when `finish` is given."""
+        now = time.monotonic()
+        if self.finish is not None:
+            raise StreamFailed("a message after Finished")
+        if tokens:
+            if self._last is not None:
+                self.gaps.append(now - self._last)
+            self.gaps.extend([0.0] * (tokens - 1))
+            self.tokens += tokens
+            self._last = now
+        if finish is not None:
+            self.finish, self.finished_at = finish, now
+
+    def check(self, index: int, expected: int) -> "StreamClock":
+        if self.finish != ("LENGTH", expected) or self.tokens != expected:
+            raise StreamFailed(
+                f"stream {index}: {self.tokens} tokens and finish (reason, completion_tokens) {self.finish}, "
+                f"expected {expected} tokens and ('LENGTH', {expected})"
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Measurement:
+    tokens: int
+    wall_s: float  # first request sent -> last Finished received
+    itl_p50_s: float
+    itl_p99_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.wall_s
+
+
+def percentile(ordered: Sequence[float], q: float) -> float:
+    """Nearest rank; NaN for no values."""
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered), max(1, math.ceil(q * len(ordered)))) - 1]
+
+
+def summarize(clocks: Sequence[StreamClock]) -> Measurement:
+    gaps = sorted(g for c in clocks for g in c.gaps)
+    wall = max(c.finished_at for c in clocks) - min(c.sent for c in clocks)
+    return Measurement(sum(c.tokens for c in clocks), wall, percentile(gaps, 0.50), percentile(gaps, 0.99))
+
+
+# -- in process ---------------------------------------------------------------------------
+
+
+def scripted_model(model_dir: Path, step_ms: float, max_batch_size: int, context: int) -> ScriptedModel:
+    """The model `decode-server --model scripted:DIR` serves: DIR's vocabulary and EOS ids."""
+    return ScriptedModel(
+        vocab_size=tokenizer_size(model_dir, 1 << 31), eos_token_ids=eos_token_ids(model_dir),
+        max_batch_size=max_batch_size, max_context_length=context, step_delay_s=step_ms / 1000,
+    )
+
+
+async def _engine_streams(engine: AsyncEngine, counts: Sequence[int]) -> list[StreamClock]:
+    async def one(index: int, m: int) -> StreamClock:
+        clock = StreamClock()
+        stopping = StoppingCriteria(max_output_tokens=m, ignore_eos=True)
+        async for events in engine.stream(Request(f"bench-{index}", tuple(prompt_ids(index)), stopping=stopping)):
+            last = events[-1]
+            finish = (last.reason.name, last.usage.completion_tokens) if isinstance(last, Finished) else None
+            clock.arrived(sum(isinstance(e, Token) for e in events), finish)
+        return clock.check(index, m)
+
+    return await asyncio.gather(*(one(i, m) for i, m in enumerate(counts)))
+
+
+def measure_engine(model: ScriptedModel, counts: Sequence[int], timeout_s: float) -> Measurement:
+    """N concurrent asyncio streams over a fresh engine on `model`, in this process."""
+    engine = Engine(model, EngineConfig(max_queue_size=len(counts)))
+    engine.start()
+    try:
+        return summarize(asyncio.run(asyncio.wait_for(_engine_streams(AsyncEngine(engine), counts), timeout_s)))
+    finally:
+        engine.stop()
+
+
+# -- client processes ---------------------------------------------------------------------
+
+
+def _finish(finished) -> tuple[str, int]:
+    """A Finished (decode) or TextFinished as (reason name, completion_tokens), e.g. ("LENGTH", 300)."""
+    reason = decode_pb2.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_")
+    return reason, finished.usage.completion_tokens
+
+
+async def _service_streams(path: str, channel: grpc.aio.Channel, share, timeout_s: float) -> list[StreamClock]:
+    decoder, text = decode_pb2_grpc.DecoderStub(channel), text_pb2_grpc.TextGenerationStub(channel)
+
+    async def one(index: int, m: int) -> StreamClock:
+        clock = StreamClock()
+        if path == "decode":
+            request = decode_request(prompt_ids(index), max_output_tokens=m, ignore_eos=True)
+            async for response in decoder.Decode(request, timeout=timeout_s):
+                tokens, finish = 0, None
+                for event in response.events:
+                    if event.HasField("token"):
+                        tokens += 1
+                    else:
+                        finish = _finish(event.finished)
+                clock.arrived(tokens, finish)
+        else:
+            request = generate_request(prompt_text(index), max_output_tokens=m, ignore_eos=True)
+            async for response in text.Generate(request, timeout=timeout_s):
+                if response.HasField("delta"):
+                    clock.arrived(len(response.delta.token_ids))
+                else:
+                    clock.arrived(0, _finish(response.finished))
+        return clock.check(index, m)
+
+    return await asyncio.gather(*(one(i, m) for i, m in share))
+
+
+def _client_main(conn: Connection) -> None:
+    """A client process: jobs (path, target, [(stream index, M)], timeout) from `conn` until None.
+    For each: connect, answer "ready" (or "error"), wait for "go", run the streams, answer "done"
+    with their clocks (or "error" with the traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)  # grpc.aio binds a channel to the loop current when it is made
+    channels: dict[str, grpc.aio.Channel] = {}
+    try:
+        while (job := conn.recv()) is not None:
+            path, target, share, timeout_s = job
+            try:
+                if target not in channels:
+                    channels[target] = grpc.aio.insecure_channel(target)
+                loop.run_until_complete(asyncio.wait_for(channels[target].channel_ready(), timeout_s))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+                continue
+            conn.send(("ready", None))
+            conn.recv()  # go
+            try:
+                streams = _service_streams(path, channels[target], share, timeout_s)
+                conn.send(("done", loop.run_until_complete(asyncio.wait_for(streams, timeout_s))))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        for channel in channels.values():
+            loop.run_until_complete(channel.close())
+        loop.close()
+
+
+def _receive(conn: Connection, timeout_s: float) -> tuple[str, object]:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"a client process did not answer within {timeout_s:.0f} s")
+    return conn.recv()  # EOFError when it died
+
+
+class ClientPool:
+    """Client processes, started once (spawn) and reused by every measurement; `close` stops them."""
+
+    def __init__(self, procs: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._workers: list[tuple[Connection, multiprocessing.Process]] = []
+        for i in range(procs):
+            parent, child = context.Pipe()
+            process = context.Process(target=_client_main, args=(child,), name=f"transport-client-{i}", daemon=True)
+            process.start()
+            child.close()
+            self._workers.append((parent, process))
+
+    def measure(self, path: str, target: str, counts: Sequence[int], procs: int, timeout_s: float) -> Measurement:
+        """Streams i = w, w + procs, ... on client process w; all released at once."""
+        if not 1 <= procs <= len(self._workers):
+            raise ValueError(f"{procs} client processes asked of a pool of {len(self._workers)}")
+        conns = [conn for conn, _ in self._workers[:procs]]
+        for w, conn in enumerate(conns):
+            conn.send((path, target, [(i, m) for i, m in enumerate(counts) if i % procs == w], timeout_s))
+        connected = [_receive(conn, timeout_s) for conn in conns]
+        for conn, (kind, _) in zip(conns, connected):
+            if kind == "ready":
+                conn.send("go")
+        answers = [_receive(conn, timeout_s + 10) if c[0] == "ready" else c for conn, c in zip(conns, connected)]
+        errors = [f"client process {w}:\n{payload}" for w, (kind, payload) in enumerate(answers) if kind != "done"]
+        if errors:
+            raise StreamFailed(f"{path} at {target}:\n" + "\n".join(errors))
+        return summarize([clock for _, clocks in answers for clock in clocks])
+
+    def close(self) -> None:
+        for conn, _ in self._workers:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for _, process in self._workers:
+            process.join(2)
+            if process.is_alive():
+                process.terminate()
+                process.join(2)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+# -- server processes ---------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m services.cli ARGV --port P` on loopback, waited for until SERVICE is SERVING."""
+
+    def __init__(self, argv: Sequence[str], service: str, log_dir: Path, timeout_s: float = 60.0) -> None:
+        self.target = f"127.0.0.1:{free_port()}"
+        self.log = log_dir / f"{argv[0]}-{self.target.rsplit(':', 1)[1]}.log"
+        command = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", *argv,
+                   "--host", "127.0.0.1", "--port", self.target.rsplit(":", 1)[1], "--grace-period", "1"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            self._wait_serving(service, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_serving(self, service: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.log.name} exited with {self.process.returncode}:\n{self._tail()}")
+            if check_once(self.target, service, timeout=1.0) == "SERVING":
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"{service} at {self.target} not SERVING after {timeout_s:.0f} s:\n{self._tail()}")
+
+    def _tail(self) -> str:
+        return self.log.read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def decode_server(
+    model_dir: Path, step_ms: float, max_batch_size: int, max_queue_size: int, context: int, log_dir: Path
+) -> ServerProcess:
+    argv = ["decode-server", "--model", f"scripted:{model_dir}", "--step-ms", str(step_ms), "--max-batch-size",
+            str(max_batch_size), "--max-queue-size", str(max_queue_size), "--max-context-length", str(context)]
+    return ServerProcess(argv, SERVICE_NAMES["decode"], log_dir)
+
+
+def text_server(model_dir: Path, decoder: str, log_dir: Path) -> ServerProcess:
+    argv = ["text-server", "--model", str(model_dir), "--decoder", decoder]
+    return ServerProcess(argv, SERVICE_NAMES["text"], log_dir)
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def _median_range(values: Sequence[float], fmt) -> str:
+    return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
+
+
+def _rate(v: float) -> str:
+    return f"{v / 1000:.1f}k" if v >= 1000 else f"{v:.0f}"
+
+
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.2f}"
+
+
+def _steps(step_ms: float):
+    return lambda v: f"{v * 1e3 / step_ms:.1f}"
+
+
+def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps, streams, paths) -> None:
+    print("\ntok/s, and the ratio to in-process (median over rounds, range in brackets):")
+    print("\n| step time, streams | " + " | ".join(PATHS[p] for p in paths) + " |")
+    print("|---" * (len(paths) + 1) + "|")
+    for step in steps:
+        for n in streams:
+            cells = []
+            for path in paths:
+                runs = results[(step, n, path)]
+                cell = _median_range([m.tok_s for m in runs], _rate)
+                if path != "engine" and "engine" in paths:
+                    ratios = [m.tok_s / e.tok_s for m, e in zip(runs, results[(step, n, "engine")])]
+                    cell += f", {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+                cells.append(cell)
+            print(f"| {step:g} ms, {n} | " + " | ".join(cells) + " |")
+    print("\nITL, pooled over the streams of each measurement (median over rounds, range in brackets):")
+    print("\n| step time, streams | path | ITL p50 ms | ITL p99 ms | p50 in steps | p99 in steps |")
+    print("|---|---|---|---|---|---|")
+    for step in steps:
+        for n in streams:
+            for path in paths:
+                runs = results[(step, n, path)]
+                p50, p99 = [m.itl_p50_s for m in runs], [m.itl_p99_s for m in runs]
+                cells = [_median_range(p50, _ms), _median_range(p99, _ms)]
+                cells += [_median_range(p50, _steps(step)), _median_range(p99, _steps(step))] if step else ["-", "-"]
+                print(f"| {step:g} ms, {n} | {path} | " + " | ".join(cells) + " |")
+
+
+def print_server_output(log_dir: Path) -> None:
+    """What the servers wrote (at --log-level WARNING: only warnings and errors), to stderr."""
+    for log in sorted(log_dir.glob("*.log")):
+        lines = log.read_text(errors="replace").splitlines()
+        if lines:
+            print(f"\n{log.stem} wrote {len(lines)} lines; the last ones:", *lines[-20:], sep="\n", file=sys.stderr)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--step-ms", type=_floats, default=[2.0, 0.0], help="decode step times in ms, comma-separated; 0 = free")
+    parser.add_argument("--streams", type=_ints, default=[64, 1], help="concurrent stream counts, comma-separated")
+    parser.add_argument("--tokens", default="300", help="tokens per stream: M, or LOW-HIGH spread over the streams")
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds: every configuration and path once each")
+    parser.add_argument("--client-procs", type=int, default=None, help="client processes (default 2 at >= 16 streams, else 1)")
+    parser.add_argument("--model-dir", type=Path, default=ROOT / "tests" / "assets" / "tiny-llama",
+                        help="model directory; its tokenizer sets the vocabulary and EOS ids")
+    parser.add_argument("--paths", default="engine,decode,text", help="which of engine,decode,text to measure")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds one measurement may take")
+    args = parser.parse_args()
+    paths = [p for p in PATHS if p in args.paths.split(",")]
+    if not paths or set(args.paths.split(",")) - set(PATHS):
+        parser.error(f"--paths takes some of {','.join(PATHS)}")
+    counts = {n: token_counts(args.tokens, n) for n in args.streams}
+    procs = {n: min(n, args.client_procs or (2 if n >= 16 else 1)) for n in args.streams}
+    context = max(max(c) for c in counts.values()) + 256  # room for the text prompt
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what we started on SIGTERM too
+
+    print(f"machine: {describe('grpcio', 'protobuf')}")
+    print("load average before: %.2f %.2f %.2f" % os.getloadavg())
+    print(f"model: scripted, vocabulary of {args.model_dir}, max_batch_size {args.max_batch_size}; tokens per stream "
+          f"{args.tokens}; client processes {procs}; paths {','.join(paths)}; rounds: {args.rounds}")
+    results: dict[tuple[float, int, str], list[Measurement]] = {}
+    with contextlib.ExitStack() as stack:
+        log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="transport-bench-")))
+        stack.callback(print_server_output, log_dir)  # runs after the servers stop
+        targets: dict[tuple[float, str], str] = {}
+        for step in args.step_ms:
+            if "decode" in paths or "text" in paths:
+                decoder = decode_server(args.model_dir, step, args.max_batch_size, max(args.streams), context, log_dir)
+                stack.callback(decoder.stop)
+                targets[(step, "decode")] = decoder.target
+            if "text" in paths:
+                text = text_server(args.model_dir, decoder.target, log_dir)
+                stack.callback(text.stop)
+                targets[(step, "text")] = text.target
+        pool = ClientPool(max(procs.values()))
+        stack.callback(pool.close)
+
+        def measure(step: float, n: int, path: str, m_counts: Sequence[int]) -> Measurement:
+            if path == "engine":
+                model = scripted_model(args.model_dir, step, args.max_batch_size, context)
+                return measure_engine(model, m_counts, args.timeout)
+            return pool.measure(path, targets[(step, path)], m_counts, procs[n], args.timeout)
+
+        for step in args.step_ms:  # untimed: connect every client process to every server
+            for n in args.streams:
+                for path in paths:
+                    measure(step, n, path, [4] * n)
+        for r in range(1, args.rounds + 1):
+            for step in args.step_ms:
+                for n in args.streams:
+                    for path in paths:
+                        m = measure(step, n, path, counts[n])
+                        results.setdefault((step, n, path), []).append(m)
+                        print(f"round {r}: {step:g} ms, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
+                              f"in {m.wall_s:.2f} s), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms", flush=True)
+    print_tables(results, args.step_ms, args.streams, paths)
+    print("\nload average after: %.2f %.2f %.2f" % os.getloadavg())
+
+
+if __name__ == "__main__":
+    main()

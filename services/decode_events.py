@@ -1,0 +1,46 @@
+"""The engine's events as the decode contract's protobuf, and back: one reason table, both ways.
+
+The decode service sends `event_to_pb` of each engine event; the text service turns what a remote
+decoder sent back into engine events with `event_from_pb`, so the text use case
+(tokenizer_svc.generation) sees the same events whether the engine is remote or in-process.
+"""
+
+from __future__ import annotations
+
+from engine.core.events import Event, Finished, FinishReason, Token, Usage
+from protos.decode.v1 import decode_pb2
+
+_REASONS = {FinishReason.STOP: decode_pb2.FINISH_REASON_STOP, FinishReason.LENGTH: decode_pb2.FINISH_REASON_LENGTH}
+_REASONS_FROM_PB = {pb: reason for reason, pb in _REASONS.items()}
+
+
+def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
+    if isinstance(event, Token):
+        return decode_pb2.DecodeEvent(token=decode_pb2.Token(id=event.id, logprob=event.logprob))
+    return decode_pb2.DecodeEvent(
+        finished=decode_pb2.Finished(
+            reason=_REASONS[event.reason],
+            usage=decode_pb2.Usage(
+                prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens
+            ),
+            stop_token_id=event.stop_token_id,
+        )
+    )
+
+
+def event_from_pb(pb: decode_pb2.DecodeEvent) -> Event:
+    """The inverse of `event_to_pb`: what a remote Decoder streamed, as the engine's own event.
+    ValueError for an event the stream contract rules out (unset, or an UNSPECIFIED reason)."""
+    kind = pb.WhichOneof("event")
+    if kind == "token":
+        return Token(pb.token.id, pb.token.logprob if pb.token.HasField("logprob") else None)
+    if kind != "finished":
+        raise ValueError("the decoder sent an event that is neither a token nor a finish")
+    finished = pb.finished
+    if finished.reason not in _REASONS_FROM_PB:
+        raise ValueError(f"the decoder sent finish reason {finished.reason}, which is neither STOP nor LENGTH")
+    return Finished(
+        _REASONS_FROM_PB[finished.reason],
+        Usage(finished.usage.prompt_tokens, finished.usage.completion_tokens),
+        finished.stop_token_id if finished.HasField("stop_token_id") else None,
+    )

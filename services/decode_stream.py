@@ -1,0 +1,148 @@
+"""The server side of `Decoder.DecodeStream`: many requests over one RPC, one response per step.
+
+Data flow: a reader task takes the client's actions. A start is admitted (drain refuses it with
+UNAVAILABLE), validated as Decode validates, and submitted to the engine with this stream's one
+queue as its sink (`AsyncEngine.submit`, tagged with the request's `_Live` record). A cancel
+aborts the engine request. The writer (the RPC's response generator) waits for the queue, takes
+everything in it, and sends one DecodeStreamResponse: per live request, its new events, or its
+error. So a step that advances 64 requests is one message, and a client that is behind gets
+several steps in one.
+
+What holds (the proto's invariants 10-14):
+  * Items are tagged with the `_Live` object, not the key: a key cancelled and started again
+    never receives the old request's events.
+  * Each request ends once: at its Finished or its error, its record leaves `live`, its metrics
+    record is written and its admission released. A cancel, the RPC's end or a failure ends the
+    rest as cancelled and aborts them in the engine.
+  * Bounded: the queue holds at most the live requests' remaining output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from engine.core.events import Event, Finished, Token
+from protos.decode.v1 import decode_pb2
+from services import validation
+from services.admission import Admission
+from services.decode_events import event_to_pb
+from services.errors import ServiceError, status_for
+from services.metrics import Metrics, RequestTracker
+
+_CLOSED = object()  # the reader's last item: the client closed its side
+
+
+@dataclass(eq=False)
+class _Live:
+    key: int
+    tracker: RequestTracker
+    admitted: contextlib.ExitStack
+    ticket: int = -1
+
+
+@dataclass
+class DecodeStreamSession:
+    """One DecodeStream RPC. `engine` is the servicer's AsyncEngine, `info` its ModelInfo."""
+
+    engine: object
+    info: object
+    admission: Admission
+    metrics: Metrics
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    live: dict[int, _Live] = field(default_factory=dict)
+    client_closed: bool = False
+
+    async def run(self, actions: AsyncIterator[decode_pb2.DecodeStreamRequest]) -> AsyncIterator[decode_pb2.DecodeStreamResponse]:
+        reader = asyncio.create_task(self._read(actions))
+        try:
+            while not (self.client_closed and not self.live):
+                first = await self.queue.get()
+                items = [first]
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                response = self._response(items)
+                if reader.done() and not reader.cancelled() and reader.exception() is not None:
+                    raise reader.exception()
+                if response.requests:
+                    yield response
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)  # its error, if any, was raised above
+            for live in list(self.live.values()):  # the RPC ended (cancelled, failed, or server stop)
+                self.engine.engine.abort(live.ticket)
+                self._end(live, asyncio.CancelledError())
+
+    async def _read(self, actions: AsyncIterator[decode_pb2.DecodeStreamRequest]) -> None:
+        try:
+            async for action in actions:
+                kind = action.WhichOneof("action")
+                if kind == "start":
+                    self._start(action.start)
+                elif kind == "cancel":
+                    live = self.live.get(action.cancel.key)
+                    if live is not None:
+                        self.engine.engine.abort(live.ticket)
+                        self._end(live, asyncio.CancelledError())
+        finally:
+            self.client_closed = True
+            self.queue.put_nowait(_CLOSED)  # wakes the writer, which ends once nothing is live
+
+    def _start(self, start: decode_pb2.DecodeStreamStart) -> None:
+        if start.key in self.live:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"key {start.key} is in use on this stream")
+        pb = start.request
+        tracker = self.metrics.track(pb.request_id, len(pb.prompt_token_ids))
+        live = _Live(start.key, tracker, contextlib.ExitStack())
+        try:
+            live.admitted.enter_context(self.admission.admit())
+            pb.request_id = tracker.request_id = validation.request_id_of(pb.request_id)
+            request = validation.decode_request(pb, self.info)
+            live.ticket = self.engine.submit(request, self.queue, live)
+        except Exception as error:  # refused: this request ends with its error, the stream goes on
+            self.live[start.key] = live
+            self.queue.put_nowait((live, error))
+            return
+        self.live[start.key] = live
+
+    def _response(self, items: list) -> decode_pb2.DecodeStreamResponse:
+        """One response from the queue's items: per live request its events, or its error."""
+        events: dict[_Live, list[Event]] = {}
+        failed: dict[_Live, BaseException] = {}
+        for item in items:
+            if item is _CLOSED:
+                continue
+            live, payload = item
+            if self.live.get(live.key) is not live or live in failed:
+                continue  # cancelled, or already ended: nothing more is sent for it
+            if isinstance(payload, BaseException):
+                failed[live] = payload
+            else:
+                events.setdefault(live, []).extend(payload)
+        response = decode_pb2.DecodeStreamResponse()
+        for live, evs in events.items():
+            if live in failed:
+                continue  # the error ends it (events before a failure are not sent: it failed)
+            entry = response.requests.add(key=live.key)
+            entry.events.extend(event_to_pb(e) for e in evs)
+            live.tracker.tokens(sum(1 for e in evs if isinstance(e, Token)))
+            if isinstance(evs[-1], Finished):
+                live.tracker.finish(evs[-1].reason)
+                self._end(live, None)
+        for live, error in failed.items():
+            code, message = status_for(error) or (grpc.StatusCode.INTERNAL, "internal error; see the server log")
+            response.requests.add(key=live.key, error=decode_pb2.RequestError(code=code.value[0], message=message))
+            self._end(live, error)
+        return response
+
+    def _end(self, live: _Live, error: BaseException | None) -> None:
+        """The request is over: forget it, record it once, release its admission."""
+        if self.live.get(live.key) is live:
+            del self.live[live.key]
+        live.tracker.__exit__(type(error) if error else None, error, None)
+        live.admitted.close()
+

@@ -1,0 +1,54 @@
+"""benchmarks/transport.py at a tiny size: it runs, counts every token, and fails loudly on a
+short stream. No speed is asserted (the machine is shared and noisy)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import transport
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "assets" / "tiny-llama"
+
+
+def test_token_counts_are_fixed_or_spread_deterministically():
+    assert transport.token_counts("5", 3) == [5, 5, 5]
+    assert transport.token_counts("300-400", 3) == [300, 350, 400]
+    assert transport.token_counts("300-400", 1) == [350]
+    with pytest.raises(ValueError):
+        transport.token_counts("400-300", 2)
+
+
+def test_itl_counts_a_message_once_and_its_other_tokens_as_zero():
+    clock = transport.StreamClock()
+    clock.arrived(2)  # the first message: its first token's gap is the time to first token, left out
+    clock.arrived(1)
+    clock.arrived(3, ("LENGTH", 6))
+    assert clock.tokens == 6 and len(clock.gaps) == 5 and clock.gaps.count(0.0) >= 3
+    assert clock.check(0, 6) is clock
+    with pytest.raises(transport.StreamFailed):
+        clock.check(0, 7)
+    with pytest.raises(transport.StreamFailed):
+        clock.arrived(1)  # nothing may follow Finished
+
+
+def test_engine_and_decode_paths_count_every_token(tmp_path):
+    counts = [5, 5]  # 2 streams x 5 tokens, step 0
+    context = 64
+    engine = transport.measure_engine(transport.scripted_model(TINY, 0.0, 4, context), counts, timeout_s=20)
+    assert engine.tokens == 10 and engine.wall_s > 0 and not math.isnan(engine.itl_p99_s)
+
+    server = transport.decode_server(TINY, 0.0, max_batch_size=4, max_queue_size=2, context=context, log_dir=tmp_path)
+    pool = transport.ClientPool(1)
+    try:
+        decode = pool.measure("decode", server.target, counts, procs=1, timeout_s=20)
+        assert decode.tokens == 10 and decode.wall_s > 0 and not math.isnan(decode.itl_p50_s)
+        with pytest.raises(transport.StreamFailed, match="INVALID_ARGUMENT"):  # a failed stream fails the run
+            pool.measure("decode", server.target, [70], procs=1, timeout_s=20)  # past the context of 64
+    finally:
+        pool.close()
+        server.stop()
+    assert server.process.returncode is not None
