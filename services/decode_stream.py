@@ -35,6 +35,9 @@ from services.errors import ServiceError, status_for
 from services.metrics import Metrics, RequestTracker
 
 _CLOSED = object()  # the reader's last item: the client closed its side
+# A backlog is sent in responses of at most this many events (a few hundred kB), well under the
+# default 4 MiB message limit however many slots and steps it spans.
+MAX_EVENTS_PER_RESPONSE = 16384
 
 
 @dataclass(eq=False)
@@ -61,10 +64,11 @@ class DecodeStreamSession:
         reader = asyncio.create_task(self._read(actions))
         try:
             while not (self.client_closed and not self.live):
-                first = await self.queue.get()
-                items = [first]
-                while not self.queue.empty():
+                items = [await self.queue.get()]
+                events = _size(items[0])
+                while not self.queue.empty() and events < MAX_EVENTS_PER_RESPONSE:
                     items.append(self.queue.get_nowait())
+                    events += _size(items[-1])
                 response = self._response(items)
                 if reader.done() and not reader.cancelled() and reader.exception() is not None:
                     raise reader.exception()
@@ -146,3 +150,7 @@ class DecodeStreamSession:
         live.tracker.__exit__(type(error) if error else None, error, None)
         live.admitted.close()
 
+
+def _size(item) -> int:
+    """How many events a queue item carries."""
+    return len(item[1]) if isinstance(item, tuple) and isinstance(item[1], list) else 1

@@ -14,8 +14,8 @@ What holds:
     the per-request RPC's deadline did.
   * A request refused by the decoder ends with that status (INVALID_ARGUMENT naming the field,
     RESOURCE_EXHAUSTED, UNAVAILABLE). When the stream itself fails (the decoder went away),
-    every request on it ends with the stream's status (UNAVAILABLE), and the next request opens
-    a new stream.
+    every request on it ends with UNAVAILABLE, naming the stream's status, and the next request
+    opens a new stream.
   * Bounded: a request's queue holds at most its remaining output.
 """
 
@@ -65,8 +65,10 @@ class DecodeStreamClient:
                     route = self._routes.get(entry.key)
                     if route is not None and route[0] is call:
                         route[1].put_nowait(entry)
-        except grpc.aio.AioRpcError as error:
-            failure = ServiceError(error.code(), error.details() or error.code().name)
+        except grpc.aio.AioRpcError as error:  # UNAVAILABLE whatever ended it: a new stream may work
+            failure = ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"the decode stream failed: {error.code().name}: {error.details()}"
+            )
         finally:
             writer.cancel()
             if self._call is call:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,6 +19,8 @@ from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
 from services.decode_server import start_decode_server
+
+TINY = Path(__file__).parent / "assets" / "tiny-llama"
 
 
 def request(prompt_last: int, n: int) -> Request:
@@ -245,3 +248,60 @@ async def test_draining_refuses_new_starts_and_lets_live_ones_finish(stream_serv
     assert errors[2].code == grpc.StatusCode.UNAVAILABLE.value[0]
     assert events[1][-1].finished.usage.completion_tokens == 60  # the live one ran to its end
     assert await drained is True
+
+
+async def test_a_text_client_that_stops_reading_slows_no_one_and_gets_everything_later():
+    """Through the text service (and its DecodeStream): a client that stops reading neither holds
+    the engine nor the other streams; what waits for it is its own output (bounded as above)."""
+    from protos.text.v1 import text_pb2_grpc
+    from services.client import generate_request
+    from services.text_server import start_text_server
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    model = ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=4,
+                          max_context_length=1024, step_delay_s=0.001)
+    decode = await start_decode_server(model, EngineConfig(max_queue_size=4))
+    text = await start_text_server(TextTokenizer.from_dir(TINY), f"127.0.0.1:{decode.port}")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{text.port}") as channel:
+            stub = text_pb2_grpc.TextGenerationStub(channel)
+            slow = stub.Generate(generate_request("hello", max_output_tokens=500, ignore_eos=True))
+            ids = list((await slow.read()).delta.token_ids)  # then this client stops reading
+            fast = await stub.Complete(generate_request("hi", max_output_tokens=40, ignore_eos=True))
+            assert fast.usage.completion_tokens == 40 == len(fast.token_ids)  # done meanwhile
+            while decode.engine.stats().slots_in_use:  # the engine runs the stalled one to its end
+                await asyncio.sleep(0.005)
+            finished = None
+            while finished is None:
+                response = await slow.read()
+                if response.HasField("finished"):
+                    finished = response.finished
+                else:
+                    ids += response.delta.token_ids
+            assert finished.usage.completion_tokens == 500 == len(ids)
+            assert ids == [(ids[0] + i) % 512 for i in range(500)]  # the scripted sequence, nothing lost
+    finally:
+        await text.stop(None)
+        await decode.stop(None)
+
+
+async def test_a_backlog_is_sent_in_responses_of_bounded_size(stream_server, monkeypatch):
+    import services.decode_stream
+
+    monkeypatch.setattr(services.decode_stream, "MAX_EVENTS_PER_RESPONSE", 10)
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    await call.write(start(1, 100, 60))
+    await call.write(start(2, 200, 60))
+    await call.read()
+    while server.engine.stats().slots_in_use:  # the backlog builds up while nobody reads
+        await asyncio.sleep(0.005)
+    sizes, tokens = [], {1: [], 2: []}
+    while len(tokens[1]) + len(tokens[2]) < 120 - 2:
+        response = await call.read()
+        sizes.append(sum(len(entry.events) for entry in response.requests))
+        for entry in response.requests:
+            tokens[entry.key] += [e.token.id for e in entry.events if e.HasField("token")]
+    assert max(sizes) <= 10 + 2  # the cap, plus at most one step of one request past it
+    assert tokens[1][-1] == 160 and tokens[2][-1] == 260
+    call.cancel()

@@ -160,7 +160,7 @@ class IncrementalDetokenizer:
     def _decode(self, token_ids: list[int]) -> str:
         if not token_ids:
             return ""
-        return self._vocabulary.decode(token_ids, keep_special_tokens=self._keep_special)
+        return self._vocabulary.decode_checked(token_ids, keep_special_tokens=self._keep_special)
 
     def _track(self, token_id: int) -> tuple[bool, bool]:
         """Account for one kept token: (is the stream now at a token boundary, does its text end

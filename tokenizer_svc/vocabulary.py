@@ -88,6 +88,10 @@ class Vocabulary:
     def decode(self, token_ids: Sequence[int], keep_special_tokens: bool = False) -> str:
         """The reference text of `token_ids`."""
         self.check_ids(token_ids)
+        return self.decode_checked(token_ids, keep_special_tokens)
+
+    def decode_checked(self, token_ids: Sequence[int], keep_special_tokens: bool = False) -> str:
+        """`decode` for ids already checked (the detokenizer checks each id once, on arrival)."""
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=not keep_special_tokens)
 
     def is_dropped(self, token_id: int, keep_special_tokens: bool) -> bool:
