@@ -44,6 +44,17 @@ def _model_dir(name_or_dir: str, cache: Path | None):
     return resolve_model(name_or_dir, cache, log=lambda line: print(line, file=sys.stderr))
 
 
+def _require_jax(what: str) -> None:
+    """JAX comes with the `cpu` or `gpu` extra; the text-side install (`tokenwire[text]`) has none."""
+    try:
+        import jax  # noqa: F401
+    except ImportError:
+        raise RuntimeError(
+            f"{what} runs the model with JAX, which this installation lacks: "
+            "pip install 'tokenwire[cpu]' (or 'tokenwire[gpu]')"
+        ) from None
+
+
 def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
     from engine.jax_backend.cpu_kernels import BuildOptions
     from engine.jax_backend.jax_model import JaxModel
@@ -107,6 +118,8 @@ async def _decode_server(config: DecodeServerConfig) -> int:
     # event loop's serialization, stretching every step. 0.5 ms: docs/benchmarks.md, Transport.
     sys.setswitchinterval(ENGINE_SWITCH_INTERVAL_S)
     scripted = config.model.startswith(SCRIPTED_PREFIX)
+    if not scripted:
+        _require_jax("decode-server")
     model_dir = _model_dir(config.model.removeprefix(SCRIPTED_PREFIX), config.model_options.cache_dir)  # pull before serving
     if scripted:
         load_model = lambda: _scripted_model(model_dir, config)  # noqa: E731
@@ -207,6 +220,7 @@ async def _generator(a: argparse.Namespace):
             yield client.stream
         return
 
+    _require_jax("--local")
     from engine.core.async_engine import AsyncEngine
     from engine.core.engine import Engine
     from services.text_server import check_tokenizer_matches

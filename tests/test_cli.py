@@ -199,3 +199,15 @@ async def test_start_up_errors_are_one_line_and_exit_2(tmp_path):
         "text-server", "--model", str(TINY), "--decoder", "127.0.0.1:1", "--connect-timeout", "1", "--port", "0"
     )
     assert code == 2 and "no decode service at 127.0.0.1:1" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["decode-server", "--model", str(TINY), "--port", "0"],
+                                  ["generate", "--local", "--model", str(TINY), "hi"]])
+def test_commands_that_run_the_model_say_how_to_get_jax_when_it_is_missing(argv):
+    """The text-side install (tokenwire[text]) has no JAX: those commands say so in one line."""
+    script = ("import sys; sys.modules['jax'] = None  # as if JAX were not installed\n"
+              "from services.cli import main; sys.exit(main(sys.argv[1:]))")
+    result = subprocess.run([sys.executable, "-c", script, *argv], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert "tokenwire[cpu]" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
