@@ -26,7 +26,9 @@ from typing import AsyncIterator
 
 import grpc
 
+from engine.core.async_engine import AsyncEngine
 from engine.core.events import Event, Finished, Token
+from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2
 from services import validation
 from services.admission import Admission
@@ -50,10 +52,10 @@ class _Live:
 
 @dataclass
 class DecodeStreamSession:
-    """One DecodeStream RPC. `engine` is the servicer's AsyncEngine, `info` its ModelInfo."""
+    """One DecodeStream RPC, over the servicer's engine and the model it serves."""
 
-    engine: object
-    info: object
+    engine: AsyncEngine
+    info: ModelInfo
     admission: Admission
     metrics: Metrics
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -34,6 +34,8 @@ from services.errors import ServiceError
 
 
 class DecodeStreamClient:
+    """One DecodeStream at a time over `stub`'s channel, shared by every `decode` call."""
+
     def __init__(self, stub: decode_pb2_grpc.DecoderStub) -> None:
         self._stub = stub
         self._call = None  # the open DecodeStream call, or None
@@ -108,13 +110,15 @@ class DecodeStreamClient:
                     entries.append(queue.get_nowait())
                 events: list[Event] = []
                 for entry in entries:
-                    if isinstance(entry, ServiceError):
+                    if isinstance(entry, ServiceError):  # shared by the stream's requests: raise a copy
                         finished = True  # the stream failed: nothing to cancel
-                        raise entry
+                        raise ServiceError(entry.code, str(entry))
                     if entry.HasField("error"):
                         finished = True  # the decoder ended it
                         raise ServiceError(_CODES.get(entry.error.code, grpc.StatusCode.INTERNAL), entry.error.message)
                     events.extend(event_from_pb(e) for e in entry.events)
+                if not events:
+                    continue  # (the contract never sends an empty entry)
                 finished = isinstance(events[-1], Finished)
                 yield events
         finally:
