@@ -37,6 +37,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import functools
 import statistics
 import subprocess
 import sys
@@ -166,6 +167,17 @@ def scripted_model(model_dir: Path, step_ms: float, max_batch_size: int, context
         vocab_size=tokenizer_size(model_dir, 1 << 31), eos_token_ids=eos_token_ids(model_dir),
         max_batch_size=max_batch_size, max_context_length=context, step_delay_s=step_ms / 1000,
     )
+
+
+@functools.cache
+def real_model(model_dir: Path, max_batch_size: int, context: int):
+    """The JaxModel the decode server runs for --real-model (same settings), loaded and warmed up
+    once, so no measurement includes a compile."""
+    from engine.jax_backend.jax_model import JaxModel
+
+    model = JaxModel.load(model_dir, max_batch_size=max_batch_size, max_context_length=context)
+    model.warm_up()
+    return model
 
 
 async def _engine_streams(engine: AsyncEngine, counts: Sequence[int]) -> list[StreamClock]:
@@ -357,12 +369,20 @@ class ServerProcess:
                 self.process.wait()
 
 
+REAL = -1.0  # the step "time" that stands for the real model (--real-model) in tables and keys
+
+
+def _label(step: float) -> str:
+    return "real model" if step == REAL else f"{step:g} ms"
+
+
 def decode_server(
     model_dir: Path, step_ms: float, max_batch_size: int, max_queue_size: int, context: int, log_dir: Path
 ) -> ServerProcess:
-    argv = ["decode-server", "--model", f"scripted:{model_dir}", "--step-ms", str(step_ms), "--max-batch-size",
-            str(max_batch_size), "--max-queue-size", str(max_queue_size), "--max-context-length", str(context)]
-    return ServerProcess(argv, SERVICE_NAMES["decode"], log_dir)
+    model = ["--model", str(model_dir)] if step_ms == REAL else ["--model", f"scripted:{model_dir}", "--step-ms", str(step_ms)]
+    argv = ["decode-server", *model, "--max-batch-size", str(max_batch_size), "--max-queue-size", str(max_queue_size),
+            "--max-context-length", str(context)]
+    return ServerProcess(argv, SERVICE_NAMES["decode"], log_dir, timeout_s=600.0)  # a real model compiles first
 
 
 def text_server(model_dir: Path, decoder: str, log_dir: Path) -> ServerProcess:
@@ -403,7 +423,7 @@ def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps
                     ratios = [m.tok_s / e.tok_s for m, e in zip(runs, results[(step, n, "engine")])]
                     cell += f", {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
                 cells.append(cell)
-            print(f"| {step:g} ms, {n} | " + " | ".join(cells) + " |")
+            print(f"| {_label(step)}, {n} | " + " | ".join(cells) + " |")
     print("\nITL, pooled over the streams of each measurement (median over rounds, range in brackets):")
     print("\n| step time, streams | path | ITL p50 ms | ITL p99 ms | p50 in steps | p99 in steps |")
     print("|---|---|---|---|---|---|")
@@ -413,8 +433,8 @@ def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps
                 runs = results[(step, n, path)]
                 p50, p99 = [m.itl_p50_s for m in runs], [m.itl_p99_s for m in runs]
                 cells = [_median_range(p50, _ms), _median_range(p99, _ms)]
-                cells += [_median_range(p50, _steps(step)), _median_range(p99, _steps(step))] if step else ["-", "-"]
-                print(f"| {step:g} ms, {n} | {path} | " + " | ".join(cells) + " |")
+                cells += [_median_range(p50, _steps(step)), _median_range(p99, _steps(step))] if step > 0 else ["-", "-"]
+                print(f"| {_label(step)}, {n} | {path} | " + " | ".join(cells) + " |")
 
 
 def print_server_output(log_dir: Path) -> None:
@@ -444,11 +464,18 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=ROOT / "tests" / "assets" / "tiny-llama",
                         help="model directory; its tokenizer sets the vocabulary and EOS ids")
     parser.add_argument("--paths", default="engine,decode,text", help="which of engine,decode,text to measure")
+    parser.add_argument("--real-model", default=None, metavar="NAME|DIR",
+                        help="measure a real model (e.g. smollm2-135m-instruct, pulled if need be) instead of the "
+                        "scripted one; --step-ms is then unused, and the engine path runs the same JaxModel in process")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one measurement may take")
     args = parser.parse_args()
     paths = [p for p in PATHS if p in args.paths.split(",")]
     if not paths or set(args.paths.split(",")) - set(PATHS):
         parser.error(f"--paths takes some of {','.join(PATHS)}")
+    if args.real_model:
+        from engine.model_store.registry import resolve_model
+
+        args.model_dir, args.step_ms = resolve_model(args.real_model, log=lambda line: print(line, file=sys.stderr)), [REAL]
     counts = {n: token_counts(args.tokens, n) for n in args.streams}
     procs = {n: min(n, args.client_procs or (2 if n >= 16 else 1)) for n in args.streams}
     context = max(max(c) for c in counts.values()) + 256  # room for the text prompt
@@ -456,7 +483,8 @@ def main() -> None:
 
     print(f"machine: {describe('grpcio', 'protobuf')}")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
-    print(f"model: scripted, vocabulary of {args.model_dir}, max_batch_size {args.max_batch_size}; tokens per stream "
+    kind = f"real, {args.model_dir}" if args.real_model else f"scripted, vocabulary of {args.model_dir}"
+    print(f"model: {kind}, max_batch_size {args.max_batch_size}; tokens per stream "
           f"{args.tokens}; client processes {procs}; paths {','.join(paths)}; rounds: {args.rounds}")
     results: dict[tuple[float, int, str], list[Measurement]] = {}
     with contextlib.ExitStack() as stack:
@@ -477,6 +505,8 @@ def main() -> None:
 
         def measure(step: float, n: int, path: str, m_counts: Sequence[int]) -> Measurement:
             if path == "engine":
+                if step == REAL:
+                    return measure_engine(real_model(args.model_dir, args.max_batch_size, context), m_counts, args.timeout)
                 model = scripted_model(args.model_dir, step, args.max_batch_size, context)
                 return measure_engine(model, m_counts, args.timeout)
             return pool.measure(path, targets[(step, path)], m_counts, procs[n], args.timeout)
@@ -491,7 +521,7 @@ def main() -> None:
                     for path in paths:
                         m = measure(step, n, path, counts[n])
                         results.setdefault((step, n, path), []).append(m)
-                        print(f"round {r}: {step:g} ms, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
+                        print(f"round {r}: {_label(step)}, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
                               f"in {m.wall_s:.2f} s), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms", flush=True)
     print_tables(results, args.step_ms, args.streams, paths)
     print("\nload average after: %.2f %.2f %.2f" % os.getloadavg())
