@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from services.channels import open_channel as aio_channel
+from services.channels import open_channel
 from services.health_probe import health_check
 from services.security import (
     BearerTokenInterceptor,
@@ -87,9 +87,9 @@ async def _refused(call) -> grpc.aio.AioRpcError:
 
 async def test_tls_works_with_the_right_ca_only(pki):
     async with serving(ServerTlsConfig(pki / "server.crt", pki / "server.key").credentials()) as target:
-        async with aio_channel(target, ClientTlsConfig(ca=pki / "ca.crt")) as channel:
+        async with open_channel(target, ClientTlsConfig(ca=pki / "ca.crt")) as channel:
             assert await _health(channel) == SERVING
-        async with aio_channel(target, ClientTlsConfig(ca=pki / "other-ca.crt")) as channel:
+        async with open_channel(target, ClientTlsConfig(ca=pki / "other-ca.crt")) as channel:
             assert (await _refused(_health(channel))).code() == grpc.StatusCode.UNAVAILABLE
         async with grpc.aio.insecure_channel(target) as channel:  # plaintext to a TLS port
             assert (await _refused(_health(channel))).code() == grpc.StatusCode.UNAVAILABLE
@@ -98,10 +98,10 @@ async def test_tls_works_with_the_right_ca_only(pki):
 async def test_mutual_tls_refuses_a_client_without_a_certificate(pki):
     tls = ServerTlsConfig.from_paths(pki / "server.crt", pki / "server.key", pki / "ca.crt")
     async with serving(tls.credentials()) as target:
-        async with aio_channel(target, ClientTlsConfig(ca=pki / "ca.crt")) as channel:
+        async with open_channel(target, ClientTlsConfig(ca=pki / "ca.crt")) as channel:
             assert (await _refused(_health(channel))).code() == grpc.StatusCode.UNAVAILABLE
         with_cert = ClientTlsConfig(ca=pki / "ca.crt", cert=pki / "client.crt", key=pki / "client.key")
-        async with aio_channel(target, with_cert) as channel:
+        async with open_channel(target, with_cert) as channel:
             assert await _health(channel) == SERVING
 
 
@@ -109,7 +109,7 @@ async def test_mutual_tls_refuses_a_certificate_from_another_ca(pki):
     tls = ServerTlsConfig(pki / "server.crt", pki / "server.key", pki / "ca.crt")
     async with serving(tls.credentials()) as target:
         rogue = ClientTlsConfig(ca=pki / "ca.crt", cert=pki / "rogue.crt", key=pki / "rogue.key")
-        async with aio_channel(target, rogue) as channel:
+        async with open_channel(target, rogue) as channel:
             assert (await _refused(_health(channel))).code() == grpc.StatusCode.UNAVAILABLE
 
 
@@ -163,9 +163,9 @@ async def test_token_as_call_credentials_over_tls_with_probe(pki):
     async with serving(tls.credentials(), interceptors=[BearerTokenInterceptor(TOKEN)]) as target:
         client = ClientTlsConfig(ca=pki / "ca.crt")
         request = health_pb2.HealthCheckRequest()
-        async with aio_channel(target, client, token=TOKEN) as channel:
+        async with open_channel(target, client, token=TOKEN) as channel:
             assert (await _protected_check(channel)(request)).status == SERVING
-        async with aio_channel(target, client, token="not-it") as channel:
+        async with open_channel(target, client, token="not-it") as channel:
             assert (await _refused(_protected_check(channel)(request))).code() == grpc.StatusCode.UNAUTHENTICATED
         # the probe needs TLS to reach the server, and no token
         assert await asyncio.to_thread(health_check, target, "", 5.0, 0.0, client) == 0
@@ -199,7 +199,7 @@ def test_incomplete_settings_are_refused():
     with pytest.raises(TlsError, match="private key"):
         ClientTlsConfig(cert=Path("client.crt"))
     with pytest.raises(TlsError, match="only sent over TLS"):
-        aio_channel("127.0.0.1:1", None, token=TOKEN)
+        open_channel("127.0.0.1:1", None, token=TOKEN)
     for bad in ("", " padded ", "line\nbreak"):
         with pytest.raises(ValueError):
             BearerTokenInterceptor(bad)
