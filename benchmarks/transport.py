@@ -3,13 +3,15 @@ process and through each service, in one run.
 
     python benchmarks/transport.py [--step-ms 2,0] [--streams 64,1] [--tokens 300] [--rounds 3]
                                    [--paths engine,decode,text] [--client-procs N]
+                                   [--text-workers N] [--real-model NAME|DIR]
 
-The model is the scripted one (engine/core/scripted_model.py): each decode step sleeps
+The model is the scripted one (engine/core/scripted_model.py), unless --real-model: each decode step sleeps
 --step-ms (0 = free) and yields the token after the last, so what differs between the paths is
 the transport alone. Each of N streams asks for exactly M tokens (ignore_eos, max_output_tokens).
   engine  N asyncio streams over AsyncEngine in this process: no gRPC, no other process.
   decode  `services.cli decode-server --model scripted:DIR`, a process on loopback.
-  text    `services.cli text-server` in front of that decode server.
+  text    `services.cli text-server` in front of that decode server (--text-workers: that many
+          processes sharing its port).
 The service paths are read by client processes (spawn), each with its own event loop and one
 channel per server, running every K-th stream; they are released together, so that one client
 process is not what limits.
@@ -332,10 +334,16 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m services.cli ARGV --port P` on loopback, waited for until SERVICE is SERVING."""
 
-    def __init__(self, argv: Sequence[str], service: str, log_dir: Path, timeout_s: float = 60.0) -> None:
-        self.target = f"127.0.0.1:{free_port()}"
-        self.log = log_dir / f"{argv[0]}-{self.target.rsplit(':', 1)[1]}.log"
-        command = [sys.executable, "-m", "services.cli", "--log-level", "WARNING", *argv,
+    def __init__(
+        self, argv: Sequence[str], service: str, log_dir: Path, timeout_s: float = 60.0, port: int | None = None
+    ) -> None:
+        """`port`: bind this one, shared with another process (SO_REUSEPORT); then readiness is
+        this process's own "text service on" log line, since a probe could reach the other one."""
+        self.shared = port is not None
+        self.target = f"127.0.0.1:{port if self.shared else free_port()}"
+        self.log = log_dir / f"{argv[0]}-{self.target.rsplit(':', 1)[1]}-{time.monotonic_ns()}.log"
+        level = "INFO" if self.shared else "WARNING"
+        command = [sys.executable, "-m", "services.cli", "--log-level", level, *argv,
                    "--host", "127.0.0.1", "--port", self.target.rsplit(":", 1)[1], "--grace-period", "1"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}
         with self.log.open("w") as out:
@@ -351,7 +359,9 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.log.name} exited with {self.process.returncode}:\n{self._tail()}")
-            if check_once(self.target, service, timeout=1.0) == "SERVING":
+            if self.shared and "text service on" in self.log.read_text(errors="replace"):
+                return
+            if not self.shared and check_once(self.target, service, timeout=1.0) == "SERVING":
                 return
             time.sleep(0.1)
         raise TimeoutError(f"{service} at {self.target} not SERVING after {timeout_s:.0f} s:\n{self._tail()}")
@@ -385,9 +395,9 @@ def decode_server(
     return ServerProcess(argv, SERVICE_NAMES["decode"], log_dir, timeout_s=600.0)  # a real model compiles first
 
 
-def text_server(model_dir: Path, decoder: str, log_dir: Path) -> ServerProcess:
+def text_server(model_dir: Path, decoder: str, log_dir: Path, port: int | None = None) -> ServerProcess:
     argv = ["text-server", "--model", str(model_dir), "--decoder", decoder]
-    return ServerProcess(argv, SERVICE_NAMES["text"], log_dir)
+    return ServerProcess(argv, SERVICE_NAMES["text"], log_dir, port=port)
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -464,6 +474,9 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=ROOT / "tests" / "assets" / "tiny-llama",
                         help="model directory; its tokenizer sets the vocabulary and EOS ids")
     parser.add_argument("--paths", default="engine,decode,text", help="which of engine,decode,text to measure")
+    parser.add_argument("--text-workers", type=int, default=1,
+                        help="text-service processes sharing one port (the kernel spreads client connections); "
+                        "give at least as many client processes")
     parser.add_argument("--real-model", default=None, metavar="NAME|DIR",
                         help="measure a real model (e.g. smollm2-135m-instruct, pulled if need be) instead of the "
                         "scripted one; --step-ms is then unused, and the engine path runs the same JaxModel in process")
@@ -484,6 +497,7 @@ def main() -> None:
     print(f"machine: {describe('grpcio', 'protobuf')}")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
     kind = f"real, {args.model_dir}" if args.real_model else f"scripted, vocabulary of {args.model_dir}"
+    print(f"text-service processes on one port: {args.text_workers}")
     print(f"model: {kind}, max_batch_size {args.max_batch_size}; tokens per stream "
           f"{args.tokens}; client processes {procs}; paths {','.join(paths)}; rounds: {args.rounds}")
     results: dict[tuple[float, int, str], list[Measurement]] = {}
@@ -500,6 +514,8 @@ def main() -> None:
                 text = text_server(args.model_dir, decoder.target, log_dir)
                 stack.callback(text.stop)
                 targets[(step, "text")] = text.target
+                for _ in range(args.text_workers - 1):  # more text services on the same port
+                    stack.callback(text_server(args.model_dir, decoder.target, log_dir, int(text.target.rsplit(":", 1)[1])).stop)
         pool = ClientPool(max(procs.values()))
         stack.callback(pool.close)
 

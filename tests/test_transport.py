@@ -308,3 +308,29 @@ async def test_a_backlog_is_sent_in_responses_of_bounded_size(stream_server, mon
     assert max(sizes[1:]) <= 10 + 2  # the cap, plus at most one step of one request past it
     assert tokens == {1: list(range(101, 161)), 2: list(range(201, 261))}
     call.cancel()
+
+
+async def test_two_text_services_can_share_one_port():
+    """gRPC binds with SO_REUSEPORT on Linux, so text-service processes (stateless: a tokenizer
+    and a channel) can be added on the same port and the kernel spreads connections among them."""
+    from protos.text.v1 import text_pb2_grpc
+    from services.client import generate_request
+    from services.server import ServerOptions
+    from services.text_server import start_text_server
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    model = ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=4, max_context_length=128)
+    decode = await start_decode_server(model, EngineConfig(max_queue_size=4))
+    tokenizer = TextTokenizer.from_dir(TINY)
+    first = await start_text_server(tokenizer, f"127.0.0.1:{decode.port}")
+    second = await start_text_server(tokenizer, f"127.0.0.1:{decode.port}", ServerOptions(port=first.port))
+    try:
+        assert second.port == first.port
+        await first.stop(None)  # the port keeps serving through the other one
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{first.port}") as channel:
+            stub = text_pb2_grpc.TextGenerationStub(channel)
+            completion = await stub.Complete(generate_request("hello", max_output_tokens=3, ignore_eos=True))
+        assert completion.usage.completion_tokens == 3
+    finally:
+        await second.stop(None)
+        await decode.stop(None)
