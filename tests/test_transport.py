@@ -334,3 +334,14 @@ async def test_two_text_services_can_share_one_port():
     finally:
         await second.stop(None)
         await decode.stop(None)
+
+
+async def test_a_full_engine_refuses_a_start_with_resource_exhausted_and_serves_the_rest(stream_server):
+    server, stub = stream_server  # 4 slots and 4 queue places
+    call = stub.DecodeStream()
+    for key in range(1, 10):  # 200 steps of 2 ms each: none ends before the ninth arrives
+        await call.write(start(key, 100 * key, 200))
+    events, errors, _ = await read_until_done(call, set(range(1, 10)))
+    assert [k for k, e in errors.items() if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]] == [9]
+    assert all(events[k][-1].finished.usage.completion_tokens == 200 for k in range(1, 9))
+    call.cancel()
