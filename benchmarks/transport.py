@@ -62,10 +62,9 @@ from engine.core.engine import Engine, EngineConfig  # noqa: E402
 from engine.core.events import Finished, Token  # noqa: E402
 from engine.core.request import Request, StoppingCriteria  # noqa: E402
 from engine.core.scripted_model import ScriptedModel  # noqa: E402
-from engine.model_store.checkpoint import tokenizer_size  # noqa: E402
-from engine.model_store.model_files import eos_token_ids  # noqa: E402
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc  # noqa: E402
 from protos.text.v1 import text_pb2_grpc  # noqa: E402
+from services import cli  # noqa: E402
 from services.client import decode_request, generate_request  # noqa: E402
 from services.health_probe import check_once  # noqa: E402
 
@@ -164,11 +163,8 @@ def summarize(clocks: Sequence[StreamClock]) -> Measurement:
 
 
 def scripted_model(model_dir: Path, step_ms: float, max_batch_size: int, context: int) -> ScriptedModel:
-    """The model `decode-server --model scripted:DIR` serves: DIR's vocabulary and EOS ids."""
-    return ScriptedModel(
-        vocab_size=tokenizer_size(model_dir, 1 << 31), eos_token_ids=eos_token_ids(model_dir),
-        max_batch_size=max_batch_size, max_context_length=context, step_delay_s=step_ms / 1000,
-    )
+    """The model `decode-server --model scripted:DIR` serves (services.cli.scripted_model)."""
+    return cli.scripted_model(model_dir, max_batch_size=max_batch_size, max_context_length=context, step_ms=step_ms)
 
 
 @functools.cache

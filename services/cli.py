@@ -73,11 +73,12 @@ SCRIPTED_PREFIX = "scripted:"
 ENGINE_SWITCH_INTERVAL_S = 0.0005  # the decode service's GIL switch interval (see _decode_server)
 
 
-def _scripted_model(model_dir, config: DecodeServerConfig):
+def scripted_model(model_dir: Path, *, max_batch_size: int, max_context_length: int | None, step_ms: float):
     """The scripted model (engine.core.scripted_model: the token after t is t + 1) with a fixed
-    step time, in place of a real one: a stand-in for an accelerator when measuring the transport.
-    Its vocabulary size and EOS ids are those of `model_dir`'s tokenizer, so a text service for
-    that model can sit in front of it."""
+    step time, in place of a real one: a stand-in for an accelerator when measuring the transport
+    (`decode-server --model scripted:DIR`, and benchmarks/transport.py in process). Its vocabulary
+    size and EOS ids are those of `model_dir`'s tokenizer, so a text service for that model can sit
+    in front of it."""
     from engine.core.scripted_model import ScriptedModel
     from engine.model_store.checkpoint import tokenizer_size
     from engine.model_store.model_files import eos_token_ids
@@ -87,9 +88,9 @@ def _scripted_model(model_dir, config: DecodeServerConfig):
     return ScriptedModel(
         vocab_size=tokenizer_size(model_dir, 1 << 31),
         eos_token_ids=eos_token_ids(model_dir),
-        max_batch_size=config.max_batch_size,
-        max_context_length=config.model_options.max_context_length or 2048,
-        step_delay_s=config.step_ms / 1000,
+        max_batch_size=max_batch_size,
+        max_context_length=max_context_length or 2048,
+        step_delay_s=step_ms / 1000,
         model_id=f"{SCRIPTED_PREFIX}{model_dir.name}",
     )
 
@@ -122,7 +123,10 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         _require_jax("decode-server")
     model_dir = _model_dir(config.model.removeprefix(SCRIPTED_PREFIX), config.model_options.cache_dir)  # pull before serving
     if scripted:
-        load_model = lambda: _scripted_model(model_dir, config)  # noqa: E731
+        load_model = lambda: scripted_model(  # noqa: E731
+            model_dir, max_batch_size=config.max_batch_size,
+            max_context_length=config.model_options.max_context_length, step_ms=config.step_ms,
+        )
     else:
         load_model = lambda: _load_model(model_dir, config.max_batch_size, config.model_options)  # noqa: E731
     metrics = Metrics()

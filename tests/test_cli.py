@@ -211,3 +211,8 @@ def test_commands_that_run_the_model_say_how_to_get_jax_when_it_is_missing(argv)
     assert result.returncode == 2, result.stderr
     assert "tokenwire[cpu]" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+async def test_step_ms_is_refused_without_the_scripted_model():
+    code, _, err = await tokenwire("decode-server", "--model", str(TINY), "--step-ms", "2", "--port", "0")
+    assert code == 2 and "--step-ms" in err and "scripted:DIR" in err and "Traceback" not in err
