@@ -1,6 +1,10 @@
 """The decode service process: a gRPC server that comes up at once, then a model that loads
 and compiles off the event loop, then an engine; readiness follows all of it.
 
+`tokenwire decode-server` runs the engine and its model in a child process (`spawn_model`,
+engine.core.engine_process), so that no Python of the serving path shares the engine's
+interpreter; tests and `--local` may run it on a thread of this process (`model`, `load_model`).
+
 Readiness (`tokenwire.decode.v1.Decoder` in grpc.health.v1) is NOT_SERVING until every shape
 is compiled, whenever the engine has made no progress for `stall_timeout_s` while work is
 pending, and while draining. Liveness ("") stays SERVING while the process lives. If the
@@ -16,6 +20,7 @@ from typing import Callable
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.engine import Engine, EngineConfig
+from engine.core.engine_process import EngineProcess, ModelFactory, ModelLoadFailed
 from engine.core.model import Model
 from protos.decode.v1 import decode_pb2_grpc
 from services.admission import Admission
@@ -33,7 +38,7 @@ class DecodeServer:
     admission: Admission
     metrics: Metrics
     stall_timeout_s: float
-    engine: Engine | None = None
+    engine: Engine | EngineProcess | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once warm
     died: asyncio.Event = field(default_factory=asyncio.Event)  # set if loading or the engine loop failed
     draining: bool = False
@@ -51,11 +56,28 @@ class DecodeServer:
         if self.died.is_set():
             raise RuntimeError("the decode service failed to start; see the log")
 
-    async def _load(self, load_model: Callable[[], Model], engine_config: EngineConfig) -> None:
+    async def _load(
+        self, load_model: Callable[[], Model] | None, spawn_model: ModelFactory | None,
+        engine_config: EngineConfig, log_setup: Callable[[], None] | None,
+    ) -> None:
         loop = asyncio.get_running_loop()
+
+        def on_death(error: BaseException) -> None:
+            loop.call_soon_threadsafe(self.died.set)
+
+        on_step = self.metrics.engine_step_seconds.observe
         try:
-            model = await asyncio.to_thread(load_model)
-            await asyncio.to_thread(model.warm_up)
+            if spawn_model is not None:
+                engine = EngineProcess(spawn_model, engine_config, on_death, on_step, log_setup)
+                await asyncio.to_thread(engine.start)  # the child logs why, if it fails
+            else:
+                model = await asyncio.to_thread(load_model)
+                await asyncio.to_thread(model.warm_up)
+                engine = Engine(model, engine_config, on_death=on_death, on_step=on_step)
+                engine.start()
+        except ModelLoadFailed:
+            self.died.set()
+            return
         except (ValueError, OSError) as error:  # a model or setting we cannot run: the message says which
             log.error("loading the model failed: %s", error)
             self.died.set()
@@ -64,19 +86,14 @@ class DecodeServer:
             log.exception("loading the model failed")
             self.died.set()
             return
-
-        def on_death(error: BaseException) -> None:
-            loop.call_soon_threadsafe(self.died.set)
-
-        self.engine = Engine(model, engine_config, on_death=on_death, on_step=self.metrics.engine_step_seconds.observe)
-        self.engine.start()
-        self.metrics.watch_engine(self.engine.stats)
-        self.servicer.attach(AsyncEngine(self.engine), model.info)
+        self.engine = engine
+        self.metrics.watch_engine(engine.stats)
+        self.servicer.attach(AsyncEngine(engine), engine.info)
         if not self.draining:
             self.admission.open()
             await self.running.set_ready(True)
         self.ready.set()
-        info = model.info
+        info = engine.info
         log.info(
             "model %s ready: vocab %d, context %d, batch %d",
             info.model_id, info.vocab_size, info.max_context_length, info.max_batch_size,
@@ -133,12 +150,17 @@ async def start_decode_server(
     health_interval_s: float = 0.5,
     wait_until_ready: bool = True,
     load_model: Callable[[], Model] | None = None,
+    spawn_model: ModelFactory | None = None,
+    log_setup: Callable[[], None] | None = None,
 ) -> DecodeServer:
-    """Serve at once (liveness SERVING, readiness NOT_SERVING), load (`model`, or call
-    `load_model`) and warm up off the event loop, then start the engine and become ready."""
-    if (model is None) == (load_model is None):
-        raise TypeError("give exactly one of model and load_model")
-    load_model = load_model or (lambda: model)
+    """Serve at once (liveness SERVING, readiness NOT_SERVING), load and warm up the model off
+    the event loop, then start the engine and become ready. The model: `model`, or what
+    `load_model()` returns (the engine on a thread of this process), or what `spawn_model()`
+    returns in an engine process (a picklable callable; `log_setup()` configures its logging)."""
+    if sum(x is not None for x in (model, load_model, spawn_model)) != 1:
+        raise TypeError("give exactly one of model, load_model and spawn_model")
+    if model is not None:
+        load_model = lambda: model  # noqa: E731
     metrics = metrics or Metrics()
     admission = Admission("the model is still loading")
     servicer = DecoderServicer(admission, metrics)
@@ -147,7 +169,7 @@ async def start_decode_server(
     )
     server = DecodeServer(running, servicer, admission, metrics, stall_timeout_s)
     server.running.tasks += [
-        asyncio.create_task(server._load(load_model, engine_config)),
+        asyncio.create_task(server._load(load_model, spawn_model, engine_config, log_setup)),
         asyncio.create_task(server._monitor(health_interval_s)),
     ]
     if wait_until_ready:

@@ -1,13 +1,17 @@
 """The text service's side of `Decoder.DecodeStream`: every generation shares one RPC.
 
-Data flow: `decode(request, timeout)` takes a fresh key, opens the stream if none is open
-(one per client, reopened after it ends), writes a start and reads its key's entries from a
-queue that the stream's reader task fills. It yields the engine's events, as lists: everything
-that has arrived for the request when its consumer asks (one step's events when the consumer
-keeps up, several steps' when it is behind), so the text service sends its client one message
-for them. The per-request `Decode` RPC stays in the contract for other clients.
+Data flow: `decode(request, timeout)` takes a fresh key, opens the stream if none is open (one
+per client, reopened after it ends), writes a start and reads its key's entries from a queue.
+The stream is a blocking call read by its own thread (`_read`), which hands what it reads to the
+event loop through a mailbox: one wake-up of the loop for everything read since the last one.
+So when the loop is busy (sending to clients), the thread reads ahead and the next wake-up
+carries several steps; every request then gets them as one list, and the text service sends its
+client one message for them. A grpc.aio reader could not do this: each read is a round trip
+through the event loop, so a busy loop reads one step per turn and sends one message per token.
+The per-request `Decode` RPC stays in the contract for other clients.
 
 What holds:
+  * Nothing read is held back: the thread wakes the loop at once unless a wake-up is pending.
   * Leaving `decode` before Finished (a client cancel, a deadline, a stop string, an error)
     sends a cancel for the key, which frees the engine slot before the next step.
   * Deadlines: past `timeout` the request ends with DEADLINE_EXCEEDED (and is cancelled), as
@@ -16,13 +20,16 @@ What holds:
     RESOURCE_EXHAUSTED, UNAVAILABLE). When the stream itself fails (the decoder went away),
     every request on it ends with UNAVAILABLE, naming the stream's status, and the next request
     opens a new stream.
-  * Bounded: a request's queue holds at most its remaining output.
+  * Bounded: a request's queue holds at most its remaining output, and the mailbox at most what
+    the decoder sent since the loop last ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import queue
+import threading
 from typing import AsyncGenerator, Sequence
 
 import grpc
@@ -32,62 +39,94 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.decode_events import event_from_pb
 from services.errors import ServiceError
 
+_END = None  # ends a call's request iterator
 
-class DecodeStreamClient:
-    """One DecodeStream at a time over `stub`'s channel, shared by every `decode` call."""
 
-    def __init__(self, stub: decode_pb2_grpc.DecoderStub) -> None:
-        self._stub = stub
-        self._call = None  # the open DecodeStream call, or None
-        self._routes: dict[int, tuple[object, asyncio.Queue]] = {}  # key -> (its call, its queue)
-        self._keys = itertools.count(1)
-        self._outbox: asyncio.Queue | None = None  # actions for the open call's writer task
-        self._tasks: set[asyncio.Task] = set()
+class _Stream:
+    """One open DecodeStream call: its actions queue (consumed by gRPC's own thread) and its
+    reader thread."""
 
-    def _open(self):
-        """The open call, opened if need be, with its reader and its writer task. Requests never
-        write to the call themselves: grpc.aio cancels a whole RPC when one of its writes is
-        cancelled, and a request's task is cancelled whenever its client goes away."""
-        if self._call is None:
-            call = self._stub.DecodeStream()
-            self._call, self._outbox = call, asyncio.Queue()
-            writer = asyncio.create_task(self._write(call, self._outbox))
-            reader = asyncio.create_task(self._read(call, writer))
-            for task in (writer, reader):
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-        return self._call
+    def __init__(self, stub: decode_pb2_grpc.DecoderStub, deliver) -> None:
+        self.actions: queue.SimpleQueue = queue.SimpleQueue()
+        self.call = stub.DecodeStream(iter(self.actions.get, _END))
+        self._deliver = deliver  # (stream, list of responses, or a ServiceError at the end)
+        self._lock = threading.Lock()
+        self._read_ahead: list = []
+        self._waking = False
+        self.loop = asyncio.get_running_loop()
+        threading.Thread(target=self._read, name="tokenwire-decode-stream", daemon=True).start()
 
-    async def _read(self, call, writer: asyncio.Task) -> None:
-        """Route each entry to its request; when the stream ends, fail the requests still on it."""
+    def send(self, action: decode_pb2.DecodeStreamRequest) -> None:
+        self.actions.put(action)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.actions.put(_END)
+
+    def _read(self) -> None:
+        """The reader thread: every response into the mailbox, then the stream's end."""
         failure = ServiceError(grpc.StatusCode.UNAVAILABLE, "the decode stream ended")
         try:
-            async for response in call:
-                for entry in response.requests:
-                    route = self._routes.get(entry.key)
-                    if route is not None and route[0] is call:
-                        route[1].put_nowait(entry)
-        except grpc.aio.AioRpcError as error:  # UNAVAILABLE whatever ended it: a new stream may work
+            for response in self.call:
+                self._post(response)
+        except grpc.RpcError as error:  # UNAVAILABLE whatever ended it: a new stream may work
             failure = ServiceError(
                 grpc.StatusCode.UNAVAILABLE, f"the decode stream failed: {error.code().name}: {error.details()}"
             )
         finally:
-            writer.cancel()
-            if self._call is call:
-                self._call = None  # the next request opens a new stream
-            for route_call, queue in list(self._routes.values()):
-                if route_call is call:
-                    queue.put_nowait(failure)
+            self.actions.put(_END)
+            self._post(failure)
 
-    async def _write(self, call, outbox: asyncio.Queue) -> None:
-        """Write the actions in order; a failed write ends the call (the reader fails its requests)."""
+    def _post(self, item) -> None:
+        with self._lock:
+            self._read_ahead.append(item)
+            if self._waking:
+                return
+            self._waking = True
         try:
-            while True:
-                await call.write(await outbox.get())
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            call.cancel()
+            self.loop.call_soon_threadsafe(self._wake)
+        except RuntimeError:  # the loop is closed: nobody is left to deliver to
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            items, self._read_ahead = self._read_ahead, []
+            self._waking = False
+        self._deliver(self, items)
+
+
+class DecodeStreamClient:
+    """One DecodeStream at a time over `channel` (a blocking one: services.channels.open_channel
+    with asynchronous=False, which `close` closes), shared by every `decode` call of one event
+    loop."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._stub = decode_pb2_grpc.DecoderStub(channel)
+        self._stream: _Stream | None = None
+        self._routes: dict[int, tuple[_Stream, asyncio.Queue]] = {}  # key -> (its stream, its queue)
+        self._keys = itertools.count(1)
+
+    def _open(self) -> _Stream:
+        if self._stream is None:
+            self._stream = _Stream(self._stub, self._deliver)
+        return self._stream
+
+    def _deliver(self, stream: _Stream, items: list) -> None:
+        """On the loop: route each entry to its request; at the stream's end, fail the requests
+        still on it."""
+        for item in items:
+            if isinstance(item, ServiceError):
+                if self._stream is stream:
+                    self._stream = None  # the next request opens a new stream
+                for route_stream, queue_ in list(self._routes.values()):
+                    if route_stream is stream:
+                        queue_.put_nowait(item)
+                continue
+            for entry in item.requests:
+                route = self._routes.get(entry.key)
+                if route is not None and route[0] is stream:
+                    route[1].put_nowait(entry)
 
     async def decode(
         self, request: decode_pb2.DecodeRequest, timeout: float | None
@@ -97,17 +136,16 @@ class DecodeStreamClient:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         key = next(self._keys)
-        call = self._open()
-        outbox = self._outbox
-        queue: asyncio.Queue = asyncio.Queue()
-        self._routes[key] = (call, queue)
+        stream = self._open()
+        entries_queue: asyncio.Queue = asyncio.Queue()
+        self._routes[key] = (stream, entries_queue)
         finished = False
         try:
-            outbox.put_nowait(decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(key=key, request=request)))
+            stream.send(decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(key=key, request=request)))
             while not finished:
-                entries = [await self._next(queue, deadline, loop)]
-                while not queue.empty():
-                    entries.append(queue.get_nowait())
+                entries = [await self._next(entries_queue, deadline, loop)]
+                while not entries_queue.empty():
+                    entries.append(entries_queue.get_nowait())
                 events: list[Event] = []
                 for entry in entries:
                     if isinstance(entry, ServiceError):  # shared by the stream's requests: raise a copy
@@ -123,30 +161,28 @@ class DecodeStreamClient:
                 yield events
         finally:
             self._routes.pop(key, None)
-            if not finished and self._call is call:  # (a dead stream has cancelled everything)
-                outbox.put_nowait(decode_pb2.DecodeStreamRequest(cancel=decode_pb2.DecodeStreamCancel(key=key)))
+            if not finished and self._stream is stream:  # (a dead stream has cancelled everything)
+                stream.send(decode_pb2.DecodeStreamRequest(cancel=decode_pb2.DecodeStreamCancel(key=key)))
 
     @staticmethod
-    async def _next(queue: asyncio.Queue, deadline: float | None, loop: asyncio.AbstractEventLoop):
+    async def _next(entries: asyncio.Queue, deadline: float | None, loop: asyncio.AbstractEventLoop):
         if deadline is not None and loop.time() >= deadline:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-        if not queue.empty():
-            return queue.get_nowait()
+        if not entries.empty():
+            return entries.get_nowait()
         if deadline is None:
-            return await queue.get()
+            return await entries.get()
         try:
             async with asyncio.timeout_at(deadline):
-                return await queue.get()
+                return await entries.get()
         except TimeoutError:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
 
     async def close(self) -> None:
-        """Cancel the open stream (its requests fail) and wait for its tasks."""
-        if self._call is not None:
-            self._call.cancel()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        """Cancel the open stream (its requests fail with UNAVAILABLE) and close the channel."""
+        if self._stream is not None:
+            self._stream.close()
+        self._channel.close()
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}

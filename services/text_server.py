@@ -3,8 +3,9 @@
 At start it waits for the decoder and refuses to serve a model its tokenizer does not belong
 to. Then a monitor keeps `tokenwire.text.v1.TextGeneration` readiness equal to the decoder's
 (re-checking the model whenever the decoder comes back); `tokenwire.text.v1.Tokenizer` needs
-no decoder and is ready until draining. Generations share one `Decoder.DecodeStream` on the
-channel (services.decode_stream_client). The channel reconnects by itself when the decoder
+no decoder and is ready until draining. Generations share one `Decoder.DecodeStream`, on a
+blocking channel of its own that a thread reads ahead (services.decode_stream_client); health
+and model checks use a grpc.aio channel. Both reconnect by themselves when the decoder
 restarts; while it is down, generation calls fail fast with UNAVAILABLE.
 """
 
@@ -165,7 +166,9 @@ async def start_text_server(
         raise
 
     admission = Admission()
-    upstream = DecodeStreamClient(decoder)  # every generation shares one DecodeStream
+    # every generation shares one DecodeStream, on a blocking channel of its own (read ahead by
+    # a thread: services.decode_stream_client)
+    upstream = DecodeStreamClient(open_channel(decoder_target, decoder_tls, options=DECODER_CHANNEL_OPTIONS, asynchronous=False))
 
     def add(server: grpc.aio.Server) -> None:
         text_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer, admission), server)

@@ -29,7 +29,7 @@ from typing import Callable, Protocol
 
 from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
-from engine.core.model import DecodeInput, Model, Sample, SlotSetup
+from engine.core.model import DecodeInput, Model, ModelInfo, Sample, SlotSetup
 from engine.core.request import Request
 from engine.core.stopping import StopRule, decide, resolve
 
@@ -72,6 +72,15 @@ class _Live:
     last_token: int = -1
 
 
+def admit(request: Request, info: ModelInfo) -> tuple[Request, StopRule]:
+    """A request as the engine runs it: its stop rule resolved against the model (ValueError
+    when the prompt leaves no room), and a seed drawn if it has none."""
+    rule = resolve(request.stopping, info.eos_token_ids, len(request.prompt_token_ids), info.max_context_length)
+    if request.sampling.seed is None:
+        request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=random.getrandbits(63)))
+    return request, rule
+
+
 class Engine:
     def __init__(
         self,
@@ -112,14 +121,15 @@ class Engine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    @property
+    def info(self) -> ModelInfo:
+        return self.model.info
+
     def submit(self, request: Request, sink: EventSink) -> int:
-        """Queue a validated request; returns a ticket for `abort`. Raises QueueFull, EngineStopped."""
+        """Queue a validated request; returns a ticket for `abort`. Raises QueueFull, EngineStopped,
+        and ValueError when the prompt leaves no room in the context."""
         info = self.model.info
-        rule = resolve(request.stopping, info.eos_token_ids, len(request.prompt_token_ids), info.max_context_length)
-        if request.sampling.seed is None:
-            request = dataclasses.replace(
-                request, sampling=dataclasses.replace(request.sampling, seed=random.getrandbits(63))
-            )
+        request, rule = admit(request, info)
         with self._cond:
             if self._dead is not None or not self._running:
                 raise EngineStopped("the engine is not running")

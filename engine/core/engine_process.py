@@ -1,0 +1,386 @@
+"""`EngineProcess`: the engine loop in a child process, behind the caller API of `Engine`.
+
+Why: in one process, the engine thread waits for the GIL behind whatever Python the serving
+path runs (protobuf, gRPC's event loop), and when the OS deschedules the thread holding the GIL
+the engine waits for a whole time slice. Each step stretches, and a serving process that is busy
+slows the model that feeds it. In its own process the engine steps at the model's pace; a
+serving process that falls behind receives several steps at once and sends them together
+(`AsyncEngine` coalesces), so it catches up with fewer, larger messages.
+
+Data flow (multiprocessing, spawn; one duplex pipe):
+  parent                                         child (`_child_main`)
+  submit/abort -> ("submit", key, request) ----> command loop -> Engine.submit / Engine.abort
+                  ("abort", key)
+  reader thread <- ("batch", deliveries, steps,  <- sender thread <- after each prefill and step,
+                    queue_depth, slots)              everything the engine delivered since the
+    -> each key's sink, then after_delivery          last send (several steps when the parent is
+                                                     behind, one otherwise)
+The child loads and warms up the model from `factory` (a picklable callable: spawn starts a
+fresh interpreter), then answers ("ready", info) or ("failed", message).
+
+What holds, as with the in-process `Engine`:
+  * submit refuses synchronously: the stop rule is resolved here (ValueError), and QueueFull when
+    requests not yet ended reach max_batch_size + max_queue_size (the in-process bound).
+  * abort: no event is delivered for the request after it, and the child frees the slot before
+    its next step.
+  * The child never waits for the parent: what the parent has not read waits in the child's
+    outbox, which holds at most the live requests' remaining output.
+  * If the child dies (a crash, the OOM killer), every request not yet ended fails with
+    EngineStopped and `on_death` is called. If the parent dies, the child reads end-of-file and
+    exits. The child ignores SIGINT: a Ctrl-C reaches the whole process group, and the parent
+    drains before it stops the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection
+from typing import Callable
+
+from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, admit
+from engine.core.errors import EngineStopped, QueueFull
+from engine.core.events import Event, FinishReason, Finished, Token, Usage
+from engine.core.model import Model, ModelInfo
+from engine.core.request import Request
+
+log = logging.getLogger(__name__)
+
+ModelFactory = Callable[[], Model]  # picklable: called in the child
+
+
+class ModelLoadFailed(Exception):
+    """The child could not load or warm up the model; the message says why (the child logged it)."""
+
+
+# -- events across the pipe: tuples, about 10x cheaper to pickle than the dataclasses ---------
+
+def _encode(events: list[Event]) -> list[tuple]:
+    return [
+        (e.id, e.logprob) if isinstance(e, Token)
+        else (e.reason.value, e.usage.prompt_tokens, e.usage.completion_tokens, e.stop_token_id)
+        for e in events
+    ]
+
+
+def _decode(items: list[tuple]) -> list[Event]:
+    return [
+        Token(*item) if len(item) == 2 else Finished(FinishReason(item[0]), Usage(item[1], item[2]), item[3])
+        for item in items
+    ]
+
+
+# -- child ---------------------------------------------------------------------------------
+
+
+class _Outbox:
+    """Child side: what the engine delivered, sent to the parent by one sender thread, so the
+    engine thread never blocks on the pipe. Everything waiting is sent as one message."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self.stats: Callable[[], EngineStats] | None = None  # the engine's, set once it exists
+        self._cond = threading.Condition()
+        self._deliveries: list[tuple] = []  # (key, encoded events) or (key, (error class name, message))
+        self._steps: list[float] = []
+        self._ready = False  # something was delivered since the last send
+        self._closed = False
+
+    def events(self, key: int, events: list[Event]) -> None:
+        with self._cond:
+            self._deliveries.append((key, _encode(events)))
+
+    def fail(self, key: int, error: BaseException) -> None:
+        with self._cond:
+            self._deliveries.append((key, (type(error).__name__, str(error))))
+
+    def step(self, seconds: float) -> None:
+        with self._cond:
+            self._steps.append(seconds)
+
+    def flush(self) -> None:
+        """After each prefill and step: wake the sender (it sends even an empty step, which the
+        parent counts as progress)."""
+        with self._cond:
+            self._ready = True
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def run(self) -> None:
+        """The sender thread: until closed and everything is sent."""
+        while True:
+            with self._cond:
+                while not (self._ready or self._closed):
+                    self._cond.wait()
+                if not self._ready and self._closed:
+                    return
+                deliveries, self._deliveries = self._deliveries, []
+                steps, self._steps = self._steps, []
+                self._ready = False
+            stats = self.stats()
+            try:
+                self._conn.send(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use))
+            except OSError:  # the parent is gone
+                return
+
+
+class _KeySink:
+    def __init__(self, outbox: _Outbox, key: int) -> None:
+        self._outbox, self._key = outbox, key
+
+    def events(self, events: list[Event]) -> None:
+        self._outbox.events(self._key, events)
+
+    def fail(self, error: BaseException) -> None:
+        self._outbox.fail(self._key, error)
+
+
+def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, log_setup: Callable[[], None] | None) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drains, then stops us
+    if log_setup is not None:
+        log_setup()
+    try:
+        model = factory()
+        model.warm_up()
+    except (ValueError, OSError) as error:  # a model or setting we cannot run: the message says which
+        log.error("loading the model failed: %s", error)
+        conn.send(("failed", str(error)))
+        return
+    except Exception as error:
+        log.exception("loading the model failed")
+        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        return
+
+    def on_death(error: BaseException) -> None:
+        outbox.close()
+        sender.join()
+        with contextlib.suppress(OSError):
+            conn.send(("dead", f"{type(error).__name__}: {error}"))
+        os._exit(1)
+
+    # The parent enforces the admission bound; this one only keeps the child's queue bounded by
+    # it, plus the aborted slots not yet freed (at most one batch).
+    outbox = _Outbox(conn)
+    engine = Engine(
+        model, EngineConfig(config.max_queue_size + model.info.max_batch_size), on_death=on_death, on_step=outbox.step
+    )
+    outbox.stats = engine.stats
+    engine.after_delivery(outbox.flush)
+    sender = threading.Thread(target=outbox.run, name="tokenwire-engine-sender", daemon=True)
+    engine.start()
+    conn.send(("ready", model.info))  # before the sender exists: one thread sends at a time
+    sender.start()
+    tickets: dict[int, int] = {}  # key -> the engine's ticket
+    try:
+        while True:
+            command = conn.recv()
+            if command[0] == "submit":
+                _, key, request = command
+                try:
+                    tickets[key] = engine.submit(request, _KeySink(outbox, key))
+                except Exception as error:  # (the parent checked the bound: not expected)
+                    outbox.fail(key, error)
+                    outbox.flush()
+            elif command[0] == "abort":
+                ticket = tickets.pop(command[1], None)
+                if ticket is not None:
+                    engine.abort(ticket)
+            else:  # "stop"
+                break
+    except (EOFError, OSError):  # the parent is gone: nobody to deliver to
+        os._exit(0)
+    engine.stop()
+    outbox.close()
+    sender.join()
+
+
+_FAILURES = {"QueueFull": QueueFull, "EngineStopped": EngineStopped}  # as the child's engine raised them
+
+
+# -- parent --------------------------------------------------------------------------------
+
+
+class EngineProcess:
+    """The engine in a child process; `start` blocks until the model is loaded and warm."""
+
+    def __init__(
+        self,
+        factory: ModelFactory,
+        config: EngineConfig = EngineConfig(),
+        on_death: Callable[[BaseException], None] | None = None,
+        on_step: Callable[[float], None] | None = None,
+        log_setup: Callable[[], None] | None = None,
+    ) -> None:
+        """`factory` builds the model in the child (picklable: a module-level function or a
+        functools.partial of one). `on_death(error)` is called on the reader thread if the child
+        dies; `on_step(seconds)` for each decode step. `log_setup` configures logging in the child."""
+        self._factory = factory
+        self.config = config
+        self._on_death = on_death
+        self._on_step = on_step
+        self._log_setup = log_setup
+        self.info: ModelInfo | None = None
+        self._conn: Connection | None = None
+        self._process: multiprocessing.Process | None = None
+        self._reader: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the fields below and sends on the pipe
+        self._sinks: dict[int, EventSink] = {}  # key -> sink of a request not yet ended
+        self._keys = itertools.count(1)
+        self._delivered: list[Callable[[], None]] = []
+        self._progress_at = time.monotonic()
+        self._queue_depth = 0
+        self._slots_in_use = 0
+        self._running = False
+        self._dead: BaseException | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        """Start the child and wait for its model. Raises ModelLoadFailed (the child has exited)."""
+        context = multiprocessing.get_context("spawn")
+        parent, child = context.Pipe()
+        self._process = context.Process(
+            target=_child_main, args=(child, self._factory, self.config, self._log_setup),
+            name="tokenwire-engine", daemon=True,
+        )
+        self._process.start()
+        child.close()
+        self._conn = parent
+        try:
+            answer = parent.recv()
+        except EOFError:
+            self._process.join()
+            raise ModelLoadFailed(f"the engine process exited with code {self._process.exitcode} while loading") from None
+        if answer[0] != "ready":
+            self._process.join()
+            raise ModelLoadFailed(answer[1])
+        self.info = answer[1]
+        with self._lock:
+            self._running = True
+        self._reader = threading.Thread(target=self._read, name="tokenwire-engine-reader", daemon=True)
+        self._reader.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        """Stop the child: requests not yet ended fail with EngineStopped."""
+        with self._lock:
+            was_running, self._running = self._running, False
+            if was_running and self._dead is None:
+                with contextlib.suppress(OSError):
+                    self._conn.send(("stop",))
+        if self._reader is not None:
+            self._reader.join(timeout)
+        if self._process is not None:
+            self._process.join(timeout)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join()
+        self._fail_all(EngineStopped("the engine stopped"))
+
+    def submit(self, request: Request, sink: EventSink) -> int:
+        """Queue a validated request; returns a ticket for `abort`. Raises QueueFull, EngineStopped,
+        and ValueError when the prompt leaves no room in the context."""
+        request, _ = admit(request, self.info)
+        with self._lock:
+            if self._dead is not None or not self._running:
+                raise EngineStopped("the engine is not running")
+            if len(self._sinks) >= self.config.max_queue_size + self.info.max_batch_size:
+                raise QueueFull(f"admission queue is full ({self.config.max_queue_size} waiting)")
+            key = next(self._keys)
+            if not self._sinks:
+                self._progress_at = time.monotonic()  # an idle engine is not stalled
+            self._sinks[key] = sink
+            try:
+                self._conn.send(("submit", key, request))
+            except OSError:
+                del self._sinks[key]
+                raise EngineStopped("the engine process is gone") from None
+        return key
+
+    def abort(self, ticket: int) -> None:
+        """No further events for the request; the child frees its slot before its next step."""
+        with self._lock:
+            if self._sinks.pop(ticket, None) is not None and self._running:
+                with contextlib.suppress(OSError):
+                    self._conn.send(("abort", ticket))
+
+    def after_delivery(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` on the reader thread after each message's events are in their sinks."""
+        self._delivered.append(callback)
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            pending = bool(self._sinks)
+            stalled = time.monotonic() - self._progress_at if pending else 0.0
+            alive = self._running and self._dead is None
+            return EngineStats(self._queue_depth, self._slots_in_use, alive, stalled)
+
+    # -- reader thread ---------------------------------------------------------------------
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                if message[0] == "dead":
+                    raise EngineStopped(f"the engine loop died: {message[1]}")
+                _, deliveries, steps, queue_depth, slots = message
+                self._deliver(deliveries, queue_depth, slots)
+                if self._on_step is not None:
+                    for seconds in steps:
+                        self._on_step(seconds)
+        except (EOFError, OSError, EngineStopped) as error:
+            with self._lock:
+                stopping = not self._running
+                if not stopping:
+                    if not isinstance(error, EngineStopped):
+                        self._process.join(1)
+                        error = EngineStopped(f"the engine process exited (code {self._process.exitcode})")
+                    self._dead = error
+                    self._running = False
+            if stopping:
+                return
+            log.error("%s", error)
+            self._fail_all(error)
+            if self._on_death is not None:
+                self._on_death(error)
+
+    def _deliver(self, deliveries: list[tuple], queue_depth: int, slots: int) -> None:
+        with self._lock:
+            self._progress_at = time.monotonic()
+            self._queue_depth, self._slots_in_use = queue_depth, slots
+            routed = []
+            for key, payload in deliveries:
+                sink = self._sinks.get(key)
+                if sink is None:
+                    continue  # aborted: nothing more is delivered for it
+                if isinstance(payload, tuple) or len(payload[-1]) == 4:  # a failure, or Finished
+                    del self._sinks[key]
+                routed.append((sink, payload))
+        for sink, payload in routed:
+            if isinstance(payload, tuple):
+                sink.fail(_FAILURES.get(payload[0], EngineStopped)(payload[1]))
+            else:
+                sink.events(_decode(payload))
+        for callback in self._delivered:
+            callback()
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            doomed, self._sinks = list(self._sinks.values()), {}
+        for sink in doomed:
+            sink.fail(error)
+        if doomed:
+            for callback in self._delivered:
+                callback()
