@@ -7,6 +7,8 @@ decoder sent back into engine events with `event_from_pb`, so the text use case
 
 from __future__ import annotations
 
+from typing import Sequence
+
 from engine.core.events import Event, Finished, FinishReason, Token, Usage
 from protos.decode.v1 import decode_pb2
 
@@ -26,6 +28,20 @@ def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
             stop_token_id=event.stop_token_id,
         )
     )
+
+
+def add_events_pb(events: Sequence[Event], into) -> None:
+    """Append `event_to_pb` of each event to the repeated field `into` (a DecodeResponse's or a
+    DecodeStream entry's `events`), building tokens in place: about a third of the cost of
+    making each message and copying it in, which matters once per token on the serving path."""
+    for event in events:
+        if isinstance(event, Token):
+            token = into.add().token
+            token.id = event.id
+            if event.logprob is not None:
+                token.logprob = event.logprob
+        else:
+            into.append(event_to_pb(event))
 
 
 def event_from_pb(pb: decode_pb2.DecodeEvent) -> Event:

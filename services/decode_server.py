@@ -137,7 +137,7 @@ class DecodeServer:
     async def stop(self, grace_s: float | None = None) -> None:
         await self.running.stop(grace_s)
         if self.engine is not None:
-            self.engine.stop()
+            await asyncio.to_thread(self.engine.stop)  # an engine process may take a moment to exit
 
 
 async def start_decode_server(

@@ -14,7 +14,7 @@ from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services import validation
 from services.admission import Admission
-from services.decode_events import event_to_pb
+from services.decode_events import add_events_pb
 from services.decode_stream import DecodeStreamSession
 from services.errors import ServiceError, grpc_errors
 from services.metrics import Metrics
@@ -49,7 +49,8 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
             engine_request = validation.decode_request(request, self.info)
             async with contextlib.aclosing(self.engine.stream(engine_request)) as steps:
                 async for events in steps:  # one response per engine step for this request
-                    response = decode_pb2.DecodeResponse(events=[event_to_pb(e) for e in events])
+                    response = decode_pb2.DecodeResponse()
+                    add_events_pb(events, response.events)
                     tracker.decode_response(response)
                     yield response
 

@@ -32,7 +32,7 @@ from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2
 from services import validation
 from services.admission import Admission
-from services.decode_events import event_to_pb
+from services.decode_events import add_events_pb
 from services.errors import ServiceError, status_for
 from services.metrics import Metrics, RequestTracker
 
@@ -134,7 +134,7 @@ class DecodeStreamSession:
             if live in failed:
                 continue  # the error ends it (events before a failure are not sent: it failed)
             entry = response.requests.add(key=live.key)
-            entry.events.extend(event_to_pb(e) for e in evs)
+            add_events_pb(evs, entry.events)
             live.tracker.tokens(sum(1 for e in evs if isinstance(e, Token)))
             if isinstance(evs[-1], Finished):
                 live.tracker.finish(evs[-1].reason)

@@ -40,6 +40,7 @@ from services.decode_events import event_from_pb
 from services.errors import ServiceError
 
 _END = None  # ends a call's request iterator
+_DEADLINE = object()  # queued for a request when its deadline passes
 
 
 class _Stream:
@@ -133,21 +134,26 @@ class DecodeStreamClient:
     ) -> AsyncGenerator[Sequence[Event], None]:
         """The request's events, as lists (see the module docstring); the `DecodeFn` of
         services.text_service. Raises ServiceError with the decoder's status."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        if timeout is not None and timeout <= 0:
+            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         key = next(self._keys)
         stream = self._open()
         entries_queue: asyncio.Queue = asyncio.Queue()
         self._routes[key] = (stream, entries_queue)
+        # One timer per request (not one per wait: that costs a timer on every message): at the
+        # deadline it queues _DEADLINE behind whatever arrived in time.
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, entries_queue.put_nowait, _DEADLINE)
         finished = False
         try:
             stream.send(decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(key=key, request=request)))
             while not finished:
-                entries = [await self._next(entries_queue, deadline, loop)]
+                entries = [await entries_queue.get()]
                 while not entries_queue.empty():
                     entries.append(entries_queue.get_nowait())
                 events: list[Event] = []
                 for entry in entries:
+                    if entry is _DEADLINE:
+                        raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
                     if isinstance(entry, ServiceError):  # shared by the stream's requests: raise a copy
                         finished = True  # the stream failed: nothing to cancel
                         raise ServiceError(entry.code, str(entry))
@@ -160,23 +166,11 @@ class DecodeStreamClient:
                 finished = isinstance(events[-1], Finished)
                 yield events
         finally:
+            if timer is not None:
+                timer.cancel()
             self._routes.pop(key, None)
             if not finished and self._stream is stream:  # (a dead stream has cancelled everything)
                 stream.send(decode_pb2.DecodeStreamRequest(cancel=decode_pb2.DecodeStreamCancel(key=key)))
-
-    @staticmethod
-    async def _next(entries: asyncio.Queue, deadline: float | None, loop: asyncio.AbstractEventLoop):
-        if deadline is not None and loop.time() >= deadline:
-            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-        if not entries.empty():
-            return entries.get_nowait()
-        if deadline is None:
-            return await entries.get()
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await entries.get()
-        except TimeoutError:
-            raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded") from None
 
     async def close(self) -> None:
         """Cancel the open stream (its requests fail with UNAVAILABLE) and close the channel."""

@@ -1,11 +1,15 @@
 """The delivery path from the engine to the clients: one wake-up per engine step for every
 stream, coalesced lists for a consumer that is behind, read-ahead on the text service's upstream,
-and a reader that stops reading neither stalls the engine nor other streams."""
+and a reader that stops reading neither stalls the engine nor other streams.
+
+The tests over gRPC run twice: with the engine on a thread of the server (`model=`) and in its
+own process (`spawn_model=`, engine.core.engine_process, as `tokenwire decode-server` runs it)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from pathlib import Path
 
 import grpc
@@ -18,13 +22,26 @@ from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
-from services.decode_server import start_decode_server
+from services.decode_server import DecodeServer, start_decode_server
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
 
 
 def request(prompt_last: int, n: int) -> Request:
     return Request(f"r{prompt_last}", (1, prompt_last), stopping=StoppingCriteria(max_output_tokens=n, ignore_eos=True))
+
+
+@pytest.fixture(params=["thread", "process"])
+def where(request) -> str:
+    """Where the decode server runs its engine: on a thread, or in an engine process."""
+    return request.param
+
+
+async def scripted_decode_server(where: str, engine_config: EngineConfig, **model) -> DecodeServer:
+    """A decode server over ScriptedModel(**model), its engine on a thread or in its own process."""
+    if where == "thread":
+        return await start_decode_server(ScriptedModel(**model), engine_config)
+    return await start_decode_server(spawn_model=functools.partial(ScriptedModel, **model), engine_config=engine_config)
 
 
 @pytest.fixture
@@ -81,12 +98,13 @@ async def test_leaving_a_coalesced_stream_early_frees_the_slot(engine):
 # -- a reader that stops reading, over gRPC ---------------------------------------------------
 
 
-async def test_a_reader_that_stops_reading_holds_only_its_own_output_and_slows_no_one():
+async def test_a_reader_that_stops_reading_holds_only_its_own_output_and_slows_no_one(where):
     """Bound: a stalled reader's request still ends after max_output_tokens (its slot is freed),
     so what waits for it on the server is at most its own output, in our queue or in gRPC's
     flow-control window; the engine and every other stream go on meanwhile."""
-    model = ScriptedModel(vocab_size=1000, max_batch_size=4, max_context_length=1024, step_delay_s=0.001)
-    server = await start_decode_server(model, EngineConfig(max_queue_size=4))
+    server = await scripted_decode_server(
+        where, EngineConfig(max_queue_size=4), vocab_size=1000, max_batch_size=4, max_context_length=1024, step_delay_s=0.001
+    )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = decode_pb2_grpc.DecoderStub(channel)
@@ -124,9 +142,10 @@ def cancel(key: int) -> decode_pb2.DecodeStreamRequest:
 
 
 @pytest.fixture
-async def stream_server():
-    model = ScriptedModel(vocab_size=1000, max_batch_size=4, max_context_length=1024, step_delay_s=0.002)
-    server = await start_decode_server(model, EngineConfig(max_queue_size=4))
+async def stream_server(where):
+    server = await scripted_decode_server(
+        where, EngineConfig(max_queue_size=4), vocab_size=1000, max_batch_size=4, max_context_length=1024, step_delay_s=0.002
+    )
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
         yield server, decode_pb2_grpc.DecoderStub(channel)
     await server.stop(None)
@@ -250,7 +269,7 @@ async def test_draining_refuses_new_starts_and_lets_live_ones_finish(stream_serv
     assert await drained is True
 
 
-async def test_a_text_client_that_stops_reading_slows_no_one_and_gets_everything_later():
+async def test_a_text_client_that_stops_reading_slows_no_one_and_gets_everything_later(where):
     """Through the text service (and its DecodeStream): a client that stops reading neither holds
     the engine nor the other streams; what waits for it is its own output (bounded as above)."""
     from protos.text.v1 import text_pb2_grpc
@@ -258,9 +277,10 @@ async def test_a_text_client_that_stops_reading_slows_no_one_and_gets_everything
     from services.text_server import start_text_server
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    model = ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=4,
-                          max_context_length=1024, step_delay_s=0.001)
-    decode = await start_decode_server(model, EngineConfig(max_queue_size=4))
+    decode = await scripted_decode_server(
+        where, EngineConfig(max_queue_size=4), vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=4,
+        max_context_length=1024, step_delay_s=0.001,
+    )
     text = await start_text_server(TextTokenizer.from_dir(TINY), f"127.0.0.1:{decode.port}")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{text.port}") as channel:
@@ -310,7 +330,7 @@ async def test_a_backlog_is_sent_in_responses_of_bounded_size(stream_server, mon
     call.cancel()
 
 
-async def test_two_text_services_can_share_one_port():
+async def test_two_text_services_can_share_one_port(where):
     """gRPC binds with SO_REUSEPORT on Linux, so text-service processes (stateless: a tokenizer
     and a channel) can be added on the same port and the kernel spreads connections among them."""
     from protos.text.v1 import text_pb2_grpc
@@ -319,8 +339,10 @@ async def test_two_text_services_can_share_one_port():
     from services.text_server import start_text_server
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    model = ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=4, max_context_length=128)
-    decode = await start_decode_server(model, EngineConfig(max_queue_size=4))
+    decode = await scripted_decode_server(
+        where, EngineConfig(max_queue_size=4), vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=4,
+        max_context_length=128,
+    )
     tokenizer = TextTokenizer.from_dir(TINY)
     first = await start_text_server(tokenizer, f"127.0.0.1:{decode.port}")
     second = await start_text_server(tokenizer, f"127.0.0.1:{decode.port}", ServerOptions(port=first.port))

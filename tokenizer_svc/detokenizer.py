@@ -80,6 +80,8 @@ def _is_truncated_char(seq: bytes) -> bool:
 def ends_inside_char(tail: bytes) -> bool:
     """Whether lossy UTF-8 text of a byte stream ending in `tail` (its last <= 3 bytes) could
     still change: the stream ends with a truncated character that more bytes may complete."""
+    if not tail or tail[-1] < 0x80:  # ends in ASCII (most tokens): no character is open
+        return False
     return any(_is_truncated_char(tail[-n:]) for n in (1, 2, 3) if len(tail) >= n)
 
 

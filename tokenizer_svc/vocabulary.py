@@ -80,6 +80,9 @@ class Vocabulary:
         )
         self.decoder_traits = DecoderTraits.of_tokenizer(tokenizer)
         self._token_bytes: dict[int, bytes] = {}
+        # ids in range with no token (gaps in some vocabularies): decode drops them. Found once, so
+        # that `is_dropped`, asked for every generated token, is two set lookups.
+        self._tokenless: frozenset[int] = frozenset(i for i in range(self.size) if tokenizer.id_to_token(i) is None)
 
     def check_ids(self, token_ids: Sequence[int], field: str = "token_ids") -> None:
         """Ids the tokenizer cannot produce are refused (InvalidArgument naming `field[i]`)."""
@@ -98,7 +101,7 @@ class Vocabulary:
         """True when decode ignores this id: a skipped special token, or an id with no token."""
         if not keep_special_tokens and token_id in self.special_token_ids:
             return True
-        return self._tokenizer.id_to_token(token_id) is None
+        return token_id in self._tokenless
 
     def is_byte_token(self, token_id: int) -> bool:
         """A `<0xHH>` token, which ByteFallback decodes together with its neighbours."""

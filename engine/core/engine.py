@@ -9,8 +9,9 @@ Data flow, on the engine thread, once per iteration:
      once and never joins a decode step;
   4. one `model.decode` step for every active slot -> `decide` per slot -> events; finished
      slots are released in the same iteration.
-After each prefill and each step, the `after_delivery` callbacks run (AsyncEngine sends the
-step's events for all its requests to the event loop with one wake-up there).
+After each prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
+run (AsyncEngine sends the step's events for all its requests to the event loop with one wake-up
+there; the engine process sends them, and its stats, to its parent).
 This loop is the only place that touches a request per step. Events for one request are
 handed to its `EventSink` as one list per iteration (coalesced), on the engine thread.
 """
@@ -186,7 +187,8 @@ class Engine:
                     for live in admitted:  # the slot is held from here, so submit never counts it free
                         live.slot = self._free_slot()
                         self._active[live.slot] = live
-                self._drop(aborts)
+                if self._drop(aborts):
+                    self._after_delivery()  # nothing to deliver, but a slot was freed: stats changed
                 for live in admitted:
                     self._prefill(live)
                     self._after_delivery()
@@ -226,12 +228,14 @@ class Engine:
     def _free_slot(self) -> int:
         return next(s for s in range(self.model.info.max_batch_size) if s not in self._active)
 
-    def _drop(self, tickets: set[int]) -> None:
-        if not tickets:
-            return
+    def _drop(self, tickets: set[int]) -> bool:
+        """Release the slots of aborted requests; whether any was released."""
+        dropped = False
         for slot, live in list(self._active.items()):
             if live.ticket in tickets:
                 self._release(live)
+                dropped = True
+        return dropped
 
     def _release(self, live: _Live) -> None:
         del self._active[live.slot]

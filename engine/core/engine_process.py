@@ -88,14 +88,14 @@ class _Outbox:
         self._conn = conn
         self.stats: Callable[[], EngineStats] | None = None  # the engine's, set once it exists
         self._cond = threading.Condition()
-        self._deliveries: list[tuple] = []  # (key, encoded events) or (key, (error class name, message))
+        self._deliveries: list[tuple] = []  # (key, events) or (key, (error class name, message))
         self._steps: list[float] = []
         self._ready = False  # something was delivered since the last send
         self._closed = False
 
     def events(self, key: int, events: list[Event]) -> None:
-        with self._cond:
-            self._deliveries.append((key, _encode(events)))
+        with self._cond:  # encoded by the sender, while the engine thread waits for the model
+            self._deliveries.append((key, events))
 
     def fail(self, key: int, error: BaseException) -> None:
         with self._cond:
@@ -129,20 +129,40 @@ class _Outbox:
                 steps, self._steps = self._steps, []
                 self._ready = False
             stats = self.stats()
+            deliveries = [(key, _encode(p) if isinstance(p, list) else p) for key, p in deliveries]
             try:
                 self._conn.send(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use))
             except OSError:  # the parent is gone
                 return
 
 
+class _Tickets:
+    """Child side: the engine's ticket for each parent key of a request not yet ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # held across submit, so an end never precedes its entry
+        self._tickets: dict[int, int] = {}
+
+    def submit(self, engine: Engine, key: int, request: Request, sink: EventSink) -> None:
+        with self._lock:
+            self._tickets[key] = engine.submit(request, sink)
+
+    def pop(self, key: int) -> int | None:
+        with self._lock:
+            return self._tickets.pop(key, None)
+
+
 class _KeySink:
-    def __init__(self, outbox: _Outbox, key: int) -> None:
-        self._outbox, self._key = outbox, key
+    def __init__(self, outbox: _Outbox, key: int, tickets: _Tickets) -> None:
+        self._outbox, self._key, self._tickets = outbox, key, tickets
 
     def events(self, events: list[Event]) -> None:
+        if isinstance(events[-1], Finished):
+            self._tickets.pop(self._key)
         self._outbox.events(self._key, events)
 
     def fail(self, error: BaseException) -> None:
+        self._tickets.pop(self._key)
         self._outbox.fail(self._key, error)
 
 
@@ -181,19 +201,19 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     engine.start()
     conn.send(("ready", model.info))  # before the sender exists: one thread sends at a time
     sender.start()
-    tickets: dict[int, int] = {}  # key -> the engine's ticket
+    tickets = _Tickets()
     try:
         while True:
             command = conn.recv()
             if command[0] == "submit":
                 _, key, request = command
                 try:
-                    tickets[key] = engine.submit(request, _KeySink(outbox, key))
+                    tickets.submit(engine, key, request, _KeySink(outbox, key, tickets))
                 except Exception as error:  # (the parent checked the bound: not expected)
                     outbox.fail(key, error)
                     outbox.flush()
             elif command[0] == "abort":
-                ticket = tickets.pop(command[1], None)
+                ticket = tickets.pop(command[1])
                 if ticket is not None:
                     engine.abort(ticket)
             else:  # "stop"
@@ -234,7 +254,9 @@ class EngineProcess:
         self._conn: Connection | None = None
         self._process: multiprocessing.Process | None = None
         self._reader: threading.Thread | None = None
-        self._lock = threading.Lock()  # guards the fields below and sends on the pipe
+        # Guards the fields below and sends on the pipe; held while sinks are called, so that no
+        # event reaches a sink after `abort` returns (reentrant: a sink may abort).
+        self._lock = threading.RLock()
         self._sinks: dict[int, EventSink] = {}  # key -> sink of a request not yet ended
         self._keys = itertools.count(1)
         self._delivered: list[Callable[[], None]] = []
@@ -292,6 +314,8 @@ class EngineProcess:
     def submit(self, request: Request, sink: EventSink) -> int:
         """Queue a validated request; returns a ticket for `abort`. Raises QueueFull, EngineStopped,
         and ValueError when the prompt leaves no room in the context."""
+        if self.info is None:
+            raise EngineStopped("the engine is not running")
         request, _ = admit(request, self.info)
         with self._lock:
             if self._dead is not None or not self._running:
@@ -360,19 +384,16 @@ class EngineProcess:
         with self._lock:
             self._progress_at = time.monotonic()
             self._queue_depth, self._slots_in_use = queue_depth, slots
-            routed = []
             for key, payload in deliveries:
                 sink = self._sinks.get(key)
                 if sink is None:
                     continue  # aborted: nothing more is delivered for it
                 if isinstance(payload, tuple) or len(payload[-1]) == 4:  # a failure, or Finished
                     del self._sinks[key]
-                routed.append((sink, payload))
-        for sink, payload in routed:
-            if isinstance(payload, tuple):
-                sink.fail(_FAILURES.get(payload[0], EngineStopped)(payload[1]))
-            else:
-                sink.events(_decode(payload))
+                if isinstance(payload, tuple):
+                    sink.fail(_FAILURES.get(payload[0], EngineStopped)(payload[1]))
+                else:
+                    sink.events(_decode(payload))
         for callback in self._delivered:
             callback()
 

@@ -1,0 +1,504 @@
+"""`EngineProcess`: the engine and its model in a spawned child, behind the caller API of `Engine`.
+
+Every test runs a real child process with the scripted model (a picklable factory: a partial of
+ScriptedModel, or a module-level function of this module, which the child imports by name).
+Waits poll or block on a condition with a stated bound (`LIMIT_S`); none sleeps longer than the
+work it waits for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from engine.core.async_engine import AsyncEngine
+from engine.core.engine import Engine, EngineConfig
+from engine.core.engine_process import EngineProcess, ModelLoadFailed
+from engine.core.errors import EngineStopped, QueueFull
+from engine.core.events import Finished, FinishReason, Token, Usage
+from engine.core.request import Request, StoppingCriteria
+from engine.core.scripted_model import ScriptedModel
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT_S = 5.0  # bound on any one wait: generous for a shared 2-core machine, far above the work waited for
+
+MODEL = dict(vocab_size=1000, eos_token_ids=frozenset({2}), max_batch_size=4, max_context_length=256, step_delay_s=0.002)
+
+
+def factory(**overrides) -> functools.partial:
+    return functools.partial(ScriptedModel, **{**MODEL, **overrides})
+
+
+def long_request(prompt_last: int, n: int | None = None) -> Request:
+    """ignore_eos, so it runs to n tokens (or to the context: 254 steps of 2 ms)."""
+    return Request(f"r{prompt_last}", (1, prompt_last), stopping=StoppingCriteria(max_output_tokens=n, ignore_eos=True))
+
+
+# -- factories the child imports from this module by name -------------------------------------
+
+
+def no_such_model():
+    raise ValueError("no such model")
+
+
+def broken_model():
+    raise RuntimeError("the weights are corrupt")
+
+
+def dying_model():
+    os._exit(3)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+class Recorder:
+    """A sink for one request (called on the reader thread). Records, per delivery, the index of
+    the child's message it came in (with a `MessageCounter`), and anything delivered after the end."""
+
+    def __init__(self, counter: MessageCounter | None = None) -> None:
+        self._cond = threading.Condition()
+        self._counter = counter
+        self.got: list = []  # events, in order
+        self.deliveries: list[int] = []  # per events() call: the message it came in (-1 without a counter)
+        self.error: BaseException | None = None
+        self.late: list = []  # anything delivered after Finished or a failure: must stay empty
+
+    @property
+    def ended(self) -> bool:
+        return self.error is not None or bool(self.got and isinstance(self.got[-1], Finished))
+
+    def events(self, events) -> None:
+        with self._cond:
+            if self.ended:
+                self.late.append(events)
+            self.got.extend(events)
+            self.deliveries.append(-1 if self._counter is None else self._counter.count)
+            self._cond.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._cond:
+            if self.ended:
+                self.late.append(error)
+            self.error = error
+            self._cond.notify_all()
+
+    def tokens(self) -> list[int]:
+        with self._cond:
+            return [e.id for e in self.got if isinstance(e, Token)]
+
+    def wait(self, predicate: Callable[[Recorder], bool], limit_s: float = LIMIT_S) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: predicate(self), limit_s), f"not reached in {limit_s} s: {self.got[-3:]}"
+
+    def wait_ended(self, limit_s: float = LIMIT_S) -> None:
+        self.wait(lambda r: r.ended, limit_s)
+
+
+class MessageCounter:
+    """after_delivery callback: how many messages from the child have been delivered in full."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self) -> None:
+        self.count += 1  # only the reader thread writes it
+
+
+class Deaths:
+    """on_death callback."""
+
+    def __init__(self) -> None:
+        self.errors: list[BaseException] = []
+        self.called = threading.Event()
+
+    def __call__(self, error: BaseException) -> None:
+        self.errors.append(error)
+        self.called.set()
+
+
+def wait_until(predicate: Callable[[], bool], limit_s: float = LIMIT_S, interval_s: float = 0.002) -> float:
+    """Poll until true; returns the seconds it took; fails the test past `limit_s`."""
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < limit_s, f"condition not reached in {limit_s} s"
+        time.sleep(interval_s)
+    return time.monotonic() - started
+
+
+def exited(pid: int) -> bool:
+    """The process is gone or a zombie (it exited; nobody reaped it yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+
+
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.fixture
+def spawn():
+    """Start EngineProcesses; each is stopped (and so its child gone) after the test."""
+    started: list[EngineProcess] = []
+
+    def make(
+        config: EngineConfig = EngineConfig(max_queue_size=4), on_step: Callable[[float], None] | None = None, **model
+    ) -> tuple[EngineProcess, Deaths]:
+        deaths = Deaths()
+        process = EngineProcess(factory(**model), config, on_death=deaths, on_step=on_step)
+        started.append(process)
+        process.start()
+        return process, deaths
+
+    yield make
+    for process in started:
+        if process.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, signal.SIGCONT)  # in case a test left it stopped
+        process.stop()
+        assert process.pid is None or exited(process.pid)
+
+
+# -- the same streams as the in-process engine ----------------------------------------------------
+
+
+PARITY = [  # (request, expected token ids, expected finish); the model: token after t is t + 1, EOS 2
+    (Request("length", (1, 100), stopping=StoppingCriteria(max_output_tokens=5, ignore_eos=True)),
+     list(range(101, 106)), Finished(FinishReason.LENGTH, Usage(2, 5))),
+    (Request("wraps-past-eos", (1, 995), stopping=StoppingCriteria(max_output_tokens=10, ignore_eos=True),
+             return_logprobs=True),
+     [996, 997, 998, 999, 0, 1, 2, 3, 4, 5], Finished(FinishReason.LENGTH, Usage(2, 10))),
+    (Request("eos", (7, 0)), [1], Finished(FinishReason.STOP, Usage(2, 1), 2)),
+    (Request("eos-at-prefill", (7, 1)), [], Finished(FinishReason.STOP, Usage(2, 0), 2)),
+    (Request("stop-id", (1, 500), stopping=StoppingCriteria(max_output_tokens=50, stop_token_ids=frozenset({504}))),
+     [501, 502, 503], Finished(FinishReason.STOP, Usage(2, 3), 504)),
+    (Request("stop-id-masked-below-min", (1, 500),
+             stopping=StoppingCriteria(stop_token_ids=frozenset({501, 503}), min_output_tokens=1)),
+     [502], Finished(FinishReason.STOP, Usage(2, 1), 503)),
+    (Request("stop-beats-the-cap", (1, 600), stopping=StoppingCriteria(max_output_tokens=1, stop_token_ids=frozenset({601}))),
+     [], Finished(FinishReason.STOP, Usage(2, 0), 601)),
+    (Request("one-token", (1, 300), stopping=StoppingCriteria(max_output_tokens=1)),
+     [301], Finished(FinishReason.LENGTH, Usage(2, 1))),
+    (Request("to-the-context", tuple(range(3, 43)), stopping=StoppingCriteria(ignore_eos=True)),  # 40 + 24 = 64
+     list(range(43, 67)), Finished(FinishReason.LENGTH, Usage(40, 24))),
+]
+
+
+async def test_streams_through_the_process_are_those_of_the_in_process_engine(spawn):
+    model = dict(max_context_length=64)
+    config = EngineConfig(max_queue_size=8)  # 9 requests on 4 slots: some wait in the queue
+    in_thread = Engine(ScriptedModel(**{**MODEL, **model}), config)
+    in_thread.start()
+    try:
+        steps: list[float] = []
+        in_process, deaths = await asyncio.to_thread(spawn, config, steps.append, **model)
+        assert in_process.info == in_thread.info
+
+        async def run(engine) -> list[list]:
+            async_engine = AsyncEngine(engine)
+
+            async def one(request: Request) -> list:
+                return [e async for events in async_engine.stream(request) for e in events]
+
+            return await asyncio.gather(*(one(request) for request, _, _ in PARITY))
+
+        by_thread, by_process = await asyncio.wait_for(asyncio.gather(run(in_thread), run(in_process)), LIMIT_S)
+    finally:
+        in_thread.stop()
+    assert by_process == by_thread
+    for (request, tokens, finished), events in zip(PARITY, by_process, strict=True):
+        assert [e.id for e in events[:-1]] == tokens, request.request_id
+        assert events[-1] == finished, request.request_id
+        assert all(isinstance(e, Token) for e in events[:-1])  # one Finished, the last event
+        assert finished.usage.completion_tokens == len(tokens)  # a control token is never counted...
+        assert finished.stop_token_id is None or finished.stop_token_id not in tokens  # ...nor emitted
+        if request.return_logprobs:
+            assert [e.logprob for e in events[:-1]] == [-(t % 10) / 10 for t in tokens]
+        else:
+            assert all(e.logprob is None for e in events[:-1])
+    assert in_process.stats().slots_in_use == 0 and in_process.stats().queue_depth == 0
+    assert not deaths.called.is_set()
+    # on_step: once per decode step (the longest request needs 23 after its prefill), each timing
+    # a step of the model's 2 ms
+    assert len(steps) >= 23 and min(steps) >= 0.002
+
+
+# -- submit refuses synchronously -------------------------------------------------------------------
+
+
+def test_submit_refuses_at_the_admission_bound_counting_requests_until_they_end(spawn):
+    # bound: 2 slots + 2 waiting; the long requests run to the context (1022 steps of 2 ms)
+    process, _ = spawn(EngineConfig(max_queue_size=2), max_batch_size=2, max_context_length=1024)
+    short = Recorder()
+    process.submit(long_request(400, 20), short)  # runs, ends after 20 steps
+    process.submit(long_request(100), Recorder())  # runs
+    waiting = process.submit(long_request(200), Recorder())
+    process.submit(long_request(300), Recorder())
+    with pytest.raises(QueueFull):
+        process.submit(long_request(500), Recorder())
+    wait_until(lambda: process.stats().slots_in_use == 2 and process.stats().queue_depth == 2)
+
+    process.abort(waiting)  # an aborted request no longer counts, at once
+    process.submit(long_request(600), Recorder())
+    with pytest.raises(QueueFull):
+        process.submit(long_request(700), Recorder())
+
+    short.wait_ended()  # a finished request no longer counts
+    assert short.tokens() == list(range(401, 421)) and short.error is None
+    process.submit(long_request(800), Recorder())
+    with pytest.raises(QueueFull):
+        process.submit(long_request(900), Recorder())
+
+
+def test_submit_refuses_a_prompt_that_leaves_no_room_and_any_request_once_stopped(spawn):
+    process, _ = spawn()
+    full = Request("full", tuple(range(1, 257)))  # 256 tokens in a context of 256
+    with pytest.raises(ValueError, match="no room"):
+        process.submit(full, Recorder())
+    assert process.stats().stalled_s == 0.0  # nothing was queued
+    last_place = Recorder()
+    process.submit(Request("fits", tuple(range(1, 256))), last_place)  # 255: room for one token
+    last_place.wait_ended()
+    assert last_place.got == [Token(256), Finished(FinishReason.LENGTH, Usage(255, 1))]
+
+    process.stop()
+    assert not process.stats().alive
+    with pytest.raises(EngineStopped):
+        process.submit(long_request(100, 3), Recorder())
+
+
+# -- abort ----------------------------------------------------------------------------------------
+
+
+def test_abort_frees_the_slot_and_nothing_is_delivered_after_it(spawn):
+    process, _ = spawn(max_batch_size=2)
+    messages = MessageCounter()
+    process.after_delivery(messages)
+    aborted, other = Recorder(messages), Recorder(messages)
+    ticket = process.submit(long_request(100), aborted)
+    process.submit(long_request(500, 250), other)  # 250 steps of 2 ms: still running when the abort lands
+    aborted.wait(lambda r: len(r.tokens()) >= 3)
+    wait_until(lambda: process.stats().slots_in_use == 2)
+
+    process.abort(ticket)
+    in_flight = messages.count  # the message being delivered now (if any) is the last that may carry events
+    other_then = len(other.tokens())
+    wait_until(lambda: process.stats().slots_in_use == 1)
+    assert len(other.tokens()) < 250, "the slot is freed while the other request still runs"
+    other.wait_ended()
+    assert other.tokens() == list(range(501, 751)) and len(other.tokens()) > other_then + 10
+    assert max(aborted.deliveries) <= in_flight, "an event arrived in a message read after the abort"
+    assert aborted.error is None and not aborted.ended  # aborted: no Finished, no failure
+    assert aborted.tokens() == list(range(101, 101 + len(aborted.tokens())))
+    wait_until(lambda: process.stats().slots_in_use == 0)
+    process.abort(ticket)  # again, and an unknown ticket: nothing happens
+    process.abort(10_000)
+    assert process.stats().alive and not aborted.late
+
+
+def test_stats_show_the_slot_freed_by_an_abort_that_no_step_follows(spawn):
+    """An abort that lands between steps of the last live request frees the slot with no prefill
+    or step after it; the child still reports it (the slot gauge must not stay at 1)."""
+    process, _ = spawn(step_delay_s=0.0, max_context_length=100_000)
+    for attempt in range(8):
+        sink = Recorder()
+        ticket = process.submit(long_request(100 + attempt), sink)
+        sink.wait(lambda r: len(r.tokens()) >= 1)
+        process.abort(ticket)
+        wait_until(lambda: process.stats().slots_in_use == 0, limit_s=1.0)
+
+
+def test_aborting_a_waiting_request_delivers_nothing_for_it(spawn):
+    process, _ = spawn(EngineConfig(max_queue_size=2), max_batch_size=1)
+    running, waiting = Recorder(), Recorder()
+    process.submit(long_request(100, 40), running)
+    ticket = process.submit(long_request(200, 5), waiting)
+    running.wait(lambda r: len(r.tokens()) >= 2)
+    process.abort(ticket)
+    running.wait_ended()
+    assert running.tokens() == list(range(101, 141))
+    assert waiting.got == [] and waiting.error is None
+    wait_until(lambda: process.stats().queue_depth == 0 and process.stats().slots_in_use == 0)
+
+
+# -- failures ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_factory", "message"),
+    [
+        (no_such_model, "no such model"),
+        (broken_model, "RuntimeError: the weights are corrupt"),
+        (dying_model, "exited with code 3 while loading"),
+    ],
+)
+def test_a_model_that_cannot_load_fails_start_with_its_reason_and_the_child_exits(model_factory, message):
+    deaths = Deaths()
+    process = EngineProcess(model_factory, EngineConfig(), on_death=deaths)
+    with pytest.raises(ModelLoadFailed, match=message):
+        process.start()
+    assert exited(process.pid)
+    assert not process.stats().alive
+    process.stop()  # harmless after a failed start
+    assert not deaths.called.is_set()  # start raised: on_death is for an engine that ran
+
+
+def test_the_model_failing_mid_decode_fails_requests_in_flight_and_calls_on_death(spawn):
+    process, deaths = spawn(fail_at_step=3, step_delay_s=0.01)
+    recorders = [Recorder() for _ in range(3)]
+    for i, recorder in enumerate(recorders, start=1):
+        process.submit(long_request(100 * i), recorder)
+    for recorder in recorders:
+        recorder.wait_ended()
+        assert isinstance(recorder.error, EngineStopped), recorder.got
+        assert "RuntimeError" in str(recorder.error)
+        assert len(recorder.tokens()) <= 3  # the prefill's token and the two steps before the failure
+    assert deaths.called.wait(LIMIT_S)
+    assert isinstance(deaths.errors[0], EngineStopped) and "scripted failure at decode step 3" in str(deaths.errors[0])
+    assert not process.stats().alive
+    wait_until(lambda: exited(process.pid))
+    with pytest.raises(EngineStopped):
+        process.submit(long_request(100, 3), Recorder())
+    assert all(not r.late for r in recorders)
+
+
+def test_a_killed_child_fails_requests_in_flight_naming_the_exit(spawn):
+    process, deaths = spawn()
+    streams = [Recorder() for _ in range(2)]
+    for i, recorder in enumerate(streams, start=1):
+        process.submit(long_request(100 * i), recorder)
+    streams[0].wait(lambda r: len(r.tokens()) >= 3)
+    os.kill(process.pid, signal.SIGKILL)
+    for recorder in streams:
+        recorder.wait_ended()
+        assert isinstance(recorder.error, EngineStopped)
+        assert "exited" in str(recorder.error) and str(-signal.SIGKILL) in str(recorder.error)
+    assert deaths.called.wait(LIMIT_S) and "exited" in str(deaths.errors[0])
+    assert not process.stats().alive and process.stats().stalled_s == 0.0
+    with pytest.raises(EngineStopped):
+        process.submit(long_request(100, 3), Recorder())
+
+
+def test_stop_with_requests_in_flight_fails_them_and_the_child_exits(spawn):
+    process, deaths = spawn(EngineConfig(max_queue_size=4), max_batch_size=2)
+    streams = [Recorder() for _ in range(4)]  # two running, two waiting
+    for i, recorder in enumerate(streams, start=1):
+        process.submit(long_request(100 * i), recorder)
+    streams[0].wait(lambda r: len(r.tokens()) >= 3)
+    started = time.monotonic()
+    process.stop()
+    assert time.monotonic() - started < LIMIT_S
+    for recorder in streams:
+        assert recorder.ended and isinstance(recorder.error, EngineStopped) and not recorder.late
+    assert exited(process.pid)
+    assert not process.stats().alive and not deaths.called.is_set()  # a stop is not a death
+    with pytest.raises(EngineStopped):
+        process.submit(long_request(100, 3), Recorder())
+    process.stop()  # twice: nothing happens
+
+
+def test_stop_kills_a_child_that_does_not_answer_within_the_timeout(spawn):
+    process, deaths = spawn()
+    recorder = Recorder()
+    process.submit(long_request(100), recorder)
+    recorder.wait(lambda r: len(r.tokens()) >= 2)
+    os.kill(process.pid, signal.SIGSTOP)  # it cannot read the stop
+    try:
+        started = time.monotonic()
+        process.stop(timeout=0.2)
+        took = time.monotonic() - started
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+    assert took < 0.2 * 2 + 1.0  # the reader's and the child's timeouts, then a kill
+    assert exited(process.pid)
+    assert isinstance(recorder.error, EngineStopped) and not recorder.late
+    assert not deaths.called.is_set()
+
+
+# -- the parent dying, and signals --------------------------------------------------------------
+
+
+def _orphan_parent() -> None:
+    """Run in a subprocess by the test below: start an engine process with a request in flight,
+    print the child's pid, then wait to be killed."""
+    process = EngineProcess(factory(max_context_length=100_000))
+    process.start()
+    recorder = Recorder()
+    process.submit(long_request(100), recorder)  # ~50 s of steps: in flight when the parent dies
+    recorder.wait(lambda r: len(r.tokens()) >= 2)
+    print(process.pid, flush=True)
+    time.sleep(60)
+
+
+def test_the_child_exits_when_its_parent_dies():
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import tests.test_engine_process as m; m._orphan_parent()"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )
+    child = None
+    try:
+        child = int(parent.stdout.readline())  # pytest's own bound if it never comes: the parent's 60 s
+        assert not exited(child)
+        parent.kill()
+        parent.wait(LIMIT_S)
+        wait_until(lambda: exited(child), limit_s=3.0, interval_s=0.01)  # it reads end-of-file and exits
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdout.close()
+        if child is not None and not exited(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_sigint_to_the_child_is_ignored(spawn):
+    process, deaths = spawn()
+    first = Recorder()
+    process.submit(long_request(100, 40), first)
+    first.wait(lambda r: len(r.tokens()) >= 2)
+    os.kill(process.pid, signal.SIGINT)
+    first.wait_ended()
+    assert first.tokens() == list(range(101, 141)) and first.error is None
+    after = Recorder()
+    process.submit(long_request(300, 3), after)  # still serving after the signal
+    after.wait_ended()
+    assert after.tokens() == [301, 302, 303]
+    assert not exited(process.pid) and process.stats().alive and not deaths.called.is_set()
+
+
+def test_stalled_s_grows_while_the_child_makes_no_progress_and_is_zero_when_idle(spawn):
+    process, deaths = spawn()
+    assert process.stats().stalled_s == 0.0  # idle
+    recorder = Recorder()
+    ticket = process.submit(long_request(100), recorder)
+    recorder.wait(lambda r: len(r.tokens()) >= 2)
+    assert process.stats().stalled_s < 0.5  # it steps every 2 ms
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: state(process.pid) == "T", interval_s=0.001)
+        time.sleep(0.3)  # (what the child sent before it stopped arrives in the first few ms)
+        stalled = process.stats().stalled_s
+        assert stalled >= 0.25
+        time.sleep(0.1)
+        assert process.stats().stalled_s >= stalled + 0.09  # still growing
+        assert process.stats().alive  # stalled, not dead
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+    wait_until(lambda: process.stats().stalled_s < 0.2)  # progress again
+    process.abort(ticket)
+    assert process.stats().stalled_s == 0.0  # nothing pending: idle
+    assert not deaths.called.is_set()
