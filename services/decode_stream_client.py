@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 from typing import AsyncGenerator, Sequence
 
 import grpc
 
-from engine.core.events import Event, Finished
+from engine.core.events import Event, Finished, Token
+from engine.core.inbox import Inbox
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.decode_events import event_from_pb
 from services.errors import ServiceError
+
+log = logging.getLogger("tokenwire.text")
 
 _END = None  # ends a call's request iterator
 _DEADLINE = object()  # queued for a request when its deadline passes
@@ -105,7 +109,7 @@ class DecodeStreamClient:
         self._channel = channel
         self._stub = decode_pb2_grpc.DecoderStub(channel)
         self._stream: _Stream | None = None
-        self._routes: dict[int, tuple[_Stream, asyncio.Queue]] = {}  # key -> (its stream, its queue)
+        self._routes: dict[int, tuple[_Stream, Inbox]] = {}  # key -> (its stream, its inbox)
         self._keys = itertools.count(1)
 
     def _open(self) -> _Stream:
@@ -120,14 +124,31 @@ class DecodeStreamClient:
             if isinstance(item, ServiceError):
                 if self._stream is stream:
                     self._stream = None  # the next request opens a new stream
-                for route_stream, queue_ in list(self._routes.values()):
+                for route_stream, inbox in list(self._routes.values()):
                     if route_stream is stream:
-                        queue_.put_nowait(item)
+                        inbox.put(item)
                 continue
+            if item.token_ids:  # packed tokens (invariant 15), before the entries
+                if len(item.token_keys) != len(item.token_ids):
+                    self._break(stream, f"the decoder sent {len(item.token_keys)} token keys for {len(item.token_ids)} tokens")
+                    return
+                by_key: dict[int, list[int]] = {}
+                for key, token_id in zip(item.token_keys, item.token_ids):
+                    by_key.setdefault(key, []).append(token_id)
+                for key, ids in by_key.items():
+                    route = self._routes.get(key)
+                    if route is not None and route[0] is stream:
+                        route[1].put(ids)
             for entry in item.requests:
                 route = self._routes.get(entry.key)
                 if route is not None and route[0] is stream:
-                    route[1].put_nowait(entry)
+                    route[1].put(entry)
+
+    def _break(self, stream: _Stream, problem: str) -> None:
+        """The decoder broke the stream's contract: fail its requests (INTERNAL) and end it."""
+        log.error("%s; ending the decode stream", problem)
+        stream.close()
+        self._deliver(stream, [ServiceError(grpc.StatusCode.INTERNAL, f"the decoder broke the stream's contract: {problem}")])
 
     async def decode(
         self, request: decode_pb2.DecodeRequest, timeout: float | None
@@ -138,29 +159,31 @@ class DecodeStreamClient:
             raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
         key = next(self._keys)
         stream = self._open()
-        entries_queue: asyncio.Queue = asyncio.Queue()
-        self._routes[key] = (stream, entries_queue)
+        inbox = Inbox()
+        self._routes[key] = (stream, inbox)
         # One timer per request (not one per wait: that costs a timer on every message): at the
         # deadline it queues _DEADLINE behind whatever arrived in time.
-        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, entries_queue.put_nowait, _DEADLINE)
+        timer = None if timeout is None else asyncio.get_running_loop().call_later(timeout, inbox.put, _DEADLINE)
         finished = False
         try:
-            stream.send(decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(key=key, request=request)))
+            start = decode_pb2.DecodeStreamStart(key=key, request=request, packed_tokens=True)
+            stream.send(decode_pb2.DecodeStreamRequest(start=start))
             while not finished:
-                entries = [await entries_queue.get()]
-                while not entries_queue.empty():
-                    entries.append(entries_queue.get_nowait())
+                entries = await inbox.take()
                 events: list[Event] = []
                 for entry in entries:
-                    if entry is _DEADLINE:
+                    if type(entry) is list:  # packed token ids (the common case)
+                        events.extend(map(Token, entry))
+                    elif entry is _DEADLINE:
                         raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
-                    if isinstance(entry, ServiceError):  # shared by the stream's requests: raise a copy
+                    elif isinstance(entry, ServiceError):  # shared by the stream's requests: raise a copy
                         finished = True  # the stream failed: nothing to cancel
                         raise ServiceError(entry.code, str(entry))
-                    if entry.HasField("error"):
+                    elif entry.HasField("error"):
                         finished = True  # the decoder ended it
                         raise ServiceError(_CODES.get(entry.error.code, grpc.StatusCode.INTERNAL), entry.error.message)
-                    events.extend(event_from_pb(e) for e in entry.events)
+                    else:
+                        events.extend(event_from_pb(e) for e in entry.events)
                 if not events:
                     continue  # (the contract never sends an empty entry)
                 finished = isinstance(events[-1], Finished)

@@ -37,6 +37,7 @@ from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
 from services.errors import status_for
 from services.handlers import rewrap
+from services.weighted_histogram import WeightedHistogram
 
 request_log = logging.getLogger("tokenwire.requests")
 
@@ -72,10 +73,10 @@ class Metrics:
             "tokenwire_time_to_first_token_seconds", "From a request's arrival to its first output token.",
             buckets=TTFT_BUCKETS, registry=r,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = WeightedHistogram(
             "tokenwire_inter_token_latency_seconds",
             "Gap before each output token after the first (a gap shared by tokens that arrive together is split evenly).",
-            buckets=STEP_BUCKETS, registry=r,
+            STEP_BUCKETS, r,
         )
         self.prompt_tokens = Counter("tokenwire_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.completion_tokens = Counter("tokenwire_completion_tokens", "Output tokens sent.", registry=r)
@@ -117,20 +118,21 @@ class RequestTracker:
         self._start = metrics.clock()
         self._last: float | None = None  # when the previous output tokens arrived
 
-    def tokens(self, n: int) -> None:
-        """`n` output tokens are leaving now (one engine step may deliver several at once)."""
+    def tokens(self, n: int, now: float | None = None) -> None:
+        """`n` output tokens are leaving now (one engine step may deliver several at once);
+        `now`: the clock's reading, when the caller has one for many requests."""
         if n <= 0:
             return
         m = self.metrics
-        now = m.clock()
+        if now is None:
+            now = m.clock()
         if self._last is None:
             self.ttft_s = now - self._start
             m.time_to_first_token.observe(self.ttft_s)
-            gaps = [0.0] * (n - 1)  # the rest of the first batch came with the first token
+            if n > 1:
+                m.inter_token_latency.observe(0.0, n - 1)  # the rest of the first batch came with the first token
         else:
-            gaps = [(now - self._last) / n] * n
-        for gap in gaps:
-            m.inter_token_latency.observe(gap)
+            m.inter_token_latency.observe((now - self._last) / n, n)
         m.completion_tokens.inc(n)
         self.completion_tokens += n
         self._last = now

@@ -187,6 +187,44 @@ async def test_many_requests_on_one_stream_each_get_exactly_their_events(stream_
     assert await call.code() == grpc.StatusCode.OK  # closing our side ends the stream: nothing is live
 
 
+async def test_packed_tokens_are_the_same_tokens_before_their_finished(stream_server):
+    """Invariant 15: a request started with packed_tokens gets its tokens in the response's
+    token_keys/token_ids, before its entry, which holds only its Finished; a plain request on the
+    same stream still gets Token events; packed tokens with logprobs are refused, naming the field."""
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    for key, last in ((1, 100), (3, 200)):
+        packed = decode_request([1, last], max_output_tokens=12, ignore_eos=True)
+        await call.write(decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(key=key, request=packed, packed_tokens=True)))
+    await call.write(start(2, 300, 12))
+    with_logprobs = decode_request([1, 5], max_output_tokens=3, return_logprobs=True)
+    await call.write(decode_pb2.DecodeStreamRequest(start=decode_pb2.DecodeStreamStart(key=4, request=with_logprobs, packed_tokens=True)))
+    ids: dict[int, list] = {1: [], 2: [], 3: []}
+    finished, errors = {}, {}
+    while len(finished) + len(errors) < 4:
+        response = await call.read()
+        assert len(response.token_keys) == len(response.token_ids)
+        for key, token_id in zip(response.token_keys, response.token_ids):
+            assert key in (1, 3) and key not in finished
+            ids[key].append(token_id)
+        for entry in response.requests:
+            assert entry.key not in finished
+            if entry.HasField("error"):
+                errors[entry.key] = entry.error
+                continue
+            if entry.key in (1, 3):
+                assert [e.WhichOneof("event") for e in entry.events] == ["finished"], "packed: the entry is only the Finished"
+            else:
+                ids[2] += [e.token.id for e in entry.events if e.HasField("token")]
+            if entry.events[-1].HasField("finished"):
+                finished[entry.key] = entry.events[-1].finished
+    assert ids == {1: list(range(101, 113)), 2: list(range(301, 313)), 3: list(range(201, 213))}
+    assert all(f.usage.completion_tokens == 12 and f.reason == decode_pb2.FINISH_REASON_LENGTH for f in finished.values())
+    assert errors[4].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "packed_tokens" in errors[4].message
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
 async def test_a_refused_request_ends_alone_and_the_stream_goes_on(stream_server):
     server, stub = stream_server
     call = stub.DecodeStream()

@@ -29,6 +29,7 @@ from typing import AsyncIterator
 
 from engine.core.engine import Engine
 from engine.core.events import Event, Finished
+from engine.core.inbox import Inbox
 from engine.core.request import Request
 
 Item = list[Event] | BaseException  # what a request's queue holds: an iteration's events, or its failure
@@ -40,14 +41,15 @@ class _Mailbox:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue[Item], Item]] = []
+        self._items: list[tuple[Inbox, object, bool]] = []  # (inbox, item, shared)
         self._waking = False  # a wake-up is scheduled and has not run yet
         self.wake_ups = 0  # how many times the engine thread woke the loop (tests read it)
 
-    def post(self, queue: asyncio.Queue[Item], item: Item) -> None:
-        """Called on the engine thread; never blocks. Sent at the next `flush`."""
+    def post(self, queue: Inbox, item: object, shared: bool = False) -> None:
+        """Called on the engine thread; never blocks. Sent at the next `flush`: into `queue` as
+        is, or, for a queue `shared` by many requests, in one list with the others posted to it."""
         with self._lock:
-            self._items.append((queue, item))
+            self._items.append((queue, item, shared))
 
     def flush(self) -> None:
         """Called on the engine thread after a step: wake the loop once for everything posted."""
@@ -65,25 +67,37 @@ class _Mailbox:
         with self._lock:
             items, self._items = self._items, []
             self._waking = False
-        for queue, item in items:
-            queue.put_nowait(item)
+        batches: dict[Inbox, list] = {}
+        for queue, item, shared in items:
+            if shared:
+                batches.setdefault(queue, []).append(item)
+            else:
+                queue.put(item)
+        for queue, batch in batches.items():  # one put (one wake-up of its reader) per shared queue
+            queue.put(batch)
 
 
 class _QueueSink:
     """One request's sink: its events go through the loop's mailbox into `queue` (unbounded:
-    at most one list per engine iteration, and at most the request's output in all), each item
-    as `(tag, item)` when a tag is given (several requests sharing one queue)."""
+    at most one list per engine iteration, and at most the request's output in all). With a tag
+    (several requests sharing one queue), each wake-up puts one list of `(tag, item)` pairs."""
 
-    def __init__(self, mailbox: _Mailbox, queue: asyncio.Queue | None = None, tag: object = None) -> None:
+    def __init__(self, mailbox: _Mailbox, queue: Inbox | None = None, tag: object = None) -> None:
         self._mailbox = mailbox
-        self.queue: asyncio.Queue = asyncio.Queue() if queue is None else queue
+        self.queue: Inbox = Inbox() if queue is None else queue
         self._tag = tag
 
     def events(self, events: list[Event]) -> None:
-        self._mailbox.post(self.queue, events if self._tag is None else (self._tag, events))
+        if self._tag is None:
+            self._mailbox.post(self.queue, events)
+        else:
+            self._mailbox.post(self.queue, (self._tag, events), shared=True)
 
     def fail(self, error: BaseException) -> None:
-        self._mailbox.post(self.queue, error if self._tag is None else (self._tag, error))
+        if self._tag is None:
+            self._mailbox.post(self.queue, error)
+        else:
+            self._mailbox.post(self.queue, (self._tag, error), shared=True)
 
 
 class AsyncEngine:
@@ -99,9 +113,10 @@ class AsyncEngine:
             self.engine.after_delivery(mailbox.flush)
         return mailbox
 
-    def submit(self, request: Request, queue: asyncio.Queue, tag: object) -> int:
+    def submit(self, request: Request, queue: Inbox, tag: object) -> int:
         """Queue `request`; its events arrive in `queue` as `(tag, list of events)` and a failure
-        as `(tag, exception)`, one wake-up per engine step for every request of this loop.
+        as `(tag, exception)`, in lists: one list per wake-up of the loop (per engine step, or
+        several steps when the loop is behind) holds those of every request sharing the queue.
         For callers that serve many requests from one queue (DecodeStream). Returns the ticket
         for `Engine.abort`; raises what `Engine.submit` raises."""
         return self.engine.submit(request, _QueueSink(self._mailbox(), queue, tag))
@@ -113,22 +128,21 @@ class AsyncEngine:
         sink = _QueueSink(self._mailbox())
         ticket = self.engine.submit(request, sink)
         finished = False
-        failure: BaseException | None = None  # arrived behind events not yet yielded
         try:
             while not finished:
-                item = failure or await sink.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine already dropped it
-                    raise item
-                events = item
-                while not sink.queue.empty() and not isinstance(events[-1], Finished):
-                    more = sink.queue.get_nowait()
-                    if isinstance(more, BaseException):
-                        failure = more
+                events: list[Event] = []
+                failure: BaseException | None = None
+                for item in await sink.queue.take():
+                    if isinstance(item, BaseException):
+                        failure = item  # the engine already dropped the request: nothing follows
                         break
-                    events = events + more
-                finished = isinstance(events[-1], Finished)
-                yield events
+                    events += item
+                if events:  # what arrived before a failure is still delivered
+                    finished = isinstance(events[-1], Finished)
+                    yield events
+                if failure is not None:
+                    finished = True
+                    raise failure
         finally:
             if not finished:
                 self.engine.abort(ticket)

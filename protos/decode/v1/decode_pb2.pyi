@@ -105,12 +105,14 @@ class DecodeStreamRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[DecodeStreamStart, _Mapping]] = ..., cancel: _Optional[_Union[DecodeStreamCancel, _Mapping]] = ...) -> None: ...
 
 class DecodeStreamStart(_message.Message):
-    __slots__ = ("key", "request")
+    __slots__ = ("key", "request", "packed_tokens")
     KEY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     key: int
     request: DecodeRequest
-    def __init__(self, key: _Optional[int] = ..., request: _Optional[_Union[DecodeRequest, _Mapping]] = ...) -> None: ...
+    packed_tokens: bool
+    def __init__(self, key: _Optional[int] = ..., request: _Optional[_Union[DecodeRequest, _Mapping]] = ..., packed_tokens: _Optional[bool] = ...) -> None: ...
 
 class DecodeStreamCancel(_message.Message):
     __slots__ = ("key",)
@@ -119,10 +121,14 @@ class DecodeStreamCancel(_message.Message):
     def __init__(self, key: _Optional[int] = ...) -> None: ...
 
 class DecodeStreamResponse(_message.Message):
-    __slots__ = ("requests",)
+    __slots__ = ("requests", "token_keys", "token_ids")
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     requests: _containers.RepeatedCompositeFieldContainer[RequestEvents]
-    def __init__(self, requests: _Optional[_Iterable[_Union[RequestEvents, _Mapping]]] = ...) -> None: ...
+    token_keys: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestEvents, _Mapping]]] = ..., token_keys: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestEvents(_message.Message):
     __slots__ = ("key", "events", "error")

@@ -90,6 +90,11 @@ class DecoderServicer:
         cancelling the RPC cancels every live request. The RPC's own status is OK unless the
         stream itself failed (then every request still live failed with it).
         14. While the server drains, new starts end with UNAVAILABLE; live ones run to their end.
+        15. The tokens of a request started with `packed_tokens` travel in the response's
+        `token_keys`/`token_ids` instead of as Token events; its RequestEvents then carry only
+        its Finished (or its error). Within a response, a key's packed tokens come before its
+        RequestEvents, so 10 holds with each response read as: for each i, token_ids[i] as a
+        Token event of token_keys[i]; then the entries of `requests`.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
