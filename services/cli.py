@@ -27,12 +27,13 @@ from services.config import (
     TextServerConfig,
     add_flag,
     cache_dir,
+    milliseconds,
     non_negative,
     port_number,
-    milliseconds,
     positive,
     seconds,
     timeout,
+    token,
 )
 
 DEFAULT_DECODE_PORT = 50051
@@ -158,6 +159,8 @@ async def _text_server(config: TextServerConfig) -> int:
         server = await start_text_server(
             tokenizer, config.decoder, config.server, metrics,
             connect_timeout_s=config.connect_timeout_s, decoder_tls=config.decoder_tls,
+            decoder_token=config.decoder_token, max_input_chars=config.max_input_chars,
+            max_detokenize_ids=config.max_detokenize_ids, max_in_flight=config.max_in_flight,
         )
     except ModelMismatch as error:
         print(f"tokenwire text-server: refusing to serve: {error}", file=sys.stderr)
@@ -219,7 +222,7 @@ async def _generator(a: argparse.Namespace):
         from services.security import ClientTlsConfig
 
         tls = ClientTlsConfig.from_paths(a.tls_ca, a.tls_cert, a.tls_key)
-        async with AsyncTextClient(a.server, timeout=a.timeout, tls=tls, token=a.auth_token) as client:
+        async with AsyncTextClient(a.server, timeout=a.timeout, tls=tls, token=token(a)) as client:
             yield client.stream
         return
 
@@ -324,6 +327,9 @@ def _pull(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from services.admission import DEFAULT_MAX_IN_FLIGHT
+    from services.validation import DEFAULT_MAX_DETOKENIZE_IDS, DEFAULT_MAX_INPUT_CHARS
+
     parser = argparse.ArgumentParser(
         prog="tokenwire",
         description="Serve language models over gRPC: a JAX decode service and a text service.",
@@ -351,6 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)", default=None)
         add_flag(p, "--tls-key", help="PEM private key of --tls-cert", default=None)
         add_flag(p, "--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)", default=None)
+        add_flag(p, "--auth-token", help="require 'authorization: Bearer TOKEN' on every call but health and reflection; "
+                 "needs TLS unless --host is a loopback address", default=None)
+        add_flag(p, "--auth-token-file", help="--auth-token read from this file (a secret; keeps the token out of ps)", default=None)
         add_flag(p, "--max-message-bytes", help="largest request or response message", type=positive, default=4 * 1024 * 1024)
         add_flag(p, "--max-concurrent-streams", help="concurrent RPCs per client connection (0 = gRPC's default)", type=non_negative, default=0)
 
@@ -363,8 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--max-context-length", help="tokens per request (prompt + output), at most the model's max_position_embeddings; default min(that, 2048)", type=positive, default=None)
         add_flag(p, "--dtype", help="weights/compute dtype; default float32 on CPU, bfloat16 on GPU", choices=["float32", "bfloat16"], default=None)
         add_flag(
-            p, "--cpu-kernels", help="C++ decode kernels on CPU with float32, built with g++ on first use "
-            "(off: plain JAX, and no second [out, in] copy of the projection weights)", choices=["on", "off"], default="on",
+            p, "--cpu-kernels", help="C++ decode kernels on CPU with float32: prebuilt in the package (images), else built "
+            "with g++ into the cache and verified (off: plain JAX, and no second [out, in] copy of the projection weights)",
+            choices=["on", "off"], default="on",
         )
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
@@ -381,13 +391,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--decoder", help="HOST:PORT of the decode-server", default=f"localhost:{DEFAULT_DECODE_PORT}")
     server_flags(p, DEFAULT_TEXT_PORT)
     add_flag(p, "--connect-timeout", help="seconds to wait for the decode-server (and its model) at start", type=timeout, default=600.0)
-    add_flag(p, "--auth-token", help="require 'authorization: Bearer TOKEN' on every call but health and reflection", default=None)
     client_tls_flags(p, "decoder-")
+    add_flag(p, "--decoder-auth-token", help="bearer token the decode-server requires (needs --decoder-tls-ca unless --decoder is a loopback address)", default=None)
+    add_flag(p, "--decoder-auth-token-file", help="--decoder-auth-token read from this file", default=None)
+    add_flag(p, "--max-input-chars", help="longest text input in characters (a prompt, Tokenize text, or a chat's roles and "
+             "contents summed); longer is INVALID_ARGUMENT, refused before tokenizing", type=positive, default=DEFAULT_MAX_INPUT_CHARS)
+    add_flag(p, "--max-detokenize-ids", help="most ids in one Detokenize; more is INVALID_ARGUMENT", type=positive, default=DEFAULT_MAX_DETOKENIZE_IDS)
+    add_flag(p, "--max-in-flight", help="requests handled at once (Generate/Complete streams, Tokenize and Detokenize "
+             "together); one more is RESOURCE_EXHAUSTED", type=positive, default=DEFAULT_MAX_IN_FLIGHT)
 
     def generation_flags(p):
         add_flag(p, "--server", help="HOST:PORT of the text-server", default=f"localhost:{DEFAULT_TEXT_PORT}")
         client_tls_flags(p)
-        add_flag(p, "--auth-token", help="bearer token for a text-server that requires one (needs --tls-ca)", default=None)
+        add_flag(p, "--auth-token", help="bearer token for a text-server that requires one (needs --tls-ca unless --server is a loopback address)", default=None)
+        add_flag(p, "--auth-token-file", help="--auth-token read from this file", default=None)
         add_flag(p, "--local", help="run the engine in this process instead of calling a server", action="store_true")
         model_flags(p, required=False)
         engine_flags(p)

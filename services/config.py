@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.engine import EngineConfig
-from services.security import ClientTlsConfig, ServerTlsConfig
+from services.security import ClientTlsConfig, ServerTlsConfig, check_server_auth, read_token_file
 from services.server import ServerOptions
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
@@ -82,12 +82,28 @@ def _env_value(text: str, kwargs: dict):
     return values if repeated else values[0]
 
 
+def token(a: argparse.Namespace, prefix: str = "") -> str | None:
+    """--{prefix}auth-token, or the text of --{prefix}auth-token-file (a compose or Kubernetes
+    secret, kept out of `ps`); None when neither is set, ValueError when both are."""
+    flag = f"{prefix}auth_token"
+    value, path = getattr(a, flag, None), getattr(a, f"{flag}_file", None)
+    dashed = "--" + flag.replace("_", "-")
+    if value and path:
+        raise ValueError(f"{dashed} and {dashed}-file give the same token two ways: set one")
+    if path:
+        return read_token_file(path, f"{dashed}-file")
+    return value or None
+
+
 def server_options(a: argparse.Namespace) -> ServerOptions:
+    tls = ServerTlsConfig.from_paths(a.tls_cert, a.tls_key, a.tls_client_ca)
+    auth_token = token(a)
+    check_server_auth(auth_token, tls, a.host)
     return ServerOptions(
         host=a.host,
         port=a.port,
-        tls=ServerTlsConfig.from_paths(a.tls_cert, a.tls_key, a.tls_client_ca),
-        auth_token=getattr(a, "auth_token", None) or None,
+        tls=tls,
+        auth_token=auth_token,
         max_message_bytes=a.max_message_bytes,
         max_concurrent_streams=a.max_concurrent_streams,
     )
@@ -148,10 +164,14 @@ class TextServerConfig:
     cache_dir: Path | None
     decoder: str
     decoder_tls: ClientTlsConfig | None
+    decoder_token: str | None  # the decode-server's bearer token
     server: ServerOptions
     connect_timeout_s: float
     grace_period_s: float
     metrics_port: int | None
+    max_input_chars: int
+    max_detokenize_ids: int
+    max_in_flight: int
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "TextServerConfig":
@@ -160,8 +180,12 @@ class TextServerConfig:
             cache_dir=cache_dir(a),
             decoder=a.decoder,
             decoder_tls=ClientTlsConfig.from_paths(a.decoder_tls_ca, a.decoder_tls_cert, a.decoder_tls_key),
+            decoder_token=token(a, "decoder_"),
             server=server_options(a),
             connect_timeout_s=a.connect_timeout,
             grace_period_s=a.grace_period,
             metrics_port=a.metrics_port,
+            max_input_chars=a.max_input_chars,
+            max_detokenize_ids=a.max_detokenize_ids,
+            max_in_flight=a.max_in_flight,
         )

@@ -88,6 +88,9 @@ class DecodeServer:
             return
         self.engine = engine
         self.metrics.watch_engine(engine.stats)
+        kernel_state = engine.kernel_state if isinstance(engine, EngineProcess) else getattr(engine.model, "kernel_state", None)
+        if kernel_state is not None:  # "on: ...", "off: <reason>", "not applicable: <reason>"
+            self.metrics.cpu_kernels.labels(kernel_state.split(":", 1)[0]).set(1)
         self.servicer.attach(AsyncEngine(engine), engine.info)
         if not self.draining:
             self.admission.open()

@@ -34,6 +34,7 @@ import threading
 from typing import AsyncGenerator, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.core.events import Event, Finished, Token
 from engine.core.inbox import Inbox
@@ -194,6 +195,18 @@ class DecodeStreamClient:
             self._routes.pop(key, None)
             if not finished and self._stream is stream:  # (a dead stream has cancelled everything)
                 stream.send(decode_pb2.DecodeStreamRequest(cancel=decode_pb2.DecodeStreamCancel(key=key)))
+
+    def serving(self, service: str, timeout_s: float) -> bool:
+        """Blocking: whether the decoder reports `service` SERVING, asked on the stream's own
+        channel, so that readiness follows the connection generations use (after a decoder
+        restart, each channel waits out its own reconnect backoff)."""
+        try:
+            response = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+        return response.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
         """Cancel the open stream (its requests fail with UNAVAILABLE) and close the channel."""

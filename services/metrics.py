@@ -86,6 +86,10 @@ class Metrics:
             "tokenwire_engine_step_seconds", "Wall time of one engine decode step over all active slots.",
             buckets=STEP_BUCKETS, registry=r,
         )
+        self.cpu_kernels = Gauge(
+            "tokenwire_cpu_kernels", "1 for the state of the CPU decode kernels: on, off (a WARNING in the log says why) "
+            "or not applicable (decode-server with a JAX model only).", ["state"], registry=r,
+        )
         for reason in REASONS:  # export zeros, so rates work before the first request of a kind
             self.requests.labels(reason)
 

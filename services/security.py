@@ -10,15 +10,18 @@
     compared in constant time, or ends UNAUTHENTICATED before its handler runs. Health checks
     and reflection pass without it, so probes and tooling work.
 
-Tokens travel only over TLS through `ClientTlsConfig.credentials` (gRPC itself refuses to send
-call credentials in plaintext); `bearer_metadata` gives the raw metadata for a caller that
-knows its channel is private. Files are read when credentials are built, at server or channel
+Tokens travel over TLS through `ClientTlsConfig.credentials`, or to a loopback address through
+`local_credentials` (gRPC itself refuses to send call credentials in plaintext); a server with a
+token refuses to start without TLS unless it binds only loopback (`check_server_auth`). Tokens
+come from flags, variables or files (`read_token_file`, for compose and Kubernetes secrets);
+`bearer_metadata` gives the raw metadata for a caller that knows its channel is private. Files are read when credentials are built, at server or channel
 start, and a missing or unreadable file is a `TlsError` naming its role and path.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +101,43 @@ class ClientTlsConfig:
         if token is None:
             return channel
         return grpc.composite_channel_credentials(channel, grpc.access_token_call_credentials(_check_token(token)))
+
+
+def local_credentials(token: str) -> grpc.ChannelCredentials:
+    """For a loopback target without TLS: gRPC's local credentials (the peer must be on this
+    host) carrying `token` on every call."""
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    return grpc.composite_channel_credentials(local, grpc.access_token_call_credentials(_check_token(token)))
+
+
+def is_loopback_host(host: str) -> bool:
+    """A bind address or host name that only this machine can reach."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def read_token_file(path: str | Path, role: str) -> str:
+    """A token from a file (a compose or Kubernetes secret): its text without the final newline.
+    TlsError naming `role` and the path when it cannot be read or holds no token."""
+    token = _read(Path(path), role).decode("utf-8", errors="replace").rstrip("\r\n")
+    try:
+        return _check_token(token)
+    except ValueError as error:
+        raise TlsError(f"the {role} {path}: {error}") from None
+
+
+def check_server_auth(token: str | None, tls: "ServerTlsConfig | None", host: str) -> None:
+    """A server refuses to start with a token it would receive in plain text over a network:
+    a token needs TLS unless the server binds only a loopback address."""
+    if token is not None and tls is None and not is_loopback_host(host):
+        raise TlsError(
+            f"--auth-token without TLS on {host} would take tokens in plain text from the network: "
+            "set --tls-cert and --tls-key, or bind a loopback address (--host 127.0.0.1)"
+        )
 
 
 def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection
 from services.admission import Admission
 from services.errors import ParseRequestsInHandler
 from services.metrics import Metrics, StatusCodeInterceptor
-from services.security import BearerTokenInterceptor, ServerTlsConfig
+from services.security import BearerTokenInterceptor, ServerTlsConfig, check_server_auth
 
 log = logging.getLogger("tokenwire.server")
 
@@ -75,6 +75,7 @@ class RunningServer:
 async def start_server(add_servicers, service_names: list[str], options: ServerOptions, metrics: Metrics) -> RunningServer:
     """Start a server with `add_servicers(server)` plus health and reflection. Liveness is
     SERVING from the start; readiness starts NOT_SERVING until the caller says otherwise."""
+    check_server_auth(options.auth_token, options.tls, options.host)  # also for servers built in code
     # Outermost first: count every RPC's status, then refuse unparsable messages, then check auth.
     interceptors: list[grpc.aio.ServerInterceptor] = [StatusCodeInterceptor(metrics), ParseRequestsInHandler()]
     if options.auth_token:

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2_grpc
-from services.admission import Admission
+from services.admission import DEFAULT_MAX_IN_FLIGHT, Admission
 from services.metrics import Metrics
 from services.channels import open_channel
 from services.security import ClientTlsConfig
@@ -29,9 +29,11 @@ from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE, TOK
 from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
 from services.decode_stream_client import DecodeStreamClient
 from services.text_service import TextGenerationServicer, TokenizerServicer
+from services.validation import DEFAULT_MAX_DETOKENIZE_IDS, DEFAULT_MAX_INPUT_CHARS
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = logging.getLogger("tokenwire.text")
+
 
 
 # Reconnect quickly after the decoder restarts (gRPC's default backoff grows to 120 s).
@@ -78,13 +80,7 @@ class TextServer:
         return self.running.port
 
     async def _decoder_serving(self, timeout_s: float) -> bool:
-        try:
-            response = await health_pb2_grpc.HealthStub(self.channel).Check(
-                health_pb2.HealthCheckRequest(service=DECODER_SERVICE), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError:
-            return False
-        return response.status == health_pb2.HealthCheckResponse.SERVING
+        return await asyncio.to_thread(self.upstream.serving, DECODER_SERVICE, timeout_s)
 
     async def _model_still_matches(self, timeout_s: float) -> bool:
         """After the decoder came back: is it still this tokenizer's model?"""
@@ -140,12 +136,22 @@ async def start_text_server(
     *,
     connect_timeout_s: float = 60.0,
     decoder_tls: ClientTlsConfig | None = None,
+    decoder_token: str | None = None,
     health_interval_s: float = 0.5,
+    max_input_chars: int = DEFAULT_MAX_INPUT_CHARS,
+    max_detokenize_ids: int = DEFAULT_MAX_DETOKENIZE_IDS,
+    max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
 ) -> TextServer:
     """Connect to the decoder, check that it serves this tokenizer's model, then serve.
-    Raises ModelMismatch, or grpc.aio.AioRpcError when the decoder cannot be reached in time."""
+    Raises ModelMismatch, or grpc.aio.AioRpcError when the decoder cannot be reached in time.
+
+    Limits: text input (a prompt, Tokenize text, a chat's roles and contents summed) over
+    `max_input_chars` characters and a Detokenize over `max_detokenize_ids` ids are
+    INVALID_ARGUMENT before any tokenizing; a request that would be one more than
+    `max_in_flight` (Generate, Complete, Tokenize, Detokenize together; None: no cap) is
+    RESOURCE_EXHAUSTED."""
     metrics = metrics or Metrics()
-    channel = open_channel(decoder_target, decoder_tls, options=DECODER_CHANNEL_OPTIONS)
+    channel = open_channel(decoder_target, decoder_tls, decoder_token, options=DECODER_CHANNEL_OPTIONS)
     try:
         decoder = decode_pb2_grpc.DecoderStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
@@ -161,19 +167,31 @@ async def start_text_server(
                 await asyncio.sleep(0.5)
         info = model_info_from_pb(pb)
         check_tokenizer_matches(tokenizer, info)
+        # what a chat with special-token text in a message needs (a private tokenizer copy, up to
+        # ~1.5 s): built now, so that no request waits for it
+        if tokenizer.chat_template is not None:
+            await asyncio.to_thread(tokenizer.prepare_chat_encoding)
     except BaseException:
         await channel.close()
         raise
 
-    admission = Admission()
+    admission = Admission(max_in_flight=max_in_flight)
     # every generation shares one DecodeStream, on a blocking channel of its own (read ahead by
     # a thread: services.decode_stream_client)
-    upstream = DecodeStreamClient(open_channel(decoder_target, decoder_tls, options=DECODER_CHANNEL_OPTIONS, asynchronous=False))
+    upstream = DecodeStreamClient(open_channel(decoder_target, decoder_tls, decoder_token, options=DECODER_CHANNEL_OPTIONS, asynchronous=False))
 
     def add(server: grpc.aio.Server) -> None:
-        text_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer, admission), server)
+        text_pb2_grpc.add_TokenizerServicer_to_server(
+            TokenizerServicer(
+                tokenizer, admission, max_input_chars=max_input_chars, max_detokenize_ids=max_detokenize_ids
+            ),
+            server,
+        )
         text_pb2_grpc.add_TextGenerationServicer_to_server(
-            TextGenerationServicer(tokenizer, upstream.decode, info, admission, metrics), server
+            TextGenerationServicer(
+                tokenizer, upstream.decode, info, admission, metrics, max_input_chars=max_input_chars
+            ),
+            server,
         )
 
     running = await start_server(add, [TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], options, metrics)

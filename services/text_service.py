@@ -12,13 +12,23 @@ the decode: the upstream call or the engine request is cancelled.
 Errors pass on to `grpc_errors` (services.errors maps them): InvalidArgument; the decoder
 breaking its contract (DecoderFault) is INTERNAL; a decode stream that ends without Finished is
 UNAVAILABLE.
+
+Responsiveness: text input over `max_input_chars` (and a Detokenize over `max_detokenize_ids`)
+is refused before any tokenizing; large inputs are tokenized and detokenized in a worker thread
+with the GIL released (`ReleasingTokenizer`, `_work`), so one big request does not stall every
+other stream on the event loop; the Admission caps the requests in flight (RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from typing import AsyncGenerator, AsyncIterator, Callable, Sequence
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.errors import check_token_ids
@@ -43,6 +53,136 @@ from tokenizer_svc.generation import (
 from tokenizer_svc.tokenizer import TextTokenizer
 
 log = logging.getLogger("tokenwire.text")
+
+T = TypeVar("T")
+
+
+# --- tokenizer work, off the event loop when it is large ---------------------------------------
+
+# Up to this many characters (Tokenize, Generate) or ids (Detokenize) the work runs inline on the
+# event loop; above it, in a worker thread. Measured on tests/assets/tiny-llama (about one id per
+# character, the costliest per character of the test tokenizers), best of 50 on a 2-core machine:
+# 1024 characters encode in ~0.3 ms and 1024 ids decode in ~0.4 ms, while a hand-off to a thread
+# costs ~0.05 ms of latency and two event-loop wake-ups. Below the threshold the hand-off would be
+# a large share of the work, and the stall it would spare the other streams is under half a
+# millisecond; above it the stall grows with the input (1 Mi characters: 0.4-2 s).
+INLINE_MAX = 1024
+# Above this many, the work goes to a pool of one thread fewer than the cores (at least one),
+# whose threads run at a lower CPU priority (nice +10, Linux): the tokenizer's Rust work runs on
+# the calling thread, and without these a few large requests take every core from the event loop.
+# A small stream's worst gap on a shared 2-core machine, with 3 large requests and 3 refused
+# (tests/test_text_responsiveness.py): any thread of the default executor 240-450 ms; one thread
+# 85-130 ms; one thread at nice +10 48-64 ms. Work between INLINE_MAX and this (up to ~25-80 ms)
+# has a pool of its own at the usual priority, so it never queues behind a large request.
+LARGE_MIN = 64 * 1024
+_LARGE_NICE = 10
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# A chat's template adds markup to every message (~30 characters in common templates): counted
+# when choosing where a chat's work runs, so thousands of short messages do not run inline.
+_CHARS_PER_MESSAGE = 32
+
+_POOL = ThreadPoolExecutor(min(32, _cores() + 4), thread_name_prefix="tokenize")
+def _lower_priority() -> None:
+    """Pool initializer: this thread at `_LARGE_NICE` more. Linux only, where the nice value is
+    per thread (elsewhere PRIO_PROCESS would reach the whole process, or another one)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + _LARGE_NICE)
+
+
+_LARGE_POOL = ThreadPoolExecutor(
+    max(1, _cores() - 1), thread_name_prefix="tokenize-large", initializer=_lower_priority
+)
+
+# Ids copied per call in a worker thread (into a TokenizeResponse, out of a DetokenizeRequest):
+# each call holds the GIL (~1.5 ms per 64 Ki ids); between calls it can pass to the event loop.
+# One call for 1 Mi ids held it 20-170 ms (list(repeated field), on a busy 2-core machine).
+_IDS_PER_PIECE = 64 * 1024
+
+
+def _pieces(ids: Sequence[int]) -> Iterator[list[int]]:
+    for start in range(0, len(ids), _IDS_PER_PIECE):
+        yield list(ids[start : start + _IDS_PER_PIECE])
+
+
+class ReleasingTokenizer:
+    """A TextTokenizer's `encode` and `decode`, run through the HF tokenizer's batch entry points
+    (a batch of one), which release the GIL while the Rust code works; `encode_chat` is the
+    TextTokenizer's own (its rules for special-token text in messages stay in one place).
+
+    Why: the plain `Tokenizer.encode` and `.decode` hold the GIL throughout, so in a worker thread
+    they stall the event loop just as much (measured: a 1 Mi-character encode in a thread stopped
+    a 1 ms ticker on the main thread for 2 s; through `encode_batch_fast`, for 35-50 ms, most of
+    it turning the ids into a Python list, which needs the GIL: ~30 ms per million ids).
+    `encode_batch_fast` is `encode_batch` without character offsets, which nothing here reads; the
+    ids and text are the same (tests/test_text_responsiveness.py compares them on the test
+    tokenizers). It duck-types the two TextTokenizer methods `prepare_request` and
+    `generation.encode_chat` call.
+
+    It reaches into TextTokenizer's HF tokenizer: this belongs in tokenizer_svc/tokenizer.py
+    (`TextTokenizer.encode`, `encode_chat` and `Vocabulary.decode_checked` calling the batch entry
+    points), after which this class reduces to the TextTokenizer itself.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._hf = tokenizer._tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """TextTokenizer.encode."""
+        return self._hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """TextTokenizer.encode_chat."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def decode(self, token_ids: Sequence[int], keep_special_tokens: bool, field: str) -> str:
+        """TextTokenizer.decode, an id outside the vocabulary refused as `field[i]`. The ids are
+        copied and checked in pieces (`_pieces`), so a thread doing this lets the loop in between."""
+        ids: list[int] = []
+        for piece in _pieces(token_ids):
+            if max(piece) >= self.tokenizer.vocab_size:  # uint32: never negative
+                check_token_ids(ids + piece, self.tokenizer.vocab_size, field)  # names the first one
+            ids += piece
+        return self._hf.decode_batch([ids], skip_special_tokens=not keep_special_tokens)[0]
+
+
+async def _work(size: int, fn: Callable[..., T], *args) -> T:
+    """fn(*args): inline when `size` (characters or ids) is at most INLINE_MAX, else in a worker
+    thread (of _LARGE_POOL above LARGE_MIN). A running thread cannot be stopped: when the caller
+    is cancelled (client cancel, deadline) this waits for it before re-raising, so the request's
+    admission stays held while its work runs and cancelled requests cannot pile work up past the
+    in-flight cap; work not yet started is dropped."""
+    if size <= INLINE_MAX:
+        return fn(*args)
+    job = (_LARGE_POOL if size > LARGE_MIN else _POOL).submit(fn, *args)
+    done = asyncio.wrap_future(job)
+    try:
+        return await asyncio.shield(done)
+    except asyncio.CancelledError:
+        if not job.cancel():
+            await asyncio.wait([done])  # a second cancel (server stop) ends this wait
+        raise
+
+
+def _chat_work_size(chat: text_pb2.Chat, max_input_chars: int) -> int:
+    """A chat's size for `_work`, once validation.chat_chars has checked it against the limits."""
+    return validation.chat_chars(chat, max_input_chars) + _CHARS_PER_MESSAGE * len(chat.messages)
+
+
+def _tokenize_response(ids: Sequence[int], in_pieces: bool) -> text_pb2.TokenizeResponse:
+    if not in_pieces:
+        return text_pb2.TokenizeResponse(token_ids=ids)
+    response = text_pb2.TokenizeResponse()
+    for piece in _pieces(ids):
+        response.token_ids.extend(piece)
+    return response
 
 
 # --- protobuf <-> tokenizer_svc ----------------------------------------------------------------
@@ -77,24 +217,41 @@ def response_to_pb(event: TextEvent) -> text_pb2.GenerateResponse:
 
 
 class TokenizerServicer(text_pb2_grpc.TokenizerServicer):
-    def __init__(self, tokenizer: TextTokenizer, admission: Admission | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        admission: Admission | None = None,
+        *,
+        max_input_chars: int = validation.DEFAULT_MAX_INPUT_CHARS,
+        max_detokenize_ids: int = validation.DEFAULT_MAX_DETOKENIZE_IDS,
+    ) -> None:
         self.tokenizer = tokenizer
+        self.releasing = ReleasingTokenizer(tokenizer)
         self.admission = admission or Admission()
+        self.max_input_chars = max_input_chars
+        self.max_detokenize_ids = max_detokenize_ids
+
+    def _tokenize(self, request: text_pb2.TokenizeRequest, in_pieces: bool) -> text_pb2.TokenizeResponse:
+        if request.WhichOneof("input") == "chat":
+            ids = generation.encode_chat(self.releasing, chat_from_pb(request.chat))
+        else:
+            ids = self.releasing.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return _tokenize_response(ids, in_pieces)
 
     @grpc_errors
     async def Tokenize(self, request: text_pb2.TokenizeRequest, context):
         with self.admission.admit():
             if request.WhichOneof("input") == "chat":
-                ids = encode_chat(self.tokenizer, request.chat)
+                size = _chat_work_size(request.chat, self.max_input_chars)
             else:
-                ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
-            return text_pb2.TokenizeResponse(token_ids=ids)
+                size = validation.text_chars("text", request.text, self.max_input_chars)
+            return await _work(size, self._tokenize, request, size > INLINE_MAX)
 
     @grpc_errors
     async def Detokenize(self, request: text_pb2.DetokenizeRequest, context):
         with self.admission.admit():
-            check_token_ids(request.token_ids, self.tokenizer.vocab_size, "token_ids")
-            text = self.tokenizer.decode(request.token_ids, keep_special_tokens=request.keep_special_tokens)
+            size = validation.id_count("token_ids", request.token_ids, self.max_detokenize_ids)
+            text = await _work(size, self.releasing.decode, request.token_ids, request.keep_special_tokens, "token_ids")
             return text_pb2.DetokenizeResponse(text=text)
 
 
@@ -124,26 +281,37 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         info: ModelInfo,
         admission: Admission | None = None,
         metrics: Metrics | None = None,
+        *,
+        max_input_chars: int = validation.DEFAULT_MAX_INPUT_CHARS,
     ) -> None:
         self.tokenizer = tokenizer
+        self.releasing = ReleasingTokenizer(tokenizer)
         self.decode = decode
         self.info = info
         self.admission = admission or Admission()
         self.metrics = metrics or Metrics()
+        self.max_input_chars = max_input_chars
 
-    async def generate(
-        self, request: text_pb2.GenerateRequest, timeout: float | None = None
-    ) -> AsyncIterator[text_pb2.GenerateResponse]:
-        """The one generation path: Generate streams it, Complete collects it, `--local` runs it."""
-        request_id = validation.request_id_of(request.request_id)
-        text_request = prepare_request(
-            self.tokenizer,
+    def _prepare(self, request: text_pb2.GenerateRequest) -> generation.TextRequest:
+        return prepare_request(
+            self.releasing,  # type: ignore[arg-type]  # TextTokenizer's encode and encode_chat
             self.info,
             prompt_from_pb(request),
             stop_strings=request.stop_strings,
             include_stop_string=request.include_stop_string,
             keep_special_tokens=request.keep_special_tokens,
         )
+
+    async def generate(
+        self, request: text_pb2.GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[text_pb2.GenerateResponse]:
+        """The one generation path: Generate streams it, Complete collects it, `--local` runs it."""
+        request_id = validation.request_id_of(request.request_id)
+        if request.WhichOneof("input") == "chat":  # the size, before any tokenizing
+            size = _chat_work_size(request.chat, self.max_input_chars)
+        else:
+            size = validation.text_chars("prompt", request.prompt, self.max_input_chars)
+        text_request = await _work(size, self._prepare, request)
         upstream = decode_pb2.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=text_request.prompt_token_ids,

@@ -1,7 +1,8 @@
 """Validation at the edge: protobuf request -> the engine's own `Request`, or InvalidArgument.
 
 Everything out of range is refused here, naming the field, before the engine sees it (JAX
-silently clamps out-of-range ids and positions, so nothing downstream would notice).
+silently clamps out-of-range ids and positions, so nothing downstream would notice). The text
+service's size limits are here too: they are checked before any text is tokenized.
 """
 
 from __future__ import annotations
@@ -12,9 +13,52 @@ import uuid
 from engine.core.model import ModelInfo
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from protos.decode.v1 import decode_pb2
+from protos.text.v1 import text_pb2
 from engine.core.errors import InvalidArgument, check_token_ids
 
 MAX_REQUEST_ID_LENGTH = 128
+
+# --- the text service's input limits, checked before any tokenizing ----------------------------
+
+# Characters of text input (a prompt, Tokenize text, a chat's roles and contents summed).
+# 1 Mi characters: a 128 Ki-token context (the largest common one) at 8 characters per token
+# (generous: English BPE averages about 4). Tokenizing it took 0.4-2 s of CPU (tiny-llama).
+DEFAULT_MAX_INPUT_CHARS = 1024 * 1024
+# Ids in one Detokenize: enough for any context and for a Tokenize of the largest input above.
+DEFAULT_MAX_DETOKENIZE_IDS = 1024 * 1024
+# Messages in one chat, checked before they are even read: each costs a template turn (about 30
+# tokens of markup in common templates), so 4096 of them alone fill a 128 Ki-token context.
+MAX_CHAT_MESSAGES = 4096
+
+
+def _over(count: int, what: str, limit: int) -> str:
+    return f"{count} {what} is over the limit of {limit}"
+
+
+def text_chars(field: str, text: str, limit: int) -> int:
+    """len(text), or InvalidArgument naming `field` when it is over `limit` characters."""
+    if len(text) > limit:
+        raise InvalidArgument(field, _over(len(text), "characters", limit))
+    return len(text)
+
+
+def chat_chars(chat: text_pb2.Chat, limit: int, field: str = "chat.messages") -> int:
+    """The characters of a chat's roles and contents, summed (what its template renders besides
+    its own markup); InvalidArgument naming `field` when there are more than MAX_CHAT_MESSAGES
+    messages or more than `limit` characters."""
+    if len(chat.messages) > MAX_CHAT_MESSAGES:
+        raise InvalidArgument(field, _over(len(chat.messages), "messages", MAX_CHAT_MESSAGES))
+    total = sum(len(m.role) + len(m.content) for m in chat.messages)
+    if total > limit:
+        raise InvalidArgument(field, _over(total, "characters (roles and contents summed)", limit))
+    return total
+
+
+def id_count(field: str, ids, limit: int) -> int:
+    """len(ids), or InvalidArgument naming `field` when there are more than `limit`."""
+    if len(ids) > limit:
+        raise InvalidArgument(field, _over(len(ids), "ids", limit))
+    return len(ids)
 
 
 def request_id_of(given: str) -> str:

@@ -201,11 +201,26 @@ async def test_every_ending_frees_the_state_as_it_ends_not_at_the_next_gc(stack)
     gc.disable()
     try:
         for ending in ENDINGS:
+            cut_short = ending in ("cancel", "deadline")
+            # A cancel or deadline must end the decoder's request too. A mixed request (1 ms steps,
+            # at most 63 tokens) would end on its own well inside until_idle's 3 s, cancelled or
+            # not, so these run long: "hello" (2 ids) to the 64-token context, 61 steps of 50 ms
+            # (3 s), and must be freed within 15 steps (about 1-3 when the cancel works).
+            model.step_delay_s = 0.05 if cut_short else 0.001
             for n in range(6):
                 request, _, _ = mixed_request(rng, ending)
                 rpc = ("Generate", "Complete")[n % 2]
+                if cut_short:
+                    request.prompt = "hello"
+                    request.stopping.ClearField("max_output_tokens")
+                    request.stopping.ignore_eos = True
+                steps = model.decode_steps
                 code = await run(stub, request, rpc, ending, rng)
                 assert code in EXPECTED[ending], (ending, rpc, code)
+                if cut_short:
+                    await until_idle(decode, text, model)
+                    assert model.decode_steps - steps <= 15, (ending, rpc, model.decode_steps - steps)
+            model.step_delay_s = 0.001
             await until_idle(decode, text, model)
             if left := live_state(seen):
                 left_by_ending[ending] = by_class(left)

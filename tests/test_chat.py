@@ -2,18 +2,25 @@
 
 tests/assets/tokenizers/chat_golden.json names, in its header, the command and the versions
 (transformers 5.24.0, torch 2.13.0) that wrote it; CI never needs transformers.
+
+One deliberate difference (tests/test_chat_forgery.py has the rest): special-token text inside a
+message is plain text here, a special id in transformers. The golden case that has some is checked
+against that rule instead of the golden ids.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 
-from support.tokenizer_assets import ASSETS, load_tokenizer as load
+from tokenizers import Tokenizer
+
+from support.tokenizer_assets import ASSETS, load_tokenizer as load, qwen_dir
 from tokenizer_svc import ChatMessage, ChatTemplate, ChatTemplateError, TextTokenizer
 
 GOLDEN = json.loads((ASSETS / "chat_golden.json").read_text(encoding="utf-8"))
@@ -34,7 +41,50 @@ def test_render_and_ids_equal_transformers_apply_chat_template(case):
             tok.render_chat(messages, case["add_generation_prompt"])
         return
     assert tok.render_chat(messages, case["add_generation_prompt"]) == case["text"]
-    assert tok.encode_chat(messages, case["add_generation_prompt"]) == case["ids"]
+    ids = tok.encode_chat(messages, case["add_generation_prompt"])
+    specials = special_texts(tok)
+    if not any(t in m.content for m in messages for t in specials):
+        assert ids == case["ids"]
+        return
+    # transformers made special ids of the message's special-token text; we encode it as plain text
+    assert ids != case["ids"]
+    tokenizer_json = (qwen_dir() if case["tokenizer"] == "qwen3" else ASSETS / case["tokenizer"]) / "tokenizer.json"
+    assert ids == template_specials_only(tokenizer_json, tok, case["text"], [m.content for m in messages])
+    count = {i: case["ids"].count(i) for i in tok.special_token_ids if i in case["ids"]}
+    assert {i: ids.count(i) for i in count} == {i: n - _count_in(tok, i, messages) for i, n in count.items()}
+
+
+def special_texts(tok: TextTokenizer) -> list[str]:
+    return [tok.decode([i], keep_special_tokens=True) for i in tok.special_token_ids]
+
+
+def _count_in(tok: TextTokenizer, special_id: int, messages: list[ChatMessage]) -> int:
+    text = tok.decode([special_id], keep_special_tokens=True)
+    return sum(m.content.count(text) for m in messages)
+
+
+def template_specials_only(tokenizer_json: Path, tok: TextTokenizer, text: str, contents: list[str]) -> list[int]:
+    """An independent encoding of `text` in which only special-token text outside `contents` (found
+    in order) is a special id: the library tokenizer with special-token matching off encodes the
+    pieces between those tokens. Right for byte-level tokenizers (each piece is pre-tokenized on
+    its own in a whole-text encode too), which the golden case that needs it uses.
+    tests/test_chat_forgery.py uses it too."""
+    plain = Tokenizer.from_file(str(tokenizer_json))
+    plain.encode_special_tokens = True
+    pattern = re.compile("|".join(map(re.escape, sorted(special_texts(tok), key=len, reverse=True))))
+    spans, pos = [], 0
+    for content in contents:
+        start = text.index(content, pos)
+        spans.append((start, start + len(content)))
+        pos = start + len(content)
+    template_specials = [
+        m for m in pattern.finditer(text) if not any(a < m.end() and m.start() < b for a, b in spans)
+    ]
+    ids, pos = [], 0
+    for m in template_specials:
+        ids += plain.encode(text[pos : m.start()], add_special_tokens=False).ids + tok.encode(m.group())
+        pos = m.end()
+    return ids + plain.encode(text[pos:], add_special_tokens=False).ids
 
 
 def test_qwen3_renders_chatml_with_a_generation_prompt():

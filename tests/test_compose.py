@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -44,7 +45,9 @@ def load(name: str) -> dict:
 
 COMPOSE = load("compose.yaml")
 GPU = load("compose.gpu.yaml")
+SECURE = load("compose.secure.yaml")
 SERVICES = COMPOSE["services"]
+PUBLIC = "${TOKENWIRE_PUBLISH_ADDRESS:-127.0.0.1}:50052:50052"  # the one published port
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -110,22 +113,69 @@ def test_every_command_word_exists_in_the_cli(monkeypatch):
             build_parser().parse_args(SERVICES[name]["command"])
 
 
-@pytest.mark.parametrize("file, name", [("compose.yaml", n) for n in SERVICES] + [("compose.gpu.yaml", n) for n in GPU["services"]])
+# The one variable a service sets for its healthcheck rather than for itself (the probe trusts the CA).
+FOR_THE_HEALTHCHECK = {"TOKENWIRE_TLS_CA"}
+
+
+@pytest.mark.parametrize(
+    "file, name",
+    [("compose.yaml", n) for n in SERVICES] + [("compose.gpu.yaml", n) for n in GPU["services"]]
+    + [("compose.secure.yaml", n) for n in SECURE["services"]],
+)
 def test_env_vars_are_flags_of_their_command(file, name):
     command = SERVICES[name]["command"][0]
     env = load(file)["services"][name].get("environment", {})
     flags = {env_name(flag): flag for flag in command_flags(command)}
+    health_flags = {env_name(flag) for flag in command_flags("health")}
     for key in env:
         assert key.startswith("TOKENWIRE_"), key
+        if key in FOR_THE_HEALTHCHECK:
+            assert key in health_flags and key not in flags, key
+            continue
         assert key in flags, f"{file}: {name} sets {key}, but `tokenwire {command}` has no such flag"
 
 
 @pytest.mark.parametrize("name", SERVERS)
 def test_service_env_does_not_change_its_healthcheck(name):
-    """The environment reaches the healthcheck too: it must not set a `tokenwire health` flag."""
+    """The environment reaches the healthcheck too: it must not set a `tokenwire health` flag
+    (with compose.secure.yaml, only the CA the probe needs to trust the server)."""
     argv = healthcheck_argv(name)
-    shared = {env_name(f) for f in command_flags(argv[0]) - options(build_parser())}
-    assert not shared & set(SERVICES[name]["environment"])
+    probe_flags = {env_name(f) for f in command_flags(argv[0]) - options(build_parser())}
+    assert not probe_flags & set(SERVICES[name]["environment"])
+    secure_env = set(SECURE["services"][name]["environment"])
+    assert probe_flags & secure_env <= FOR_THE_HEALTHCHECK | {"TOKENWIRE_TLS_CERT", "TOKENWIRE_TLS_KEY"}
+    assert FOR_THE_HEALTHCHECK <= secure_env, "with TLS on, the probe must trust the CA"
+
+
+def test_only_the_text_port_is_published_on_loopback_by_default():
+    """Nothing but the public port leaves the compose network, and it stays on the host's
+    loopback unless TOKENWIRE_PUBLISH_ADDRESS says otherwise; the decoder and the metrics are
+    reachable only from other services."""
+    published = {name: service.get("ports", []) for name, service in SERVICES.items()}
+    assert published == {"model": [], "decode": [], "text": [PUBLIC]}
+    assert flag_value(SERVICES["text"]["command"], "--port") == "50052"
+    for name in SERVERS:
+        exposed = set(SERVICES[name]["expose"])
+        assert SERVICES[name]["environment"]["TOKENWIRE_METRICS_PORT"] in exposed
+    assert flag_value(SERVICES["decode"]["command"], "--port") in set(SERVICES["decode"]["expose"])
+    for overlay in (GPU, SECURE):  # no override publishes more
+        assert not any("ports" in service for service in overlay["services"].values())
+
+
+def test_the_secure_overlay_takes_every_secret_from_a_file_that_make_secrets_writes(tmp_path):
+    declared = SECURE["secrets"]
+    for name, service in SECURE["services"].items():
+        mounted = set(service["secrets"])
+        assert mounted <= set(declared), name
+        paths = {v for v in service["environment"].values() if v.startswith("/run/secrets/")}
+        assert paths == {f"/run/secrets/{s}" for s in mounted}, f"{name}: every mounted secret is used, and only those"
+        for key, value in service["environment"].items():
+            assert value.startswith("/run/secrets/"), f"{name}: {key} holds a value, not a secret file"
+    assert {Path(d["file"]).parent for d in declared.values()} == {Path("secrets")}
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl CLI makes the secrets")
+    subprocess.run(["bash", str(ROOT / "scripts" / "make_secrets"), str(tmp_path / "s")], check=True, capture_output=True)
+    assert {p.name for p in (tmp_path / "s").iterdir()} == {Path(d["file"]).name for d in declared.values()}
 
 
 @pytest.mark.parametrize("name", SERVERS)
@@ -143,12 +193,9 @@ def test_healthcheck_probes_the_service_that_the_server_registers(name):
 
 
 @pytest.mark.parametrize("name", SERVERS)
-def test_ports_are_published_and_grace_fits(name):
+def test_servers_listen_on_the_compose_network_and_grace_fits(name):
     service = SERVICES[name]
-    published = {p.split(":")[-1] for p in service["ports"]}
-    assert flag_value(service["command"], "--host") == "0.0.0.0"
-    assert flag_value(service["command"], "--port") in published
-    assert service["environment"]["TOKENWIRE_METRICS_PORT"] in published
+    assert flag_value(service["command"], "--host") == "0.0.0.0"  # the container's interfaces: compose decides what is published
     grace = float(service["environment"].get("TOKENWIRE_GRACE_PERIOD", "30"))
     assert seconds(service["stop_grace_period"]) > grace, "docker would SIGKILL before the drain ends"
 
@@ -184,7 +231,7 @@ def test_dockerfile_and_gpu_override_match_pyproject():
 
 
 @pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose (apt-get install docker-compose) not installed")
-@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]])
+@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"], ["compose.yaml", "compose.secure.yaml"]])
 def test_docker_compose_config_accepts_the_files(files):
     args = [a for f in files for a in ("-f", f)]
     done = subprocess.run(["docker-compose", *args, "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -228,8 +275,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def localize(name: str, ports: dict[str, int], metrics_ports: dict[str, int], cache: Path) -> tuple[list[str], dict[str, str]]:
-    """The service's command and environment, with container addresses made local."""
+def localize(
+    name: str, ports: dict[str, int], metrics_ports: dict[str, int], cache: Path, secrets: Path | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """The service's command and environment, with container addresses made local; with
+    `secrets` (a directory scripts/make_secrets wrote), compose.secure.yaml's environment too,
+    /run/secrets/ pointing there."""
     argv = list(SERVICES[name]["command"])
     local = {"--host": "127.0.0.1", "--port": str(ports[name]), "--model": str(TINY), "--decoder": f"127.0.0.1:{ports['decode']}"}
     for flag, value in local.items():
@@ -237,43 +288,65 @@ def localize(name: str, ports: dict[str, int], metrics_ports: dict[str, int], ca
             argv[argv.index(flag) + 1] = value
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENWIRE_")}
     env.update({k: str(v) for k, v in SERVICES[name]["environment"].items()})
+    if secrets is not None:
+        env.update({k: v.replace("/run/secrets", str(secrets)) for k, v in SECURE["services"][name]["environment"].items()})
     env.update(TOKENWIRE_CACHE=str(cache), TOKENWIRE_METRICS_PORT=str(metrics_ports[name]))
     if name == "decode":  # a fast warm-up: fewer slots and compiled lengths than a real deployment
         env.update(TOKENWIRE_MAX_BATCH_SIZE="2", TOKENWIRE_MAX_CONTEXT_LENGTH="64")
     return argv, env
 
 
-def wait_healthy(process: subprocess.Popen, name: str, log: Path, port: int, budget_s: float) -> None:
+def wait_healthy(process: subprocess.Popen, name: str, log: Path, port: int, budget_s: float, tls=None) -> None:
     service = flag_value(healthcheck_argv(name), "--service")
     deadline = time.monotonic() + budget_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"{name} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        if health_check(f"127.0.0.1:{port}", service, timeout=2.0) == 0:
+        if health_check(f"127.0.0.1:{port}", service, timeout=2.0, tls=tls) == 0:
             return
         time.sleep(0.5)
     pytest.fail(f"{name} not SERVING after {budget_s} s:\n{log.read_text()[-3000:]}")
 
 
-def test_services_start_as_compose_starts_them_and_answer(tmp_path):
+@pytest.mark.parametrize("overlay", [None, "compose.secure.yaml"])
+def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
     from protos.decode.v1 import decode_pb2
-    from services.client import TextClient
+    from services.client import TextClient, decode_request
+    from services.security import ClientTlsConfig
 
+    secrets = tls = token = None
+    if overlay is not None:
+        if shutil.which("openssl") is None:
+            pytest.skip("the openssl CLI makes the secrets")
+        secrets = tmp_path / "secrets"
+        subprocess.run(["bash", str(ROOT / "scripts" / "make_secrets"), str(secrets)], check=True, capture_output=True)
+        tls, token = ClientTlsConfig(ca=secrets / "ca.crt"), (secrets / "text_token").read_text().strip()
     ports = {name: free_port() for name in SERVERS}
     metrics_ports = {name: free_port() for name in SERVERS}
     processes: dict[str, subprocess.Popen] = {}
     try:
         for name in ("decode", "text"):  # depends_on order: text waits for decode to be healthy
-            argv, env = localize(name, ports, metrics_ports, tmp_path / "cache")
+            argv, env = localize(name, ports, metrics_ports, tmp_path / "cache", secrets)
             log = tmp_path / f"{name}.log"
             with log.open("w") as out:  # the same entry point as the image's ENTRYPOINT ["tokenwire"]
                 processes[name] = subprocess.Popen(
                     [sys.executable, "-m", "services.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
                 )
-            wait_healthy(processes[name], name, log, ports[name], budget_s=240)
+            wait_healthy(processes[name], name, log, ports[name], budget_s=240, tls=tls)
 
-        with TextClient(f"127.0.0.1:{ports['text']}", timeout=60) as client:
+        with TextClient(f"127.0.0.1:{ports['text']}", timeout=60, tls=tls, token=token) as client:
             completion = client.complete("Hello", max_output_tokens=4)
+        if overlay is not None:  # the decoder refuses a caller without the text service's credential
+            with grpc.secure_channel(f"127.0.0.1:{ports['decode']}", tls.credentials()) as channel:
+                from protos.decode.v1 import decode_pb2_grpc
+
+                with pytest.raises(grpc.RpcError) as refused:
+                    list(decode_pb2_grpc.DecoderStub(channel).Decode(decode_request([1, 2], max_output_tokens=1), timeout=10))
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.RpcError) as refused:  # nor does the text service take a call without its token
+                with TextClient(f"127.0.0.1:{ports['text']}", timeout=10, tls=tls) as client:
+                    client.complete("Hello", max_output_tokens=1)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert completion.reason in (decode_pb2.FINISH_REASON_STOP, decode_pb2.FINISH_REASON_LENGTH)
         assert completion.usage.completion_tokens == len(completion.token_ids) <= 4
         assert completion.usage.prompt_tokens > 0
@@ -284,6 +357,10 @@ def test_services_start_as_compose_starts_them_and_answer(tmp_path):
                     families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
                 counted = [s for s in families["tokenwire_requests"].samples if s.name == "tokenwire_requests_total"]
                 assert sum(s.value for s in counted) == 1, f"{name}: {counted}"
+                if name == "decode":  # the engine process reports its CPU kernels' state
+                    states = {s.labels["state"]: s.value for s in families["tokenwire_cpu_kernels"].samples}
+                    expected = "on" if shutil.which("g++") and platform.machine() == "x86_64" else states and next(iter(states))
+                    assert states == {expected: 1.0}, states
     finally:
         for name in reversed(list(processes)):  # as `docker compose stop`: SIGTERM, then wait
             processes[name].send_signal(signal.SIGTERM)

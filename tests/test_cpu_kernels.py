@@ -3,12 +3,26 @@ reference) on random inputs of many shapes, on one thread and split across the p
 product equals x @ w; and a machine that cannot build the kernels gets None (the engine then runs
 plain JAX), never an error.
 
+Where the library comes from (module docstring of cpu_kernels): the library `--build` writes is the
+one loaded first, with no compiler and a cache nothing can be written to (the image's case, shown
+through JaxModel.load); a cached library is loaded only when its sha256 matches its record, and a
+library planted under the expected name (a real shared library whose constructor leaves a marker
+file if it is ever dlopened) is never loaded, whatever else is there; off where the kernels would
+apply is a WARNING with the reason, not applicable is INFO.
+
 The model-level evidence (goldens from transformers, batch invariance, no recompiles, no cache
 copy) runs with the kernel in tests/test_transformer_parity.py and tests/test_jax_model.py."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +30,9 @@ import numpy as np
 import pytest
 
 from engine.jax_backend import cpu_kernels, transformer
+from engine.jax_backend.jax_model import JaxModel
 from engine.model_store.checkpoint import ModelConfig
+from engine.model_store.registry import default_cache_dir
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.load() is None, reason="the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)"
@@ -107,22 +123,257 @@ def test_keys_past_a_rows_position_are_never_read():
     np.testing.assert_array_equal(dirty, clean)
 
 
-def test_a_machine_without_a_compiler_gets_plain_jax(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("PATH", str(tmp_path))  # no g++ or clang++ on it
+TINY = Path(__file__).parent / "assets" / "tiny-llama"
+MARKER_VARIABLE = "TOKENWIRE_TEST_LOADED_MARKER"
+# A real shared library with the kernels' symbols whose constructor appends to the file named by
+# $TOKENWIRE_TEST_LOADED_MARKER: if the loader ever dlopens it, the file appears.
+PLANTED_SOURCE = r"""
+#include <cstdio>
+#include <cstdlib>
+__attribute__((constructor)) static void planted() {
+  if (const char* marker = std::getenv("TOKENWIRE_TEST_LOADED_MARKER"))
+    if (FILE* f = std::fopen(marker, "a")) { std::fputs("loaded\n", f); std::fclose(f); }
+}
+extern "C" void TokenwireDecodeAttention() {}
+extern "C" void TokenwireGemv() {}
+"""
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_mode, p.stat().st_size) for p in sorted(root.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def prebuilt(tmp_path_factory) -> Path:
+    """A package-like directory holding the library, built by the command the Dockerfile runs."""
+    if cpu_kernels._compiler(None) is None:
+        pytest.skip("no C++ compiler to run --build with")
+    directory = tmp_path_factory.mktemp("package") / "kernels"
+    assert cpu_kernels.main(["--build", str(directory)]) == 0
+    library = directory / cpu_kernels.library_name()
+    assert [p.name for p in directory.iterdir()] == [library.name]  # no staged file left behind
+    assert library.stat().st_mode & 0o777 == 0o644  # readable by the serving user, writable by its owner only
+    return directory
+
+
+@pytest.fixture(scope="module")
+def planted_library(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("planted")
+    (directory / "planted.cc").write_text(PLANTED_SOURCE)
+    library = directory / "planted.so"
+    subprocess.run([cpu_kernels._compiler(None), "-shared", "-fPIC", "-o", str(library), str(directory / "planted.cc")], check=True)
+    # the detector works: loading a copy of it leaves the marker
+    control, marker = directory / "control.so", directory / "control-marker"
+    shutil.copy(library, control)
+    os.environ[MARKER_VARIABLE] = str(marker)
+    try:
+        import ctypes
+
+        ctypes.CDLL(str(control))
+    finally:
+        del os.environ[MARKER_VARIABLE]
+    assert marker.read_text() == "loaded\n"
+    return library
+
+
+@pytest.fixture
+def no_compiler(tmp_path_factory, monkeypatch):
+    """No g++ or clang++ on PATH, and any attempt to compile fails the test."""
+    monkeypatch.setenv("PATH", str(tmp_path_factory.mktemp("empty-path")))
+
+    def compile_(*args):
+        raise AssertionError("a compile was attempted")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_)
+
+
+@pytest.fixture
+def quick_build(prebuilt, monkeypatch):
+    """A "compile" that copies the library built once for this module (a real g++ run takes
+    seconds): the loader's handling of what it built is unchanged."""
+
+    def compile_(compiler, directory):
+        fd, staged = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=directory)
+        os.close(fd)
+        shutil.copyfile(prebuilt / cpu_kernels.library_name(), staged)
+        os.chmod(staged, 0o644)
+        return Path(staged)
+
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_)
+
+
+def test_the_built_library_is_loaded_first_with_no_compiler_and_an_unwritable_cache(prebuilt, tmp_path, no_compiler):
+    """The image's case: a prebuilt library, no compiler, a cache that cannot be written (its
+    parent is a file, so any mkdir or write there would fail, root or not): kernels on, from the
+    prebuilt file, and nothing written anywhere."""
+    (tmp_path / "a-file").write_text("")
+    options = cpu_kernels.BuildOptions(tmp_path / "a-file" / "cache", prebuilt_dir=prebuilt)
+    before = _tree(tmp_path), _tree(prebuilt)
+    status = cpu_kernels.status(options)
+    library = prebuilt / cpu_kernels.library_name()
+    assert status.kernels is not None and status.kernels.path == library and status.kernels.origin == "prebuilt"
+    assert status.kernels.sha256 == _sha256(library)
+    assert status.state == f"on: prebuilt {library}"
+    assert (_tree(tmp_path), _tree(prebuilt)) == before
+
+
+def test_a_read_only_cache_serves_with_kernels_on(prebuilt, tmp_path, no_compiler, caplog):
+    """JaxModel.load as the decode service calls it, with the model and the cache read-only
+    (0555; the cache's kernels/ absent and its parent unwritable for a non-root user) and the
+    library prebuilt: kernels on, no WARNING, nothing created."""
+    model_dir = tmp_path / "cache" / "models" / "tiny"
+    shutil.copytree(TINY, model_dir)
+    for path in [model_dir, *model_dir.iterdir()]:
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    (tmp_path / "cache" / "models").chmod(0o555)
+    (tmp_path / "cache").chmod(0o555)
+    before = _tree(tmp_path)
+    try:
+        with caplog.at_level(logging.INFO, logger="engine"):
+            model = JaxModel.load(
+                model_dir, max_batch_size=1, max_context_length=16,
+                kernel_build=cpu_kernels.BuildOptions(tmp_path / "cache", prebuilt_dir=prebuilt),
+            )
+        assert model.kernels is True
+        assert model.kernel_state == f"on: prebuilt {prebuilt / cpu_kernels.library_name()}"
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert _tree(tmp_path) == before
+    finally:
+        for path in tmp_path.rglob("*"):
+            path.chmod(0o755)
+        (tmp_path / "cache").chmod(0o755)
+
+
+def test_a_verified_cached_library_is_loaded_without_a_compiler(prebuilt, tmp_path, no_compiler):
+    cache = tmp_path / "kernels"
+    cache.mkdir(mode=0o700)
+    name = cpu_kernels.library_name()
+    shutil.copy(prebuilt / name, cache / name)
+    (cache / f"{name}.sha256").write_text(_sha256(prebuilt / name) + "\n")
+    status = cpu_kernels.status(cpu_kernels.BuildOptions(tmp_path, prebuilt_dir=tmp_path / "no-prebuilt"))
+    assert status.kernels is not None and status.kernels.origin == "cached" and status.kernels.path == cache / name
+    assert status.state == f"on: cached {cache / name}"
+
+
+def _plant(directory: Path, library: Path, record: str | None) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    name = cpu_kernels.library_name()
+    shutil.copy(library, directory / name)
+    if record is not None:
+        (directory / f"{name}.sha256").write_text(record + "\n")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "cached, no sha256 record",
+        "cached, the record of the real library",
+        "cached, a matching record in a directory others can write",
+        "cached, a matching record, files of another user",
+        "prebuilt, writable by others",
+        "prebuilt, garbage",
+    ],
+)
+def test_a_library_planted_under_the_expected_name_is_never_loaded(
+    case, prebuilt, planted_library, quick_build, tmp_path, monkeypatch, caplog
+):
+    """Whatever is planted, the marker never appears (the planted library was never dlopened) and
+    the kernels come on from a library the loader built and hashed itself."""
+    marker = tmp_path / "LOADED"
+    monkeypatch.setenv(MARKER_VARIABLE, str(marker))
+    cache, package = tmp_path / "cache", tmp_path / "package"
+    package.mkdir()
+    real = prebuilt / cpu_kernels.library_name()
+    kernels = cache / "kernels"
+    kernels.mkdir(parents=True, mode=0o700)
+    if case == "cached, no sha256 record":
+        _plant(kernels, planted_library, None)
+    elif case == "cached, the record of the real library":
+        _plant(kernels, planted_library, _sha256(real))
+    elif case == "cached, a matching record in a directory others can write":
+        _plant(kernels, planted_library, _sha256(planted_library))
+        kernels.chmod(0o777)
+    elif case == "cached, a matching record, files of another user":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give files to another user")
+        _plant(kernels, planted_library, _sha256(planted_library))
+        for path in kernels.iterdir():
+            os.chown(path, 4242, 4242)
+    elif case == "prebuilt, writable by others":
+        _plant(package, planted_library, None)
+        (package / cpu_kernels.library_name()).chmod(0o666)
+    elif case == "prebuilt, garbage":
+        (package / cpu_kernels.library_name()).write_bytes(b"not a library")
+    shared = _tree(kernels) if "others can write" in case else None
     with caplog.at_level(logging.INFO, logger="engine.jax_backend.cpu_kernels"):
-        assert cpu_kernels.load(cpu_kernels.BuildOptions(tmp_path)) is None
-    assert "no C++ compiler" in caplog.text
+        status = cpu_kernels.status(cpu_kernels.BuildOptions(cache, prebuilt_dir=package))
+    assert not marker.exists(), "the planted library was loaded"
+    assert status.kernels is not None and status.kernels.sha256 == _sha256(real)
+    if case == "prebuilt, garbage":  # the garbage would not load; only the warning says why it was passed over
+        assert "not loading the prebuilt CPU kernels" in caplog.text
+        assert status.state.startswith("on: built ")
+    elif shared is not None:  # nothing is written into a directory others can write
+        assert status.state.startswith("on: built for this process only ")
+        assert _tree(kernels) == shared
+    else:
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and "not loading the" in r.getMessage()]
+        assert warned, caplog.text
+        if case.startswith("cached"):
+            name = cpu_kernels.library_name()
+            assert status.state == f"on: built {kernels / name}"  # rebuilt in place, with its record
+            assert _sha256(kernels / name) == _sha256(real)
+            assert (kernels / f"{name}.sha256").read_text().strip() == _sha256(real)
 
 
-def test_a_failed_build_gets_plain_jax_and_leaves_no_library(tmp_path, monkeypatch, caplog):
+def test_off_where_they_would_apply_is_a_warning_with_the_reason(tmp_path, no_compiler, caplog):
+    """No prebuilt library and no compiler on an x86-64 CPU with AVX2 and FMA, float32: the model
+    runs plain JAX, the log says so at WARNING with the reason, and kernel_state says it too."""
+    options = cpu_kernels.BuildOptions(tmp_path, prebuilt_dir=tmp_path / "no-prebuilt")
+    with caplog.at_level(logging.INFO, logger="engine"):
+        model = JaxModel.load(TINY, max_batch_size=1, max_context_length=16, kernel_build=options)
+    assert model.kernels is False
+    assert model.kernel_state.startswith("off: no prebuilt library (") and "no C++ compiler" in model.kernel_state
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"CPU decode kernels {model.kernel_state}; using plain JAX (slower decode steps)"]
+    assert list(tmp_path.iterdir()) == []  # nothing was written
+
+
+def test_not_applicable_is_said_at_info(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with caplog.at_level(logging.INFO, logger="engine"):
+        model = JaxModel.load(TINY, max_batch_size=1, max_context_length=16, kernel_build=cpu_kernels.BuildOptions(tmp_path))
+        bf16 = JaxModel.load(TINY, max_batch_size=1, max_context_length=16, dtype="bfloat16")
+    assert model.kernels is False and model.kernel_state == "not applicable: aarch64 is not x86-64"
+    assert bf16.kernels is False and bf16.kernel_state.startswith("not applicable: the dtype is bfloat16")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert cpu_kernels.main(["--build", str(tmp_path / "out")]) == 0  # the image's build step: nothing to do
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_build_gets_plain_jax_and_leaves_no_library(tmp_path, caplog):
+    options = cpu_kernels.BuildOptions(tmp_path, compiler="false", prebuilt_dir=tmp_path / "no-prebuilt")  # always fails
     with caplog.at_level(logging.WARNING, logger="engine.jax_backend.cpu_kernels"):
-        assert cpu_kernels.load(cpu_kernels.BuildOptions(tmp_path, compiler="false")) is None  # always fails
-    assert "CPU decode kernels off" in caplog.text
+        assert cpu_kernels.load(options) is None
+    assert "CPU decode kernels off: no prebuilt library, and building one failed" in caplog.text
     assert list((tmp_path / "kernels").iterdir()) == []  # the staged file was removed
+    assert cpu_kernels.main(["--build", str(tmp_path / "out"), "--cxx", "false"]) == 1
+    assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_the_library_is_built_once_and_reused():
+def test_the_library_is_found_once_and_reused(monkeypatch):
+    """The default load is memoised, and another process (a fresh BuildOptions for the same cache)
+    finds what the first built or found, without compiling."""
     first = cpu_kernels.load()
-    assert first is not None and first.path.is_file() and first.path.parent.name == "kernels"
-    assert cpu_kernels.load() is first
-    assert cpu_kernels._build(cpu_kernels.BuildOptions()) == first.path  # same sources, flags and jaxlib: same file, no rebuild
+    assert first is not None and first.path.is_file() and cpu_kernels.load() is first
+    assert first.path.name == cpu_kernels.library_name()
+
+    def compile_(*args):
+        raise AssertionError("a compile was attempted")
+
+    monkeypatch.setattr(cpu_kernels, "_compile", compile_)
+    again = cpu_kernels.load(cpu_kernels.BuildOptions(default_cache_dir()))
+    assert again is not None and again.path == first.path and again.sha256 == first.sha256

@@ -139,42 +139,58 @@ async def test_concurrent_streams_each_hold_their_invariants(decoder):
         assert tokens == list(range(first, first + 1 + i % 5))
 
 
+# Cancelling must end a request long before it would end on its own, or these tests prove
+# nothing. The conftest model has a 64-token context, so [10] with ignore_eos and no cap runs 63
+# tokens: the prefill and 62 decode steps, 6.2 s at 0.1 s a step. A cancel or deadline must free
+# the slot within 20 decode steps (2 s, a third of that), counted by the model, so a busy machine
+# that is slow elsewhere (while the engine is idle) cannot fail it, and a cancel that does nothing
+# (the request runs all 62 steps) cannot pass it.
+SLOW_STEP_S = 0.1
+NATURAL_STEPS = 62
+FREED_WITHIN_STEPS = 20
+
+
+async def steps_until_freed(decode_server, scripted_model, limit_s: float = 2 * NATURAL_STEPS * SLOW_STEP_S) -> int:
+    """Wait until the engine holds no slot (fail after `limit_s`); the model's decode steps by then."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while decode_server.engine.stats().slots_in_use or scripted_model.slots_held:
+        assert asyncio.get_running_loop().time() < deadline, f"a slot still held after {limit_s} s"
+        await asyncio.sleep(0.01)
+    return scripted_model.decode_steps
+
+
 async def test_client_cancel_frees_the_slot(scripted_model, decode_server, decoder):
-    scripted_model.step_delay_s = 0.01
+    scripted_model.step_delay_s = SLOW_STEP_S
     call = decoder.Decode(request([10], ignore_eos=True))
-    await call.read()  # the request holds a slot and is streaming
+    assert (await call.read()).events[0].token.id == 11  # the request holds a slot and is streaming
     assert decode_server.engine.stats().slots_in_use == 1
     call.cancel()
-    for _ in range(200):
-        if decode_server.engine.stats().slots_in_use == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert decode_server.engine.stats().slots_in_use == 0
-    assert scripted_model.slots_held == 0
+    steps = await steps_until_freed(decode_server, scripted_model)
+    assert steps <= FREED_WITHIN_STEPS, f"freed after {steps} decode steps: the cancel did not end it"
+    assert decode_server.engine.stats().queue_depth == 0
 
 
 async def test_deadline_frees_the_slot(scripted_model, decode_server, decoder):
-    scripted_model.step_delay_s = 0.01
+    scripted_model.step_delay_s = SLOW_STEP_S
+    tokens = []
     with pytest.raises(grpc.aio.AioRpcError) as err:
-        async for _ in decoder.Decode(request([10], ignore_eos=True), timeout=0.2):
-            pass
+        async for response in decoder.Decode(request([10], ignore_eos=True), timeout=0.5):  # ~5 steps
+            tokens += [e.token.id for e in response.events if e.HasField("token")]
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    for _ in range(200):
-        if decode_server.engine.stats().slots_in_use == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert scripted_model.slots_held == 0
+    assert tokens[:1] == [11], "the request never streamed, so its deadline freed nothing"
+    steps = await steps_until_freed(decode_server, scripted_model)
+    assert steps <= FREED_WITHIN_STEPS, f"freed after {steps} decode steps: the deadline did not end it"
 
 
 async def test_clients_stream_events_and_leaving_early_cancels(scripted_model, decode_server):
     from services.client import AsyncDecodeClient, DecodeClient
 
     target = f"127.0.0.1:{decode_server.port}"
-    scripted_model.step_delay_s = 0.05  # an uncancelled stream would hold its slot for ~3 s
+    scripted_model.step_delay_s = SLOW_STEP_S
 
     def sync_first_two() -> list:
         with DecodeClient(target) as client:
-            events = list(client.decode([10], max_output_tokens=3))  # 3 steps: ~0.1 s
+            events = list(client.decode([10], max_output_tokens=3))  # the prefill and 2 decode steps
             assert [e.token.id for e in events[:-1]] == [11, 12, 13] and events[-1].HasField("finished")
             stream = client.decode([10], ignore_eos=True)
             first = [next(stream), next(stream)]
@@ -186,8 +202,7 @@ async def test_clients_stream_events_and_leaving_early_cancels(scripted_model, d
         stream = client.decode([10], ignore_eos=True)
         assert (await stream.__anext__()).token.id == 11
         await stream.aclose()
-    for _ in range(150):  # within 1.5 s: freed by the cancels, not by running to the context limit (~3 s)
-        if decode_server.engine.stats().slots_in_use == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert decode_server.engine.stats().slots_in_use == 0 and scripted_model.slots_held == 0
+    # 2 steps for the first request, then the two early leavers together within FREED_WITHIN_STEPS
+    # (about 3 when their cancels work); either one left running takes the count to 2 + NATURAL_STEPS
+    steps = await steps_until_freed(decode_server, scripted_model)
+    assert steps <= 2 + FREED_WITHIN_STEPS, f"freed after {steps} decode steps: a leaver was not cancelled"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -14,15 +15,18 @@ from engine.core.scripted_model import ScriptedModel
 
 
 class Recorder:
-    """An EventSink that records what the engine sends and signals when the stream ends."""
+    """An EventSink that records what the engine sends and signals its first events (the request
+    holds a slot: it was prefilled) and the end of the stream."""
 
     def __init__(self) -> None:
         self.batches: list[list] = []
         self.error: BaseException | None = None
+        self.started = threading.Event()
         self.done = threading.Event()
 
     def events(self, events) -> None:
         self.batches.append(events)
+        self.started.set()
         if isinstance(events[-1], Finished):
             self.done.set()
 
@@ -71,8 +75,9 @@ def test_queue_bound_raises_queue_full(engine):
     sinks = [Recorder() for _ in range(10)]
     for sink in sinks[:2]:
         engine.submit(make_request([10], 20), sink)
-    while engine.stats().slots_in_use < 2:  # both slots busy for ~1 s
-        pass
+    for sink in sinks[:2]:  # both slots busy from their prefill for 19 steps (~1 s)
+        assert sink.started.wait(5)
+    assert engine.stats().slots_in_use == 2
     for sink in sinks[2:]:  # 8 waiting: the bound
         engine.submit(make_request([10], 20), sink)
     with pytest.raises(QueueFull):
@@ -120,19 +125,22 @@ def test_a_request_is_refused_only_when_every_slot_is_taken_and_the_queue_is_ful
 
 
 def test_abort_waiting_and_live_requests_frees_everything(engine):
-    engine.model.step_delay_s = 0.01
+    engine.model.step_delay_s = 0.05
     sinks = [Recorder() for _ in range(4)]
     tickets = [engine.submit(make_request([10], 25), s) for s in sinks]
-    while engine.stats().slots_in_use < 2:
-        pass
+    for sink in sinks[:2]:  # the first two hold the slots (24 steps each, 1.2 s); two wait
+        assert sink.started.wait(5)
+    assert (engine.stats().slots_in_use, engine.stats().queue_depth) == (2, 2)
     for t in tickets:
         engine.abort(t)
-    for _ in range(500):
-        if engine.stats().slots_in_use == 0 and engine.stats().queue_depth == 0:
-            break
-        threading.Event().wait(0.01)
-    assert engine.stats().slots_in_use == 0 and engine.stats().queue_depth == 0
-    assert engine.model.slots_held == 0
+    # The waiting two leave the queue at once, the live two at the end of the current step. An
+    # abort that did nothing would run all four: 48 steps, every sink Finished.
+    deadline = time.monotonic() + 5
+    while engine.stats().slots_in_use or engine.stats().queue_depth:
+        assert time.monotonic() < deadline, f"not freed within 5 s: {engine.stats()}"
+        time.sleep(0.001)
+    assert engine.model.slots_held == 0 and engine.model.prefills == 2
+    assert engine.model.decode_steps < 24  # far fewer than one request's own length
     assert not any(s.done.is_set() for s in sinks)  # aborted streams get no Finished
 
 

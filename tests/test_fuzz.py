@@ -97,7 +97,6 @@ class Stack:
     tokenizer_rpc: text_pb2_grpc.TokenizerStub
     generation: text_pb2_grpc.TextGenerationStub
     raw: dict[str, tuple[Callable, Any]]  # method path -> (bytes-in bytes-out callable, request type)
-    sent: int = 0  # requests sent by all tests together
     errors_logged: list[str] = field(default_factory=list)
 
 
@@ -167,7 +166,6 @@ class Outcome:
 
 async def send(stack: Stack, method: Callable, request: Any, plan: Plan) -> Outcome:
     """Make one call, drive it as the plan says, and check its status (see the module docstring)."""
-    stack.sent += 1
     async with asyncio.timeout(CALL_LIMIT_S):
         call = method(request, timeout=plan.timeout)
         responses = []

@@ -62,7 +62,9 @@ def drive(model: JaxModel, plans: list[Plan]) -> list[list[int]]:
     position: dict[int, int] = {}
     released: set[int] = set()
     step = 0
+    last = max(p.start + p.idle + p.n_tokens for p in plans)  # every plan has ended by this step
     while len(released) < len(plans):
+        assert step <= last, f"not every request ended by step {last}: {out}"
         for i, p in enumerate(plans):
             if p.start == step:
                 setup = SlotSetup(p.sampling, p.masked_ids)
@@ -72,7 +74,7 @@ def drive(model: JaxModel, plans: list[Plan]) -> list[list[int]]:
             i for i, p in enumerate(plans) if i in position and step >= p.start + p.idle and len(out[i]) < p.n_tokens
         ]
         inputs = [DecodeInput(plans[i].slot, out[i][-1], position[i], bool(plans[i].masked_ids)) for i in ready]
-        for i, sample in zip(ready, model.decode(inputs) if inputs else []):
+        for i, sample in zip(ready, model.decode(inputs) if inputs else [], strict=True):
             out[i].append(sample.token_id)
             position[i] += 1
         for i, p in enumerate(plans):

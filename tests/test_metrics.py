@@ -224,7 +224,7 @@ async def test_decode_server_end_to_end(served):
                 async for _ in stub.Decode(decode_request([])):
                     pass
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            call = stub.Decode(decode_request([10], max_output_tokens=40))
+            call = stub.Decode(decode_request([10], max_output_tokens=60))  # 59 steps of 20 ms uncancelled
             await call.read()
             call.cancel()
             await stub.GetModelInfo(decode_pb2.GetModelInfoRequest())
@@ -233,6 +233,9 @@ async def test_decode_server_end_to_end(served):
             if value(f, "tokenwire_requests_total", reason="cancelled") == 1 and value(f, "tokenwire_slots_in_use") == 0:
                 break
             await asyncio.sleep(0.02)
+        # freed by the cancel, not by running its 59 steps: 2 steps for the first request, then
+        # 25 (0.5 s) at most for the cancel to land (about 1 when nothing else is running)
+        assert model.decode_steps <= 2 + 25, model.decode_steps
     finally:
         await server.stop(None)
     assert value(f, "tokenwire_engine_step_seconds_count") >= 2  # the engine's steps are timed

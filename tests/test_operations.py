@@ -215,21 +215,29 @@ async def test_overload_at_twice_capacity(small_stack):
 
 
 async def test_cancelling_a_waiting_request_frees_its_place(small_stack):
+    """Each request runs 200 tokens, 199 steps of 20 ms (4 s), unless cancelled. A cancel that did
+    nothing would let the waiting one leave the queue only by being admitted (a second prefill)
+    once the running one had run all its steps."""
     model, decode, text = small_stack
     async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
         stub = decode_pb2_grpc.DecoderStub(channel)
-        running = stub.Decode(decode_request([5], max_output_tokens=50))
-        await eventually(lambda: decode.engine.stats().slots_in_use == 1)
-        waiting = stub.Decode(decode_request([5], max_output_tokens=50))
+        running = stub.Decode(decode_request([5], max_output_tokens=200, ignore_eos=True))
+        await running.read()  # prefilled: it holds the one slot
+        waiting = stub.Decode(decode_request([5], max_output_tokens=200, ignore_eos=True))
         await eventually(lambda: decode.engine.stats().queue_depth == 1)
         waiting.cancel()
         await eventually(lambda: decode.engine.stats().queue_depth == 0)
+        assert model.prefills == 1 and decode.engine.stats().slots_in_use == 1  # it left, never admitted
         running.cancel()
         await eventually(lambda: decode.engine.stats().slots_in_use == 0 and model.slots_held == 0)
+        assert model.prefills == 1
+        assert model.decode_steps < 100, model.decode_steps  # 2 s: half of what it would run uncancelled
 
 
 async def test_thousands_of_cancel_cycles_leak_nothing():
-    model = scripted(max_batch_size=8)
+    # 1 ms steps, so that a 200-token request outlives its cancel (without a delay the scripted
+    # model ran all 200 tokens before the cancel arrived, with or without cancellation)
+    model = scripted(max_batch_size=8, step_delay_s=0.001)
     decode = await start_decode_server(model, EngineConfig(max_queue_size=64))
     text = await start_text_server(TextTokenizer.from_dir(TINY), f"127.0.0.1:{decode.port}")
     try:
@@ -247,6 +255,9 @@ async def test_thousands_of_cancel_cycles_leak_nothing():
         await eventually(lambda: decode.engine.stats().slots_in_use == 0 and decode.engine.stats().queue_depth == 0)
         assert model.slots_held == 0
         assert b"tokenwire_slots_in_use 0.0" in decode.metrics.exposition()
+        # The 1,000 cancelled after their first token were admitted: run to their end, 8 at a time,
+        # they would take 1000 * 199 / 8 = ~25,000 steps. Cancelled, they take a few each.
+        assert model.prefills >= 1000 and model.decode_steps < 10_000, (model.prefills, model.decode_steps)
     finally:
         await text.stop(None)
         await decode.stop(None)
@@ -260,13 +271,16 @@ async def test_drain_refuses_new_requests_and_finishes_in_flight_ones():
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
             stub = decode_pb2_grpc.DecoderStub(channel)
-            in_flight = stub.Decode(decode_request([5], max_output_tokens=20, ignore_eos=True))
+            # 99 steps of 20 ms: in flight for 2 s, long after the drain began (a drain that did
+            # not wait would stop the server under it)
+            in_flight = stub.Decode(decode_request([5], max_output_tokens=100, ignore_eos=True))
             await in_flight.read()
             drained = asyncio.create_task(decode.drain(10))
             await eventually(lambda: _is(decode.port, NOT_SERVING))
             assert await status_of(decode_all(stub, decode_request([5], max_output_tokens=2))) == grpc.StatusCode.UNAVAILABLE
+            assert not drained.done() and decode.engine.stats().slots_in_use == 1  # still waiting for it
             rest = await read_rest(in_flight)
-            assert rest[-1].finished.usage.completion_tokens == 20
+            assert rest[-1].finished.usage.completion_tokens == 100
             assert await drained is True
     finally:
         await decode.stop(None)
@@ -288,13 +302,14 @@ async def test_sigterm_drains_and_exits_0():
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             stub = decode_pb2_grpc.DecoderStub(channel)
-            in_flight = stub.Decode(decode_request([5], max_output_tokens=40, ignore_eos=True))
+            # in flight for 2 s (99 steps of 20 ms): still running when the drain begins
+            in_flight = stub.Decode(decode_request([5], max_output_tokens=100, ignore_eos=True))
             await in_flight.read()
             proc.send_signal(signal.SIGTERM)
             await eventually(lambda: _is(port, NOT_SERVING))
             assert await status_of(decode_all(stub, decode_request([5], max_output_tokens=2))) == grpc.StatusCode.UNAVAILABLE
             rest = await read_rest(in_flight)
-            assert rest[-1].finished.usage.completion_tokens == 40
+            assert rest[-1].finished.usage.completion_tokens == 100
         assert await asyncio.to_thread(proc.wait, 15) == 0
     finally:
         proc.kill()

@@ -198,8 +198,8 @@ def test_incomplete_settings_are_refused():
         ServerTlsConfig.from_paths(None, None, "ca.crt")
     with pytest.raises(TlsError, match="private key"):
         ClientTlsConfig(cert=Path("client.crt"))
-    with pytest.raises(TlsError, match="only sent over TLS"):
-        open_channel("127.0.0.1:1", None, token=TOKEN)
+    with pytest.raises(TlsError, match="only over TLS or to a loopback address"):
+        open_channel("10.0.0.1:1", None, token=TOKEN)
     for bad in ("", " padded ", "line\nbreak"):
         with pytest.raises(ValueError):
             BearerTokenInterceptor(bad)

@@ -11,16 +11,24 @@ tokenizer config sets (`bos_token`, `eos_token`, `unk_token`, ...; unset ones st
 The template comes from chat_template.jinja if the directory has one (newer transformers save it
 there), else from tokenizer_config.json's "chat_template": a string, or a list of
 {"name", "template"} of which the one named "default" is used.
+
+Where we differ from transformers: text a user writes (a message's role or content) never becomes
+a special token. transformers renders the template and tokenizes the result, so "<|im_end|>" typed
+in a message is the real control token and a user can forge a turn. Here `SpecialTextShield` hands
+the template each message with special-token text swapped for private-use stand-ins; the tokenizer
+(`TextTokenizer.encode_chat`) turns them back into the same text, encoded as plain text. Messages
+without special-token text render and encode exactly as transformers does.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import jinja2
 from jinja2.ext import loopcontrols
@@ -130,3 +138,104 @@ def load_chat_template(model_dir: Path, tokenizer_config: dict) -> ChatTemplate 
     if isinstance(source, str) and source:
         return ChatTemplate(source)
     return None
+
+
+# Stand-ins come from the private-use planes: no template writes them, and the few a message holds
+# (icon fonts use some) are skipped.
+_STAND_IN_RANGES = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD))
+
+
+class SpecialTextShield:
+    """Keeps special-token text that users write in chat messages away from the template.
+
+    `shield` replaces, in each message's role and content, every occurrence of a special token's
+    text with a private-use character (one per distinct text replaced); jinja passes such a character through
+    every filter and method templates use (strip, trim, split, slicing, upper, tojson) as the
+    ordinary character it is, so whatever the template does with the content, the character
+    cannot take part in a special token of the rendered text, and only the template's own text
+    can. The returned `str.translate` table turns the characters back into the text they stand for.
+
+    Also replaced: a piece of a special token's text at either end of a role or content, or at
+    either end after stripping whitespace (templates strip). Template text next to it could
+    otherwise complete the token (content "hi <|" followed by a template's "im_end|>"). The
+    pieces are restored as plain text, so where no template text completes them their ids are
+    the ones they would have had anyway; only the path that encodes them changes.
+
+    The template sees each special token's text as one character: a template that slices or
+    reverses a message's content, or measures its length, can give other text than transformers
+    (the same as transformers' wherever it does not cut through a special token's text).
+
+    Not covered: a template that deletes or reorders characters inside a message (`replace`,
+    `reverse`) and so makes a special token's text out of text that held none. No chat template we
+    know of does this.
+    """
+
+    def __init__(self, special_texts: Iterable[str]) -> None:
+        texts = sorted({t for t in special_texts if t}, key=len, reverse=True)
+        self._chars = frozenset("".join(texts))
+        # Longest first: at each position the longest special text wins, as in the tokenizer.
+        self._pattern = re.compile("|".join(map(re.escape, texts))) if texts else None
+        self._prefixes = frozenset(t[:k] for t in texts for k in range(1, len(t)))
+        self._suffixes = frozenset(t[k:] for t in texts for k in range(1, len(t)))
+        self._longest_piece = max((len(t) for t in texts), default=1) - 1
+
+    def _ranges(self, text: str) -> list[tuple[int, int]]:
+        """The spans of `text` to replace, sorted and merged."""
+        if self._pattern is None or not text:
+            return []
+        spans = [m.span() for m in self._pattern.finditer(text)]
+        n = len(text)
+        for end in {n, len(text.rstrip())}:  # a special token's first characters, last in the text
+            for k in range(min(self._longest_piece, end), 0, -1):
+                if text[end - k : end] in self._prefixes:
+                    spans.append((end - k, end))
+                    break
+        for start in {0, n - len(text.lstrip())}:  # its last characters, first in the text
+            for k in range(min(self._longest_piece, n - start), 0, -1):
+                if text[start : start + k] in self._suffixes:
+                    spans.append((start, start + k))
+                    break
+        merged: list[tuple[int, int]] = []
+        for start, end in sorted(spans):
+            if merged and start < merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+            else:
+                merged.append((start, end))
+        return merged
+
+    def shield(
+        self, messages: Sequence[ChatMessage], avoid: str = ""
+    ) -> tuple[Sequence[ChatMessage], dict[int, str]]:
+        """(messages for the template, table to restore the rendered text with `str.translate`).
+
+        Messages without special-token text come back as they are, and the table is empty when no
+        message had any. Stand-in characters are none of those in the messages, in the special
+        texts, or in `avoid` (the template's source)."""
+        plans = [(m, self._ranges(m.role), self._ranges(m.content)) for m in messages]
+        if not any(role or content for _, role, content in plans):
+            return messages, {}
+        taken = set(avoid) | self._chars
+        for m in messages:
+            taken.update(m.role, m.content)
+        free = (chr(c) for lo, hi in _STAND_IN_RANGES for c in range(lo, hi + 1) if chr(c) not in taken)
+        stand_ins: dict[str, str] = {}  # special text (or piece of one) -> its stand-in
+
+        def replace(text: str, spans: list[tuple[int, int]]) -> str:
+            out, pos = [], 0
+            for start, end in spans:
+                piece = text[start:end]
+                if piece not in stand_ins:
+                    stand_in = next(free, None)
+                    if stand_in is None:
+                        raise ChatTemplateError("chat messages use up every private-use character")
+                    stand_ins[piece] = stand_in
+                out += [text[pos:start], stand_ins[piece]]
+                pos = end
+            out.append(text[pos:])
+            return "".join(out)
+
+        shielded = [
+            ChatMessage(replace(m.role, role), replace(m.content, content)) if role or content else m
+            for m, role, content in plans
+        ]
+        return shielded, {ord(stand_in): text for text, stand_in in stand_ins.items()}

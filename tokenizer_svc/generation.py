@@ -103,8 +103,9 @@ class UnknownTokenId(DecoderFault):
 
 
 def encode_chat(tokenizer: TextTokenizer, chat: Chat) -> list[int]:
-    """The chat's prompt ids. InvalidArgument for no messages, an empty role, no template, or a
-    template that raised (its message is kept)."""
+    """The chat's prompt ids (`TextTokenizer.encode_chat`: special-token text in a message is plain
+    text). InvalidArgument for no messages, an empty role, no template, a template that raised
+    (its message is kept), or a message the tokenizer cannot encode without a special token."""
     if not chat.messages:
         raise InvalidArgument("chat.messages", "must not be empty")
     for i, message in enumerate(chat.messages):

@@ -4,6 +4,10 @@ Data flow: the tokenizer service loads one `TextTokenizer` per model directory a
 (`from_dir`) and encodes prompts with it (`encode`, `encode_chat`). Its `vocabulary` is what a
 generation's `IncrementalDetokenizer` reads to turn the engine's token ids into text deltas.
 
+Chat input differs from raw prompt text in one way: special-token text that a message holds is
+encoded as plain text, never as a special id (see `encode_chat`); a raw prompt's is the token, as
+in HF, so callers can write chat markup by hand.
+
 Text is defined by the HF `tokenizers` library: `decode` is `tokenizers.Tokenizer.decode`, with
 special tokens skipped unless `keep_special_tokens`. Every other text this package produces
 (incremental deltas, chat prompts) is checked against that definition in the tests.
@@ -11,14 +15,27 @@ special tokens skipped unless `keep_special_tokens`. Every other text this packa
 
 from __future__ import annotations
 
+import json
+import re
+import secrets
+import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from tokenizers import Tokenizer
+from tokenizers import AddedToken, Tokenizer
 
 from engine.model_store.model_files import eos_token_ids, read_json
-from tokenizer_svc.chat import SPECIAL_TOKEN_NAMES, ChatMessage, ChatTemplate, ChatTemplateError, load_chat_template
+from tokenizer_svc.chat import (
+    SPECIAL_TOKEN_NAMES,
+    ChatMessage,
+    ChatTemplate,
+    ChatTemplateError,
+    SpecialTextShield,
+    load_chat_template,
+)
 from tokenizer_svc.vocabulary import Vocabulary
+
+_NO_TEMPLATE = "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
 
 
 def _token_content(value: object) -> str | None:
@@ -30,7 +47,8 @@ def _token_content(value: object) -> str | None:
 
 class TextTokenizer:
     """Immutable after construction (its vocabulary's memo of token bytes aside, filled
-    idempotently), so one instance serves all requests and threads."""
+    idempotently, and the chat encoder, built once under a lock), so one instance serves all
+    requests and threads."""
 
     def __init__(
         self,
@@ -48,6 +66,18 @@ class TextTokenizer:
         # Named special tokens ("bos_token" -> "<s>") from tokenizer_config.json; chat templates see them.
         self.special_token_names: Mapping[str, str] = dict(special_token_names or {})
         self.chat_template = chat_template
+        added = tokenizer.get_added_tokens_decoder()
+        self._shield = SpecialTextShield(added[i].content for i in self.special_token_ids)
+        # A special token with normalized=true is matched after the normalizer, so text that only
+        # becomes its text there (NFKC turns "＜" into "<") passes the shield: encode_chat refuses it.
+        normalized = sorted({added[i].content for i in self.special_token_ids if added[i].normalized}, key=len)
+        self._normalized_special = (
+            re.compile("|".join(map(re.escape, reversed(normalized))))
+            if normalized and tokenizer.normalizer is not None
+            else None
+        )
+        self._chat_encoder: _ChatEncoder | None = None  # built on first need: it copies the tokenizer
+        self._chat_encoder_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "TextTokenizer":
@@ -83,12 +113,121 @@ class TextTokenizer:
     def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
         """The prompt text the model's chat template makes of `messages` (ChatTemplateError if none)."""
         if self.chat_template is None:
-            raise ChatTemplateError("this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)")
+            raise ChatTemplateError(_NO_TEMPLATE)
         return self.chat_template.render(
             messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special_token_names
         )
 
     def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Equal to transformers' apply_chat_template(tokenize=True): the template writes any BOS
-        itself, so the rendered text is encoded without the post-processor."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        """The chat's prompt ids: only the template's own text makes special ids.
+
+        Messages without special-token text: transformers' apply_chat_template(tokenize=True)
+        exactly, i.e. the rendered text encoded without the post-processor (the template writes
+        any BOS itself). Special-token text in a role or content (e.g. "<|im_end|>") is encoded
+        as plain text where transformers makes it the special token. ChatTemplateError when the
+        tokenizer cannot keep that promise for this chat (see `_ChatEncoder`)."""
+        if self.chat_template is None:
+            raise ChatTemplateError(_NO_TEMPLATE)
+        avoid = self.chat_template.source + "".join(self.special_token_names.values())
+        shielded, restore = self._shield.shield(messages, avoid=avoid)
+        if self._normalized_special is not None:
+            normalize = self._tokenizer.normalizer.normalize_str
+            if any(self._normalized_special.search(normalize(t)) for m in shielded for t in (m.role, m.content)):
+                raise ChatTemplateError("a chat message holds text the tokenizer normalizes into a special token")
+        text = self.render_chat(shielded, add_generation_prompt)
+        if not restore:  # the batch entry point: the same ids, without holding the GIL
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        return self._get_chat_encoder().encode(text, restore)
+
+    def prepare_chat_encoding(self) -> None:
+        """Build now what `encode_chat` builds on the first message with special-token text: a
+        private copy of the tokenizer (for Qwen3's ~1.5 s and ~60 MB). A server calls this at
+        start-up so that no request waits for it."""
+        self._get_chat_encoder()
+
+    def _get_chat_encoder(self) -> "_ChatEncoder":
+        with self._chat_encoder_lock:
+            if self._chat_encoder is None:
+                self._chat_encoder = _ChatEncoder(self._tokenizer, self.special_token_ids)
+            return self._chat_encoder
+
+
+# Stand-in tokens live in the supplementary private-use planes: an 8-character random marker,
+# then two characters numbering the special token.
+_MARKER_BASE, _INDEX_BASE, _INDEX_SPAN = 0xF0000, 0x100000, 0xFFFE
+
+
+class _ChatEncoder:
+    """Encodes a rendered chat so that only special-token text the template wrote becomes special ids.
+
+    Input: the text rendered from shielded messages (`SpecialTextShield`), in which every special
+    token's text is the template's, and the table restoring the stand-ins to the messages' text.
+
+    How: the special tokens of the text are found by the tokenizer itself (`encode` with offsets;
+    it also applies each token's lstrip/rstrip/single_word rules). Each is replaced by a stand-in:
+    a non-special added token of a private copy of the tokenizer, with the special token's rules;
+    the messages' text is restored; the copy encodes the result with `encode_special_tokens` on,
+    so special-token text in it is plain text, and the stand-ins' ids become the special ids again.
+    The copy splits the text at the stand-ins exactly where the tokenizer splits it at the special
+    tokens, so every piece is pre-tokenized as in a whole-text encode (a Metaspace with
+    prepend_scheme "first" adds "▁" only at the start of the text, in both). Encoding the pieces
+    one by one would not keep that.
+
+    Checked on every call, else ChatTemplateError: the restored text does not hold the stand-ins'
+    marker (random per process, so only by chance); every stand-in came back as its id; and no
+    other special id appears, which the model could still make of plain text if its vocabulary
+    had a merge into a special token's text (its unknown-token id excepted: that is how it writes
+    text it has no tokens for, with or without this).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, special_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        spec = tokenizer.to_str()
+        self._plain = Tokenizer.from_str(spec)
+        self._plain.encode_special_tokens = True  # its added special tokens are never matched
+        self._special_ids = special_ids
+        if hasattr(tokenizer.model, "unk_token"):  # BPE, WordPiece, WordLevel
+            unk = tokenizer.token_to_id(tokenizer.model.unk_token) if tokenizer.model.unk_token else None
+        else:  # Unigram names it by id, in the file only
+            unk = json.loads(spec).get("model", {}).get("unk_id")
+        self._unk_id = unk if isinstance(unk, int) else None
+
+        self._marker = "".join(chr(_MARKER_BASE + secrets.randbelow(_INDEX_SPAN)) for _ in range(8))
+        added = tokenizer.get_added_tokens_decoder()
+        self._stand_in: dict[int, str] = {}
+        tokens = []
+        for n, special_id in enumerate(sorted(special_ids)):
+            rules = added[special_id]
+            text = self._marker + chr(_INDEX_BASE + n // _INDEX_SPAN) + chr(_INDEX_BASE + n % _INDEX_SPAN)
+            self._stand_in[special_id] = text
+            tokens.append(
+                AddedToken(text, special=False, single_word=rules.single_word, lstrip=rules.lstrip,
+                           rstrip=rules.rstrip, normalized=rules.normalized)
+            )
+        self._plain.add_tokens(tokens)
+        self._special_of = {self._plain.token_to_id(text): special_id for special_id, text in self._stand_in.items()}
+        # A normalizer that changed a stand-in would leave it unmatched: found here, refused in `encode`.
+        probe = self._plain.encode(" ".join(self._stand_in.values()), add_special_tokens=False).ids
+        self._usable = [self._special_of.get(i) for i in probe if i in self._special_of] == list(self._stand_in)
+
+    def encode(self, text: str, restore: Mapping[int, str]) -> list[int]:
+        if not self._usable:
+            raise ChatTemplateError("this tokenizer cannot encode special-token text in chat messages as plain text")
+        found = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        pieces: list[str] = []
+        structure = 0
+        pos = 0
+        for token_id, (start, end) in zip(found.ids, found.offsets):
+            if token_id in self._special_ids:
+                pieces += [text[pos:start].translate(restore), self._stand_in[token_id]]
+                structure += 1
+                pos = end
+        pieces.append(text[pos:].translate(restore))
+        if any(self._marker in piece for piece in pieces[::2]):
+            raise ChatTemplateError("a chat message holds this process's stand-in marker")
+        ids = self._plain.encode_batch_fast(["".join(pieces)], add_special_tokens=False)[0].ids
+        from_template = sum(1 for i in ids if i in self._special_of)
+        from_text = sum(1 for i in ids if i in self._special_ids and i != self._unk_id)
+        if from_template != structure or from_text:
+            raise ChatTemplateError("this tokenizer makes a special token of plain text in a chat message")
+        return [self._special_of.get(i, i) for i in ids]

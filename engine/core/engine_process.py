@@ -41,7 +41,6 @@ import os
 import signal
 import threading
 import time
-import traceback
 from multiprocessing.connection import Connection
 from typing import Callable
 
@@ -199,7 +198,8 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     engine.after_delivery(outbox.flush)
     sender = threading.Thread(target=outbox.run, name="tokenwire-engine-sender", daemon=True)
     engine.start()
-    conn.send(("ready", model.info))  # before the sender exists: one thread sends at a time
+    # before the sender exists: one thread sends at a time
+    conn.send(("ready", model.info, getattr(model, "kernel_state", None)))
     sender.start()
     tickets = _Tickets()
     try:
@@ -251,6 +251,7 @@ class EngineProcess:
         self._on_step = on_step
         self._log_setup = log_setup
         self.info: ModelInfo | None = None
+        self.kernel_state: str | None = None  # the model's `kernel_state`, if it has one (JaxModel)
         self._conn: Connection | None = None
         self._process: multiprocessing.Process | None = None
         self._reader: threading.Thread | None = None
@@ -289,7 +290,7 @@ class EngineProcess:
         if answer[0] != "ready":
             self._process.join()
             raise ModelLoadFailed(answer[1])
-        self.info = answer[1]
+        self.info, self.kernel_state = answer[1], answer[2]
         with self._lock:
             self._running = True
         self._reader = threading.Thread(target=self._read, name="tokenwire-engine-reader", daemon=True)

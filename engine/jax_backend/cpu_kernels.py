@@ -8,18 +8,43 @@ per output. The copies are made by engine.jax_backend.weights.with_one_row_copie
 are in docs/benchmarks.md; the sources are in engine/jax_backend/kernels/, and each file's header
 says what it computes and why.
 
-Data flow: `load()` compiles the sources once per (source, compiler flags, jaxlib) into
-`<cache>/kernels/<hash>.so` with the C++ compiler `BuildOptions` names and XLA's FFI headers (shipped in
-jaxlib), loads it and registers its handlers with XLA for the CPU platform; the result is
-memoised for the process. The engine calls `load()` when it builds a model on the CPU backend
-and falls back to plain JAX when it returns None (no compiler, a CPU without AVX2 and FMA, a
-failed build), logging why once. Nothing here runs on the GPU path.
+Building. The library is built ahead of time: `python -m engine.jax_backend.cpu_kernels --build
+[DIR]` compiles it (with g++, or `--cxx`, and XLA's FFI headers shipped in jaxlib) into DIR, by
+default this package's kernels/ directory; the Dockerfile's build stage runs it, so the runtime
+image carries the library and no compiler. Its file name is `library_name()`,
+`tokenwire_kernels-<key>.so`, the key a hash of the sources, the flags and the jaxlib version, so
+a library built for other sources or another jaxlib is never picked up.
+
+Loading, and what is trusted. `status()` (and `load()`, its library) looks in this order:
+1. the package's kernels/ directory (`BuildOptions.prebuilt_dir` in tests): trusted like the
+   Python code beside it, if the file is owned by root or this user and writable by no one else;
+2. `<cache>/kernels/<name>`, the developer's cache, only if its sha256 equals the one recorded in
+   `<name>.sha256` beside it, the directory, the library and that record each this user's and
+   writable by no one else (so a file another user wrote, or one merely given the right name, is
+   never loaded); a file that fails this is logged at WARNING and built anew;
+3. otherwise, with a C++ compiler, it builds the library now into a temporary file in that
+   directory (created 0700; if it cannot be made, or is not this user's alone, in a private
+   temporary directory, for this process only), hashes it, renames it into place and writes its
+   sha256 record.
+What is hashed is what is loaded: a file is opened once, checked (fstat, sha256) through that
+descriptor, and dlopened as /proc/self/fd/N, never again by name, so it cannot be swapped
+between the check and the load (the descriptor stays open, so N names one library for good).
+Nothing in a cache is trusted for its name alone, and a read-only cache is never written when
+a prebuilt library is there (the image's case).
+
+The first library loaded registers its handlers with XLA for the CPU platform, once per process
+(every library of one name is the same code). The engine asks for `status()` when it builds a
+model on the CPU backend; `state` says `on: ...`, `off: ...` (they would apply here but cannot be
+loaded: logged at WARNING, with the reason) or `not applicable: ...` (GPU, not x86-64, a CPU
+without AVX2 and FMA: logged at INFO). Off or not applicable, the engine runs plain JAX. Nothing
+here runs on the GPU path.
 
 Shapes: R rows in a step, H query heads, K kv heads, D head dim, B cache slots, S cache positions.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
@@ -27,8 +52,11 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
+import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,22 +73,39 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++
 ATTENTION_TARGET = "tokenwire_decode_attention"
 GEMV_TARGET = "tokenwire_gemv"
 _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
+ON, OFF, NOT_APPLICABLE = "on", "off", "not applicable"  # what a state string starts with
 
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Where and with what the kernels are built; from the configuration built in `main`."""
+    """Where the kernels are looked for and built; from the configuration built in `main`."""
 
-    cache_dir: Path | None = None  # the library goes to <cache_dir>/kernels; None: the default cache
+    cache_dir: Path | None = None  # a library built here goes to <cache_dir>/kernels; None: the default cache
     compiler: str | None = None  # a C++ compiler command (CXX); None: g++, then clang++, on PATH
+    prebuilt_dir: Path | None = None  # where a prebuilt library is looked for; None: this package's kernels/
 
 
 @dataclass(frozen=True)
 class Kernels:
-    """A loaded, registered kernel library (kept alive for the process)."""
+    """A loaded library (kept alive for the process, with the descriptor it was loaded through)."""
 
-    path: Path
+    path: Path  # where it was found or built (a temporary file, gone once loaded, for a private build)
     library: ctypes.CDLL
+    origin: str  # "prebuilt", "cached", "built" (into the cache) or "built for this process only"
+    sha256: str
+    fd: int
+
+
+@dataclass(frozen=True)
+class KernelStatus:
+    """What `status()` found: the library, and the state for operators."""
+
+    kernels: Kernels | None
+    state: str  # "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>"
+
+
+class Untrusted(Exception):
+    """A library (or its sha256 record) that is not loaded; the message says why."""
 
 
 def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
@@ -83,37 +128,220 @@ def gemv(x: jax.Array, wt: jax.Array) -> jax.Array:
     return call(x.reshape(1, k), wt).reshape(*x.shape[:-1], n)
 
 
-@functools.cache
 def load(build: BuildOptions = BuildOptions()) -> Kernels | None:
-    """Build (once per `build`) and register the kernels; None, with the reason logged, when they
-    cannot be used here."""
-    reason = _unsupported(build.compiler)
+    """The registered kernels, or None (the reason logged once, and in `status(build).state`)."""
+    return status(build).kernels
+
+
+@functools.cache
+def status(build: BuildOptions = BuildOptions()) -> KernelStatus:
+    """Find (or build) and register the kernels, once per `build`; logs the outcome once."""
+    reason = _not_applicable()
     if reason:
-        log.info("CPU decode kernels off: %s; using plain JAX", reason)
-        return None
+        log.info("CPU decode kernels not applicable: %s; using plain JAX", reason)
+        return KernelStatus(None, f"{NOT_APPLICABLE}: {reason}")
+    kernels, problem = _find_or_build(build)
+    if kernels is None:
+        log.warning("CPU decode kernels off: %s; using plain JAX (slower decode steps)", problem)
+        return KernelStatus(None, f"{OFF}: {problem}")
+    log.info("CPU decode kernels on: %s %s (sha256 %s)", kernels.origin, kernels.path, kernels.sha256[:16])
+    return KernelStatus(kernels, f"{ON}: {kernels.origin} {kernels.path}")
+
+
+def library_name() -> str:
+    """The library's file name for these sources, flags and jaxlib."""
+    digest = hashlib.sha256()
+    parts = [jaxlib.__version__.encode(), *(f.encode() for f in FLAGS), *((_KERNEL_DIR / s).read_bytes() for s in SOURCES)]
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little") + part)
+    return f"tokenwire_kernels-{digest.hexdigest()[:16]}.so"
+
+
+def build_library(directory: Path, compiler: str | None = None) -> Path:
+    """Compile the library into `directory` (created if missing) as `library_name()`, readable by
+    all and writable by its owner only; -> its path. Raises OSError or CalledProcessError."""
+    found = _compiler(compiler)
+    if found is None:
+        raise OSError(f"no C++ compiler ({compiler or 'g++ or clang++'} not found)")
+    directory.mkdir(parents=True, exist_ok=True)
+    staged = _compile(found, directory)
     try:
-        path = _build(build)
-        library = ctypes.cdll.LoadLibrary(str(path))
+        target = directory / library_name()
+        os.replace(staged, target)
+    finally:
+        if staged.exists():
+            staged.unlink()
+    return target
+
+
+def _find_or_build(build: BuildOptions) -> tuple[Kernels | None, str]:
+    """The kernels from the first place (module docstring) that has them, or None and why not."""
+    name = library_name()
+    prebuilt = (build.prebuilt_dir or _KERNEL_DIR) / name
+    if prebuilt.exists():
+        try:
+            return _load_fd(_open_trusted(prebuilt, owners={0, os.geteuid()}), prebuilt, "prebuilt"), ""
+        except (OSError, AttributeError, Untrusted) as e:
+            log.warning("not loading the prebuilt CPU kernels %s: %s", prebuilt, _first_line(e))
+    cache = (build.cache_dir or default_cache_dir()) / "kernels"
+    if (cache / name).exists():
+        try:
+            return _load_fd(_open_cached(cache, name), cache / name, "cached"), ""
+        except (OSError, AttributeError, Untrusted) as e:
+            log.warning("not loading the cached CPU kernels %s: %s; building them anew", cache / name, _first_line(e))
+    compiler = _compiler(build.compiler)
+    if compiler is None:
+        return None, (
+            f"no prebuilt library ({name} in {prebuilt.parent}) and no C++ compiler to build one "
+            "(install g++ or set CXX; an image builds it with `python -m engine.jax_backend.cpu_kernels --build`)"
+        )
+    try:
+        return _build_and_load(compiler, cache, name), ""
+    except (OSError, subprocess.CalledProcessError, AttributeError, Untrusted) as e:
+        return None, f"no prebuilt library, and building one failed: {_first_line(e)}"
+
+
+def _open_trusted(path: Path, owners: set[int]) -> int:
+    """A descriptor on `path` if it is a regular file owned by one of `owners` and writable by no
+    one else; Untrusted otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    problem = (
+        "not a regular file" if not stat.S_ISREG(st.st_mode)
+        else f"owned by uid {st.st_uid}, not {' or '.join(map(str, sorted(owners)))}" if st.st_uid not in owners
+        else f"writable by group or others (mode {stat.S_IMODE(st.st_mode):o})" if st.st_mode & 0o022
+        else None
+    )
+    if problem:
+        os.close(fd)
+        raise Untrusted(problem)
+    return fd
+
+
+def _open_cached(cache: Path, name: str) -> int:
+    """A descriptor on `cache/name` if its content has the sha256 recorded in `cache/name.sha256`,
+    both owned by this user and writable by no one else, in a directory of this user's that no
+    one else can write; Untrusted otherwise."""
+    me = {os.geteuid()}
+    _require_private(cache)  # else another user could have put (hard links to) files of ours there
+    try:
+        record = _open_trusted(cache / f"{name}.sha256", me)
+    except FileNotFoundError:
+        raise Untrusted("no sha256 record beside it") from None
+    except Untrusted as e:
+        raise Untrusted(f"its sha256 record is {e}") from None
+    with os.fdopen(record, "rb") as f:
+        expected = f.read(200).decode(errors="replace").strip()
+    fd = _open_trusted(cache / name, me)
+    digest = _sha256(fd)
+    if digest != expected:
+        os.close(fd)
+        raise Untrusted(f"its sha256 {digest[:16]}... is not the recorded {expected[:16]}...")
+    return fd
+
+
+def _build_and_load(compiler: str, cache: Path, name: str) -> Kernels:
+    """Compile into a temporary file in `cache` (or, when that directory cannot be made or is not
+    this user's alone, in a private temporary directory), hash it, publish it with its sha256
+    record when in the cache, and load what was hashed."""
+    try:
+        cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _require_private(cache)
+        work, private = cache, None
+    except (OSError, Untrusted) as e:
+        log.info("CPU kernels: not caching them in %s (%s); building them for this process only", cache, _first_line(e))
+        private = Path(tempfile.mkdtemp(prefix="tokenwire-kernels-"))  # 0700, this user's
+        work = private
+    try:
+        staged = _compile(compiler, work)
+        try:
+            fd = os.open(staged, os.O_RDONLY | os.O_CLOEXEC)
+            digest = _sha256(fd)
+            if private is not None:
+                return _load_fd(fd, staged, "built for this process only", digest)
+            os.replace(staged, cache / name)
+            _write_replacing(cache / f"{name}.sha256", digest + "\n")
+            log.info("built the CPU decode kernels into %s", cache / name)
+            return _load_fd(fd, cache / name, "built", digest)
+        finally:
+            if staged.exists():
+                staged.unlink()
+    finally:
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
+
+
+def _require_private(directory: Path) -> None:
+    st = os.stat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise Untrusted(f"{directory} is not a directory of uid {os.geteuid()} that no one else can write")
+
+
+def _compile(compiler: str, directory: Path) -> Path:
+    """Compile the sources into a new temporary file in `directory`, mode 0644; -> its path.
+    The file is removed if the compile fails."""
+    fd, staged = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *(str(_KERNEL_DIR / s) for s in SOURCES), "-o", staged]
+        subprocess.run(command, check=True, capture_output=True, text=True)
+        os.chmod(staged, 0o644)
+    except BaseException:
+        os.unlink(staged)
+        raise
+    return Path(staged)
+
+
+_REGISTERED: list[ctypes.CDLL] = []  # the library whose handlers XLA calls (one per process)
+_LOCK = threading.Lock()
+
+
+def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Kernels:
+    """dlopen the file behind `fd` (checked by the caller) and register its handlers if no library
+    has been yet. The descriptor stays open: glibc knows a library by the name it was opened
+    with, so /proc/self/fd/N must not come to mean another file."""
+    try:
+        digest = digest or _sha256(fd)
+        library = ctypes.CDLL(f"/proc/self/fd/{fd}")
         handlers = {ATTENTION_TARGET: library.TokenwireDecodeAttention, GEMV_TARGET: library.TokenwireGemv}
-        for target, handler in handlers.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
-    except (OSError, subprocess.CalledProcessError, AttributeError) as e:
-        log.warning("CPU decode kernels off: %s; using plain JAX", _first_line(e))
-        return None
-    log.info("CPU decode kernels on (%s)", path)
-    return Kernels(path, library)
+    except BaseException:
+        os.close(fd)
+        raise
+    with _LOCK:
+        if not _REGISTERED:
+            for target, handler in handlers.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+            _REGISTERED.append(library)
+    return Kernels(path, library, origin, digest, fd)
 
 
-def _unsupported(compiler: str | None) -> str | None:
+def _sha256(fd: int) -> str:
+    h = hashlib.sha256()
+    os.lseek(fd, 0, os.SEEK_SET)
+    while block := os.read(fd, 1 << 20):
+        h.update(block)
+    return h.hexdigest()
+
+
+def _write_replacing(path: Path, text: str) -> None:
+    fd, staged = tempfile.mkstemp(prefix=".writing-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(staged, 0o644)
+        os.replace(staged, path)
+    except BaseException:
+        os.unlink(staged)
+        raise
+
+
+def _not_applicable() -> str | None:
     if jax.default_backend() != "cpu":
-        return f"backend is {jax.default_backend()}"
+        return f"the backend is {jax.default_backend()}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"{platform.machine()} is not x86-64"
-    flags = _cpu_flags()
-    if not {"avx2", "fma"} <= flags:
+    if not {"avx2", "fma"} <= _cpu_flags():
         return "the CPU lacks AVX2 or FMA"
-    if _compiler(compiler) is None:
-        return "no C++ compiler (set CXX, or install g++)"
     return None
 
 
@@ -131,35 +359,36 @@ def _compiler(requested: str | None) -> str | None:
     return shutil.which(requested or "") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(build: BuildOptions) -> Path:
-    """Compile into `<cache>/kernels/<hash>.so` unless it is there; a temporary file is renamed
-    into place, so concurrent builders never load a half-written library."""
-    compiler = _compiler(build.compiler)
-    if compiler is None:  # _unsupported said so first; kept as an error for direct callers
-        raise OSError("no C++ compiler (set CXX, or install g++)")
-    include = jax.ffi.include_dir()
-    sources = [_KERNEL_DIR / name for name in SOURCES]
-    digest = hashlib.sha256()
-    for part in (compiler, jaxlib.__version__, *FLAGS, *(s.read_text() for s in sources)):
-        digest.update(part.encode())
-    target = (build.cache_dir or default_cache_dir()) / "kernels" / f"{digest.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, staged = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        command = [compiler, *FLAGS, f"-I{include}", *map(str, sources), "-o", staged]
-        subprocess.run(command, check=True, capture_output=True, text=True)
-        os.replace(staged, target)
-    finally:
-        if os.path.exists(staged):
-            os.unlink(staged)
-    log.info("built the CPU decode kernels into %s", target)
-    return target
-
-
 def _first_line(e: BaseException) -> str:
     detail = getattr(e, "stderr", None) or str(e)
     lines = [line for line in str(detail).splitlines() if "error" in line] or str(detail).splitlines() or [""]
     return lines[0][:300]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m engine.jax_backend.cpu_kernels --build [DIR] [--cxx CXX]`: build the library into
+    DIR (default: this package's kernels/, where `load()` looks first). Exit 0 with the path
+    printed, or with "not applicable" on a machine that is not x86-64; 1 when the build fails."""
+    parser = argparse.ArgumentParser(prog="python -m engine.jax_backend.cpu_kernels", description=main.__doc__)
+    parser.add_argument("--build", nargs="?", const=_KERNEL_DIR, type=Path, metavar="DIR", required=True,
+                        help=f"where to put {library_name()} (default: {_KERNEL_DIR})")
+    parser.add_argument("--cxx", help="the C++ compiler (default: g++, then clang++, on PATH)")
+    args = parser.parse_args(argv)
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        print(f"CPU decode kernels not applicable: {platform.machine()} is not x86-64; nothing built")
+        return 0
+    try:
+        path = build_library(args.build, args.cxx)
+        library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
+        for symbol in ("TokenwireDecodeAttention", "TokenwireGemv"):
+            getattr(library, symbol)
+    except (OSError, subprocess.CalledProcessError, AttributeError) as e:
+        detail = getattr(e, "stderr", None) or str(e)
+        print(f"building the CPU decode kernels failed: {detail}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

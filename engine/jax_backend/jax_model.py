@@ -66,15 +66,17 @@ LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def use_cpu_kernels(requested: bool, dtype: jnp.dtype, build: cpu_kernels.BuildOptions) -> bool:
-    """Whether a model's decode steps use the CPU kernels; when not, the log says why."""
+def cpu_kernel_state(requested: bool, dtype: jnp.dtype, build: cpu_kernels.BuildOptions) -> str:
+    """Whether a model's decode steps use the CPU kernels, as `JaxModel.kernel_state` says it:
+    "on: ...", "off: <reason>" or "not applicable: <reason>"; the log says the same (at WARNING
+    when they would apply here but cannot be loaded, engine.jax_backend.cpu_kernels.status)."""
     if not requested:
         log.info("CPU decode kernels off: turned off by configuration; using plain JAX")
-        return False
+        return f"{cpu_kernels.OFF}: turned off by configuration"
     if jax.default_backend() == "cpu" and dtype != jnp.float32:
-        log.info("CPU decode kernels off: they are float32 only, the dtype is %s; using plain JAX", dtype)
-        return False
-    return cpu_kernels.load(build) is not None
+        log.info("CPU decode kernels not applicable: they are float32 only, the dtype is %s; using plain JAX", dtype)
+        return f"{cpu_kernels.NOT_APPLICABLE}: the dtype is {dtype}, and they are float32 only"
+    return cpu_kernels.status(build).state
 
 
 def cpu_compiler_options() -> dict[str, str] | None:
@@ -168,7 +170,9 @@ class JaxModel:
         self._mask = jnp.zeros((b, self._head_size), bool)
         self._prompt_buckets = length_buckets(s, min_bucket)
         # The CPU attention kernel reads each row's live keys itself: one attend shape is enough.
-        self.kernels = use_cpu_kernels(kernels, dtype, kernel_build)
+        # For operators: "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>".
+        self.kernel_state = cpu_kernel_state(kernels, dtype, kernel_build)
+        self.kernels = self.kernel_state.split(":", 1)[0] == cpu_kernels.ON
         self._attend_buckets = (s,) if self.kernels else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, 1)
         self._decode_groups = layer_groups(config.n_layers, layers_per_call)
@@ -226,10 +230,12 @@ class JaxModel:
         decode step (both then double up to the context; unused with the kernel), `layers_per_call`
         how many layers one jitted decode call runs (all of them: `layers_per_call=n_layers`;
         prefill runs one). `kernels`: use the CPU decode kernels where they apply (CPU backend,
-        float32, and they build here; `self.kernels` says whether they are on): attention, and the
+        float32, and a library is found or built here; `self.kernels` says whether they are on, and
+        `self.kernel_state` says it for operators: "on: <origin> <path>", "off: <reason>" or
+        "not applicable: <reason>"): attention, and the
         one-row weight products on [out, in] copies of the projections (held in memory besides the
         originals); False forces plain JAX and makes no copies. `kernel_build` says where they
-        are built and with which compiler.
+        are looked for and built, and with which compiler.
         """
         model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir, dtype)
