@@ -4,7 +4,8 @@ At start it waits for the decoder and refuses to serve a model its tokenizer doe
 to. Then a monitor keeps `tokenwire.text.v1.TextGeneration` readiness equal to the decoder's
 (re-checking the model whenever the decoder comes back); `tokenwire.text.v1.Tokenizer` needs
 no decoder and is ready until draining. Generations share one `Decoder.DecodeStream`, on a
-blocking channel of its own that a thread reads ahead (services.decode_stream_client); health
+blocking channel of its own that a thread reads ahead (services.decode_stream_client), which
+the readiness monitor also asks, so readiness follows the connection generations use; start-up
 and model checks use a grpc.aio channel. Both reconnect by themselves when the decoder
 restarts; while it is down, generation calls fail fast with UNAVAILABLE.
 """
