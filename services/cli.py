@@ -65,6 +65,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
         model_dir,
         max_batch_size=max_batch_size,
         max_context_length=options.max_context_length,
+        max_chunk=options.max_prefill_chunk,
         dtype=options.dtype,
         kernels=options.cpu_kernels,
         kernel_build=BuildOptions(options.cache_dir, options.compiler),
@@ -376,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
             "with g++ into the cache and verified (off: plain JAX, and no second [out, in] copy of the projection weights)",
             choices=["on", "off"], default="on",
         )
+        add_flag(p, "--max-prefill-chunk", help="largest prompt piece one prefill call runs; its shapes, the powers of two "
+                 "from 16 up to it, are compiled at warm-up", type=positive, default=512)
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
     model_flags(p, scripted=True)
@@ -383,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--max-batch-size", help="slots decoded together per step (KV cache is preallocated for them)", type=positive, default=8)
     add_flag(p, "--max-queue-size", help="requests waiting for a slot; past it, RESOURCE_EXHAUSTED", type=non_negative, default=64)
     add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=timeout, default=30.0)
+    add_flag(p, "--max-step-tokens", help="prompt tokens prefilled per engine step, over every request still reading its "
+             "prompt: a longer prompt is prefilled in chunks, with a decode step for the running streams after each, so they "
+             "keep flowing (0: each prompt whole, which stalls every stream for its length)", type=non_negative, default=256)
     add_flag(p, "--step-ms", help="with --model scripted:DIR (a fixed-cost stand-in for a model, for transport benchmarks): milliseconds each decode step takes", type=milliseconds, default=0.0)
     engine_flags(p)
 

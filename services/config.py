@@ -123,10 +123,13 @@ class ModelOptions:
     cpu_kernels: bool  # the C++ decode kernels where they apply (CPU, float32)
     cache_dir: Path | None  # models and the built kernels; None: ~/.cache/tokenwire
     compiler: str | None  # the C++ compiler for the kernels: $CXX, the usual variable; None: g++ or clang++
+    max_prefill_chunk: int = 512  # the largest prompt piece one prefill call runs
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "ModelOptions":
-        return ModelOptions(a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None)
+        return ModelOptions(
+            a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None, a.max_prefill_chunk
+        )
 
 
 @dataclass(frozen=True)
@@ -148,7 +151,7 @@ class DecodeServerConfig:
         return DecodeServerConfig(
             model=a.model,
             server=server_options(a),
-            engine=EngineConfig(max_queue_size=a.max_queue_size),
+            engine=EngineConfig(max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens),
             max_batch_size=a.max_batch_size,
             model_options=ModelOptions.from_args(a),
             stall_timeout_s=a.stall_timeout,

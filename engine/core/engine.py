@@ -4,12 +4,17 @@ Data flow, on the engine thread, once per iteration:
   1. take aborts and admissions under the lock (admit waiting requests into free slots, which
      they hold from then on, so the queue bound never counts a promised slot as free);
   2. for each aborted request: release its slot;
-  3. for each admitted request: `model.prefill` -> `decide` -> events; a request that
-     finishes at prefill (a control token, or max_output_tokens = 1) releases its slot at
-     once and never joins a decode step;
-  4. one `model.decode` step for every active slot -> `decide` per slot -> events; finished
-     slots are released in the same iteration.
-After each prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
+  3. prefill: requests whose prompt is not yet all in the cache, oldest admission first, get
+     `model.prefill_chunk` calls of at most `max_step_tokens` prompt tokens in all this
+     iteration (chunked prefill: a long prompt is read over several iterations, each followed
+     by a decode step, so running streams keep their pace). The chunk that completes a prompt
+     samples its first token -> `decide` -> events; a request that finishes there (a control
+     token, or max_output_tokens = 1) releases its slot at once and never joins a decode step;
+  4. one `model.decode` step for every active slot whose prompt is complete -> `decide` per
+     slot -> events; finished slots are released in the same iteration.
+A request cancelled between or during its chunks is released at step 2 or at the end of its
+chunk, with no events, before the next step.
+After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
 run (AsyncEngine sends the step's events for all its requests to the event loop with one wake-up
 there; the engine process sends them, and its stats, to its parent).
 This loop is the only place that touches a request per step. Events for one request are
@@ -50,6 +55,14 @@ class EngineConfig:
     # requests waiting for a slot: submit raises QueueFull only when every slot is taken (or
     # promised to an earlier request) and this many already wait
     max_queue_size: int = 64
+    # prompt tokens prefilled per scheduler iteration, over all requests still reading their
+    # prompt; a longer prompt is prefilled in chunks over several iterations, a decode step of the
+    # running requests after each. 0: every admitted prompt whole in its admission iteration.
+    max_step_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.max_step_tokens < 0:
+            raise ValueError(f"max_step_tokens must be >= 0, got {self.max_step_tokens}")
 
 
 @dataclass(frozen=True)
@@ -71,6 +84,11 @@ class _Live:
     slot: int = -1
     emitted: int = 0
     last_token: int = -1
+    prefilled: int = 0  # prompt positions in the cache; the request decodes once all are
+
+    @property
+    def filling(self) -> bool:
+        return self.prefilled < len(self.request.prompt_token_ids)
 
 
 def admit(request: Request, info: ModelInfo) -> tuple[Request, StopRule]:
@@ -189,11 +207,17 @@ class Engine:
                         self._active[live.slot] = live
                 if self._drop(aborts):
                     self._after_delivery()  # nothing to deliver, but a slot was freed: stats changed
-                for live in admitted:
-                    self._prefill(live)
-                    self._after_delivery()
+                budget = self.config.max_step_tokens or None  # None: no limit
+                for live in [live for live in self._active.values() if live.filling]:  # admission order
+                    if budget is not None and budget <= 0:
+                        break
+                    done = self._prefill(live, budget)
+                    if budget is not None:
+                        budget -= done
+                    if not live.filling or live.slot not in self._active:  # a first token, or a cancel
+                        self._after_delivery()
                     self._progressed()
-                if self._active:
+                if any(not live.filling for live in self._active.values()):
                     started = time.perf_counter()
                     self._decode_step()
                     self._after_delivery()
@@ -241,18 +265,30 @@ class Engine:
         del self._active[live.slot]
         self.model.release(live.slot)
 
-    def _prefill(self, live: _Live) -> None:
+    def _prefill(self, live: _Live, budget: int | None) -> int:
+        """Prefill the next chunk of `live`'s prompt, at most `budget` tokens (None: the rest);
+        the chunk that ends the prompt samples its first token. -> tokens prefilled."""
+        prompt = live.request.prompt_token_ids
+        start = live.prefilled
+        end = len(prompt) if budget is None else min(len(prompt), start + budget)
         setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
-        sample = self.model.prefill(live.slot, live.request.prompt_token_ids, setup, live.rule.masks_control_tokens(0))
+        masked = live.rule.masks_control_tokens(0)
+        if start == 0 and end == len(prompt):  # the whole prompt at once
+            sample: Sample | None = self.model.prefill(live.slot, prompt, setup, masked)
+        else:
+            sample = self.model.prefill_chunk(live.slot, prompt, start, end, setup, masked)
+        live.prefilled = end
         with self._cond:  # aborted while prefilling: free the slot, send nothing
             if live.ticket in self._aborts:
                 self._aborts.discard(live.ticket)
                 self._release(live)
-                return
-        self._advance(live, sample)
+                return end - start
+        if sample is not None:
+            self._advance(live, sample)
+        return end - start
 
     def _decode_step(self) -> None:
-        lives = list(self._active.values())
+        lives = [live for live in self._active.values() if not live.filling]
         inputs = [
             DecodeInput(
                 slot=live.slot,

@@ -34,6 +34,7 @@ What holds, as with the in-process `Engine`:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -192,7 +193,8 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     # it, plus the aborted slots not yet freed (at most one batch).
     outbox = _Outbox(conn)
     engine = Engine(
-        model, EngineConfig(config.max_queue_size + model.info.max_batch_size), on_death=on_death, on_step=outbox.step
+        model, dataclasses.replace(config, max_queue_size=config.max_queue_size + model.info.max_batch_size),
+        on_death=on_death, on_step=outbox.step,
     )
     outbox.stats = engine.stats
     engine.after_delivery(outbox.flush)

@@ -1,8 +1,9 @@
 """The `Model` interface the scheduler drives, and what crosses it.
 
 A model owns a slot-based KV cache of `max_batch_size` slots x `max_context_length`
-positions. The scheduler prefills one request into a free slot, then calls `decode`
-once per step for every active slot, and releases a slot when its request ends.
+positions. The scheduler prefills one request into a free slot (whole, or in chunks over several
+steps, `prefill_chunk`), then calls `decode` once per step for every active slot whose prompt is
+complete, and releases a slot when its request ends (or is cancelled, mid-prefill included).
 A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
 """
@@ -77,6 +78,17 @@ class Model(Protocol):
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
         """Write the prompt's KV into `slot` and sample the first output token (position len(prompt))."""
+
+    def prefill_chunk(
+        self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
+    ) -> Sample | None:
+        """Write the KV of `prompt_token_ids[start:end]` into `slot` at positions start..end-1,
+        attending to the slot's positions [0, start) written by the earlier chunks. `start == 0`
+        takes a free slot (and `setup`, as `prefill` does); otherwise `start` must be where the
+        slot's previous chunk ended. The last chunk (`end == len(prompt_token_ids)`) samples and
+        returns the first output token (position len(prompt)), exactly as `prefill` of the whole
+        prompt would; earlier chunks return None, and the slot must not decode until its last.
+        `prefill(slot, p, setup, masked)` is `prefill_chunk(slot, p, 0, len(p), setup, masked)`."""
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
         """One step for the given slots; returns one sample per input, in the same order."""

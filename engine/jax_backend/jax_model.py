@@ -1,9 +1,13 @@
 """`JaxModel`: the real model behind engine.core.model.Model, a JAX decoder with a slot-based KV cache.
 
 Data flow: `load` reads a checkpoint (engine.model_store.checkpoint) and allocates the device state once: the
-KV cache (L buffers of [B, K, S, D]) and each slot's banned-id row [B, V']. `prefill` runs one
-prompt, padded to the smallest prompt bucket that holds it, into a slot and samples its first
-token. `decode` runs one token for the first R slots, R being the smallest row bucket above the
+KV cache (L buffers of [B, K, S, D]) and each slot's banned-id row [B, V']. `prefill_chunk`
+writes positions [start, end) of a prompt into a slot (the scheduler's chunked prefill; `prefill`
+is the whole prompt as one chunk) as calls of the compiled chunk sizes (powers of two from
+`min_bucket` up to `max_chunk`, 512): each piece the largest size it fills, the last the smallest
+that holds the rest; each call attends, blocked and causal, only to the slot's keys up to its
+end (transformer.chunk_attention), so a prompt's cost grows with its length, not with the
+context; the chunk that ends the prompt samples its first token. `decode` runs one token for the first R slots, R being the smallest row bucket above the
 highest active slot (the scheduler fills the lowest free slot first, so live slots sit low), and
 attends over the smallest attend bucket that covers every active position; on the CPU (float32)
 the attention is a C++ kernel (engine.jax_backend.cpu_kernels) that reads each row's live keys in place, so
@@ -16,7 +20,8 @@ cache buffers donated and handing them back written in place, then head and samp
 Per-slot sampling parameters live on the host and travel with each step as [R] arrays.
 
 Shapes and warm-up. `warm_up` compiles every shape serving can use, so serving compiles nothing
-(`compilations()` lets tests check): per prompt bucket a prefill layer; per (row bucket, attend
+(`compilations()` lets tests check): per prompt (chunk) bucket a prefill layer, whatever the
+chunk's offset; per (row bucket, attend
 bucket) a decode layer group; per row bucket embed, head and sampling. Row buckets are powers of
 two up to B, attend buckets powers of two from `min_attend` (128) up to the context, prompt
 buckets from `min_bucket` (16). Why these shapes (measured on the project's CPU machine; the
@@ -57,7 +62,8 @@ from engine.jax_backend.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
 
-MIN_BUCKET = 16  # smallest prompt bucket
+MIN_BUCKET = 16  # smallest prompt (chunk) bucket
+MAX_CHUNK = 512  # largest prompt chunk one prefill call runs; longer prompts run as several chunks
 MIN_ATTEND = 128  # smallest decode attend bucket
 LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
 # XLA:CPU hands matmuls with more than one row, batched attention products and reductions to
@@ -159,6 +165,7 @@ class JaxModel:
         layers_per_call: int = LAYERS_PER_CALL,
         kernels: bool = True,
         kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
+        max_chunk: int = MAX_CHUNK,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -168,7 +175,9 @@ class JaxModel:
         cache = transformer.init_cache(config, b, s, dtype)
         self._k, self._v = list(cache.k), list(cache.v)  # per layer; each call swaps in new buffers
         self._mask = jnp.zeros((b, self._head_size), bool)
-        self._prompt_buckets = length_buckets(s, min_bucket)
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
+        self._prompt_buckets = length_buckets(min(s, max_chunk), min_bucket)
         # The CPU attention kernel reads each row's live keys itself: one attend shape is enough.
         # For operators: "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>".
         self.kernel_state = cpu_kernel_state(kernels, dtype, kernel_build)
@@ -182,6 +191,7 @@ class JaxModel:
             layers = tuple(with_one_row_copies(layer) for layer in layers)
         self._layers = {g: layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
+        self._filling = np.zeros(b, bool)  # prefilled in part: more chunks to come before it may decode
         self._temperature = np.zeros(b, np.float32)
         self._top_k = np.zeros(b, np.int32)
         self._top_p = np.ones(b, np.float32)
@@ -222,6 +232,7 @@ class JaxModel:
         layers_per_call: int = LAYERS_PER_CALL,
         kernels: bool = True,
         kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
+        max_chunk: int = MAX_CHUNK,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
@@ -235,7 +246,10 @@ class JaxModel:
         "not applicable: <reason>"): attention, and the
         one-row weight products on [out, in] copies of the projections (held in memory besides the
         originals); False forces plain JAX and makes no copies. `kernel_build` says where they
-        are looked for and built, and with which compiler.
+        are looked for and built, and with which compiler. `max_chunk`: the largest prompt chunk
+        one prefill call runs (capped at the context); prompt buckets are powers of two from
+        `min_bucket` up to it, and a longer prompt, or a chunk the scheduler hands over, runs as
+        several calls of those shapes.
         """
         model_dir = Path(model_dir)
         ckpt = load_checkpoint(model_dir, dtype)
@@ -260,11 +274,13 @@ class JaxModel:
             eos_token_ids=ckpt.eos_token_ids,
         )
         dtype_ = jnp.dtype(dtype or default_dtype())
-        return cls(cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels, kernel_build)
+        return cls(
+            cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels, kernel_build, max_chunk
+        )
 
     @property
     def buckets(self) -> tuple[int, ...]:
-        """Prompt lengths compiled for, in increasing order."""
+        """Prompt chunk lengths compiled for, in increasing order (the last is the largest chunk)."""
         return self._prompt_buckets
 
     @property
@@ -309,7 +325,7 @@ class JaxModel:
         decode_groups = list({hi - lo: (lo, hi) for lo, hi in self._decode_groups}.values())
         for t in self._prompt_buckets:
             x = self._embed(self._weights.embed, np.zeros((1, t), np.int32))
-            self._run_layers(self._prefill_groups[:1], self._prefill_layers, x, np.int32(0), cfg=self.config)
+            self._run_layers(self._prefill_groups[:1], self._prefill_layers, x, np.int32(0), np.int32(0), cfg=self.config)
             self._last(x, np.int32(1))
         self._mask = self._write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
         for rows in self._row_buckets:
@@ -322,31 +338,71 @@ class JaxModel:
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
+        sample = self.prefill_chunk(slot, prompt_token_ids, 0, len(prompt_token_ids), setup, masked)
+        assert sample is not None  # the chunk ends the prompt
+        return sample
+
+    def prefill_chunk(
+        self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
+    ) -> Sample | None:
         n = len(prompt_token_ids)
         v = self.config.vocab_size
-        _require(self._length[slot] == 0, f"slot {slot} is in use")
-        _require(1 <= n < self.info.max_context_length, f"a prompt of {n} tokens in a context of {self.info.max_context_length}")
-        tokens = np.zeros(_bucket(self._prompt_buckets, n), np.int32)
-        tokens[:n] = prompt_token_ids
-        _require(0 <= tokens.min() and tokens.max() < v, "a prompt id outside the vocabulary")
-        _require(all(0 <= t < v for t in setup.masked_token_ids), "a masked id outside the vocabulary")
-        s = setup.sampling
-        _require(s.seed is not None, "no seed (the engine sets one for every request)")
-        self._temperature[slot], self._top_k[slot] = s.temperature, s.top_k
-        self._top_p[slot], self._min_p[slot] = s.top_p, s.min_p
-        self._seed[slot] = sampling.seed_words(s.seed)
-        mask_row = np.zeros(self._head_size, bool)
-        mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
-        x = self._embed(self._weights.embed, tokens[None])  # [1, T, E]
-        x = self._run_layers(self._prefill_groups, self._prefill_layers, x, np.int32(slot), cfg=self.config)
-        self._mask = self._write_mask(self._mask, mask_row, np.int32(slot))
+        s_ = self.info.max_context_length
+        _require(1 <= n < s_, f"a prompt of {n} tokens in a context of {s_}")
+        _require(0 <= start < end <= n, f"a chunk [{start}, {end}) of a prompt of {n} tokens")
+        if start == 0:
+            _require(self._length[slot] == 0 and not self._filling[slot], f"slot {slot} is in use")
+        else:
+            _require(self._filling[slot] and self._length[slot] == start, f"a chunk at {start} is not slot {slot}'s next one")
+        ids = np.asarray(prompt_token_ids[start:end], np.int64)
+        _require(0 <= ids.min() and ids.max() < v, "a prompt id outside the vocabulary")
+        if start == 0:
+            _require(all(0 <= t < v for t in setup.masked_token_ids), "a masked id outside the vocabulary")
+            s = setup.sampling
+            _require(s.seed is not None, "no seed (the engine sets one for every request)")
+            self._temperature[slot], self._top_k[slot] = s.temperature, s.top_k
+            self._top_p[slot], self._min_p[slot] = s.top_p, s.min_p
+            self._seed[slot] = sampling.seed_words(s.seed)
+            mask_row = np.zeros(self._head_size, bool)
+            mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
+            self._mask = self._write_mask(self._mask, mask_row, np.int32(slot))
+            self._filling[slot] = True
+        x, last = None, 0
+        for lo, hi, size in self._pieces(start, end):  # each one compiled shape: [lo, lo + size) in the context
+            tokens = np.zeros(size, np.int32)
+            tokens[: hi - lo] = prompt_token_ids[lo:hi]
+            x = self._embed(self._weights.embed, tokens[None])  # [1, C, E]
+            x = self._run_layers(
+                self._prefill_groups, self._prefill_layers, x, np.int32(slot), np.int32(lo), cfg=self.config
+            )
+            last = hi - lo  # the last real token's index in the piece, plus one
+        self._length[slot] = end
+        if end < n:
+            return None
+        self._filling[slot] = False
         row = slice(slot, slot + 1)
         token, logprob = self._run_sample(
-            self._last(x, np.int32(n)), np.array([slot], np.int32), np.array([masked]), self._params(row),
+            self._last(x, np.int32(last)), np.array([slot], np.int32), np.array([masked]), self._params(row),
             np.array([n], np.int32),
         )
-        self._length[slot] = n
         return Sample(int(token[0]), float(logprob[0]))
+
+    def _pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """Positions [start, end) as calls of compiled chunk sizes: (lo, hi, size) with real
+        tokens [lo, hi) and lo + size <= S. Each piece takes the largest bucket that it fills
+        (no padding) and the last the smallest that holds the rest. A last piece whose bucket
+        would run past the context starts earlier instead, recomputing (identically) a few
+        positions already written, so that every call stays inside the cache."""
+        s, buckets, pieces, lo = self.info.max_context_length, self._prompt_buckets, [], start
+        while lo < end:
+            rest = end - lo
+            fits = [b for b in buckets if b <= rest]
+            size = fits[-1] if fits else _bucket(buckets, rest)
+            hi = min(lo + size, end)
+            at = min(lo, s - size)
+            pieces.append((at, hi, size))
+            lo = hi
+        return pieces
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
         if not inputs:
@@ -355,7 +411,7 @@ class JaxModel:
         given = np.fromiter((i.position for i in inputs), np.int64, len(inputs))
         ids = np.fromiter((i.token_id for i in inputs), np.int64, len(inputs))
         _require(len(np.unique(slots)) == len(slots), "a slot twice in one step")
-        _require((self._length[slots] > 0).all(), "a slot that was not prefilled")
+        _require((self._length[slots] > 0).all() and not self._filling[slots].any(), "a slot that was not prefilled")
         _require((given == self._length[slots]).all(), "a position that is not the slot's next one")
         _require(given.max() < self.info.max_context_length, "a position past the context")
         _require(0 <= ids.min() and ids.max() < self.config.vocab_size, "a token id outside the vocabulary")
@@ -376,6 +432,7 @@ class JaxModel:
 
     def release(self, slot: int) -> None:
         self._length[slot] = 0
+        self._filling[slot] = False
         self._temperature[slot], self._top_k[slot], self._top_p[slot], self._min_p[slot] = 0.0, 0, 1.0, 0.0
         self._seed[slot] = 0
 

@@ -2,13 +2,15 @@
 
 The pass is cut into pieces that the caller jits separately, so that a group of layers compiles
 once and runs for every group of the same shape (see engine.jax_backend.jax_model for why):
-- `prefill_layers`: one request's prompt (padded to a bucket of T tokens) through a group of
-  layers; writes the slot's K/V for positions [0, T). The prompt attends to its own fresh K/V.
+- `prefill_layers`: one chunk of a request's prompt (padded to a bucket of C tokens) at positions
+  start..start+C-1 through a group of layers; writes the slot's K/V there and attends, blocked
+  and causal (`chunk_attention`), to the slot's keys up to the chunk's end: a whole prompt is one
+  chunk at start 0, a long one several (chunked prefill). Cost grows with start + C, not with S.
 - `decode_layers`: one token for each of the first R slots through a group of layers; writes each
   active slot's K/V at its position and reads only the first R slots and the first `attend`
   positions, so a step costs what the live batch and lengths need, not what the cache could hold.
 - `logits`: final norm and head -> float32 logits over the ids the tokenizer can produce.
-`prefill` and `decode` chain them into one whole-model call (tests; one-call serving).
+`prefill`, `prefill_chunk` and `decode` chain them into one whole-model call (tests; one-call serving).
 
 Layers are unrolled over separate per-layer weights and per-layer cache buffers. A `lax.scan` over
 stacked weights compiles faster but decodes slower, because XLA:CPU copies each layer's slice of a
@@ -127,6 +129,57 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: M
     return out.reshape(b, t, cfg.n_heads * d)
 
 
+def chunk_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slot: jax.Array, start: jax.Array, cfg: ModelConfig,
+    block: int = 256,
+) -> jax.Array:
+    """Causal GQA attention of one slot's chunk of C queries at positions start..start+C-1 over
+    the slot's cached keys (the chunk's own already written): q [C, H, D], k/v caches
+    [B, K, S, D], slot [], start [] -> [C, H * D].
+
+    Blocked, with an online softmax (flash-attention style): a `fori_loop` walks key blocks of
+    `block` (static) positions up to the chunk's end only, so the cost grows with start + C,
+    never with the context S, and no [T, S] score or mask array is ever built. Each block is
+    one batched product per kv head of the [G * C, D] queries with [D, block] keys, read in place
+    from the cache. A query sees a key iff its position <= the query's (stale or padding cache
+    rows past the chunk are never seen)."""
+    c, h, d = q.shape
+    kv = cfg.n_kv_heads
+    g = h // kv
+    s = k_cache.shape[2]
+    block = min(block, s)
+    qk = (q.astype(jnp.float32) * (1.0 / np.sqrt(d))).astype(q.dtype)
+    qk = qk.reshape(c, kv, g, d).transpose(1, 2, 0, 3).reshape(kv, g * c, d)  # [K, G*C, D], rows g-major
+    q_pos = start + jnp.tile(jnp.arange(c), g)  # [G*C]
+    n_blocks = (start + c + block - 1) // block
+
+    def body(j, carry):
+        m, l, acc = carry  # [K, G*C], [K, G*C], [K, G*C, D] (float32)
+        lo = j * block
+        at = jnp.minimum(lo, s - block)  # the last block may overlap the one before: mask those keys
+        kb = jax.lax.dynamic_slice(k_cache, (slot, 0, at, 0), (1, kv, block, d))[0]  # [K, Bk, D]
+        vb = jax.lax.dynamic_slice(v_cache, (slot, 0, at, 0), (1, kv, block, d))[0]
+        scores = jnp.einsum("kqd,kbd->kqb", qk, kb, preferred_element_type=jnp.float32)  # [K, G*C, Bk]
+        k_pos = at + jnp.arange(block)  # [Bk]
+        seen = (k_pos[None, :] >= lo) & (k_pos[None, :] <= q_pos[:, None])  # [G*C, Bk]
+        scores = jnp.where(seen[None], scores, -jnp.inf)
+        m_new = jnp.maximum(m, scores.max(axis=-1))  # finite: key 0 (block 0) is seen by every query
+        p = jnp.exp(scores - m_new[..., None])  # [K, G*C, Bk]
+        corr = jnp.exp(m - m_new)
+        l = l * corr + p.sum(axis=-1)
+        pv = jnp.einsum("kqb,kbd->kqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        return m_new, l, acc * corr[..., None] + pv
+
+    init = (
+        jnp.full((kv, g * c), -jnp.inf, jnp.float32),
+        jnp.zeros((kv, g * c), jnp.float32),
+        jnp.zeros((kv, g * c, d), jnp.float32),
+    )
+    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    out = (acc / l[..., None]).astype(q.dtype)  # [K, G*C, D]
+    return out.reshape(kv, g, c, d).transpose(2, 0, 1, 3).reshape(c, h * d)
+
+
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
     """One query per row over cached keys at positions 0..A-1: q [R, H, D], k/v [R, K, A, D],
     q_pos [R] -> [R, H * D]. A key is seen iff its position <= the query's."""
@@ -185,19 +238,27 @@ def prefill_layers(
     v_caches: tuple[jax.Array, ...],
     x: jax.Array,
     slot: jax.Array,
+    start: jax.Array,
     cfg: ModelConfig,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """x [1, T, E] (prompt then padding), slot [] -> x [1, T, E] and the group's caches, with the
-    slot's K/V written for positions [0, T). Those past the prompt are padding, overwritten by
-    decode before any query can see them."""
-    positions = jnp.arange(x.shape[1])[None, :]  # [1, T]
+    """One chunk of a prompt through a group of layers: x [1, C, E] (the tokens at positions
+    start..start+C-1, real ones first, padding after), slot [], start [] -> x [1, C, E] and the
+    group's caches, with the slot's K/V written for positions [start, start + C). The chunk
+    attends to the slot's keys at positions [0, start + C): those written by earlier chunks and
+    its own (`chunk_attention`). start + C <= S. Positions written past the prompt are padding,
+    overwritten by the next chunk or by decode before any query can see them."""
+    c = x.shape[1]
+    positions = (start + jnp.arange(c))[None, :]  # [1, C]
+    at = (slot, 0, start, 0)
     ks, vs = [], []
     for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
-        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions, cfg)  # [1, T, H|K, D]
-        at = (slot, 0, 0, 0)
-        ks.append(jax.lax.dynamic_update_slice(k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), at))  # [1, K, T, D]
-        vs.append(jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), at))
-        x = x + attention(q, k, v, positions, cfg) @ w.w_o
+        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions, cfg)  # [1, C, H|K, D]
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), at)  # [1, K, C, D]
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), at)
+        ks.append(k_cache)
+        vs.append(v_cache)
+        seen = chunk_attention(q[0], k_cache, v_cache, slot, start, cfg)  # [C, H*D]
+        x = x + (seen @ w.w_o)[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
 
@@ -251,8 +312,18 @@ def prefill(
 ) -> tuple[jax.Array, KVCache]:
     """The whole model in one call: tokens [T] (real ones first, padding after), length [] in
     [1, T], slot [] -> logits [V'] after the last real token, cache."""
-    x = weights.embed[tokens][None]  # [1, T, E]
-    x, ks, vs = prefill_layers(weights.layers, cache.k, cache.v, x, slot, cfg)
+    return prefill_chunk(weights, cache, tokens, length, slot, jnp.int32(0), cfg)
+
+
+def prefill_chunk(
+    weights: Weights, cache: KVCache, tokens: jax.Array, length: jax.Array, slot: jax.Array, start: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, KVCache]:
+    """The whole model over one chunk: tokens [C] at positions start..start+C-1 (real ones first,
+    padding after), length [] in [1, C] real ones, slot [], start [] (positions [0, start) of the
+    slot already written by earlier chunks) -> logits [V'] after the last real token, cache."""
+    x = weights.embed[tokens][None]  # [1, C, E]
+    x, ks, vs = prefill_layers(weights.layers, cache.k, cache.v, x, slot, start, cfg)
     last = jax.lax.dynamic_index_in_dim(x[0], length - 1, keepdims=False)  # [E]
     return logits(last, weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)
 

@@ -1,0 +1,280 @@
+"""Chunked prefill: a prompt written into its slot over several `prefill_chunk` calls.
+
+The model side (JaxModel on the tiny checkpoints, and once on the real model): blocked causal
+attention equals the full reference; a prompt prefilled in uneven chunks (including a last piece
+that would run past the context) gives the same greedy ids as one whole-prompt call; nothing
+compiles after warm-up with chunks in the mix. The scheduler side (ScriptedModel): a long prompt
+is read in chunks of at most `max_step_tokens`, with a decode step of the running streams after
+each; chunked and whole prefill send the same events; a request cancelled mid-prefill frees its
+slot before the next step and sends nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engine.core.engine import Engine, EngineConfig
+from engine.core.events import Finished, Token
+from engine.core.model import DecodeInput, SlotSetup
+from engine.core.request import Request, SamplingParams, StoppingCriteria
+from engine.core.scripted_model import ScriptedModel
+from engine.jax_backend import transformer
+from engine.jax_backend.jax_model import JaxModel
+from engine.model_store import registry
+
+ASSETS = Path(__file__).parent / "assets"
+GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
+
+
+# -- model side -------------------------------------------------------------------------------
+
+
+class _Heads:
+    n_heads, n_kv_heads, head_dim = 6, 2, 8
+
+
+@pytest.mark.parametrize("context, block, chunk, start", [(64, 16, 16, 0), (64, 16, 16, 32), (100, 32, 24, 70), (100, 128, 7, 50)])
+def test_chunk_attention_equals_full_causal_attention(context, block, chunk, start):
+    """Queries at start..start+C-1 over the slot's keys: the blocked online softmax (blocks that
+    do not divide the context, a block larger than it) matches softmax over every earlier key."""
+    cfg = _Heads()
+    rng = np.random.default_rng(start)
+    k_cache = rng.standard_normal((3, 2, context, 8)).astype(np.float32)
+    v_cache = rng.standard_normal((3, 2, context, 8)).astype(np.float32)
+    q = rng.standard_normal((chunk, 6, 8)).astype(np.float32)
+    slot = 1
+    got = transformer.chunk_attention(q, k_cache, v_cache, np.int32(slot), np.int32(start), cfg, block=block)
+    end = start + chunk
+    k = k_cache[slot, :, :end].swapaxes(0, 1)[None]  # [1, A, K, D]
+    v = v_cache[slot, :, :end].swapaxes(0, 1)[None]
+    want = transformer.attention(q[None], k, v, jnp.arange(start, end)[None], cfg)[0]
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
+
+
+def _greedy(model: JaxModel, prompt: tuple[int, ...], n: int, cuts: list[int] | None) -> tuple[list[int], float]:
+    """Greedy ids of `prompt` in slot 1 (slot 0 holds another request), prefilled whole or cut
+    at `cuts`; -> ids and the first token's logprob."""
+    model.prefill(0, (5, 6, 7), GREEDY, masked=False)
+    if cuts is None:
+        first = model.prefill(1, prompt, GREEDY, masked=False)
+    else:
+        bounds = [0, *cuts, len(prompt)]
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            first = model.prefill_chunk(1, prompt, lo, hi, GREEDY, masked=False)
+            assert (first is None) == (hi < len(prompt))
+    ids = [first.token_id]
+    for step in range(n - 1):
+        ids.append(model.decode([DecodeInput(1, ids[-1], len(prompt) + step, False)])[0].token_id)
+    model.release(0)
+    model.release(1)
+    return ids, first.logprob
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def pair(request) -> tuple[JaxModel, JaxModel]:
+    """The same checkpoint twice, context 60: `whole` runs any prompt as one call (one bucket, the
+    context); `chunked` has chunk buckets 4, 8, 16, so its prompts always run in several calls,
+    and a last piece near the end of the context must start earlier to stay inside it."""
+    whole = JaxModel.load(ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=64)
+    chunked = JaxModel.load(ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=4, max_chunk=16)
+    assert whole.buckets == (60,) and chunked.buckets == (4, 8, 16)
+    whole.warm_up()
+    chunked.warm_up()
+    return whole, chunked
+
+
+@pytest.mark.parametrize(
+    "length, cuts", [(9, None), (40, None), (40, [7, 20, 33]), (57, [1, 2, 50]), (57, [16, 32, 48, 56])]
+)
+def test_chunked_prefill_gives_the_same_greedy_ids_on_tiny_checkpoints(pair, length, cuts):
+    whole, chunked = pair
+    prompt = tuple(int(t) for t in np.random.default_rng(length).integers(3, 250, length))
+    n = min(8, 60 - length)
+    want, want_logprob = _greedy(whole, prompt, n, None)
+    got, got_logprob = _greedy(chunked, prompt, n, cuts)
+    assert got == want
+    assert abs(got_logprob - want_logprob) < 1e-4
+
+
+def test_nothing_compiles_after_warm_up_with_chunks_in_the_mix(pair):
+    _, model = pair
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event:
+            compiles.append(event)
+
+    before = model.compilations()
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        prompt = tuple(range(3, 58))
+        _greedy(model, prompt, 3, [5, 6, 29, 50])
+        _greedy(model, prompt[:23], 10, None)
+        model.prefill_chunk(0, prompt, 0, 17, GREEDY, masked=False)  # cancelled mid-prefill
+        model.release(0)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert model.compilations() == before
+    assert compiles == []
+
+
+def test_a_slot_mid_prefill_cannot_decode_or_skip_a_chunk(pair):
+    from engine.core.model import ModelUsageError
+
+    _, model = pair
+    prompt = tuple(range(3, 30))
+    model.prefill_chunk(0, prompt, 0, 10, GREEDY, masked=False)
+    with pytest.raises(ModelUsageError):
+        model.decode([DecodeInput(0, 5, 10, False)])
+    with pytest.raises(ModelUsageError):
+        model.prefill_chunk(0, prompt, 11, 20, GREEDY, masked=False)
+    model.release(0)
+    assert model.prefill_chunk(0, prompt, 0, len(prompt), GREEDY, masked=False) is not None
+    model.release(0)
+
+
+@pytest.mark.real_model
+def test_chunked_prefill_gives_the_same_greedy_ids_on_the_real_model():
+    path = registry.model_dir(registry.DEFAULT_MODEL)
+    if not (path / "config.json").exists():
+        pytest.skip(f"the real model is not prepared at {path} (tokenwire pull)")
+    model = JaxModel.load(path, max_batch_size=2, max_context_length=1024, max_chunk=256)
+    prompt = tuple(int(t) for t in np.random.default_rng(0).integers(3, 49152, 700))
+    want, want_logprob = _greedy(model, prompt, 8, None)  # 700 = 256 + 256 + 128 + 32 + 16 + 12 (16)
+    got, got_logprob = _greedy(model, prompt, 8, [100, 357, 612])
+    assert got == want
+    assert abs(got_logprob - want_logprob) < 1e-3
+
+
+# -- scheduler side ---------------------------------------------------------------------------
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.batches: list[list] = []
+        self.started = threading.Event()
+        self.done = threading.Event()
+
+    def events(self, events) -> None:
+        self.batches.append(events)
+        self.started.set()
+        if isinstance(events[-1], Finished):
+            self.done.set()
+
+    def fail(self, error) -> None:
+        self.done.set()
+
+    @property
+    def tokens(self) -> list[int]:
+        return [e.id for b in self.batches for e in b if isinstance(e, Token)]
+
+
+def _request(prompt, n) -> Request:
+    return Request("r", tuple(prompt), stopping=StoppingCriteria(n))
+
+
+def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_prefilled():
+    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002)
+    engine = Engine(model, EngineConfig(max_step_tokens=16))
+    engine.start()
+    try:
+        running, long = Recorder(), Recorder()
+        engine.submit(_request([10], 60), running)
+        assert running.started.wait(5)
+        long_prompt = [3] * 99 + [500]  # 100 tokens: chunks of 16, the last of 4
+        engine.submit(_request(long_prompt, 3), long)
+        assert long.done.wait(5) and running.done.wait(5)
+    finally:
+        engine.stop()
+    chunks = [c for c in model.calls if c[0] == "prefill" and c[1] == 1]
+    assert [(c[2], c[3]) for c in chunks] == [(i, min(i + 16, 100)) for i in range(0, 100, 16)]
+    at = [model.calls.index(c) for c in chunks]
+    for a, b in zip(at[:-1], at[1:]):  # between any two chunks, one decode step of the running stream
+        assert model.calls[a + 1 : b] == [("decode", (0,))]
+    assert long.tokens == [501, 502, 503]  # its first token comes from the last chunk
+    assert running.tokens == list(range(11, 71))
+
+
+@pytest.mark.parametrize("max_step_tokens", [0, 1, 5, 64])
+def test_chunked_and_whole_prefill_send_the_same_events(max_step_tokens):
+    model = ScriptedModel(vocab_size=1000, max_batch_size=3, max_context_length=128)
+    engine = Engine(model, EngineConfig(max_step_tokens=max_step_tokens))
+    engine.start()
+    try:
+        sinks = [Recorder() for _ in range(4)]
+        for i, sink in enumerate(sinks):
+            engine.submit(_request(list(range(1, 20 * i + 3)) + [100 * i + 2], 5 + i), sink)
+        assert all(s.done.wait(5) for s in sinks)
+    finally:
+        engine.stop()
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == list(range(100 * i + 3, 100 * i + 3 + 5 + i))
+        assert sink.batches[-1][-1].usage.prompt_tokens == 20 * i + 3
+    if max_step_tokens:
+        assert all(c[3] - c[2] <= max_step_tokens for c in model.calls if c[0] == "prefill")
+
+
+class GatedChunks(ScriptedModel):
+    """Holds the second chunk of a prompt until the test opens the gate."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def prefill_chunk(self, slot, prompt_token_ids, start, end, setup, masked):
+        if start > 0 and not self.gate.is_set():
+            self.entered.set()
+            assert self.gate.wait(10)
+        return super().prefill_chunk(slot, prompt_token_ids, start, end, setup, masked)
+
+
+def test_cancelling_during_a_chunked_prefill_frees_the_slot_before_the_next_step():
+    model = GatedChunks(vocab_size=1000, max_batch_size=1, max_context_length=256)
+    engine = Engine(model, EngineConfig(max_step_tokens=8))
+    engine.start()
+    try:
+        cancelled, after = Recorder(), Recorder()
+        ticket = engine.submit(_request(range(1, 60), 5), cancelled)
+        assert model.entered.wait(5)  # inside its second chunk
+        engine.abort(ticket)
+        engine.submit(_request([40], 2), after)  # waits for the only slot
+        model.gate.set()
+        assert after.done.wait(5)
+    finally:
+        engine.stop()
+    assert cancelled.batches == []  # no event for it, ever
+    assert after.tokens == [41, 42]
+    prefills = [c for c in model.calls if c[0] == "prefill"]
+    assert prefills[:2] == [("prefill", 0, 0, 8), ("prefill", 0, 8, 16)]  # no chunk after the cancel
+    assert prefills[2] == ("prefill", 0, 0, 1)  # the slot went to the next request
+    assert model.slots_held == 0 and engine.stats().slots_in_use == 0
+
+
+def test_cancelling_between_chunks_frees_the_slot():
+    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=512, step_delay_s=0.01)
+    engine = Engine(model, EngineConfig(max_step_tokens=4))
+    engine.start()
+    try:
+        running, cancelled = Recorder(), Recorder()
+        engine.submit(_request([10], 200), running)
+        assert running.started.wait(5)
+        ticket = engine.submit(_request(range(1, 400), 5), cancelled)
+        while sum(1 for c in model.calls if c[0] == "prefill" and c[1] == 1) < 3:
+            threading.Event().wait(0.005)
+        engine.abort(ticket)
+        while engine.stats().slots_in_use != 1:
+            threading.Event().wait(0.005)
+        chunks = sum(1 for c in model.calls if c[0] == "prefill" and c[1] == 1)
+        threading.Event().wait(0.05)
+        assert sum(1 for c in model.calls if c[0] == "prefill" and c[1] == 1) == chunks  # no more chunks
+        assert running.done.wait(5) and running.tokens == list(range(11, 211))
+    finally:
+        engine.stop()
+    assert cancelled.batches == [] and model.slots_held == 0
