@@ -242,8 +242,20 @@ def test_docker_compose_config_accepts_the_files(files):
 
 
 async def test_health_probe_exit_codes():
+    class Recorded(health.aio.HealthServicer):
+        """Records the status each Check answered, per service, in order."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.answered: dict[str, list[int]] = {}
+
+        async def Check(self, request, context):
+            response = await super().Check(request, context)
+            self.answered.setdefault(request.service, []).append(response.status)
+            return response
+
     server = grpc.aio.server()
-    servicer = health.aio.HealthServicer()
+    servicer = Recorded()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -254,11 +266,19 @@ async def test_health_probe_exit_codes():
         assert await asyncio.to_thread(health_check, target) == 0
         assert await asyncio.to_thread(health_check, target, "svc", 2.0) == 1
         assert await asyncio.to_thread(health_check, target, "no.such.Service", 2.0) == 1
-        # with `wait`, it keeps asking until the service turns SERVING
+        # with `wait`, it keeps asking until the service turns SERVING: SERVING comes only once
+        # the probe has been told NOT_SERVING, so it answers 0 only if it asks again
+        NOT_SERVING, SERVING = health_pb2.HealthCheckResponse.NOT_SERVING, health_pb2.HealthCheckResponse.SERVING
+        asked_before = len(servicer.answered["svc"])
         waiting = asyncio.create_task(asyncio.to_thread(health_check, target, "svc", 2.0, 10.0))
-        await asyncio.sleep(0.3)
-        await servicer.set("svc", health_pb2.HealthCheckResponse.SERVING)
-        assert await waiting == 0
+        deadline = asyncio.get_running_loop().time() + 5.0  # its first ask comes at once
+        while len(servicer.answered["svc"]) == asked_before:
+            assert asyncio.get_running_loop().time() < deadline and not waiting.done(), "the waiting probe never asked"
+            await asyncio.sleep(0.01)
+        assert set(servicer.answered["svc"][asked_before:]) == {NOT_SERVING}
+        await servicer.set("svc", SERVING)
+        assert await waiting == 0  # (bounded by the probe's own wait, 10 s, and its 2 s per check)
+        assert servicer.answered["svc"][asked_before:][-1] == SERVING  # it asked again and was told SERVING
     finally:
         await server.stop(None)
     started = time.monotonic()

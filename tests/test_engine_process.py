@@ -323,16 +323,24 @@ def test_stats_show_the_slot_freed_by_an_abort_that_no_step_follows(spawn):
 
 
 def test_aborting_a_waiting_request_delivers_nothing_for_it(spawn):
-    process, _ = spawn(EngineConfig(max_queue_size=2), max_batch_size=1)
+    """The parent drops the aborted request's events whatever the child does, so what shows the
+    child dropped it too is the work: on one slot, the waiting request would run 253 decode steps
+    once the running one's 99 end. The child's stats never show the engine idle while a request
+    is still queued or running, so once they do, the child's step count says what it ran."""
+    steps: list[float] = []  # on_step: one per decode step of the child
+    process, _ = spawn(EngineConfig(max_queue_size=2), on_step=steps.append, max_batch_size=1)
     running, waiting = Recorder(), Recorder()
-    process.submit(long_request(100, 40), running)
-    ticket = process.submit(long_request(200, 5), waiting)
+    process.submit(long_request(100, 100), running)  # the prefill and 99 steps of 2 ms
+    ticket = process.submit(long_request(200), waiting)  # to the context: the prefill and 253 steps
     running.wait(lambda r: len(r.tokens()) >= 2)
+    wait_until(lambda: process.stats().queue_depth == 1)  # it waits for the slot the running one holds
     process.abort(ticket)
     running.wait_ended()
-    assert running.tokens() == list(range(101, 141))
-    assert waiting.got == [] and waiting.error is None
+    assert running.tokens() == list(range(101, 201))
     wait_until(lambda: process.stats().queue_depth == 0 and process.stats().slots_in_use == 0)
+    ran = len(steps)
+    assert ran <= 99, f"{ran} decode steps: the child ran the aborted request after the running one"
+    assert waiting.got == [] and waiting.error is None
 
 
 # -- failures ---------------------------------------------------------------------------------------

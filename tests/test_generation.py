@@ -186,19 +186,27 @@ async def test_leaving_early_closes_the_upstream():
 
 
 async def test_over_the_real_engine_loop_a_stop_string_frees_the_slot():
-    model = ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=1, max_context_length=64)
+    # With no cap the request runs to the 256-token context: the prefill and 251 decode steps,
+    # 5 s at 20 ms a step. "pionc" is complete at the 5th token (the 4th decode step); closing the
+    # decode aborts the request, so the slot must be free within a few steps of that, counted by
+    # the model: 20 steps (0.4 s) for the loop to read the steps and close, far fewer
+    # than the 247 an abort that does nothing leaves the request running.
+    step_s, freed_within, limit_s = 0.02, 4 + 20, 10.0
+    model = ScriptedModel(
+        vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=1, max_context_length=256, step_delay_s=step_s
+    )
     engine = Engine(model)
     engine.start()
     try:
         decode = AsyncEngine(engine).stream(Request("r1", PROMPT, stopping=StoppingCriteria(ignore_eos=True)))
-        deltas, finish = await run(TextRequest(PROMPT, stop_strings=("pionc",)), decode)
+        deltas, finish = await asyncio.wait_for(run(TextRequest(PROMPT, stop_strings=("pionc",)), decode), limit_s)
         assert joined(deltas) == (" b if ", [301, 302, 303, 304, 305])
         assert finish == TextFinished(STOP, Usage(len(PROMPT), 5), stop_string="pionc")
-        for _ in range(300):  # the abort reaches the engine thread within a step
-            if engine.stats().slots_in_use == 0 and model.slots_held == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.stats().slots_in_use == 0 and model.slots_held == 0
+        deadline = asyncio.get_running_loop().time() + limit_s
+        while engine.stats().slots_in_use or model.slots_held:
+            assert model.decode_steps <= freed_within, f"the slot still held after {model.decode_steps} decode steps"
+            assert asyncio.get_running_loop().time() < deadline, f"the slot still held after {limit_s} s"
+            await asyncio.sleep(0.005)
     finally:
         engine.stop()
 

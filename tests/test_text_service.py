@@ -75,6 +75,32 @@ def prompt_ending_in(tokenizer: TextTokenizer, last_id: int) -> str:
     return text
 
 
+# A cancel (the client's, or a stop string's) must end the decode long before it would end on its
+# own, or the tests of it prove nothing (as in tests/test_decode_service.py). prompt_ending_in's
+# prompts are 5 tokens, so a request with no cap runs to the 128-token context: the prefill and
+# 122 decode steps, 2.4 s at SLOW_STEP_S. The slot must be free within FREED_WITHIN_STEPS decode
+# steps (0.4 s) of the cancel, counted by the model: time for the cancel to cross the text
+# service, the DecodeStream and the engine, far fewer than the 98 or more steps a cancel that
+# does nothing leaves the request running.
+SLOW_STEP_S = 0.02
+FREED_WITHIN_STEPS = 20
+LIMIT_S = 10.0  # bound on any one wait here: far above the work waited for
+
+
+async def steps_until_freed(engine, model: ScriptedModel, since: int, within: int, limit_s: float = LIMIT_S) -> int:
+    """Wait until the engine and the model hold no slot; the model's decode steps since `since`
+    by then. Fails as soon as more than `within` steps have passed with a slot still held (the
+    request is running on), or after `limit_s` (the engine stopped stepping)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while engine.stats().slots_in_use or model.slots_held:
+        steps = model.decode_steps - since
+        assert steps <= within, f"a slot still held {steps} decode steps on: the decode was not cancelled"
+        assert loop.time() < deadline, f"a slot still held after {limit_s} s ({steps} decode steps on)"
+        await asyncio.sleep(0.005)
+    return model.decode_steps - since
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 20])
 async def test_exactly_n_tokens_and_text_equals_decode(stack, tokenizer, n):
     _, gen, _ = stack
@@ -169,16 +195,15 @@ async def test_invalid_argument_names_the_field(stack, call, field):
 
 async def test_cancelling_generate_cancels_the_decode_and_frees_the_slot(stack, model, tokenizer):
     decode, gen, _ = stack
-    model.step_delay_s = 0.01
-    call = gen.Generate(generate_request(prompt_ending_in(tokenizer, 300), ignore_eos=True))
-    await call.read()
+    model.step_delay_s = SLOW_STEP_S
+    call = gen.Generate(generate_request(prompt_ending_in(tokenizer, 300), ignore_eos=True))  # 122 steps
+    first = await asyncio.wait_for(call.read(), LIMIT_S)
+    assert first.delta.token_ids[:1] == [301]  # the prefill's token: the decode is running
     assert decode.engine.stats().slots_in_use == 1
+    cancelled_at = model.decode_steps
     call.cancel()
-    for _ in range(300):
-        if decode.engine.stats().slots_in_use == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert decode.engine.stats().slots_in_use == 0 and model.slots_held == 0
+    await steps_until_freed(decode.engine, model, cancelled_at, FREED_WITHIN_STEPS)
+    assert decode.engine.stats().queue_depth == 0
 
 
 async def test_refuses_a_decoder_serving_another_model(tokenizer):
@@ -202,23 +227,23 @@ async def test_refuses_a_decoder_serving_another_model(tokenizer):
 @pytest.mark.parametrize("include", [False, True])
 async def test_stop_string_across_token_boundaries(stack, model, tokenizer, include):
     decode, gen, _ = stack
-    model.step_delay_s = 0.005
-    request = generate_request(prompt_ending_in(tokenizer, 300), max_output_tokens=40, ignore_eos=True)
+    model.step_delay_s = SLOW_STEP_S
+    request = generate_request(prompt_ending_in(tokenizer, 300), ignore_eos=True)  # no cap: 122 decode steps
     request.stop_strings.extend(["zzz", "pionc"])  # "pionc" = " p" + "ion" + "c" of "ct": completed by the 5th token
     request.include_stop_string = include
-    deltas, finished = await generate(gen, request)
+    started_at = model.decode_steps
+    deltas, finished = await asyncio.wait_for(generate(gen, request), LIMIT_S)
     assert "".join(d.text for d in deltas) == (" b if pionc" if include else " b if ")
     assert [i for d in deltas for i in d.token_ids] == [301, 302, 303, 304, 305]
     assert (finished.reason, finished.stop_string, finished.usage.completion_tokens) == (STOP, "pionc", 5)
     assert not finished.HasField("stop_token_id")
-    completion = await gen.Complete(request)
+    # the upstream decode was cancelled: its slot is free within a few steps of the 4th (305's)
+    await steps_until_freed(decode.engine, model, started_at, 4 + FREED_WITHIN_STEPS)
+    started_at = model.decode_steps
+    completion = await gen.Complete(request, timeout=LIMIT_S)
     assert completion.text == "".join(d.text for d in deltas) and completion.stop_string == "pionc"
     assert completion.usage == finished.usage
-    for _ in range(300):  # the upstream decode was cancelled: its slot is free
-        if decode.engine.stats().slots_in_use == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert decode.engine.stats().slots_in_use == 0 and model.slots_held == 0
+    await steps_until_freed(decode.engine, model, started_at, 4 + FREED_WITHIN_STEPS)
 
 
 async def test_stop_string_never_matching_holds_nothing_back_at_the_end(stack, tokenizer):
@@ -328,21 +353,21 @@ async def test_generate_over_an_in_process_engine_equals_complete_over_grpc(stac
     engine.start()
     try:
         local = TextGenerationServicer(tokenizer, engine_decode(AsyncEngine(engine), info), info)
-        stopped = generate_request(prompt_ending_in(tokenizer, 300), max_output_tokens=30, ignore_eos=True)
-        stopped.stop_strings.append("pionc")
         for request in (
             generate_request(prompt_ending_in(tokenizer, 300), max_output_tokens=7),
             generate_request(prompt_ending_in(tokenizer, 507), max_output_tokens=10),
-            stopped,
         ):
             assert await collect(local.generate(request)) == await gen.Complete(request)
         with pytest.raises(InvalidArgument, match="^sampling.temperature:"):
             await collect(local.generate(generate_request("hi", temperature=float("nan"))))
-        for _ in range(300):  # the stop string's cancel reaches the engine within a step
-            if engine.stats().slots_in_use == 0:
-                break
-            await asyncio.sleep(0.01)
-        assert engine.stats().slots_in_use == 0 and local_model.slots_held == 0
+        stopped = generate_request(prompt_ending_in(tokenizer, 300), ignore_eos=True)  # no cap: 122 decode steps
+        stopped.stop_strings.append("pionc")  # completed by the 5th token, at the 4th decode step
+        local_model.step_delay_s = SLOW_STEP_S
+        started_at = local_model.decode_steps
+        completion = await asyncio.wait_for(collect(local.generate(stopped)), LIMIT_S)
+        # the stop string's cancel reaches the engine within a few steps
+        await steps_until_freed(engine, local_model, started_at, 4 + FREED_WITHIN_STEPS)
+        assert completion == await gen.Complete(stopped, timeout=LIMIT_S) and completion.stop_string == "pionc"
     finally:
         engine.stop()
 

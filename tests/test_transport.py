@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import functools
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import pytest
@@ -25,9 +26,48 @@ from services.client import decode_request
 from services.decode_server import DecodeServer, start_decode_server
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
+# Bound on any one wait: far above the work waited for (the longest here is 600 steps of 1 ms),
+# far below forever. A wait past it fails the test instead of hanging the suite.
+LIMIT_S = 10.0
 
 
-def request(prompt_last: int, n: int) -> Request:
+async def within(awaitable, limit_s: float = LIMIT_S):
+    """Await `awaitable` (a read, a stream's next list, an RPC's status); fails the test past `limit_s`."""
+    return await asyncio.wait_for(awaitable, limit_s)
+
+
+async def until(predicate: Callable[[], bool], what: str, limit_s: float = LIMIT_S, interval_s: float = 0.002) -> None:
+    """Poll until `predicate()`; fails the test past `limit_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while not predicate():
+        assert loop.time() < deadline, f"{what}: not reached in {limit_s} s"
+        await asyncio.sleep(interval_s)
+
+
+async def steps_until_freed(
+    stats: Callable[[], object], steps: Callable[[], float], since: float, at_most: float, limit_s: float = LIMIT_S
+) -> float:
+    """Wait until `stats()` shows no slot in use; the engine's decode steps (`steps()`) since
+    `since` by then. Fails as soon as more than `at_most` steps have passed with a slot still held
+    (the request runs on: its cancel did nothing), or after `limit_s` (the engine stopped stepping)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit_s
+    while stats().slots_in_use:
+        taken = steps() - since
+        assert taken <= at_most, f"a slot still held {taken:.0f} decode steps on: the request was not cancelled"
+        assert loop.time() < deadline, f"a slot still held after {limit_s} s ({taken:.0f} decode steps on)"
+        await asyncio.sleep(0.002)
+    return steps() - since
+
+
+def decode_steps(server: DecodeServer) -> float:
+    """The decode steps the server's engine has taken (its step-time histogram counts one per
+    step; from an engine process it can lag by the steps of one message)."""
+    return server.metrics.registry.get_sample_value("tokenwire_engine_step_seconds_count")
+
+
+def request(prompt_last: int, n: int | None) -> Request:
     return Request(f"r{prompt_last}", (1, prompt_last), stopping=StoppingCriteria(max_output_tokens=n, ignore_eos=True))
 
 
@@ -59,7 +99,7 @@ async def collect(stream) -> list[list]:
 
 async def test_one_wake_up_per_engine_iteration_for_all_streams(engine):
     async_engine = AsyncEngine(engine)
-    results = await asyncio.gather(*(collect(async_engine.stream(request(100 * i, 20))) for i in range(1, 9)))
+    results = await within(asyncio.gather(*(collect(async_engine.stream(request(100 * i, 20))) for i in range(1, 9))))
     for i, lists in enumerate(results, start=1):
         tokens = [e.id for events in lists for e in events if isinstance(e, Token)]
         assert tokens == list(range(100 * i + 1, 100 * i + 21))
@@ -73,26 +113,27 @@ async def test_one_wake_up_per_engine_iteration_for_all_streams(engine):
 async def test_a_consumer_that_is_behind_gets_the_backlog_in_one_list_in_order(engine):
     stream = AsyncEngine(engine).stream(request(500, 10))
     async with contextlib.aclosing(stream):
-        first = await anext(stream)
+        first = await within(anext(stream))
         assert first == [Token(501)]
-        while engine.stats().slots_in_use:  # the engine runs on while this consumer is away
-            await asyncio.sleep(0.002)
-        rest = await anext(stream)
+        # the engine runs on while this consumer is away (9 steps of 2 ms)
+        await until(lambda: not engine.stats().slots_in_use, "the request ended")
+        rest = await within(anext(stream))
         assert [e.id for e in rest[:-1]] == list(range(502, 511))
         assert isinstance(rest[-1], Finished) and rest[-1].usage.completion_tokens == 10
         with pytest.raises(StopAsyncIteration):
-            await anext(stream)
+            await within(anext(stream))
 
 
 async def test_leaving_a_coalesced_stream_early_frees_the_slot(engine):
-    stream = AsyncEngine(engine).stream(request(300, 200))
+    # no cap: the request runs to the 256-token context, the prefill and 253 decode steps (0.5 s);
+    # leaving aborts it before the engine's next step, so its slot is free within a few steps of
+    # that, counted by the model (a wait of any length on a busy machine does not change the count)
+    stream = AsyncEngine(engine).stream(request(300, None))
     async with contextlib.aclosing(stream):
-        await anext(stream)
-    for _ in range(100):  # within a few steps of 2 ms
-        if engine.stats().slots_in_use == 0:
-            break
-        await asyncio.sleep(0.002)
-    assert engine.stats().slots_in_use == 0
+        assert (await within(anext(stream)))[0] == Token(301)  # (more, when this consumer is behind)
+    left_at = engine.model.decode_steps
+    await steps_until_freed(engine.stats, lambda: engine.model.decode_steps, left_at, at_most=3)
+    assert engine.model.slots_held == 0
 
 
 # -- a reader that stops reading, over gRPC ---------------------------------------------------
@@ -109,18 +150,18 @@ async def test_a_reader_that_stops_reading_holds_only_its_own_output_and_slows_n
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             stub = decode_pb2_grpc.DecoderStub(channel)
             slow = stub.Decode(decode_request([1, 100], max_output_tokens=600, ignore_eos=True))
-            first = await slow.read()  # then this reader stops reading
+            first = await within(slow.read())  # then this reader stops reading
             assert first.events[0].token.id == 101
-            fast = [e async for r in stub.Decode(decode_request([1, 5], max_output_tokens=50, ignore_eos=True))
-                    for e in r.events]
+            fast_call = stub.Decode(decode_request([1, 5], max_output_tokens=50, ignore_eos=True), timeout=LIMIT_S)
+            fast = [e async for r in fast_call for e in r.events]
             assert [e.token.id for e in fast[:-1]] == list(range(6, 56))  # done while the slow one waits
             assert fast[-1].finished.usage.completion_tokens == 50
-            while server.engine.stats().slots_in_use:  # the stalled request still runs to its end
-                await asyncio.sleep(0.005)
+            # the stalled request still runs to its end (600 steps of 1 ms)
+            await until(lambda: not server.engine.stats().slots_in_use, "the stalled request ended", interval_s=0.005)
             tokens = [e.token.id for e in first.events if e.HasField("token")]
             finished = None
             while finished is None:
-                response = await slow.read()
+                response = await within(slow.read())
                 tokens += [e.token.id for e in response.events if e.HasField("token")]
                 if response.events[-1].HasField("finished"):
                     finished = response.events[-1].finished
@@ -157,7 +198,7 @@ async def read_until_done(call, keys: set[int]) -> tuple[dict, dict, int]:
     errors: dict[int, decode_pb2.RequestError] = {}
     responses = 0
     while any(k not in errors and not (events[k] and events[k][-1].HasField("finished")) for k in keys):
-        response = await call.read()
+        response = await within(call.read())
         responses += 1
         seen = [entry.key for entry in response.requests]
         assert response.requests and len(seen) == len(set(seen))  # never empty, one entry per key
@@ -184,7 +225,7 @@ async def test_many_requests_on_one_stream_each_get_exactly_their_events(stream_
         assert evs[-1].finished.usage.completion_tokens == 30
     assert responses < 4 * 30  # steps of several requests travel together
     await call.done_writing()
-    assert await call.code() == grpc.StatusCode.OK  # closing our side ends the stream: nothing is live
+    assert await within(call.code()) == grpc.StatusCode.OK  # closing our side ends the stream: nothing is live
 
 
 async def test_packed_tokens_are_the_same_tokens_before_their_finished(stream_server):
@@ -202,7 +243,7 @@ async def test_packed_tokens_are_the_same_tokens_before_their_finished(stream_se
     ids: dict[int, list] = {1: [], 2: [], 3: []}
     finished, errors = {}, {}
     while len(finished) + len(errors) < 4:
-        response = await call.read()
+        response = await within(call.read())
         assert len(response.token_keys) == len(response.token_ids)
         for key, token_id in zip(response.token_keys, response.token_ids):
             assert key in (1, 3) and key not in finished
@@ -222,7 +263,7 @@ async def test_packed_tokens_are_the_same_tokens_before_their_finished(stream_se
     assert all(f.usage.completion_tokens == 12 and f.reason == decode_pb2.FINISH_REASON_LENGTH for f in finished.values())
     assert errors[4].code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "packed_tokens" in errors[4].message
     await call.done_writing()
-    assert await call.code() == grpc.StatusCode.OK
+    assert await within(call.code()) == grpc.StatusCode.OK
 
 
 async def test_a_refused_request_ends_alone_and_the_stream_goes_on(stream_server):
@@ -243,15 +284,20 @@ async def test_a_cancelled_request_frees_its_slot_and_gets_nothing_more(stream_s
     server, stub = stream_server
     call = stub.DecodeStream()
     await call.write(start(1, 100, 900))
-    first = await call.read()
+    first = await within(call.read())
     assert first.requests[0].key == 1
     await call.write(cancel(1))
     await call.write(cancel(99))  # unknown: nothing happens
-    await call.write(start(1, 500, 3))  # the key may be used again
-    events, errors, _ = await read_until_done(call, {1})
-    assert [e.token.id for e in events[1] if e.HasField("token")][-3:] == [501, 502, 503]
-    assert all(e.token.id > 500 for e in events[1] if e.HasField("token"))  # none of the old request
-    assert server.engine.stats().slots_in_use == 0
+    # a fresh key: responses already on their way may still carry key 1's events (invariant 12)
+    await call.write(start(2, 500, 3))
+    new, old = [], [e for entry in first.requests for e in entry.events]
+    while not (new and new[-1].HasField("finished")):
+        for entry in (await within(call.read())).requests:
+            assert entry.key in (1, 2) and not entry.HasField("error")
+            (new if entry.key == 2 else old).extend(entry.events)
+    assert [e.token.id for e in new if e.HasField("token")] == [501, 502, 503]
+    assert not any(e.HasField("finished") for e in old)  # the cancelled request never finished
+    await until(lambda: server.engine.stats().slots_in_use == 0, "the cancelled request's slot is freed")
     call.cancel()
 
 
@@ -259,14 +305,12 @@ async def test_cancelling_the_rpc_frees_every_slot(stream_server):
     server, stub = stream_server
     call = stub.DecodeStream()
     for key in (1, 2):
-        await call.write(start(key, 100 * key, 900))
-    await call.read()
-    call.cancel()
-    for _ in range(200):  # within a few steps of 2 ms
-        if server.engine.stats().slots_in_use == 0 and server.admission.in_flight == 0:
-            break
-        await asyncio.sleep(0.005)
-    assert (server.engine.stats().slots_in_use, server.admission.in_flight) == (0, 0)
+        await call.write(start(key, 100 * key, 900))  # 899 decode steps (1.8 s) each
+    await within(call.read())
+    cancelled_at = decode_steps(server)
+    call.cancel()  # frees both slots within a few steps; a third of their steps is ample
+    await steps_until_freed(server.engine.stats, lambda: decode_steps(server), cancelled_at, at_most=300)
+    await until(lambda: server.admission.in_flight == 0, "the cancelled requests released their admission")
 
 
 async def test_a_key_in_use_and_a_malformed_action_fail_the_rpc_as_invalid_argument(stream_server):
@@ -276,7 +320,7 @@ async def test_a_key_in_use_and_a_malformed_action_fail_the_rpc_as_invalid_argum
     await call.write(start(1, 200, 5))
     with pytest.raises(grpc.aio.AioRpcError) as error:
         while True:
-            await call.read()
+            await within(call.read())
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "key 1" in error.value.details()
     raw = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
     async with raw:
@@ -284,27 +328,28 @@ async def test_a_key_in_use_and_a_malformed_action_fail_the_rpc_as_invalid_argum
         call = method()
         await call.write(b"\xff\xff\xff")
         await call.done_writing()
-        assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
-    for _ in range(200):
-        if server.engine.stats().slots_in_use == 0:
-            break
-        await asyncio.sleep(0.005)
-    assert server.engine.stats().slots_in_use == 0
+        assert await within(call.code()) == grpc.StatusCode.INVALID_ARGUMENT
+    # the failed RPC aborted its 900-token request (899 decode steps) soon after it began: within
+    # a third of its steps, counted from the server's start (each test has its own server)
+    await steps_until_freed(server.engine.stats, lambda: decode_steps(server), 0, at_most=300)
 
 
 async def test_draining_refuses_new_starts_and_lets_live_ones_finish(stream_server):
     server, stub = stream_server
     call = stub.DecodeStream()
-    await call.write(start(1, 100, 60))
-    await call.read()
-    drained = asyncio.create_task(server.drain(10.0))
-    while not server.draining:
-        await asyncio.sleep(0)
+    await call.write(start(1, 100, 200))  # the prefill and 199 decode steps of 2 ms (0.4 s)
+    assert (await within(call.read())).requests[0].key == 1
+    drained = asyncio.create_task(server.drain(LIMIT_S))
+    await until(lambda: server.draining, "the drain began", interval_s=0)
+    steps_then = decode_steps(server)
+    # still live when the drain begins, with most of its work ahead: the drain has to wait for it
+    assert server.admission.in_flight == 1 and steps_then <= 150, "the live request ended before the drain began"
     await call.write(start(2, 300, 5))
     events, errors, _ = await read_until_done(call, {1, 2})
     assert errors[2].code == grpc.StatusCode.UNAVAILABLE.value[0]
-    assert events[1][-1].finished.usage.completion_tokens == 60  # the live one ran to its end
-    assert await drained is True
+    assert events[1][-1].finished.usage.completion_tokens == 200  # the live one ran to its end
+    assert decode_steps(server) - steps_then >= 40  # ... stepping on while the drain waited
+    assert await within(drained) is True
 
 
 async def test_a_text_client_that_stops_reading_slows_no_one_and_gets_everything_later(where):
@@ -324,14 +369,14 @@ async def test_a_text_client_that_stops_reading_slows_no_one_and_gets_everything
         async with grpc.aio.insecure_channel(f"127.0.0.1:{text.port}") as channel:
             stub = text_pb2_grpc.TextGenerationStub(channel)
             slow = stub.Generate(generate_request("hello", max_output_tokens=500, ignore_eos=True))
-            ids = list((await slow.read()).delta.token_ids)  # then this client stops reading
-            fast = await stub.Complete(generate_request("hi", max_output_tokens=40, ignore_eos=True))
+            ids = list((await within(slow.read())).delta.token_ids)  # then this client stops reading
+            fast = await stub.Complete(generate_request("hi", max_output_tokens=40, ignore_eos=True), timeout=LIMIT_S)
             assert fast.usage.completion_tokens == 40 == len(fast.token_ids)  # done meanwhile
-            while decode.engine.stats().slots_in_use:  # the engine runs the stalled one to its end
-                await asyncio.sleep(0.005)
+            # the engine runs the stalled one to its end (500 steps of 1 ms)
+            await until(lambda: not decode.engine.stats().slots_in_use, "the stalled request ended", interval_s=0.005)
             finished = None
             while finished is None:
-                response = await slow.read()
+                response = await within(slow.read())
                 if response.HasField("finished"):
                     finished = response.finished
                 else:
@@ -352,9 +397,9 @@ async def test_a_backlog_is_sent_in_responses_of_bounded_size(stream_server, mon
     await call.write(start(1, 100, 60))
     await call.write(start(2, 200, 60))
     sizes, tokens, finished = [], {1: [], 2: []}, set()
-    response = await call.read()
-    while server.engine.stats().slots_in_use:  # the backlog builds up while nobody reads
-        await asyncio.sleep(0.005)
+    response = await within(call.read())
+    # the backlog builds up while nobody reads (59 steps of 2 ms)
+    await until(lambda: not server.engine.stats().slots_in_use, "both requests ended", interval_s=0.005)
     while True:
         sizes.append(sum(len(entry.events) for entry in response.requests))
         for entry in response.requests:
@@ -362,7 +407,7 @@ async def test_a_backlog_is_sent_in_responses_of_bounded_size(stream_server, mon
             finished |= {entry.key} if entry.events[-1].HasField("finished") else set()
         if finished == {1, 2}:
             break
-        response = await call.read()
+        response = await within(call.read())
     assert max(sizes[1:]) <= 10 + 2  # the cap, plus at most one step of one request past it
     assert tokens == {1: list(range(101, 161)), 2: list(range(201, 261))}
     call.cancel()
@@ -389,7 +434,7 @@ async def test_two_text_services_can_share_one_port(where):
         await first.stop(None)  # the port keeps serving through the other one
         async with grpc.aio.insecure_channel(f"127.0.0.1:{first.port}") as channel:
             stub = text_pb2_grpc.TextGenerationStub(channel)
-            completion = await stub.Complete(generate_request("hello", max_output_tokens=3, ignore_eos=True))
+            completion = await stub.Complete(generate_request("hello", max_output_tokens=3, ignore_eos=True), timeout=LIMIT_S)
         assert completion.usage.completion_tokens == 3
     finally:
         await second.stop(None)

@@ -85,7 +85,9 @@ class DecoderServicer:
         Nothing follows either for that key. A start whose key is live fails the whole RPC
         with INVALID_ARGUMENT.
         12. After DecodeStreamCancel for a live key the request is dropped (its slot freed before
-        the next step) and nothing more is sent for it; cancelling an unknown key does nothing.
+        the next step) and nothing more is sent for it once the server has read the cancel;
+        responses already on their way may still carry its events, so a client starts its
+        next request on a fresh key. Cancelling an unknown key does nothing.
         13. The client closing its side ends the stream once every live request has ended;
         cancelling the RPC cancels every live request. The RPC's own status is OK unless the
         stream itself failed (then every request still live failed with it).
