@@ -47,14 +47,15 @@ def _model_dir(name_or_dir: str, cache: Path | None):
 
 
 def _require_jax(what: str) -> None:
-    """JAX comes with the `cpu` or `gpu` extra; the text-side install (`tokenwire[text]`) has none."""
-    try:
-        import jax  # noqa: F401
-    except ImportError:
+    """JAX comes with the `cpu` or `gpu` extra; the text-side install (`tokenwire[text]`) has none.
+    Looked up, not imported: the decode server's own process never needs it (its engine process does)."""
+    import importlib.util
+
+    if importlib.util.find_spec("jax") is None:
         raise RuntimeError(
             f"{what} runs the model with JAX, which this installation lacks: "
             "pip install 'tokenwire[cpu]' (or 'tokenwire[gpu]')"
-        ) from None
+        )
 
 
 def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
