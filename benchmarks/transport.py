@@ -178,15 +178,6 @@ def real_model(model_dir: Path, max_batch_size: int, context: int):
     return model
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's when installed, as the servers use (services.cli._serve), else asyncio's."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
-
-
 async def _engine_streams(engine: AsyncEngine, counts: Sequence[int]) -> list[StreamClock]:
     async def one(index: int, m: int) -> StreamClock:
         clock = StreamClock()
@@ -205,7 +196,7 @@ def measure_engine(model: ScriptedModel, counts: Sequence[int], timeout_s: float
     engine = Engine(model, EngineConfig(max_queue_size=len(counts)))
     engine.start()
     try:
-        loop = new_event_loop()
+        loop = cli.new_event_loop()  # the servers' loop
         try:
             return summarize(loop.run_until_complete(asyncio.wait_for(_engine_streams(AsyncEngine(engine), counts), timeout_s)))
         finally:
@@ -255,7 +246,7 @@ def _client_main(conn: Connection) -> None:
     For each: connect, answer "ready" (or "error"), wait for "go", run the streams, answer "done"
     with their clocks (or "error" with the traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
-    loop = new_event_loop()
+    loop = cli.new_event_loop()  # the servers' loop
     asyncio.set_event_loop(loop)  # grpc.aio binds a channel to the loop current when it is made
     channels: dict[str, grpc.aio.Channel] = {}
     try:

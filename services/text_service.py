@@ -15,7 +15,7 @@ UNAVAILABLE.
 
 Responsiveness: text input over `max_input_chars` (and a Detokenize over `max_detokenize_ids`)
 is refused before any tokenizing; large inputs are tokenized and detokenized in a worker thread
-with the GIL released (`ReleasingTokenizer`, `_work`), so one big request does not stall every
+with the GIL released (TextTokenizer.encode, `_decode_in_pieces`, `_work`), so one big request does not stall every
 other stream on the event loop; the Admission caps the requests in flight (RESOURCE_EXHAUSTED).
 """
 
@@ -111,46 +111,16 @@ def _pieces(ids: Sequence[int]) -> Iterator[list[int]]:
         yield list(ids[start : start + _IDS_PER_PIECE])
 
 
-class ReleasingTokenizer:
-    """A TextTokenizer's `encode` and `decode`, run through the HF tokenizer's batch entry points
-    (a batch of one), which release the GIL while the Rust code works; `encode_chat` is the
-    TextTokenizer's own (its rules for special-token text in messages stay in one place).
-
-    Why: the plain `Tokenizer.encode` and `.decode` hold the GIL throughout, so in a worker thread
-    they stall the event loop just as much (measured: a 1 Mi-character encode in a thread stopped
-    a 1 ms ticker on the main thread for 2 s; through `encode_batch_fast`, for 35-50 ms, most of
-    it turning the ids into a Python list, which needs the GIL: ~30 ms per million ids).
-    `encode_batch_fast` is `encode_batch` without character offsets, which nothing here reads; the
-    ids and text are the same (tests/test_text_responsiveness.py compares them on the test
-    tokenizers). It duck-types the two TextTokenizer methods `prepare_request` and
-    `generation.encode_chat` call.
-
-    It reaches into TextTokenizer's HF tokenizer: this belongs in tokenizer_svc/tokenizer.py
-    (`TextTokenizer.encode`, `encode_chat` and `Vocabulary.decode_checked` calling the batch entry
-    points), after which this class reduces to the TextTokenizer itself.
-    """
-
-    def __init__(self, tokenizer: TextTokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._hf = tokenizer._tokenizer
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """TextTokenizer.encode."""
-        return self._hf.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-
-    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """TextTokenizer.encode_chat."""
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=add_generation_prompt)
-
-    def decode(self, token_ids: Sequence[int], keep_special_tokens: bool, field: str) -> str:
-        """TextTokenizer.decode, an id outside the vocabulary refused as `field[i]`. The ids are
-        copied and checked in pieces (`_pieces`), so a thread doing this lets the loop in between."""
-        ids: list[int] = []
-        for piece in _pieces(token_ids):
-            if max(piece) >= self.tokenizer.vocab_size:  # uint32: never negative
-                check_token_ids(ids + piece, self.tokenizer.vocab_size, field)  # names the first one
-            ids += piece
-        return self._hf.decode_batch([ids], skip_special_tokens=not keep_special_tokens)[0]
+def _decode_in_pieces(tokenizer: TextTokenizer, token_ids: Sequence[int], keep_special_tokens: bool, field: str) -> str:
+    """TextTokenizer.decode, an id outside the vocabulary refused as `field[i]`, for a worker
+    thread: the ids are copied and checked in pieces (`_pieces`), so the event loop gets the GIL
+    in between, and decoded with the GIL released (Vocabulary.decode_releasing_gil)."""
+    ids: list[int] = []
+    for piece in _pieces(token_ids):
+        if max(piece) >= tokenizer.vocab_size:  # uint32: never negative
+            check_token_ids(ids + piece, tokenizer.vocab_size, field)  # names the first one
+        ids += piece
+    return tokenizer.vocabulary.decode_releasing_gil(ids, keep_special_tokens)
 
 
 async def _work(size: int, fn: Callable[..., T], *args) -> T:
@@ -226,16 +196,15 @@ class TokenizerServicer(text_pb2_grpc.TokenizerServicer):
         max_detokenize_ids: int = validation.DEFAULT_MAX_DETOKENIZE_IDS,
     ) -> None:
         self.tokenizer = tokenizer
-        self.releasing = ReleasingTokenizer(tokenizer)
         self.admission = admission or Admission()
         self.max_input_chars = max_input_chars
         self.max_detokenize_ids = max_detokenize_ids
 
     def _tokenize(self, request: text_pb2.TokenizeRequest, in_pieces: bool) -> text_pb2.TokenizeResponse:
         if request.WhichOneof("input") == "chat":
-            ids = generation.encode_chat(self.releasing, chat_from_pb(request.chat))
+            ids = generation.encode_chat(self.tokenizer, chat_from_pb(request.chat))
         else:
-            ids = self.releasing.encode(request.text, add_special_tokens=request.add_special_tokens)
+            ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
         return _tokenize_response(ids, in_pieces)
 
     @grpc_errors
@@ -251,7 +220,7 @@ class TokenizerServicer(text_pb2_grpc.TokenizerServicer):
     async def Detokenize(self, request: text_pb2.DetokenizeRequest, context):
         with self.admission.admit():
             size = validation.id_count("token_ids", request.token_ids, self.max_detokenize_ids)
-            text = await _work(size, self.releasing.decode, request.token_ids, request.keep_special_tokens, "token_ids")
+            text = await _work(size, _decode_in_pieces, self.tokenizer, request.token_ids, request.keep_special_tokens, "token_ids")
             return text_pb2.DetokenizeResponse(text=text)
 
 
@@ -285,7 +254,6 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         max_input_chars: int = validation.DEFAULT_MAX_INPUT_CHARS,
     ) -> None:
         self.tokenizer = tokenizer
-        self.releasing = ReleasingTokenizer(tokenizer)
         self.decode = decode
         self.info = info
         self.admission = admission or Admission()
@@ -294,7 +262,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
 
     def _prepare(self, request: text_pb2.GenerateRequest) -> generation.TextRequest:
         return prepare_request(
-            self.releasing,  # type: ignore[arg-type]  # TextTokenizer's encode and encode_chat
+            self.tokenizer,
             self.info,
             prompt_from_pb(request),
             stop_strings=request.stop_strings,

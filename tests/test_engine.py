@@ -9,34 +9,12 @@ import pytest
 
 from engine.core.engine import Engine, EngineConfig
 from engine.core.errors import EngineStopped, QueueFull
-from engine.core.events import Finished, FinishReason, Token
+from engine.core.events import FinishReason
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
+from support.recording_sink import Recorder
 
 
-class Recorder:
-    """An EventSink that records what the engine sends and signals its first events (the request
-    holds a slot: it was prefilled) and the end of the stream."""
-
-    def __init__(self) -> None:
-        self.batches: list[list] = []
-        self.error: BaseException | None = None
-        self.started = threading.Event()
-        self.done = threading.Event()
-
-    def events(self, events) -> None:
-        self.batches.append(events)
-        self.started.set()
-        if isinstance(events[-1], Finished):
-            self.done.set()
-
-    def fail(self, error) -> None:
-        self.error = error
-        self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.id for b in self.batches for e in b if isinstance(e, Token)]
 
 
 def make_request(prompt, n=None, **kw) -> Request:

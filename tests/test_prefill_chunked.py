@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 
 from engine.core.engine import Engine, EngineConfig
-from engine.core.events import Finished, Token
 from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
+from support.recording_sink import Recorder
 from engine.jax_backend import transformer
 from engine.jax_backend.jax_model import JaxModel
 from engine.model_store import registry
@@ -155,24 +155,6 @@ def test_chunked_prefill_gives_the_same_greedy_ids_on_the_real_model():
 # -- scheduler side ---------------------------------------------------------------------------
 
 
-class Recorder:
-    def __init__(self) -> None:
-        self.batches: list[list] = []
-        self.started = threading.Event()
-        self.done = threading.Event()
-
-    def events(self, events) -> None:
-        self.batches.append(events)
-        self.started.set()
-        if isinstance(events[-1], Finished):
-            self.done.set()
-
-    def fail(self, error) -> None:
-        self.done.set()
-
-    @property
-    def tokens(self) -> list[int]:
-        return [e.id for b in self.batches for e in b if isinstance(e, Token)]
 
 
 def _request(prompt, n) -> Request:

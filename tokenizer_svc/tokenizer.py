@@ -101,8 +101,11 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token text in `text` (e.g. "<|im_start|>") becomes its id, as in HF.
-        `add_special_tokens` runs the tokenizer's post-processor (e.g. a BOS prefix)."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        `add_special_tokens` runs the tokenizer's post-processor (e.g. a BOS prefix).
+        Through the batch entry point (a batch of one), which releases the GIL while the Rust code
+        works, so a large input encoded on a thread does not stall the event loop (plain `encode`
+        holds the GIL throughout); same ids, and no slower for a short text (measured)."""
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], keep_special_tokens: bool = False) -> str:
         """The reference text of `token_ids`; InvalidArgument for an id outside [0, vocab_size)."""

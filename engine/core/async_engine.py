@@ -32,7 +32,6 @@ from engine.core.events import Event, Finished
 from engine.core.inbox import Inbox
 from engine.core.request import Request
 
-Item = list[Event] | BaseException  # what a request's queue holds: an iteration's events, or its failure
 
 
 class _Mailbox:
