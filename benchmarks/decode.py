@@ -2,6 +2,13 @@
 model-bandwidth utilisation (MBU) at batch 1, and warm-up (compile) time.
 
     python benchmarks/decode.py [--model smollm2-135m-instruct] [--batches 1,8,32] [--rounds 5]
+                                [--tensor-parallel 1,2,4]
+
+With `--tensor-parallel N[,N...]` the same table is printed for the model split over each N
+devices (engine.jax_backend.mesh; one model at a time). On a CPU host the N devices are forced CPU
+devices sharing one memory and the same cores: the table shows that it works, not that it is
+faster. MBU at N > 1 divides by N x the one-device bandwidth (right for GPUs, each with its own
+memory; it understates the use of forced CPU devices).
 
 MBU = (weight bytes + live KV bytes read per step) / step time / memory read bandwidth, the
 bandwidth measured in the same run (a jitted sum over a 1 GiB float32 array, best of 3; XLA runs
@@ -33,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
+from engine.jax_backend import mesh  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
 from engine.core.model import DecodeInput, SlotSetup  # noqa: E402
 from engine.model_store.registry import resolve_model  # noqa: E402
@@ -119,8 +127,11 @@ def main() -> None:
     parser.add_argument("--min-attend", type=int, default=None, help="smallest decode attend bucket (no kernels)")
     parser.add_argument("--layers-per-call", type=int, default=None, help="layers one jitted decode call runs")
     parser.add_argument("--no-kernels", action="store_true", help="plain JAX: no CPU kernels (attention, one-row products)")
+    parser.add_argument("--tensor-parallel", default="1", help="comma-separated mesh sizes: one table per size")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
+    sizes = [int(n) for n in args.tensor_parallel.split(",")]
+    mesh.request_cpu_devices(max(sizes))  # before JAX starts (a CPU host: forced devices; else a no-op)
     # Slot 0 takes every step: one untimed step per batch size, then `steps` per batch size and round.
     needed = args.prompt_len + len(batches) * (1 + args.rounds * args.steps)
     if needed >= args.max_context_length:
@@ -130,12 +141,20 @@ def main() -> None:
     print(f"machine: {describe('jax', 'jaxlib', 'numpy')}; backend {jax.default_backend()}")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
     bandwidth = Bandwidth()
+    for size in sizes:
+        table(args, model_dir, batches, bandwidth, size)
+    print("load average after: %.2f %.2f %.2f" % os.getloadavg())
+
+
+def table(args: argparse.Namespace, model_dir: Path, batches: list[int], bandwidth: Bandwidth, size: int) -> None:
+    """Load the model over `size` devices, warm it up, and print its table."""
     knobs = {k: v for k, v in vars(args).items() if k in ("min_bucket", "min_attend", "layers_per_call") and v}
     model = JaxModel.load(
         model_dir, max_batch_size=max(batches), max_context_length=args.max_context_length, dtype=args.dtype,
-        kernels=not args.no_kernels, **knobs,
+        kernels=not args.no_kernels, tensor_parallel=size, **knobs,
     )
     compile_s = _timed(model.warm_up)
+    print(f"-- tensor parallel {size}: {size} {jax.default_backend()} device(s)")
     print(
         f"model {model.info.model_id}: {weight_bytes(model) / 1e6:.0f} MB of weights read per step, "
         f"max_batch_size {model.info.max_batch_size}, context {model.info.max_context_length}, "
@@ -155,7 +174,7 @@ def main() -> None:
             seconds[batch].append(statistics.median(slots.step(batch) for _ in range(args.steps)))
         if 1 in seconds:
             step_bytes = weight_bytes(model) + slots.mean_length(1) * kv_bytes_per_token(model)
-            mbu.append(step_bytes / seconds[1][-1] / (gbs[-1] * 1e9))
+            mbu.append(step_bytes / seconds[1][-1] / (size * gbs[-1] * 1e9))
     slots.release()
     print(f"memory read bandwidth (jitted sum, 1 GiB f32), per round: {_spread(gbs, '%.1f')} GB/s")
     for batch in batches:
@@ -170,7 +189,6 @@ def main() -> None:
             ratios = [batch * s1 / sb for s1, sb in zip(seconds[1], seconds[batch])]
             print(f"throughput batch {batch} / batch 1, per round: {_spread(ratios, '%.1f')}x")
     print(f"compilations after warm-up: {model.compilations() - compiled}")
-    print("load average after: %.2f %.2f %.2f" % os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ process and through each service, in one run.
 
     python benchmarks/transport.py [--step-ms 2,0] [--streams 64,1] [--tokens 300] [--rounds 3]
                                    [--paths engine,decode,text] [--client-procs N]
-                                   [--text-workers N] [--real-model NAME|DIR]
+                                   [--text-workers N] [--real-model NAME|DIR] [--json PATH]
 
 The model is the scripted one (engine/core/scripted_model.py), unless --real-model: each decode step sleeps
 --step-ms (0 = free) and yields the token after the last, so what differs between the paths is
@@ -21,6 +21,8 @@ ITL: per stream, the gap before each token as its client sees it (tokens that ar
 message: the first gets the gap since the previous token, the others 0); the first token is left
 out (its gap is the time to first token). p50 and p99 (nearest rank) over the gaps of all streams
 of a measurement, pooled; also in steps of --step-ms.
+TTFT: per stream, request sent -> first token received; p50 and p99 over the streams (in the
+per-round lines and in --json).
 
 Rounds are interleaved (each round measures every configuration and path once), so a noisy
 neighbour hits all alike; ratios to in-process are taken within a round, and the tables give the
@@ -34,6 +36,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import json
 import math
 import multiprocessing
 import os
@@ -106,6 +110,7 @@ class StreamClock:
     def __init__(self) -> None:
         self.sent = time.monotonic()
         self.finished_at: float | None = None
+        self.first_at: float | None = None  # the first token received
         self.tokens = 0
         self.gaps: list[float] = []
         self.finish: tuple[str, int] | None = None  # (reason name, usage.completion_tokens)
@@ -119,6 +124,8 @@ class StreamClock:
         if tokens:
             if self._last is not None:
                 self.gaps.append(now - self._last)
+            else:
+                self.first_at = now
             self.gaps.extend([0.0] * (tokens - 1))
             self.tokens += tokens
             self._last = now
@@ -140,6 +147,8 @@ class Measurement:
     wall_s: float  # first request sent -> last Finished received
     itl_p50_s: float
     itl_p99_s: float
+    ttft_p50_s: float = float("nan")
+    ttft_p99_s: float = float("nan")
 
     @property
     def tok_s(self) -> float:
@@ -155,8 +164,12 @@ def percentile(ordered: Sequence[float], q: float) -> float:
 
 def summarize(clocks: Sequence[StreamClock]) -> Measurement:
     gaps = sorted(g for c in clocks for g in c.gaps)
+    ttfts = sorted(c.first_at - c.sent for c in clocks if c.first_at is not None)
     wall = max(c.finished_at for c in clocks) - min(c.sent for c in clocks)
-    return Measurement(sum(c.tokens for c in clocks), wall, percentile(gaps, 0.50), percentile(gaps, 0.99))
+    return Measurement(
+        sum(c.tokens for c in clocks), wall, percentile(gaps, 0.50), percentile(gaps, 0.99),
+        percentile(ttfts, 0.50), percentile(ttfts, 0.99),
+    )
 
 
 # -- in process ---------------------------------------------------------------------------
@@ -481,6 +494,7 @@ def main() -> None:
                         help="measure a real model (e.g. smollm2-135m-instruct, pulled if need be) instead of the "
                         "scripted one; --step-ms is then unused, and the engine path runs the same JaxModel in process")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one measurement may take")
+    parser.add_argument("--json", type=Path, default=None, help="also write every measurement to this file as JSON")
     args = parser.parse_args()
     paths = [p for p in PATHS if p in args.paths.split(",")]
     if not paths or set(args.paths.split(",")) - set(PATHS):
@@ -538,8 +552,13 @@ def main() -> None:
                         m = measure(step, n, path, counts[n])
                         results.setdefault((step, n, path), []).append(m)
                         print(f"round {r}: {_label(step)}, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
-                              f"in {m.wall_s:.2f} s), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms", flush=True)
+                              f"in {m.wall_s:.2f} s), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms, "
+                              f"TTFT p50 {_ms(m.ttft_p50_s)} ms, p99 {_ms(m.ttft_p99_s)} ms", flush=True)
     print_tables(results, args.step_ms, args.streams, paths)
+    if args.json:
+        rows = [dict(step_ms=step, streams=n, path=path, rounds=[dataclasses.asdict(m) for m in runs])
+                for (step, n, path), runs in results.items()]
+        args.json.write_text(json.dumps({"machine": describe("grpcio", "protobuf"), "results": rows}, indent=1))
     print("\nload average after: %.2f %.2f %.2f" % os.getloadavg())
 
 

@@ -3,6 +3,7 @@
 Commands:
   decode-server  serve a model's Decoder (JAX engine) over gRPC
   text-server    serve Tokenizer + TextGeneration, in front of a decode-server
+  api-server     serve the OpenAI HTTP API (/v1/completions, /v1/chat/completions...), in front of a text-server
   generate       generate text through a text-server, or in-process with --local
   chat           interactive chat through a text-server, or in-process with --local
   health         check a server's gRPC health (exit 0 when SERVING)
@@ -22,8 +23,10 @@ from pathlib import Path
 
 from engine.model_store.registry import DEFAULT_MODEL
 from services.config import (
+    ApiServerConfig,
     DecodeServerConfig,
     ModelOptions,
+    ProcessGroup,
     TextServerConfig,
     add_flag,
     cache_dir,
@@ -38,6 +41,7 @@ from services.config import (
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_TEXT_PORT = 50052
+DEFAULT_API_PORT = 8000
 
 
 def _model_dir(name_or_dir: str, cache: Path | None):
@@ -58,19 +62,31 @@ def _require_jax(what: str) -> None:
         )
 
 
-def _load_model(model_dir, max_batch_size: int, options: ModelOptions):
+def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: ProcessGroup | None = None):
+    """The model, split over `options.tensor_parallel` devices; in a process group, process 0's
+    wrapped to publish its steps and the others' to follow them (engine.jax_backend.multihost)."""
     from engine.jax_backend.cpu_kernels import BuildOptions
     from engine.jax_backend.jax_model import JaxModel
 
-    return JaxModel.load(
+    if group is not None:
+        from engine.jax_backend import multihost
+
+        joined = multihost.Group(group.coordinator, group.num_processes, group.process_id, group.timeout_s)
+        multihost.initialize(joined, options.tensor_parallel // group.num_processes)
+    model = JaxModel.load(
         model_dir,
         max_batch_size=max_batch_size,
         max_context_length=options.max_context_length,
         max_chunk=options.max_prefill_chunk,
+        prefix_cache_tokens=options.prefix_cache_tokens,
         dtype=options.dtype,
         kernels=options.cpu_kernels,
         kernel_build=BuildOptions(options.cache_dir, options.compiler),
+        tensor_parallel=options.tensor_parallel,
     )
+    if group is None:
+        return model
+    return multihost.Leader(model) if joined.leads else multihost.Follower(model, joined)
 
 
 SCRIPTED_PREFIX = "scripted:"
@@ -112,6 +128,40 @@ def _serve_metrics(metrics, host: str, port: int | None):
     return http
 
 
+async def _decode_follower(config: DecodeServerConfig, spawn_model, log_setup) -> int:
+    """A process other than 0 of a group: its engine process follows process 0's steps
+    (engine.jax_backend.multihost); this process serves gRPC health only, for probes. Readiness
+    goes SERVING once its share of the model is warm. When its engine process ends (the group
+    lost a process, or process 0 stopped: either way the group cannot serve), NOT_SERVING, then
+    exit 1 for the supervisor, which restarts the group's pods; SIGTERM: exit 0."""
+    from engine.core.engine_process import EngineProcess, ModelLoadFailed
+    from services.metrics import Metrics
+    from services.server import start_server, wait_for_signal
+    from services.service_names import DECODER_SERVICE
+
+    log = logging.getLogger("tokenwire")
+    loop = asyncio.get_running_loop()
+    died = asyncio.Event()
+    running = await start_server(lambda server: None, [DECODER_SERVICE], config.server, Metrics())
+    group = config.group
+    log.info("process %d of %d: health on %s:%d; following process 0 at %s",
+             group.process_id, group.num_processes, config.server.host, running.port, group.coordinator)
+    engine = EngineProcess(spawn_model, config.engine, lambda error: loop.call_soon_threadsafe(died.set), None, log_setup)
+    try:
+        await asyncio.to_thread(engine.start)
+    except ModelLoadFailed as error:
+        log.critical("process %d failed to join or load: %s", group.process_id, error)
+        await running.stop(0)
+        return 1
+    await running.set_ready(True)
+    await wait_for_signal(died)
+    if died.is_set():
+        log.critical("process %d stopped following (a process of the group is gone); exiting", group.process_id)
+    await running.stop(0)  # NOT_SERVING first
+    await asyncio.to_thread(engine.stop)
+    return 1 if died.is_set() else 0
+
+
 async def _decode_server(config: DecodeServerConfig) -> int:
     from services.decode_server import start_decode_server
     from services.metrics import Metrics, stop_metrics_server
@@ -129,7 +179,10 @@ async def _decode_server(config: DecodeServerConfig) -> int:
             max_context_length=config.model_options.max_context_length, step_ms=config.step_ms,
         )
     else:
-        spawn_model = functools.partial(_load_model, model_dir, config.max_batch_size, config.model_options)
+        spawn_model = functools.partial(_load_model, model_dir, config.max_batch_size, config.model_options, config.group)
+    log_setup = functools.partial(configure_logging, logging.getLevelName(logging.getLogger().level))
+    if config.group is not None and config.group.process_id > 0:
+        return await _decode_follower(config, spawn_model, log_setup)
     metrics = Metrics()
     server = await start_decode_server(
         engine_config=config.engine,
@@ -138,7 +191,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         stall_timeout_s=config.stall_timeout_s,
         wait_until_ready=False,
         spawn_model=spawn_model,
-        log_setup=functools.partial(configure_logging, logging.getLevelName(logging.getLogger().level)),
+        log_setup=log_setup,
     )
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
     log.info("decode service listening on %s:%d; loading %s", config.server.host, server.port, model_dir)
@@ -380,22 +433,43 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_flag(p, "--max-prefill-chunk", help="largest prompt piece one prefill call runs; its shapes, the powers of two "
                  "from 16 up to it, are compiled at warm-up", type=positive, default=512)
+        add_flag(p, "--tensor-parallel", help="devices one model is split over (a JAX mesh: weights split by heads, ffn and "
+                 "vocabulary, the KV cache by kv heads; each device holds about 1/N); must divide the model's heads, kv heads "
+                 "(or be a multiple of them), intermediate size and vocabulary. With --num-processes, every process's devices "
+                 "together. On a CPU host it asks JAX for N CPU devices (to try it; not faster)", type=positive, default=1)
+        add_flag(p, "--prefix-cache-tokens", help="prompt positions whose KV is kept, in blocks of 16, so that a prompt "
+                 "starting like an earlier one (a system prompt, earlier chat turns) skips computing that start; least "
+                 "recently used blocks go first; each position takes as much memory as one in the KV cache (0: off)",
+                 type=non_negative, default=4096)
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
     model_flags(p, scripted=True)
     server_flags(p, DEFAULT_DECODE_PORT)
     add_flag(p, "--max-batch-size", help="slots decoded together per step (KV cache is preallocated for them)", type=positive, default=8)
     add_flag(p, "--max-queue-size", help="requests waiting for a slot; past it, RESOURCE_EXHAUSTED", type=non_negative, default=64)
+    add_flag(p, "--max-connection-age", help="seconds after which a client connection is asked to reconnect (GOAWAY, "
+             "with jitter; its open calls run on), so that clients re-resolve and find new replicas (0 = never)",
+             type=seconds, default=300.0)
     add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=timeout, default=30.0)
-    add_flag(p, "--max-step-tokens", help="prompt tokens prefilled per engine step, over every request still reading its "
-             "prompt: a longer prompt is prefilled in chunks, with a decode step for the running streams after each, so they "
-             "keep flowing (0: each prompt whole, which stalls every stream for its length)", type=non_negative, default=256)
+    add_flag(p, "--max-step-tokens", help="prompt tokens prefilled per engine step while other requests decode, over every "
+             "request still reading its prompt: a longer prompt is prefilled in chunks, with a decode step for the running "
+             "streams after each, so they keep flowing; with nothing decoding a prompt is read whole (0: always whole, which "
+             "stalls every stream for its length; default: 16 on CPU, 512 on an accelerator)", type=non_negative, default=None)
+    add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model (jax.distributed; "
+             "process 0 listens there, serves gRPC and schedules; the others follow its steps and serve health only)", default=None)
+    add_flag(p, "--num-processes", help="processes in the group (with --coordinator)", type=positive, default=None)
+    add_flag(p, "--process-id", help="this process's index in the group, 0 to --num-processes - 1", type=non_negative, default=None)
+    add_flag(p, "--distributed-timeout", help="seconds the group waits for a process: at start, for heartbeats, for each "
+             "step; a process gone this long takes the others down (NOT_SERVING, then exit 1) within about twice this",
+             type=timeout, default=30.0)
     add_flag(p, "--step-ms", help="with --model scripted:DIR (a fixed-cost stand-in for a model, for transport benchmarks): milliseconds each decode step takes", type=milliseconds, default=0.0)
     engine_flags(p)
 
     p = commands.add_parser("text-server", help="serve Tokenizer and TextGeneration over gRPC", description="Serve Tokenizer and TextGeneration (tokenwire.text.v1) in front of a decode-server; refuses to start if the decoder serves another model.")
     model_flags(p)
-    add_flag(p, "--decoder", help="HOST:PORT of the decode-server", default=f"localhost:{DEFAULT_DECODE_PORT}")
+    add_flag(p, "--decoder", help="the decode-server replicas, as a gRPC target: HOST:PORT (every address the name "
+             "resolves to), dns:///NAME:PORT, or ipv4:A:PORT,B:PORT; balanced round-robin over the ready replicas "
+             "that serve one model", default=f"localhost:{DEFAULT_DECODE_PORT}")
     server_flags(p, DEFAULT_TEXT_PORT)
     add_flag(p, "--connect-timeout", help="seconds to wait for the decode-server (and its model) at start", type=timeout, default=600.0)
     client_tls_flags(p, "decoder-")
@@ -406,6 +480,26 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--max-detokenize-ids", help="most ids in one Detokenize; more is INVALID_ARGUMENT", type=positive, default=DEFAULT_MAX_DETOKENIZE_IDS)
     add_flag(p, "--max-in-flight", help="requests handled at once (Generate/Complete streams, Tokenize and Detokenize "
              "together); one more is RESOURCE_EXHAUSTED", type=positive, default=DEFAULT_MAX_IN_FLIGHT)
+
+    p = commands.add_parser("api-server", help="serve the OpenAI-compatible HTTP API in front of a text-server",
+                            description="Serve the OpenAI HTTP API (GET /v1/models, POST /v1/completions and "
+                            "/v1/chat/completions, streamed or not; /tokenize, /detokenize; /health, /ready, /metrics) "
+                            "over a text-server's gRPC API. Needs the `api` extra: pip install 'tokenwire[api]'.")
+    add_flag(p, "--text", help="HOST:PORT of the text-server", default=f"localhost:{DEFAULT_TEXT_PORT}")
+    add_flag(p, "--host", help="address to bind (0.0.0.0 for every interface)", default="127.0.0.1")
+    add_flag(p, "--port", help="port to bind (0 = any free port)", type=port_number, default=DEFAULT_API_PORT)
+    add_flag(p, "--served-model-name", help="the model name /v1/models lists and requests must give (others: 404)", default=DEFAULT_MODEL)
+    add_flag(p, "--request-timeout", help="seconds a generation may take before it is cancelled (504)", type=timeout, default=600.0)
+    add_flag(p, "--grace-period", help="seconds in-flight requests get to finish on SIGTERM", type=seconds, default=30.0)
+    add_flag(p, "--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)", default=None)
+    add_flag(p, "--tls-key", help="PEM private key of --tls-cert", default=None)
+    add_flag(p, "--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)", default=None)
+    add_flag(p, "--auth-token", help="require 'Authorization: Bearer TOKEN' on every route but /health and /ready "
+             "(an OpenAI client's api_key); needs TLS unless --host is a loopback address", default=None)
+    add_flag(p, "--auth-token-file", help="--auth-token read from this file (a secret; keeps the token out of ps)", default=None)
+    client_tls_flags(p, "text-")
+    add_flag(p, "--text-auth-token", help="bearer token the text-server requires (needs --text-tls-ca unless --text is a loopback address)", default=None)
+    add_flag(p, "--text-auth-token-file", help="--text-auth-token read from this file", default=None)
 
     def generation_flags(p):
         add_flag(p, "--server", help="HOST:PORT of the text-server", default=f"localhost:{DEFAULT_TEXT_PORT}")
@@ -492,6 +586,13 @@ def _run(args: argparse.Namespace) -> int:
         return _serve(_decode_server(DecodeServerConfig.from_args(args)))
     if args.command == "text-server":
         return _serve(_text_server(TextServerConfig.from_args(args)))
+    if args.command == "api-server":
+        config = ApiServerConfig.from_args(args)
+        try:
+            from services.openai_api.server import serve
+        except ImportError as error:  # fastapi/uvicorn come with the `api` extra
+            raise RuntimeError(f"api-server needs the `api` extra ({error.name} is missing): pip install 'tokenwire[api]'") from None
+        return serve(config)
     if args.command == "generate":
         return asyncio.run(_generate(args))
     if args.command == "chat":

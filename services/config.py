@@ -9,6 +9,7 @@ never below `services/`: the engine and the model store take what they need as a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -124,12 +125,44 @@ class ModelOptions:
     cache_dir: Path | None  # models and the built kernels; None: ~/.cache/tokenwire
     compiler: str | None  # the C++ compiler for the kernels: $CXX, the usual variable; None: g++ or clang++
     max_prefill_chunk: int = 512  # the largest prompt piece one prefill call runs
+    prefix_cache_tokens: int = 0  # prompt positions whose KV is kept for prefix caching; 0: none
+    tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "ModelOptions":
         return ModelOptions(
-            a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None, a.max_prefill_chunk
+            a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None,
+            a.max_prefill_chunk, a.prefix_cache_tokens, a.tensor_parallel,
         )
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """Several hosts serving one model (`--coordinator --num-processes --process-id`): process 0
+    serves and schedules, the others follow (engine.jax_backend.multihost)."""
+
+    coordinator: str  # HOST:PORT of process 0's jax.distributed coordinator
+    num_processes: int
+    process_id: int
+    timeout_s: float  # start-up, heartbeats, every wait for another process
+
+    @staticmethod
+    def from_args(a: argparse.Namespace) -> "ProcessGroup | None":
+        given = [a.coordinator is not None, a.num_processes is not None, a.process_id is not None]
+        if not any(given):
+            return None
+        if not all(given):
+            raise ValueError("--coordinator, --num-processes and --process-id go together: set all three or none")
+        if a.process_id >= a.num_processes:
+            raise ValueError(f"--process-id must be below --num-processes ({a.num_processes}), got {a.process_id}")
+        if a.tensor_parallel % a.num_processes:
+            raise ValueError(
+                f"--tensor-parallel {a.tensor_parallel} is every process's devices together: "
+                f"a multiple of --num-processes {a.num_processes}"
+            )
+        if a.model.startswith("scripted:"):
+            raise ValueError("--model scripted:DIR runs in one process; it takes no --coordinator")
+        return ProcessGroup(a.coordinator, a.num_processes, a.process_id, a.distributed_timeout)
 
 
 @dataclass(frozen=True)
@@ -143,6 +176,7 @@ class DecodeServerConfig:
     grace_period_s: float
     metrics_port: int | None
     step_ms: float = 0.0  # the scripted model's step time (--model scripted:DIR only)
+    group: ProcessGroup | None = None  # several hosts; None: this process alone
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "DecodeServerConfig":
@@ -150,7 +184,7 @@ class DecodeServerConfig:
             raise ValueError("--step-ms sets the scripted model's step time: it needs --model scripted:DIR")
         return DecodeServerConfig(
             model=a.model,
-            server=server_options(a),
+            server=dataclasses.replace(server_options(a), max_connection_age_s=a.max_connection_age),
             engine=EngineConfig(max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens),
             max_batch_size=a.max_batch_size,
             model_options=ModelOptions.from_args(a),
@@ -158,6 +192,7 @@ class DecodeServerConfig:
             grace_period_s=a.grace_period,
             metrics_port=a.metrics_port,
             step_ms=a.step_ms,
+            group=ProcessGroup.from_args(a),
         )
 
 
@@ -191,4 +226,38 @@ class TextServerConfig:
             max_input_chars=a.max_input_chars,
             max_detokenize_ids=a.max_detokenize_ids,
             max_in_flight=a.max_in_flight,
+        )
+
+
+@dataclass(frozen=True)
+class ApiServerConfig:
+    """`tokenwire api-server`: the OpenAI-compatible HTTP front (services.openai_api)."""
+
+    text: str  # HOST:PORT of the text service
+    host: str
+    port: int
+    served_model_name: str  # the name /v1/models lists and requests must give
+    tls: ServerTlsConfig | None
+    auth_token: str | None  # the token this front's clients must send
+    text_tls: ClientTlsConfig | None
+    text_token: str | None  # the text-server's bearer token
+    request_timeout_s: float | None
+    grace_period_s: float
+
+    @staticmethod
+    def from_args(a: argparse.Namespace) -> "ApiServerConfig":
+        tls = ServerTlsConfig.from_paths(a.tls_cert, a.tls_key, a.tls_client_ca)
+        auth_token = token(a)
+        check_server_auth(auth_token, tls, a.host)
+        return ApiServerConfig(
+            text=a.text,
+            host=a.host,
+            port=a.port,
+            served_model_name=a.served_model_name,
+            tls=tls,
+            auth_token=auth_token,
+            text_tls=ClientTlsConfig.from_paths(a.text_tls_ca, a.text_tls_cert, a.text_tls_key),
+            text_token=token(a, "text_"),
+            request_timeout_s=a.request_timeout,
+            grace_period_s=a.grace_period,
         )

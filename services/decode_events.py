@@ -18,7 +18,8 @@ _REASONS_FROM_PB = {pb: reason for reason, pb in _REASONS.items()}
 
 def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
     if isinstance(event, Token):
-        return decode_pb2.DecodeEvent(token=decode_pb2.Token(id=event.id, logprob=event.logprob))
+        top = [decode_pb2.TopLogprob(id=i, logprob=p) for i, p in event.top_logprobs]
+        return decode_pb2.DecodeEvent(token=decode_pb2.Token(id=event.id, logprob=event.logprob, top_logprobs=top))
     return decode_pb2.DecodeEvent(
         finished=decode_pb2.Finished(
             reason=_REASONS[event.reason],
@@ -40,6 +41,8 @@ def add_events_pb(events: Sequence[Event], into) -> None:
             token.id = event.id
             if event.logprob is not None:
                 token.logprob = event.logprob
+            for i, p in event.top_logprobs:
+                token.top_logprobs.add(id=i, logprob=p)
         else:
             into.append(event_to_pb(event))
 
@@ -49,7 +52,12 @@ def event_from_pb(pb: decode_pb2.DecodeEvent) -> Event:
     ValueError for an event the stream contract rules out (unset, or an UNSPECIFIED reason)."""
     kind = pb.WhichOneof("event")
     if kind == "token":
-        return Token(pb.token.id, pb.token.logprob if pb.token.HasField("logprob") else None)
+        token = pb.token
+        return Token(
+            token.id,
+            token.logprob if token.HasField("logprob") else None,
+            tuple((top.id, top.logprob) for top in token.top_logprobs),
+        )
     if kind != "finished":
         raise ValueError("the decoder sent an event that is neither a token nor a finish")
     finished = pb.finished

@@ -5,10 +5,12 @@ and compiles off the event loop, then an engine; readiness follows all of it.
 engine.core.engine_process), so that no Python of the serving path shares the engine's
 interpreter; tests and `--local` may run it on a thread of this process (`model`, `load_model`).
 
-Readiness (`tokenwire.decode.v1.Decoder` in grpc.health.v1) is NOT_SERVING until every shape
-is compiled, whenever the engine has made no progress for `stall_timeout_s` while work is
-pending, and while draining. Liveness ("") stays SERVING while the process lives. If the
-engine loop dies, `died` is set and the process should exit (a supervisor restarts it).
+Readiness (`tokenwire.decode.v1.Decoder` in grpc.health.v1, and once the model is loaded the
+model's own name, `tokenwire.decode.v1.Decoder/model:<digest>`, which the text service's
+balancer checks) is NOT_SERVING until every shape is compiled, whenever the engine has made no
+progress for `stall_timeout_s` while work is pending, and while draining. Liveness ("") stays
+SERVING while the process lives. If the engine loop dies, `died` is set and the process should
+exit (a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from protos.decode.v1 import decode_pb2_grpc
 from services.admission import Admission
 from services.decode_service import DecoderServicer
 from services.metrics import Metrics
+from services.replicas import model_service_name
 from services.service_names import DECODER_SERVICE
 from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
 
 log = logging.getLogger("tokenwire.decode")
+
+FLUSH_S = 1.0  # after a drain, what open calls get to send their last responses and end
 
 @dataclass
 class DecodeServer:
@@ -92,14 +97,17 @@ class DecodeServer:
         if kernel_state is not None:  # "on: ...", "off: <reason>", "not applicable: <reason>"
             self.metrics.cpu_kernels.labels(kernel_state.split(":", 1)[0]).set(1)
         self.servicer.attach(AsyncEngine(engine), engine.info)
+        # readiness under the model's own name too: the text service's balancer checks that one,
+        # so a replica with another model never gets its traffic (services.replicas)
+        self.running.service_names.append(model_service_name(engine.info))
         if not self.draining:
             self.admission.open()
             await self.running.set_ready(True)
         self.ready.set()
         info = engine.info
         log.info(
-            "model %s ready: vocab %d, context %d, batch %d",
-            info.model_id, info.vocab_size, info.max_context_length, info.max_batch_size,
+            "model %s ready: vocab %d, context %d, batch %d; health name %s",
+            info.model_id, info.vocab_size, info.max_context_length, info.max_batch_size, model_service_name(info),
         )
 
     async def _monitor(self, interval_s: float) -> None:
@@ -123,7 +131,11 @@ class DecodeServer:
         `grace_s`, then stop. Returns whether everything finished in time."""
         self.draining = True
         finished = await drain(self.running, self.admission, grace_s)
-        await self.stop(0)
+        # A DecodeStream's request is over (and admitted no more) once its last response is made,
+        # a moment before gRPC has sent it: stopping at once could cut that response off. Open
+        # calls get FLUSH_S to end (a text service closes its stream to a draining replica once
+        # the stream's requests are done); then they are cancelled.
+        await self.stop(FLUSH_S if finished else 0)
         return finished
 
     async def serve_until_signal(self, grace_s: float) -> int:

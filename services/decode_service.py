@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import uuid
 
 import grpc
 
@@ -18,6 +19,8 @@ from services.decode_events import add_events_pb
 from services.decode_stream import DecodeStreamSession
 from services.errors import ServiceError, grpc_errors
 from services.metrics import Metrics
+from services.replicas import REPLICA_ID_KEY
+
 
 def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
     return decode_pb2.ModelInfo(
@@ -37,6 +40,8 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
         self.metrics = metrics
         self.info: ModelInfo | None = None
         self.engine: AsyncEngine | None = None
+        # sent as initial metadata on GetModelInfo and DecodeStream: which replica answered
+        self.replica_id = uuid.uuid4().hex[:12]
 
     def attach(self, engine: AsyncEngine, info: ModelInfo) -> None:
         self.info = info
@@ -58,7 +63,10 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
     async def DecodeStream(self, request_iterator, context):
         """Many requests over one stream (services.decode_stream; the proto's invariants 10-14).
         Refused as a whole (UNAVAILABLE) only while the model loads or the engine is down;
-        while draining it stays open for its live requests and refuses new starts one by one."""
+        while draining it stays open for its live requests and refuses new starts one by one.
+        Its headers (with this replica's id) go at once: they commit the call for the client's
+        retry policy (services.replicas) and tell it where the stream landed."""
+        await context.send_initial_metadata(((REPLICA_ID_KEY, self.replica_id),))
         if self.engine is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self.admission.closed_reason or "the model is still loading")
         session = DecodeStreamSession(self.engine, self.info, self.admission, self.metrics)
@@ -68,5 +76,6 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
 
     @grpc_errors
     async def GetModelInfo(self, request, context):
+        await context.send_initial_metadata(((REPLICA_ID_KEY, self.replica_id),))
         with self.admission.admit():
             return model_info_to_pb(self.info)

@@ -134,6 +134,15 @@ class ParseRequestsInHandler(grpc.aio.ServerInterceptor):
                     return await behaviour(parsed_stream(raws, context), context)
 
                 return stream_unary
+            if handler.response_streaming and not inspect.isasyncgenfunction(behaviour):
+                # a coroutine that sends with context.write (grpc_health's Watch, which gRPC's
+                # client-side health checking calls): kept a coroutine, since grpc.aio refuses
+                # a handler that mixes the two styles
+
+                async def unary_write(raw, context):
+                    return await behaviour(await parsed(raw, context), context)
+
+                return unary_write
             if handler.response_streaming:
 
                 async def unary_stream(raw, context):

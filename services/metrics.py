@@ -14,7 +14,9 @@ Data flow:
   * `StatusCodeInterceptor` counts every RPC (generation or not, auth rejects included) by
     method and final gRPC status in `tokenwire_responses_total{method, code}`: the boundary is
     the one place that knows the status actually sent.
-  * Engine gauges read `Engine.stats()` at scrape time (`watch_engine`), so they are never stale.
+  * Engine gauges read `Engine.stats()` at scrape time (`watch_engine`), so they are never stale;
+    so do the prefix cache's counters, which the engine keeps (hit rate = rate of
+    `tokenwire_prefix_cache_hit_tokens_total` over `..._queried_tokens_total`).
 
 Each `Metrics` owns its `CollectorRegistry` (never the global default), so tests and several
 servers in one process do not collide. `start_metrics_server` serves it over HTTP.
@@ -32,6 +34,7 @@ from typing import Callable, Protocol
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
@@ -49,9 +52,42 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
+class PrefixStatsLike(Protocol):
+    queried_tokens: int
+    hit_tokens: int
+    cached_tokens: int
+    capacity_tokens: int
+
+
 class EngineStatsLike(Protocol):
     queue_depth: int
     slots_in_use: int
+    prefix: PrefixStatsLike
+
+
+class _PrefixCacheCollector:
+    """The engine's prefix cache counts, read at scrape time: cumulative counts kept by the
+    engine (in another process) are counters that this process only reports, which a
+    prometheus_client Counter (incremented here) cannot express."""
+
+    def __init__(self, stats: Callable[[], EngineStatsLike]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        s = self._stats().prefix
+        yield CounterMetricFamily(
+            "tokenwire_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (decode-server only).",
+            value=s.queried_tokens,
+        )
+        yield CounterMetricFamily(
+            "tokenwire_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache instead of being computed.",
+            value=s.hit_tokens,
+        )
+        yield GaugeMetricFamily("tokenwire_prefix_cache_tokens", "Prompt positions the prefix cache holds now.", value=s.cached_tokens)
+        yield GaugeMetricFamily(
+            "tokenwire_prefix_cache_capacity_tokens", "Prompt positions the prefix cache can hold (--prefix-cache-tokens).",
+            value=s.capacity_tokens,
+        )
 
 
 class Metrics:
@@ -90,6 +126,23 @@ class Metrics:
             "tokenwire_cpu_kernels", "1 for the state of the CPU decode kernels: on, off (a WARNING in the log says why) "
             "or not applicable (decode-server with a JAX model only).", ["state"], registry=r,
         )
+        # text-server only: its decode replicas, each named by its address (services.replicas)
+        self.decoder_requests = Counter(
+            "tokenwire_decoder_requests", "Generation requests started on each decode replica (text-server only; "
+            "a request moved to another replica before its first token counts on both).", ["replica"], registry=r,
+        )
+        self.decoder_in_flight = Gauge(
+            "tokenwire_decoder_in_flight", "Generation requests in flight on each decode replica (text-server only).",
+            ["replica"], registry=r,
+        )
+        self.decoder_resubmitted = Counter(
+            "tokenwire_decoder_resubmitted", "Requests moved to another decode replica before their first token, their "
+            "replica having failed or refused them with UNAVAILABLE (text-server only).", registry=r,
+        )
+        self.decoder_replicas = Gauge(
+            "tokenwire_decoder_replicas", "Decode replicas behind the text service by state: ready, not_ready, refused "
+            "(serving another model) (text-server only).", ["state"], registry=r,
+        )
         for reason in REASONS:  # export zeros, so rates work before the first request of a kind
             self.requests.labels(reason)
 
@@ -97,6 +150,7 @@ class Metrics:
         """Read the slot and queue gauges from `stats()` (e.g. `engine.stats`) at every scrape."""
         self.slots_in_use.set_function(lambda: stats().slots_in_use)
         self.queue_depth.set_function(lambda: stats().queue_depth)
+        self.registry.register(_PrefixCacheCollector(stats))
 
     def track(self, request_id: str = "", prompt_tokens: int = 0) -> "RequestTracker":
         """Start timing one generation request; use as `with metrics.track(...) as tracker:`."""

@@ -36,6 +36,9 @@ class ServerOptions:
     auth_token: str | None = None  # bearer token required on every RPC but health and reflection
     max_message_bytes: int = 4 * 1024 * 1024
     max_concurrent_streams: int = 0  # per connection; 0 = gRPC's default (unlimited)
+    # After this long (gRPC adds +-10 % jitter) a connection gets GOAWAY, so that clients
+    # re-resolve and find new replicas; its open calls run on to their end. 0 = never.
+    max_connection_age_s: float = 0.0
 
     def grpc_options(self) -> list[tuple[str, int]]:
         options = [
@@ -44,6 +47,8 @@ class ServerOptions:
         ]
         if self.max_concurrent_streams:
             options.append(("grpc.max_concurrent_streams", self.max_concurrent_streams))
+        if self.max_connection_age_s:
+            options.append(("grpc.max_connection_age_ms", max(1, round(self.max_connection_age_s * 1000))))
         return options
 
 

@@ -1,13 +1,16 @@
-"""The text service process: a tokenizer, a channel to the decode service, a grpc.aio server.
+"""The text service process: a tokenizer, channels to the decode replicas, a grpc.aio server.
 
-At start it waits for the decoder and refuses to serve a model its tokenizer does not belong
-to. Then a monitor keeps `tokenwire.text.v1.TextGeneration` readiness equal to the decoder's
-(re-checking the model whenever the decoder comes back); `tokenwire.text.v1.Tokenizer` needs
-no decoder and is ready until draining. Generations share one `Decoder.DecodeStream`, on a
-blocking channel of its own that a thread reads ahead (services.decode_stream_client), which
-the readiness monitor also asks, so readiness follows the connection generations use; start-up
-and model checks use a grpc.aio channel. Both reconnect by themselves when the decoder
-restarts; while it is down, generation calls fail fast with UNAVAILABLE.
+At start it waits for a decoder, asks every replica it can reach for its model and settles on
+one model (the one most replicas that fit its tokenizer serve); it refuses to serve when none
+fits. Generations share a pool of `Decoder.DecodeStream`s, one per ready replica, on a blocking
+channel that gRPC balances round-robin over the replicas that are healthy under the model's own
+health name (services.replicas, services.decode_stream_client). A monitor runs the replica
+census every interval (each replica's model and readiness, logged as they change; a replica
+with another model gets no traffic and an ERROR line names it), keeps the pool in step with it,
+and keeps `tokenwire.text.v1.TextGeneration` readiness equal to "at least one replica is ready",
+asked through the streams' own channel; `tokenwire.text.v1.Tokenizer` needs no decoder and is
+ready until draining. Channels reconnect by themselves when a replica restarts; while none is
+ready, generation calls fail fast with UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from protos.text.v1 import text_pb2_grpc
 from services.admission import DEFAULT_MAX_IN_FLIGHT, Admission
 from services.metrics import Metrics
 from services.channels import open_channel
+from services.replicas import (
+    Address, ReplicaCensus, channel_options, choose_reference, model_info_from_pb, model_service_name,
+)
 from services.security import ClientTlsConfig
 from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE, TOKENIZER_SERVICE
 from services.server import RunningServer, ServerOptions, drain, start_server, wait_for_signal
@@ -35,14 +41,7 @@ from tokenizer_svc.tokenizer import TextTokenizer
 
 log = logging.getLogger("tokenwire.text")
 
-
-
-# Reconnect quickly after the decoder restarts (gRPC's default backoff grows to 120 s).
-DECODER_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-]
+REPLICA_STATES = ("ready", "not_ready", "refused")
 
 
 class ModelMismatch(Exception):
@@ -62,49 +61,46 @@ def check_tokenizer_matches(tokenizer: TextTokenizer, info: ModelInfo) -> None:
         )
 
 
-def model_info_from_pb(pb: decode_pb2.ModelInfo) -> ModelInfo:
-    return ModelInfo(pb.model_id, pb.vocab_size, pb.max_context_length, pb.max_batch_size, frozenset(pb.eos_token_ids))
-
-
 @dataclass
 class TextServer:
     running: RunningServer
-    channel: grpc.aio.Channel
     info: ModelInfo
     admission: Admission
     tokenizer: TextTokenizer
     upstream: DecodeStreamClient
+    census: ReplicaCensus
+    metrics: Metrics
     draining: bool = False
 
     @property
     def port(self) -> int:
         return self.running.port
 
-    async def _decoder_serving(self, timeout_s: float) -> bool:
-        return await asyncio.to_thread(self.upstream.serving, DECODER_SERVICE, timeout_s)
+    @property
+    def model_service(self) -> str:
+        return model_service_name(self.info)
 
-    async def _model_still_matches(self, timeout_s: float) -> bool:
-        """After the decoder came back: is it still this tokenizer's model?"""
-        stub = decode_pb2_grpc.DecoderStub(self.channel)
-        try:
-            check_tokenizer_matches(
-                self.tokenizer, model_info_from_pb(await stub.GetModelInfo(decode_pb2.GetModelInfoRequest(), timeout=timeout_s))
-            )
-            return True
-        except ModelMismatch as error:
-            log.error("the decoder came back with another model: %s", error)
-        except grpc.aio.AioRpcError:
-            pass
-        return False
+    async def _decoder_serving(self, timeout_s: float) -> bool:
+        return await asyncio.to_thread(self.upstream.serving, self.model_service, timeout_s)
+
+    async def _take_census(self) -> None:
+        """Ask every replica, then tell the pool and the metrics what changed."""
+        await self.census.update()
+        self.upstream.replicas_changed(self.census.ready_ids(), self.census.unready_ids(), self.census.names())
+        counts = self.census.counts()
+        for state in REPLICA_STATES:
+            self.metrics.decoder_replicas.labels(state).set(counts.get(state, 0))
 
     async def _monitor(self, interval_s: float) -> None:
         was_serving = True  # checked at start
         while True:
+            try:
+                await self._take_census()
+            except Exception:  # the census informs; it must never stop readiness from being kept
+                log.exception("the decode replica census failed")
             serving = await self._decoder_serving(interval_s)
-            if serving and not was_serving:
-                serving = await self._model_still_matches(interval_s)
             if serving != was_serving:
-                log.warning("decoder %s", "is back" if serving else "is unavailable")
+                log.warning("decoder %s", "is back" if serving else "is unavailable: no replica is ready")
             was_serving = serving
             await self.running.set_ready(serving and not self.draining, [TEXT_GENERATION_SERVICE])
             await self.running.set_ready(not self.draining, [TOKENIZER_SERVICE])
@@ -126,7 +122,7 @@ class TextServer:
     async def stop(self, grace_s: float | None = None) -> None:
         await self.running.stop(grace_s)
         await self.upstream.close()
-        await self.channel.close()
+        await self.census.close()
 
 
 async def start_text_server(
@@ -143,8 +139,9 @@ async def start_text_server(
     max_detokenize_ids: int = DEFAULT_MAX_DETOKENIZE_IDS,
     max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT,
 ) -> TextServer:
-    """Connect to the decoder, check that it serves this tokenizer's model, then serve.
-    Raises ModelMismatch, or grpc.aio.AioRpcError when the decoder cannot be reached in time.
+    """Connect to the decode replicas (`decoder_target`: any gRPC target), settle on the one
+    model they serve that fits this tokenizer, then serve. Raises ModelMismatch, or
+    grpc.aio.AioRpcError when no decoder can be reached in time.
 
     Limits: text input (a prompt, Tokenize text, a chat's roles and contents summed) over
     `max_input_chars` characters and a Detokenize over `max_detokenize_ids` ids are
@@ -152,7 +149,9 @@ async def start_text_server(
     `max_in_flight` (Generate, Complete, Tokenize, Detokenize together; None: no cap) is
     RESOURCE_EXHAUSTED."""
     metrics = metrics or Metrics()
-    channel = open_channel(decoder_target, decoder_tls, decoder_token, options=DECODER_CHANNEL_OPTIONS)
+    channel = open_channel(decoder_target, decoder_tls, decoder_token, options=channel_options(DECODER_SERVICE))
+    # a replica that does not answer within two intervals counts as not ready (e.g. frozen)
+    census = ReplicaCensus(decoder_target, decoder_tls, decoder_token, timeout_s=min(2.0, max(0.5, 2 * health_interval_s)))
     try:
         decoder = decode_pb2_grpc.DecoderStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
@@ -166,20 +165,32 @@ async def start_text_server(
                 if error.code() != grpc.StatusCode.UNAVAILABLE or asyncio.get_running_loop().time() > deadline:
                     raise
                 await asyncio.sleep(0.5)
-        info = model_info_from_pb(pb)
-        check_tokenizer_matches(tokenizer, info)
+        # every replica that answers now (the one above among them, unless it just went away)
+        answers = await census.ask_models() or [(Address(decoder_target, decoder_target), None, model_info_from_pb(pb))]
+        info, left_out = choose_reference(answers, lambda candidate: check_tokenizer_matches(tokenizer, candidate))
+        if info is None:
+            raise ModelMismatch("; ".join(left_out))
+        census.reference = info  # its first round, before serving, names the replicas left out
         # what a chat with special-token text in a message needs (a private tokenizer copy, up to
         # ~1.5 s): built now, so that no request waits for it
         if tokenizer.chat_template is not None:
             await asyncio.to_thread(tokenizer.prepare_chat_encoding)
     except BaseException:
-        await channel.close()
+        await census.close()
         raise
+    finally:
+        await channel.close()  # start-up only: the pool's channel and the census take over
 
     admission = Admission(max_in_flight=max_in_flight)
-    # every generation shares one DecodeStream, on a blocking channel of its own (read ahead by
-    # a thread: services.decode_stream_client)
-    upstream = DecodeStreamClient(open_channel(decoder_target, decoder_tls, decoder_token, options=DECODER_CHANNEL_OPTIONS, asynchronous=False))
+    # generations share a pool of DecodeStreams, one per replica, on a blocking channel of its
+    # own (each read ahead by a thread: services.decode_stream_client), balanced by gRPC over
+    # the replicas healthy under this model's name
+    upstream = DecodeStreamClient(
+        open_channel(
+            decoder_target, decoder_tls, decoder_token, options=channel_options(model_service_name(info)), asynchronous=False
+        ),
+        metrics,
+    )
 
     def add(server: grpc.aio.Server) -> None:
         text_pb2_grpc.add_TokenizerServicer_to_server(
@@ -196,8 +207,17 @@ async def start_text_server(
         )
 
     running = await start_server(add, [TOKENIZER_SERVICE, TEXT_GENERATION_SERVICE], options, metrics)
+    server = TextServer(running, info, admission, tokenizer, upstream, census, metrics)
+    try:
+        await server._take_census()
+        await upstream.filled(min(connect_timeout_s, 5.0))  # a stream on each ready replica, if it comes soon
+    except BaseException:
+        await server.stop(None)
+        raise
     await running.set_ready(True)
-    server = TextServer(running, channel, info, admission, tokenizer, upstream)
     server.running.tasks.append(asyncio.create_task(server._monitor(health_interval_s)))
-    log.info("text service on %s:%d, decoder %s serving %s", options.host, running.port, decoder_target, info.model_id)
+    log.info(
+        "text service on %s:%d, decoder %s serving %s (%d ready replica(s))",
+        options.host, running.port, decoder_target, info.model_id, len(census.ready_ids()),
+    )
     return server

@@ -172,9 +172,23 @@ def prompt_from_pb(request: text_pb2.GenerateRequest) -> str | Chat:
     return chat_from_pb(request.chat) if request.WhichOneof("input") == "chat" else request.prompt
 
 
+def logprob_to_pb(entry: generation.TokenLogprob) -> text_pb2.TokenLogprob:
+    return text_pb2.TokenLogprob(
+        text=entry.text,
+        bytes=entry.bytes,
+        logprob=entry.logprob,
+        top_logprobs=[
+            text_pb2.TopLogprob(id=a.id, text=a.text, bytes=a.bytes, logprob=a.logprob) for a in entry.top_logprobs
+        ],
+    )
+
+
 def response_to_pb(event: TextEvent) -> text_pb2.GenerateResponse:
     if isinstance(event, TextDelta):
-        return text_pb2.GenerateResponse(delta=text_pb2.TextDelta(text=event.text, token_ids=event.token_ids))
+        delta = text_pb2.TextDelta(text=event.text, token_ids=event.token_ids)
+        if event.logprobs:
+            delta.logprobs.extend(map(logprob_to_pb, event.logprobs))
+        return text_pb2.GenerateResponse(delta=delta)
     decoded = event_to_pb(Finished(event.reason, event.usage)).finished  # the decode proto's reason and usage
     return text_pb2.GenerateResponse(
         finished=text_pb2.TextFinished(
@@ -268,6 +282,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             stop_strings=request.stop_strings,
             include_stop_string=request.include_stop_string,
             keep_special_tokens=request.keep_special_tokens,
+            logprobs=request.logprobs,
         )
 
     async def generate(
@@ -279,12 +294,15 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             size = _chat_work_size(request.chat, self.max_input_chars)
         else:
             size = validation.text_chars("prompt", request.prompt, self.max_input_chars)
+        validation.top_logprobs(request.top_logprobs, request.logprobs, needs="logprobs")
         text_request = await _work(size, self._prepare, request)
         upstream = decode_pb2.DecodeRequest(
             request_id=request_id,
             prompt_token_ids=text_request.prompt_token_ids,
             sampling=request.sampling,
             stopping=request.stopping,
+            return_logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
         )
         # A DecoderFault (INTERNAL) or StreamEndedWithoutFinished (UNAVAILABLE) propagates to
         # services.errors, which maps it; the request log line carries the request id and code.
@@ -321,6 +339,7 @@ async def collect(responses: AsyncIterator[text_pb2.GenerateResponse]) -> text_p
             if response.HasField("delta"):
                 completion.text += response.delta.text
                 completion.token_ids.extend(response.delta.token_ids)
+                completion.logprobs.extend(response.delta.logprobs)
             else:
                 f = response.finished
                 completion.reason = f.reason

@@ -7,11 +7,12 @@ service's size limits are here too: they are checked before any text is tokenize
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 
 from engine.core.model import ModelInfo
-from engine.core.request import Request, SamplingParams, StoppingCriteria
+from engine.core.request import MAX_TOP_LOGPROBS, Request, SamplingParams, StoppingCriteria
 from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
 from engine.core.errors import InvalidArgument, check_token_ids
@@ -111,14 +112,26 @@ def stopping_criteria(pb: decode_pb2.StoppingCriteria, prompt_len: int, info: Mo
     return StoppingCriteria(max_output, frozenset(pb.stop_token_ids), pb.ignore_eos, pb.min_output_tokens)
 
 
+def top_logprobs(count: int, logprobs: bool, field: str = "top_logprobs", needs: str = "return_logprobs") -> int:
+    """How many alternatives each token reports: 0..MAX_TOP_LOGPROBS, and above 0 only with
+    `needs` set; else InvalidArgument naming `field`."""
+    if count > MAX_TOP_LOGPROBS:
+        raise InvalidArgument(field, f"at most {MAX_TOP_LOGPROBS} (got {count})")
+    if count and not logprobs:
+        raise InvalidArgument(field, f"needs {needs}")
+    return count
+
+
 def decode_request(pb: decode_pb2.DecodeRequest, info: ModelInfo) -> Request:
     """Validate a DecodeRequest against the served model and convert it."""
     request_id = request_id_of(pb.request_id)
     prompt = info.check_prompt(pb.prompt_token_ids, "prompt_token_ids")
+    sampling = sampling_params(pb.sampling, info)
+    top = top_logprobs(pb.top_logprobs, pb.return_logprobs)
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,
-        sampling=sampling_params(pb.sampling, info),
+        sampling=dataclasses.replace(sampling, top_logprobs=min(top, info.vocab_size)),
         stopping=stopping_criteria(pb.stopping, len(prompt), info),
         return_logprobs=pb.return_logprobs,
     )

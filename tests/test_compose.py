@@ -6,6 +6,9 @@
   * The health probe the healthchecks use, against real servers.
   * The compose services run as local processes exactly as compose starts them (same command,
     same environment), with addresses on 127.0.0.1, free ports, and the tiny test checkpoint.
+  * `--scale decode=N`: nothing pins decode to one container, and three decode-servers as compose
+    runs them (on 127.0.0.1-3, one port, as the name `decode` resolves) share a text service's
+    requests.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from services.health_probe import health_check
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
-SERVERS = ("decode", "text")
+SERVERS = ("decode", "text")  # the gRPC servers
+HTTP = "api"  # the OpenAI-compatible HTTP front, the one published service
 
 
 def load(name: str) -> dict:
@@ -47,7 +51,7 @@ COMPOSE = load("compose.yaml")
 GPU = load("compose.gpu.yaml")
 SECURE = load("compose.secure.yaml")
 SERVICES = COMPOSE["services"]
-PUBLIC = "${TOKENWIRE_PUBLISH_ADDRESS:-127.0.0.1}:50052:50052"  # the one published port
+PUBLIC = "${TOKENWIRE_PUBLISH_ADDRESS:-127.0.0.1}:8000:8000"  # the one published port
 
 
 def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -87,18 +91,22 @@ def seconds(duration: str) -> float:
 
 
 def test_services_volume_and_restart_policies():
-    assert set(SERVICES) == {"model", *SERVERS}
+    assert set(SERVICES) == {"model", *SERVERS, HTTP}
     assert "models" in COMPOSE["volumes"]
     assert SERVICES["model"]["command"][0] == "pull"
     assert SERVICES["model"]["restart"] == "no"  # one-shot: restarting it would loop
     assert SERVICES["model"]["volumes"] == ["models:/cache"]
-    for name in SERVERS:
+    for name in (*SERVERS, HTTP):
         assert SERVICES[name]["restart"] == "unless-stopped"
+    for name in SERVERS:
         assert SERVICES[name]["volumes"] == ["models:/cache:ro"]
         assert SERVICES[name]["environment"]["TOKENWIRE_CACHE"] == "/cache"
     assert SERVICES["decode"]["depends_on"] == {"model": {"condition": "service_completed_successfully"}}
     assert SERVICES["text"]["depends_on"]["decode"] == {"condition": "service_healthy"}
-    assert flag_value(SERVICES["text"]["command"], "--decoder") == f"decode:{flag_value(SERVICES['decode']['command'], '--port')}"
+    assert flag_value(SERVICES["text"]["command"], "--decoder") == f"dns:///decode:{flag_value(SERVICES['decode']['command'], '--port')}"
+    assert SERVICES[HTTP]["depends_on"] == {"text": {"condition": "service_healthy"}}
+    assert flag_value(SERVICES[HTTP]["command"], "--text") == f"text:{flag_value(SERVICES['text']['command'], '--port')}"
+    assert "volumes" not in SERVICES[HTTP], "the HTTP front holds no model"
 
 
 def test_every_command_word_exists_in_the_cli(monkeypatch):
@@ -147,13 +155,14 @@ def test_service_env_does_not_change_its_healthcheck(name):
     assert FOR_THE_HEALTHCHECK <= secure_env, "with TLS on, the probe must trust the CA"
 
 
-def test_only_the_text_port_is_published_on_loopback_by_default():
-    """Nothing but the public port leaves the compose network, and it stays on the host's
-    loopback unless TOKENWIRE_PUBLISH_ADDRESS says otherwise; the decoder and the metrics are
-    reachable only from other services."""
+def test_only_the_api_port_is_published_on_loopback_by_default():
+    """Nothing but the public port (the HTTP API) leaves the compose network, and it stays on
+    the host's loopback unless TOKENWIRE_PUBLISH_ADDRESS says otherwise; the gRPC services and
+    the metrics are reachable only from other services."""
     published = {name: service.get("ports", []) for name, service in SERVICES.items()}
-    assert published == {"model": [], "decode": [], "text": [PUBLIC]}
-    assert flag_value(SERVICES["text"]["command"], "--port") == "50052"
+    assert published == {"model": [], "decode": [], "text": [], HTTP: [PUBLIC]}
+    assert flag_value(SERVICES[HTTP]["command"], "--port") == "8000"
+    assert flag_value(SERVICES["text"]["command"], "--port") in set(SERVICES["text"]["expose"])
     for name in SERVERS:
         exposed = set(SERVICES[name]["expose"])
         assert SERVICES[name]["environment"]["TOKENWIRE_METRICS_PORT"] in exposed
@@ -210,6 +219,9 @@ def test_the_text_side_installs_and_ships_without_jax():
     for name in ("model", "text"):
         assert SERVICES[name]["build"]["args"]["JAX_EXTRA"] == "text", name
         assert SERVICES[name]["image"] != SERVICES["decode"]["image"], name
+    api = pyproject["project"]["optional-dependencies"][SERVICES[HTTP]["build"]["args"]["JAX_EXTRA"]]
+    assert api and not [d for d in api if d.lower().startswith(("jax", "jaxlib"))]
+    assert SERVICES[HTTP]["image"] not in {SERVICES[name]["image"] for name in ("decode", "text")}
 
 
 def test_dockerfile_and_gpu_override_match_pyproject():
@@ -302,7 +314,10 @@ def localize(
     `secrets` (a directory scripts/make_secrets wrote), compose.secure.yaml's environment too,
     /run/secrets/ pointing there."""
     argv = list(SERVICES[name]["command"])
-    local = {"--host": "127.0.0.1", "--port": str(ports[name]), "--model": str(TINY), "--decoder": f"127.0.0.1:{ports['decode']}"}
+    local = {
+        "--host": "127.0.0.1", "--port": str(ports[name]), "--model": str(TINY), "--decoder": f"127.0.0.1:{ports['decode']}",
+        "--text": f"127.0.0.1:{ports['text']}",
+    }
     for flag, value in local.items():
         if flag in argv:
             argv[argv.index(flag) + 1] = value
@@ -328,6 +343,25 @@ def wait_healthy(process: subprocess.Popen, name: str, log: Path, port: int, bud
     pytest.fail(f"{name} not SERVING after {budget_s} s:\n{log.read_text()[-3000:]}")
 
 
+def wait_http_ready(process: subprocess.Popen, log: Path, url: str, budget_s: float, ca: Path | None) -> None:
+    """What the api service's healthcheck asks: GET /ready answers 200."""
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(ca)) if ca is not None else None
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"{HTTP} exited with {process.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/ready", timeout=2, context=context) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    pytest.fail(f"{HTTP} not ready after {budget_s} s:\n{log.read_text()[-3000:]}")
+
+
 @pytest.mark.parametrize("overlay", [None, "compose.secure.yaml"])
 def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
     from protos.decode.v1 import decode_pb2
@@ -341,8 +375,8 @@ def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
         secrets = tmp_path / "secrets"
         subprocess.run(["bash", str(ROOT / "scripts" / "make_secrets"), str(secrets)], check=True, capture_output=True)
         tls, token = ClientTlsConfig(ca=secrets / "ca.crt"), (secrets / "text_token").read_text().strip()
-    ports = {name: free_port() for name in SERVERS}
-    metrics_ports = {name: free_port() for name in SERVERS}
+    ports = {name: free_port() for name in (*SERVERS, HTTP)}
+    metrics_ports = {name: free_port() for name in (*SERVERS, HTTP)}
     processes: dict[str, subprocess.Popen] = {}
     try:
         for name in ("decode", "text"):  # depends_on order: text waits for decode to be healthy
@@ -381,6 +415,29 @@ def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
                     states = {s.labels["state"]: s.value for s in families["tokenwire_cpu_kernels"].samples}
                     expected = "on" if shutil.which("g++") and platform.machine() == "x86_64" else states and next(iter(states))
                     assert states == {expected: 1.0}, states
+
+        # the HTTP front, as compose starts it, in front of the text service (its only published port)
+        argv, env = localize(HTTP, ports, metrics_ports, tmp_path / "cache", secrets)
+        log = tmp_path / f"{HTTP}.log"
+        with log.open("w") as out:
+            processes[HTTP] = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        base = f"{'https' if secrets else 'http'}://{'localhost' if secrets else '127.0.0.1'}:{ports[HTTP]}"
+        wait_http_ready(processes[HTTP], log, base, budget_s=60, ca=secrets / "ca.crt" if secrets else None)
+        import httpx2
+
+        api_token = (secrets / "api_token").read_text().strip() if secrets else "unused"
+        import ssl
+
+        verify = ssl.create_default_context(cafile=str(secrets / "ca.crt")) if secrets else True
+        with httpx2.Client(base_url=base, verify=verify, timeout=60) as http:
+            body = {"model": flag_value(SERVICES[HTTP]["command"], "--served-model-name"), "prompt": "Hello", "max_tokens": 3}
+            answer = http.post("/v1/completions", json=body, headers={"authorization": f"Bearer {api_token}"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["usage"]["completion_tokens"] <= 3
+            if secrets:  # without the api's token: refused
+                assert http.post("/v1/completions", json=body).status_code == 401
     finally:
         for name in reversed(list(processes)):  # as `docker compose stop`: SIGTERM, then wait
             processes[name].send_signal(signal.SIGTERM)
@@ -391,4 +448,83 @@ def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
             except subprocess.TimeoutExpired:
                 process.kill()
                 codes[name] = process.wait()
-    assert codes == {name: 0 for name in SERVERS}, "a clean SIGTERM drain exits 0"
+    assert codes == {name: 0 for name in (*SERVERS, HTTP)}, "a clean SIGTERM drain exits 0"
+
+
+# -- (c) `docker compose up --scale decode=3` ------------------------------------------------
+
+
+def test_the_decode_service_scales_and_the_text_service_balances_over_every_replica():
+    """Nothing pins decode to one container (a name, a host port), every overlay included; the
+    text service's target is the service name as a dns:/// target, which resolves to every
+    replica, and replicas recycle connections so that ones added later are found."""
+    for overlay in (COMPOSE, GPU, SECURE):
+        decode = overlay["services"].get("decode", {})
+        assert not {"container_name", "hostname", "ports"} & set(decode), "a scaled service cannot fix these"
+    decode_port = flag_value(SERVICES["decode"]["command"], "--port")
+    assert flag_value(SERVICES["text"]["command"], "--decoder") == f"dns:///decode:{decode_port}"
+    assert 0 < float(SERVICES["decode"]["environment"]["TOKENWIRE_MAX_CONNECTION_AGE"]) <= 3600
+    assert SERVICES["text"]["depends_on"]["decode"] == {"condition": "service_healthy"}
+
+
+def test_scaled_decode_replicas_as_compose_runs_them_share_the_requests(tmp_path):
+    """Three decode-servers with compose's command and environment (the scripted model over the
+    test tokenizer, so no compiling), on one port of three addresses as `decode` would resolve
+    in the compose network, and a text-server pointed at all of them: requests sent one at a
+    time go to each replica in turn."""
+    from services.client import TextClient
+
+    hosts = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+    port = free_port()
+    ports = {"decode": port, "text": free_port()}
+    processes: list[subprocess.Popen] = []
+    logs: list[Path] = []
+
+    def start(name: str, argv: list[str], env: dict[str, str]) -> None:
+        logs.append(tmp_path / f"{name}-{len(logs)}.log")
+        with logs[-1].open("w") as out:
+            processes.append(subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *argv], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            ))
+
+    def healthy(address: str, service: str) -> None:
+        deadline = time.monotonic() + 60
+        while health_check(address, service, timeout=2.0) != 0:
+            assert all(p.poll() is None for p in processes), "\n".join(log.read_text()[-2000:] for log in logs)
+            assert time.monotonic() < deadline, f"{address} not SERVING"
+            time.sleep(0.2)
+
+    try:
+        for host in hosts:
+            argv, env = localize("decode", ports, {"decode": 0}, tmp_path / "cache")
+            argv[argv.index("--host") + 1] = host
+            argv[argv.index("--model") + 1] = f"scripted:{TINY}"
+            start("decode", argv, env)
+        for host in hosts:
+            healthy(f"{host}:{port}", flag_value(healthcheck_argv("decode"), "--service"))
+        argv, env = localize("text", ports, {"text": free_port()}, tmp_path / "cache")
+        argv[argv.index("--decoder") + 1] = "ipv4:" + ",".join(f"{h}:{port}" for h in hosts)  # what dns:///decode: finds
+        start("text", argv, env)
+        healthy(f"127.0.0.1:{ports['text']}", flag_value(healthcheck_argv("text"), "--service"))
+        text_metrics = env["TOKENWIRE_METRICS_PORT"]
+        with TextClient(f"127.0.0.1:{ports['text']}", timeout=30) as client:
+            for _ in range(9):
+                assert client.complete("Hello", max_output_tokens=2).usage.completion_tokens == 2
+        with urllib.request.urlopen(f"http://127.0.0.1:{text_metrics}/metrics", timeout=5) as response:
+            families = {f.name: f for f in text_string_to_metric_families(response.read().decode())}
+        started = {
+            s.labels["replica"]: s.value for s in families["tokenwire_decoder_requests"].samples
+            if s.name == "tokenwire_decoder_requests_total"
+        }
+        assert started == {f"{h}:{port}": 3.0 for h in hosts}
+    finally:
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+        codes = []
+        for process in processes:
+            try:
+                codes.append(process.wait(timeout=40))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                codes.append(process.wait())
+    assert codes == [0] * len(codes), "a clean SIGTERM drain exits 0"

@@ -322,6 +322,18 @@ def test_stats_show_the_slot_freed_by_an_abort_that_no_step_follows(spawn):
         wait_until(lambda: process.stats().slots_in_use == 0, limit_s=1.0)
 
 
+def test_the_prefix_cache_counts_reach_the_parent(spawn):
+    process, _ = spawn(prefix_blocks=4, prefix_block_tokens=16)
+    prompt = tuple(range(3, 40))  # two whole blocks
+    for _ in range(2):
+        sink = Recorder()
+        process.submit(Request("p", prompt, stopping=StoppingCriteria(max_output_tokens=2)), sink)
+        sink.wait_ended()
+    wait_until(lambda: process.stats().prefix.hit_tokens == 32)
+    prefix = process.stats().prefix
+    assert (prefix.queried_tokens, prefix.cached_tokens, prefix.capacity_tokens) == (74, 32, 64)
+
+
 def test_aborting_a_waiting_request_delivers_nothing_for_it(spawn):
     """The parent drops the aborted request's events whatever the child does, so what shows the
     child dropped it too is the work: on one slot, the waiting request would run 253 decode steps

@@ -9,6 +9,7 @@ behind a real grpc.aio server with `StatusCodeInterceptor`, and checks what a sc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import urllib.request
 
@@ -17,7 +18,7 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.core.engine import EngineConfig
+from engine.core.engine import EngineConfig, EngineStats, PrefixStats
 from engine.core.events import FinishReason
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -105,15 +106,18 @@ def test_each_metrics_has_its_own_registry(served):
 def test_engine_gauges_are_read_at_scrape_time(served):
     metrics, port = served
 
-    class Stats:
-        queue_depth, slots_in_use = 0, 0
-
-    stats = Stats()
+    stats = EngineStats(0, 0, True, 0.0, PrefixStats(capacity_tokens=4096))
     metrics.watch_engine(lambda: stats)
-    stats.queue_depth, stats.slots_in_use = 5, 3
+    families = scrape(port)
+    assert value(families, "tokenwire_prefix_cache_hit_tokens_total") == 0
+    assert value(families, "tokenwire_prefix_cache_capacity_tokens") == 4096
+    stats = EngineStats(5, 3, True, 0.0, PrefixStats(queried_tokens=300, hit_tokens=120, cached_tokens=96, capacity_tokens=4096))
     families = scrape(port)
     assert value(families, "tokenwire_queue_depth") == 5 and value(families, "tokenwire_slots_in_use") == 3
-    stats.queue_depth = 0
+    assert value(families, "tokenwire_prefix_cache_queried_tokens_total") == 300
+    assert value(families, "tokenwire_prefix_cache_hit_tokens_total") == 120
+    assert value(families, "tokenwire_prefix_cache_tokens") == 96
+    stats = dataclasses.replace(stats, queue_depth=0)
     assert value(scrape(port), "tokenwire_queue_depth") == 0
 
 

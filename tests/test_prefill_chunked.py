@@ -140,16 +140,32 @@ def test_a_slot_mid_prefill_cannot_decode_or_skip_a_chunk(pair):
 
 
 @pytest.mark.real_model
-def test_chunked_prefill_gives_the_same_greedy_ids_on_the_real_model():
+def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_model():
     path = registry.model_dir(registry.DEFAULT_MODEL)
     if not (path / "config.json").exists():
         pytest.skip(f"the real model is not prepared at {path} (tokenwire pull)")
-    model = JaxModel.load(path, max_batch_size=2, max_context_length=1024, max_chunk=256)
-    prompt = tuple(int(t) for t in np.random.default_rng(0).integers(3, 49152, 700))
+    model = JaxModel.load(path, max_batch_size=2, max_context_length=1024, max_chunk=256, prefix_cache_tokens=1024)
+    rng = np.random.default_rng(0)
+    prompt = tuple(int(t) for t in rng.integers(3, 49152, 700))
     want, want_logprob = _greedy(model, prompt, 8, None)  # 700 = 256 + 256 + 128 + 32 + 16 + 12 (16)
     got, got_logprob = _greedy(model, prompt, 8, [100, 357, 612])
     assert got == want
     assert abs(got_logprob - want_logprob) < 1e-3
+    # a prompt sharing the first 600 tokens: 37 blocks of 16 from the pool, the rest computed
+    other = prompt[:600] + tuple(int(t) for t in rng.integers(3, 49152, 90))
+    want, want_logprob = _greedy(model, other, 8, None)
+    model.prefill(1, prompt, GREEDY, masked=False)
+    model.save_prefix(1, [(i, 10 + i) for i in range(700 // 16)])
+    model.release(1)
+    blocks = [10 + i for i in range(600 // 16)]
+    model.load_prefix(1, blocks, GREEDY)
+    first = model.prefill_chunk(1, other, len(blocks) * 16, len(other), GREEDY, masked=False)
+    got = [first.token_id]
+    for step in range(7):
+        got.append(model.decode([DecodeInput(1, got[-1], len(other) + step, False)])[0].token_id)
+    model.release(1)
+    assert got == want
+    assert abs(first.logprob - want_logprob) < 1e-3
 
 
 # -- scheduler side ---------------------------------------------------------------------------
@@ -198,8 +214,48 @@ def test_chunked_and_whole_prefill_send_the_same_events(max_step_tokens):
     for i, sink in enumerate(sinks):
         assert sink.tokens == list(range(100 * i + 3, 100 * i + 3 + 5 + i))
         assert sink.batches[-1][-1].usage.prompt_tokens == 20 * i + 3
-    if max_step_tokens:
-        assert all(c[3] - c[2] <= max_step_tokens for c in model.calls if c[0] == "prefill")
+
+
+class GatedFirstPrefill(ScriptedModel):
+    """Holds the first prefill call until the test opens the gate."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def prefill_chunk(self, slot, prompt_token_ids, start, end, setup, masked):
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.gate.wait(10)
+        return super().prefill_chunk(slot, prompt_token_ids, start, end, setup, masked)
+
+
+def test_with_nothing_decoding_a_prompt_is_read_whole_and_the_budget_binds_once_a_stream_decodes():
+    """Nobody waits on an idle engine, so the first long prompt is one call; from then on a
+    stream decodes, and the second long prompt gets chunks of the budget with a step between."""
+    model = GatedFirstPrefill(vocab_size=1000, max_batch_size=3, max_context_length=256)
+    engine = Engine(model, EngineConfig(max_step_tokens=16))
+    engine.start()
+    try:
+        gate_holder, first, second = Recorder(), Recorder(), Recorder()
+        engine.submit(_request([7], 1), gate_holder)  # ends at its prefill: nothing decodes after it
+        assert model.entered.wait(5)
+        engine.submit(_request([3] * 59 + [100], 40), first)
+        engine.submit(_request([4] * 49 + [200], 3), second)
+        model.gate.set()
+        assert first.done.wait(5) and second.done.wait(5)
+    finally:
+        engine.stop()
+    assert first.tokens == list(range(101, 141)) and second.tokens == [201, 202, 203]
+    prefills = [c for c in model.calls if c[0] == "prefill"]
+    assert prefills[:2] == [("prefill", 0, 0, 1), ("prefill", 0, 0, 60)]  # the first long prompt whole
+    chunks = [c for c in prefills if c[1] == 1]
+    assert [(c[2], c[3]) for c in chunks] == [(0, 16), (16, 32), (32, 48), (48, 50)]
+    at = [model.calls.index(c) for c in chunks]
+    assert model.calls[at[0] - 1] == ("decode", (0,))  # the first chunk waited for the budget of the next step
+    for a, b in zip(at[:-1], at[1:]):
+        assert model.calls[a + 1 : b] == [("decode", (0,))]
 
 
 class GatedChunks(ScriptedModel):
@@ -218,24 +274,26 @@ class GatedChunks(ScriptedModel):
 
 
 def test_cancelling_during_a_chunked_prefill_frees_the_slot_before_the_next_step():
-    model = GatedChunks(vocab_size=1000, max_batch_size=1, max_context_length=256)
+    model = GatedChunks(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002)
     engine = Engine(model, EngineConfig(max_step_tokens=8))
     engine.start()
     try:
-        cancelled, after = Recorder(), Recorder()
+        running, cancelled, after = Recorder(), Recorder(), Recorder()
+        engine.submit(_request([900], 50), running)  # decoding, so the budget binds
+        assert running.started.wait(5)
         ticket = engine.submit(_request(range(1, 60), 5), cancelled)
         assert model.entered.wait(5)  # inside its second chunk
         engine.abort(ticket)
-        engine.submit(_request([40], 2), after)  # waits for the only slot
+        engine.submit(_request([40], 2), after)  # waits for the slot
         model.gate.set()
-        assert after.done.wait(5)
+        assert after.done.wait(5) and running.done.wait(5)
     finally:
         engine.stop()
     assert cancelled.batches == []  # no event for it, ever
     assert after.tokens == [41, 42]
-    prefills = [c for c in model.calls if c[0] == "prefill"]
-    assert prefills[:2] == [("prefill", 0, 0, 8), ("prefill", 0, 8, 16)]  # no chunk after the cancel
-    assert prefills[2] == ("prefill", 0, 0, 1)  # the slot went to the next request
+    prefills = [c for c in model.calls if c[0] == "prefill" and c[1] == 1]
+    assert prefills[:2] == [("prefill", 1, 0, 8), ("prefill", 1, 8, 16)]  # no chunk after the cancel
+    assert prefills[2] == ("prefill", 1, 0, 1)  # the slot went to the next request
     assert model.slots_held == 0 and engine.stats().slots_in_use == 0
 
 

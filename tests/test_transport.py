@@ -113,12 +113,13 @@ async def test_one_wake_up_per_engine_iteration_for_all_streams(engine):
 async def test_a_consumer_that_is_behind_gets_the_backlog_in_one_list_in_order(engine):
     stream = AsyncEngine(engine).stream(request(500, 10))
     async with contextlib.aclosing(stream):
-        first = await within(anext(stream))
-        assert first == [Token(501)]
-        # the engine runs on while this consumer is away (9 steps of 2 ms)
+        first = await within(anext(stream))  # Token(501), and more if the loop woke late on a busy machine
+        got = [e.id for e in first]
+        assert got == list(range(501, 501 + len(got))) and len(got) < 10
+        # the engine runs on while this consumer is away (the other steps, 2 ms each)
         await until(lambda: not engine.stats().slots_in_use, "the request ended")
         rest = await within(anext(stream))
-        assert [e.id for e in rest[:-1]] == list(range(502, 511))
+        assert [e.id for e in rest[:-1]] == list(range(501 + len(got), 511))
         assert isinstance(rest[-1], Finished) and rest[-1].usage.completion_tokens == 10
         with pytest.raises(StopAsyncIteration):
             await within(anext(stream))

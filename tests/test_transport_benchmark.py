@@ -40,6 +40,7 @@ def test_engine_and_decode_paths_count_every_token(tmp_path):
     context = 64
     engine = transport.measure_engine(transport.scripted_model(TINY, 0.0, 4, context), counts, timeout_s=20)
     assert engine.tokens == 10 and engine.wall_s > 0 and not math.isnan(engine.itl_p99_s)
+    assert 0 < engine.ttft_p50_s <= engine.ttft_p99_s < engine.wall_s  # each stream's first token, after it was sent
 
     server = transport.decode_server(TINY, 0.0, max_batch_size=4, max_queue_size=2, context=context, log_dir=tmp_path)
     pool = transport.ClientPool(1)

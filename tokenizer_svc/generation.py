@@ -24,6 +24,10 @@ What holds:
   * Cancellation: leaving `generate_text` (a stop string, the caller closing it early, an error)
     closes the upstream iterator, which is how the decode is cancelled. An upstream that ends
     without Finished raises StreamEndedWithoutFinished.
+  * Logprobs (TextRequest.logprobs): each delivered id comes with a TokenLogprob: its logprob and
+    alternatives as the decoder sent them, its own bytes, and the text the detokenizer produced
+    for it (a flushed tail goes to the last id), so the texts of all ids joined equal the output
+    unless a stop string cut it. A token without a logprob is MissingLogprob (a DecoderFault).
   * State: the request's TextStream, bounded, dropped when the generator ends.
 """
 
@@ -66,12 +70,35 @@ class TextRequest:
     stop_strings: tuple[str, ...] = ()
     include_stop_string: bool = False  # keep the matched stop string at the end of the text
     keep_special_tokens: bool = False  # show special tokens' text (control tokens never arrive)
+    logprobs: bool = False  # each delivered id with its logprob (the decode must carry them)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One of a step's most likely ids, named by its own text and bytes."""
+
+    id: int
+    text: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's logprob. `text` is what this token added to the output (the
+    detokenizer's piece), so the texts joined equal the output unless a stop string cut it."""
+
+    text: str
+    bytes: bytes  # the token's own bytes (Vocabulary.raw_bytes)
+    logprob: float
+    top_logprobs: tuple[Alternative, ...] = ()
 
 
 @dataclass(frozen=True)
 class TextDelta:
     text: str  # final text; "" when the ids gave none yet (part of a character, skipped specials)
     token_ids: tuple[int, ...]  # the ids delivered with it; () when only the end flush had text
+    logprobs: tuple[TokenLogprob, ...] = ()  # with TextRequest.logprobs: one per id of token_ids
 
 
 @dataclass(frozen=True)
@@ -97,6 +124,10 @@ class AccountingMismatch(DecoderFault):
 
 class UnknownTokenId(DecoderFault):
     """The decoder sent an id this tokenizer does not have (e.g. from a padded model vocabulary)."""
+
+
+class MissingLogprob(DecoderFault):
+    """Logprobs were asked for, and the decoder sent a token without one."""
 
 
 # --- the prompt --------------------------------------------------------------------------------
@@ -135,6 +166,7 @@ def prepare_request(
     stop_strings: Sequence[str] = (),
     include_stop_string: bool = False,
     keep_special_tokens: bool = False,
+    logprobs: bool = False,
 ) -> TextRequest:
     """Prompt text (encoded without the post-processor) or a Chat -> a validated TextRequest.
     Checks run in request order: the prompt, then the stop strings."""
@@ -145,20 +177,31 @@ def prepare_request(
     else:
         raise InvalidArgument("prompt", "must not be empty (or give chat instead)")
     return TextRequest(
-        info.check_prompt(ids, field), check_stop_strings(stop_strings), include_stop_string, keep_special_tokens
+        info.check_prompt(ids, field), check_stop_strings(stop_strings), include_stop_string, keep_special_tokens, logprobs
     )
 
 
 # --- the generation ----------------------------------------------------------------------------
 
 
-def _push(stream: TextStream, ids: list[int]) -> TextChunk:
+def _push(stream: TextStream, ids: list[int], per_token: bool) -> TextChunk:
     """`stream.push`, with an id outside the vocabulary blamed on the decoder, not the caller."""
     try:
-        return stream.push(ids)
+        return stream.push(ids, per_token)
     except InvalidArgument as error:
         problem = str(error)
     raise UnknownTokenId(f"the decoder sent an id this tokenizer does not have: {problem}")
+
+
+def token_logprobs(vocabulary: Vocabulary, tokens: Sequence[Token], texts: Sequence[str]) -> tuple[TokenLogprob, ...]:
+    """The decoder's tokens (ids checked on the way in) with the text each added, as TokenLogprobs."""
+    out = []
+    for token, text in zip(tokens, texts, strict=True):
+        if token.logprob is None:
+            raise MissingLogprob("logprobs were asked for, and the decoder sent a token without one")
+        top = tuple(Alternative(i, vocabulary.token_text(i), vocabulary.raw_bytes(i), p) for i, p in token.top_logprobs)
+        out.append(TokenLogprob(text, vocabulary.raw_bytes(token.id), token.logprob, top))
+    return tuple(out)
 
 
 async def generate_text(
@@ -177,18 +220,22 @@ async def generate_text(
         prompt_tokens, completion_tokens = len(request.prompt_token_ids), 0
         async for events in steps:
             finished = events[-1] if events and isinstance(events[-1], Finished) else None
-            ids = [e.id for e in events if isinstance(e, Token)]
-            chunk = _push(stream, ids)
+            tokens = [e for e in events if isinstance(e, Token)]
+            ids = [t.id for t in tokens]
+            chunk = _push(stream, ids, request.logprobs)
             del ids[chunk.consumed :]  # after a stop string: only the ids up to the one completing it
-            text, stop_string = chunk.text, chunk.stop_string
+            text, stop_string, texts = chunk.text, chunk.stop_string, list(chunk.token_texts)
             if finished is not None and stop_string is None:
                 if finished.usage.completion_tokens != completion_tokens + len(ids):
                     raise AccountingMismatch(finished.usage.completion_tokens, completion_tokens + len(ids))
                 end = stream.finish()  # the held tail may still complete a stop string
                 text, stop_string = text + end.text, end.stop_string
+                if texts:  # the flushed tail (an unfinished character's U+FFFD) is the last token's
+                    texts[-1] += end.token_texts[0]
             completion_tokens += len(ids)
             if ids or text:
-                yield TextDelta(text, tuple(ids))
+                logprobs = token_logprobs(vocabulary, tokens[: len(ids)], texts) if request.logprobs else ()
+                yield TextDelta(text, tuple(ids), logprobs)
             usage = Usage(prompt_tokens, completion_tokens)
             if stop_string is not None:
                 yield TextFinished(FinishReason.STOP, usage, stop_string=stop_string)

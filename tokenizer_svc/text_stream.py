@@ -24,6 +24,9 @@ class TextChunk:
     text: str  # text that is final now
     consumed: int  # how many of the pushed ids were used (fewer than pushed only after a stop string)
     stop_string: str | None = None  # set when a stop string matched: the stream ends here
+    # with `per_token`: the detokenizer's text for each consumed id (before any stop-string
+    # holding), so joined they are the output text; from `finish`, the detokenizer's flushed tail
+    token_texts: tuple[str, ...] = ()
 
 
 class TextStream:
@@ -37,20 +40,23 @@ class TextStream:
         result = self.matcher.push(text)
         return result.text, result.stop_string
 
-    def push(self, token_ids: Sequence[int]) -> TextChunk:
-        if self.matcher is None:  # no stop string to place: the whole batch in one detokenizer push
+    def push(self, token_ids: Sequence[int], per_token: bool = False) -> TextChunk:
+        """`per_token`: also say which text each id added (TextChunk.token_texts)."""
+        if self.matcher is None and not per_token:  # the whole batch in one detokenizer push
             return TextChunk(self.detokenizer.push(token_ids), len(token_ids))
-        text = ""
+        text, pieces = "", []
         for n, token_id in enumerate(token_ids, start=1):
-            piece, stop = self._through_matcher(self.detokenizer.push([token_id]))
+            pieces.append(self.detokenizer.push([token_id]))
+            piece, stop = self._through_matcher(pieces[-1])
             text += piece
             if stop is not None:
-                return TextChunk(text, n, stop)
-        return TextChunk(text, len(token_ids))
+                return TextChunk(text, n, stop, tuple(pieces) if per_token else ())
+        return TextChunk(text, len(token_ids), None, tuple(pieces) if per_token else ())
 
     def finish(self) -> TextChunk:
         """The decoder finished: flush the detokenizer's tail, then what the matcher held back."""
-        text, stop = self._through_matcher(self.detokenizer.finish())
+        tail = self.detokenizer.finish()
+        text, stop = self._through_matcher(tail)
         if stop is None and self.matcher is not None:
             text += self.matcher.finish()
-        return TextChunk(text, 0, stop)
+        return TextChunk(text, 0, stop, (tail,))

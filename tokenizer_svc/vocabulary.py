@@ -114,6 +114,23 @@ class Vocabulary:
         token = self._tokenizer.id_to_token(token_id)
         return token is not None and _BYTE_TOKEN.fullmatch(token) is not None
 
+    def token_text(self, token_id: int) -> str:
+        """The token's text on its own, special tokens shown (U+FFFD for part of a character):
+        how a logprob alternative is named."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def raw_bytes(self, token_id: int) -> bytes:
+        """The token's own bytes: for a ByteLevel decoder its raw bytes, for a `<0xHH>` token that
+        byte (both may be part of a UTF-8 character), else its text's UTF-8."""
+        if self.decoder_traits.byte_level:
+            return self.token_bytes(token_id)
+        token = self._tokenizer.id_to_token(token_id)
+        if self.decoder_traits.byte_fallback and token is not None:
+            byte = _BYTE_TOKEN.fullmatch(token)
+            if byte is not None:
+                return bytes([int(byte.group(1), 16)])
+        return self.token_text(token_id).encode("utf-8")
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a ByteLevel decoder makes of this token (its text is not final on its own)."""
         cached = self._token_bytes.get(token_id)

@@ -4,12 +4,17 @@ Data flow, on the engine thread, once per iteration:
   1. take aborts and admissions under the lock (admit waiting requests into free slots, which
      they hold from then on, so the queue bound never counts a promised slot as free);
   2. for each aborted request: release its slot;
-  3. prefill: requests whose prompt is not yet all in the cache, oldest admission first, get
-     `model.prefill_chunk` calls of at most `max_step_tokens` prompt tokens in all this
-     iteration (chunked prefill: a long prompt is read over several iterations, each followed
-     by a decode step, so running streams keep their pace). The chunk that completes a prompt
-     samples its first token -> `decide` -> events; a request that finishes there (a control
-     token, or max_output_tokens = 1) releases its slot at once and never joins a decode step;
+  3. prefill: requests whose prompt is not yet all in the cache, oldest admission first. A
+     request's first turn here takes the longest prefix of whole blocks that the prefix cache
+     holds (`model.load_prefix`; engine.core.prefix_cache), then `model.prefill_chunk` calls of
+     at most `step_tokens` (the config's `max_step_tokens`, or the model's default) prompt
+     tokens in all this iteration while other requests decode
+     (chunked prefill: a long prompt is read over several iterations, each followed by a
+     decode step, so running streams keep their pace; with nothing decoding, nobody waits, and
+     a prompt is read whole). The chunk that completes a prompt stores its whole blocks in the
+     prefix cache (`model.save_prefix`) and samples its first token -> `decide` -> events; a
+     request that finishes there (a control token, or max_output_tokens = 1) releases its slot
+     at once and never joins a decode step;
   4. one `model.decode` step for every active slot whose prompt is complete -> `decide` per
      slot -> events; finished slots are released in the same iteration.
 A request cancelled between or during its chunks is released at step 2 or at the end of its
@@ -36,6 +41,7 @@ from typing import Callable, Protocol
 from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
 from engine.core.model import DecodeInput, Model, ModelInfo, Sample, SlotSetup
+from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request
 from engine.core.stopping import StopRule, decide, resolve
 
@@ -55,14 +61,27 @@ class EngineConfig:
     # requests waiting for a slot: submit raises QueueFull only when every slot is taken (or
     # promised to an earlier request) and this many already wait
     max_queue_size: int = 64
-    # prompt tokens prefilled per scheduler iteration, over all requests still reading their
-    # prompt; a longer prompt is prefilled in chunks over several iterations, a decode step of the
-    # running requests after each. 0: every admitted prompt whole in its admission iteration.
-    max_step_tokens: int = 256
+    # prompt tokens prefilled per scheduler iteration while requests are decoding, over all
+    # requests still reading their prompt; a longer prompt is prefilled in chunks over several
+    # iterations, a decode step of the running requests after each. When no request decodes,
+    # prompts are prefilled whole. 0: every admitted prompt whole in its admission iteration.
+    # None: the model's `default_step_tokens` (what its hardware reads in a few decode steps' time).
+    max_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_step_tokens < 0:
+        if self.max_step_tokens is not None and self.max_step_tokens < 0:
             raise ValueError(f"max_step_tokens must be >= 0, got {self.max_step_tokens}")
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """Prefix cache counts since start: prompt tokens looked up, and how many of them were found
+    (hit rate = hit_tokens / queried_tokens); `cached_tokens` is what the pool holds now."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+    cached_tokens: int = 0
+    capacity_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,6 +90,7 @@ class EngineStats:
     slots_in_use: int
     alive: bool
     stalled_s: float  # seconds since the loop last made progress while work was pending; 0 when idle
+    prefix: PrefixStats = PrefixStats()
 
 
 @dataclass
@@ -124,6 +144,14 @@ class Engine:
         self._running = False
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self.step_tokens = model.default_step_tokens if config.max_step_tokens is None else config.max_step_tokens
+        log.info(
+            "prefill budget: %s prompt tokens a step while requests decode; prefix cache: %d tokens",
+            self.step_tokens or "unlimited", model.prefix_pool.tokens,
+        )
+        pool = model.prefix_pool
+        self._prefix = PrefixCache(pool) if pool.blocks else None
+        self._prefix_stats = PrefixStats(capacity_tokens=pool.tokens)
 
     # -- caller side (any thread) -------------------------------------------------------
 
@@ -182,7 +210,7 @@ class Engine:
             pending = bool(self._waiting or self._active)
             stalled = time.monotonic() - self._progress_at if pending else 0.0
             return EngineStats(
-                len(self._waiting), len(self._active), self._dead is None and self._running, stalled
+                len(self._waiting), len(self._active), self._dead is None and self._running, stalled, self._prefix_stats
             )
 
     def _progressed(self) -> None:
@@ -207,11 +235,13 @@ class Engine:
                         self._active[live.slot] = live
                 if self._drop(aborts):
                     self._after_delivery()  # nothing to deliver, but a slot was freed: stats changed
-                budget = self.config.max_step_tokens or None  # None: no limit
+                budget = self.step_tokens or None  # None: no limit
                 for live in [live for live in self._active.values() if live.filling]:  # admission order
-                    if budget is not None and budget <= 0:
+                    # the budget binds once a request decodes (one may start in this loop)
+                    bound = budget is not None and any(not other.filling for other in self._active.values())
+                    if bound and budget <= 0:
                         break
-                    done = self._prefill(live, budget)
+                    done = self._prefill(live, budget if bound else None)
                     if budget is not None:
                         budget -= done
                     if not live.filling or live.slot not in self._active:  # a first token, or a cancel
@@ -269,15 +299,19 @@ class Engine:
         """Prefill the next chunk of `live`'s prompt, at most `budget` tokens (None: the rest);
         the chunk that ends the prompt samples its first token. -> tokens prefilled."""
         prompt = live.request.prompt_token_ids
+        setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
+        if live.prefilled == 0 and self._prefix is not None:
+            self._load_prefix(live, setup)
         start = live.prefilled
         end = len(prompt) if budget is None else min(len(prompt), start + budget)
-        setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
         masked = live.rule.masks_control_tokens(0)
         if start == 0 and end == len(prompt):  # the whole prompt at once
             sample: Sample | None = self.model.prefill(live.slot, prompt, setup, masked)
         else:
             sample = self.model.prefill_chunk(live.slot, prompt, start, end, setup, masked)
         live.prefilled = end
+        if end == len(prompt) and self._prefix is not None:
+            self._save_prefix(live)
         with self._cond:  # aborted while prefilling: free the slot, send nothing
             if live.ticket in self._aborts:
                 self._aborts.discard(live.ticket)
@@ -286,6 +320,30 @@ class Engine:
         if sample is not None:
             self._advance(live, sample)
         return end - start
+
+    def _load_prefix(self, live: _Live, setup: SlotSetup) -> None:
+        """Start `live` from the longest cached prefix of its prompt, if any (whole blocks, and
+        at least one prompt token left to compute: its last chunk samples the first token)."""
+        assert self._prefix is not None
+        prompt = live.request.prompt_token_ids
+        blocks = self._prefix.match(prompt, (len(prompt) - 1) // self._prefix.block_tokens)
+        if blocks:
+            self.model.load_prefix(live.slot, blocks, setup)
+            live.prefilled = len(blocks) * self._prefix.block_tokens
+        s = self._prefix_stats
+        self._prefix_stats = dataclasses.replace(
+            s, queried_tokens=s.queried_tokens + len(prompt), hit_tokens=s.hit_tokens + live.prefilled
+        )
+
+    def _save_prefix(self, live: _Live) -> None:
+        """Keep the whole blocks of `live`'s prompt, now all in its slot, in the prefix cache."""
+        assert self._prefix is not None
+        prompt = live.request.prompt_token_ids
+        copies = self._prefix.insert(prompt, len(prompt) // self._prefix.block_tokens)
+        if copies:
+            self.model.save_prefix(live.slot, copies)
+        cached = len(self._prefix) * self._prefix.block_tokens
+        self._prefix_stats = dataclasses.replace(self._prefix_stats, cached_tokens=cached)
 
     def _decode_step(self) -> None:
         lives = [live for live in self._active.values() if not live.filling]
@@ -315,7 +373,8 @@ class Engine:
         if decision.emit:
             live.emitted += 1
             live.last_token = sample.token_id
-            events.append(Token(sample.token_id, sample.logprob if live.request.return_logprobs else None))
+            logprobs = live.request.return_logprobs
+            events.append(Token(sample.token_id, sample.logprob if logprobs else None, sample.top_logprobs if logprobs else ()))
         if decision.finish is not None:
             usage = Usage(len(live.request.prompt_token_ids), live.emitted)
             events.append(Finished(decision.finish, usage, decision.stop_token_id))

@@ -12,7 +12,7 @@ Data flow (multiprocessing, spawn; one duplex pipe):
   submit/abort -> ("submit", key, request) ----> command loop -> Engine.submit / Engine.abort
                   ("abort", key)
   reader thread <- ("batch", deliveries, steps,  <- sender thread <- after each prefill and step,
-                    queue_depth, slots)              everything the engine delivered since the
+                    queue_depth, slots, prefix)      everything the engine delivered since the
     -> each key's sink, then after_delivery          last send (several steps when the parent is
                                                      behind, one otherwise)
 The child loads and warms up the model from `factory` (a picklable callable: spawn starts a
@@ -45,7 +45,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Callable
 
-from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, admit
+from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, PrefixStats, admit
 from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
 from engine.core.model import Model, ModelInfo
@@ -64,7 +64,7 @@ class ModelLoadFailed(Exception):
 
 def _encode(events: list[Event]) -> list[tuple]:
     return [
-        (e.id, e.logprob) if isinstance(e, Token)
+        (e.id, e.logprob, e.top_logprobs) if isinstance(e, Token)
         else (e.reason.value, e.usage.prompt_tokens, e.usage.completion_tokens, e.stop_token_id)
         for e in events
     ]
@@ -72,7 +72,7 @@ def _encode(events: list[Event]) -> list[tuple]:
 
 def _decode(items: list[tuple]) -> list[Event]:
     return [
-        Token(*item) if len(item) == 2 else Finished(FinishReason(item[0]), Usage(item[1], item[2]), item[3])
+        Token(*item) if len(item) == 3 else Finished(FinishReason(item[0]), Usage(item[1], item[2]), item[3])
         for item in items
     ]
 
@@ -131,7 +131,7 @@ class _Outbox:
             stats = self.stats()
             deliveries = [(key, _encode(p) if isinstance(p, list) else p) for key, p in deliveries]
             try:
-                self._conn.send(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use))
+                self._conn.send(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use, stats.prefix))
             except OSError:  # the parent is gone
                 return
 
@@ -266,6 +266,7 @@ class EngineProcess:
         self._progress_at = time.monotonic()
         self._queue_depth = 0
         self._slots_in_use = 0
+        self._prefix = PrefixStats()
         self._running = False
         self._dead: BaseException | None = None
 
@@ -352,7 +353,7 @@ class EngineProcess:
             pending = bool(self._sinks)
             stalled = time.monotonic() - self._progress_at if pending else 0.0
             alive = self._running and self._dead is None
-            return EngineStats(self._queue_depth, self._slots_in_use, alive, stalled)
+            return EngineStats(self._queue_depth, self._slots_in_use, alive, stalled, self._prefix)
 
     # -- reader thread ---------------------------------------------------------------------
 
@@ -362,8 +363,8 @@ class EngineProcess:
                 message = self._conn.recv()
                 if message[0] == "dead":
                     raise EngineStopped(f"the engine loop died: {message[1]}")
-                _, deliveries, steps, queue_depth, slots = message
-                self._deliver(deliveries, queue_depth, slots)
+                _, deliveries, steps, queue_depth, slots, prefix = message
+                self._deliver(deliveries, queue_depth, slots, prefix)
                 if self._on_step is not None:
                     for seconds in steps:
                         self._on_step(seconds)
@@ -383,10 +384,10 @@ class EngineProcess:
             if self._on_death is not None:
                 self._on_death(error)
 
-    def _deliver(self, deliveries: list[tuple], queue_depth: int, slots: int) -> None:
+    def _deliver(self, deliveries: list[tuple], queue_depth: int, slots: int, prefix: PrefixStats) -> None:
         with self._lock:
             self._progress_at = time.monotonic()
-            self._queue_depth, self._slots_in_use = queue_depth, slots
+            self._queue_depth, self._slots_in_use, self._prefix = queue_depth, slots, prefix
             for key, payload in deliveries:
                 sink = self._sinks.get(key)
                 if sink is None:

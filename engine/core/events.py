@@ -24,6 +24,7 @@ class Usage:
 class Token:
     id: int
     logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (id, logprob), best first, when asked
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ A model owns a slot-based KV cache of `max_batch_size` slots x `max_context_leng
 positions. The scheduler prefills one request into a free slot (whole, or in chunks over several
 steps, `prefill_chunk`), then calls `decode` once per step for every active slot whose prompt is
 complete, and releases a slot when its request ends (or is cancelled, mid-prefill included).
+A model that offers a prefix pool (`prefix_pool.blocks > 0`) also copies whole blocks of a
+slot's prompt KV into it (`save_prefix`) and back into a new slot (`load_prefix`), so a prompt
+that starts like an earlier one skips computing that start (engine.core.prefix_cache decides what
+the pool holds).
 A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
 """
@@ -14,6 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from engine.core.errors import InvalidArgument, check_token_ids
+from engine.core.prefix_cache import PrefixPool
 from engine.core.request import SamplingParams
 
 
@@ -50,6 +55,8 @@ class ModelInfo:
 class Sample:
     token_id: int
     logprob: float  # log-probability under the model's own distribution (before temperature and cuts)
+    # the slot's sampling.top_logprobs most likely (id, logprob) of the same distribution, best first
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -72,6 +79,10 @@ class DecodeInput:
 
 class Model(Protocol):
     info: ModelInfo
+    prefix_pool: PrefixPool  # blocks == 0: the model keeps no prefix KV
+    # prompt tokens to prefill per step while other requests decode, unless configured: about
+    # what this model reads in the time of a few of its decode steps on its hardware
+    default_step_tokens: int
 
     def warm_up(self) -> None:
         """Compile every shape the model will use; nothing compiles after this."""
@@ -92,6 +103,16 @@ class Model(Protocol):
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
         """One step for the given slots; returns one sample per input, in the same order."""
+
+    def load_prefix(self, slot: int, pool_blocks: Sequence[int], setup: SlotSetup) -> None:
+        """Take a free slot for a request, as a first `prefill_chunk` does (with `setup`), and
+        write the KV of pool block `pool_blocks[i]` at its positions [i*b, (i+1)*b), b being
+        `prefix_pool.block_tokens`. The request's prompt then continues with
+        `prefill_chunk(start=len(pool_blocks)*b)`, which must hold at least one token."""
+
+    def save_prefix(self, slot: int, blocks: Sequence[tuple[int, int]]) -> None:
+        """Copy the KV of the slot's positions [i*b, (i+1)*b) into pool block p, for each (i, p);
+        the slot's prompt must be prefilled past those positions."""
 
     def release(self, slot: int) -> None:
         """Forget the slot's request; the slot may be prefilled again."""

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Alternatives one token may report (SamplingParams.top_logprobs); the OpenAI API's limit too.
+MAX_TOP_LOGPROBS = 20
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -18,6 +21,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = no nucleus cut
     min_p: float = 0.0  # 0 = no min-p cut
     seed: int | None = None  # None = the engine draws one per request
+    # not a cut: how many of the most likely ids each step reports (Sample.top_logprobs), up to
+    # MAX_TOP_LOGPROBS; 0 = none
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)

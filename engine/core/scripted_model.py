@@ -4,13 +4,19 @@ Rule: the token sampled after feeding token `t` is `(t + 1) % vocab_size` -- pre
 prompt's last token (a chunked prefill samples only on its last chunk, which holds that token), decode feeds the last sampled token. So a prompt ending in 10 produces
 11, 12, 13, ... When a step is `masked` and the next id is one of the slot's masked ids, the
 count skips forward to the first id that is not masked. Sampling parameters are ignored.
-The logprob of token `t` is `-(t % 10) / 10`.
+The logprob of token `t` is `-(t % 10) / 10`. With `sampling.top_logprobs = k`, the
+alternatives are the sampled token and the k - 1 ids after it, `(t + i) % vocab_size` with
+logprob `-(t % 10) / 10 - i`.
 
 It drives the real scheduler and stop decision in tests; `step_delay_s` slows each decode
 step so tests can catch requests in flight (cancellation, overload, drain); `fail_at_step` makes
 one decode step raise, as a lost device would. `calls` records every prefill chunk
 ("prefill", slot, start, end) and decode step ("decode", slots), in order, so scheduler tests can
-check how chunks and steps interleave.
+check how chunks and steps interleave. With `prefix_blocks` it offers a prefix pool of that many
+blocks of `prefix_block_tokens`: it keeps the prompt ids each pool block was saved from and checks
+that a loaded block holds exactly the ids of the positions it is loaded at (its KV would be wrong
+otherwise), and `calls` records ("load", slot, pool blocks) and ("save", slot, ((block, pool
+block), ...)).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import time
 from typing import Sequence
 
 from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
+from engine.core.prefix_cache import PrefixPool
 
 
 class ScriptedModel:
@@ -31,11 +38,19 @@ class ScriptedModel:
         step_delay_s: float = 0.0,
         model_id: str = "scripted",
         fail_at_step: int | None = None,
+        prefix_blocks: int = 0,
+        prefix_block_tokens: int = 16,
     ) -> None:
         self.info = ModelInfo(model_id, vocab_size, max_context_length, max_batch_size, frozenset(eos_token_ids))
+        self.prefix_pool = PrefixPool(prefix_block_tokens, prefix_blocks)
+        self.default_step_tokens = 256
+        self._pool: dict[int, tuple[int, ...]] = {}  # pool block -> the prompt ids [0, end of block) it was saved from
+        self._loaded: dict[int, tuple[int, ...]] = {}  # slot -> the prompt ids its loaded blocks hold
+        self._prompts: dict[int, tuple[int, ...]] = {}  # slot -> its prompt, once a chunk was written
         self.step_delay_s = step_delay_s
         self.fail_at_step = fail_at_step  # decode step number (1-based) that raises, to test failures
         self._masked: dict[int, frozenset[int]] = {}  # slot -> ids masked while a step says so
+        self._top: dict[int, int] = {}  # slot -> how many alternatives each sample reports
         self._filling: dict[int, int] = {}  # slot -> prompt positions written, while more chunks are due
         self.calls: list[tuple] = []
         self.prefills = 0  # counters, so tests can check e.g. that N = 1 never decodes
@@ -48,7 +63,9 @@ class ScriptedModel:
         token = (fed + 1) % self.info.vocab_size
         while masked and token in self._masked[slot]:
             token = (token + 1) % self.info.vocab_size
-        return Sample(token, -(token % 10) / 10)
+        logprob = -(token % 10) / 10
+        top = tuple(((token + i) % self.info.vocab_size, logprob - i) for i in range(self._top.get(slot, 0)))
+        return Sample(token, logprob, top)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
         sample = self.prefill_chunk(slot, prompt_token_ids, 0, len(prompt_token_ids), setup, masked)
@@ -62,18 +79,47 @@ class ScriptedModel:
         if not 0 <= start < end <= n:
             raise ModelUsageError(f"a chunk [{start}, {end}) of a prompt of {n} tokens")
         if start == 0:
-            if slot in self._masked or not 0 <= slot < self.info.max_batch_size:
-                raise ModelUsageError(f"slot {slot} is in use or not one of the {self.info.max_batch_size} slots")
-            self.prefills += 1
-            self._masked[slot] = setup.masked_token_ids
+            self._take(slot, setup)
         elif self._filling.get(slot) != start:
             raise ModelUsageError(f"a chunk at {start} is not slot {slot}'s next one")
+        loaded = self._loaded.pop(slot, ())
+        if tuple(prompt_token_ids[: len(loaded)]) != loaded:
+            raise ModelUsageError(f"slot {slot} was loaded with the KV of another prefix")
+        self._prompts[slot] = tuple(prompt_token_ids)
         self.calls.append(("prefill", slot, start, end))
         if end < n:
             self._filling[slot] = end
             return None
         self._filling.pop(slot, None)
         return self._next(slot, prompt_token_ids[-1], masked)
+
+    def _take(self, slot: int, setup: SlotSetup) -> None:
+        if slot in self._masked or not 0 <= slot < self.info.max_batch_size:
+            raise ModelUsageError(f"slot {slot} is in use or not one of the {self.info.max_batch_size} slots")
+        self.prefills += 1
+        self._masked[slot] = setup.masked_token_ids
+        self._top[slot] = min(setup.sampling.top_logprobs, self.info.vocab_size)
+
+    def load_prefix(self, slot: int, pool_blocks: Sequence[int], setup: SlotSetup) -> None:
+        b = self.prefix_pool.block_tokens
+        self._take(slot, setup)
+        ids: tuple[int, ...] = ()
+        for i, p in enumerate(pool_blocks):
+            saved = self._pool.get(p)
+            if saved is None or len(saved) != (i + 1) * b or (i and saved[: i * b] != ids):
+                raise ModelUsageError(f"pool block {p} does not hold block {i} of this prefix")
+            ids = saved
+        self._loaded[slot] = ids
+        self._filling[slot] = len(ids)
+        self.calls.append(("load", slot, tuple(pool_blocks)))
+
+    def save_prefix(self, slot: int, blocks: Sequence[tuple[int, int]]) -> None:
+        b, prompt = self.prefix_pool.block_tokens, self._prompts.get(slot, ())
+        for i, p in blocks:
+            if not 0 <= p < self.prefix_pool.blocks or (i + 1) * b > len(prompt) or slot in self._filling:
+                raise ModelUsageError(f"saving block {i} of slot {slot} into pool block {p}")
+            self._pool[p] = prompt[: (i + 1) * b]
+        self.calls.append(("save", slot, tuple(blocks)))
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
         self.decode_steps += 1
@@ -91,7 +137,10 @@ class ScriptedModel:
 
     def release(self, slot: int) -> None:
         del self._masked[slot]
+        self._top.pop(slot, None)
         self._filling.pop(slot, None)
+        self._loaded.pop(slot, None)
+        self._prompts.pop(slot, None)
 
     @property
     def slots_held(self) -> int:

@@ -54,10 +54,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import cpu_kernels, sampling, transformer
-from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, with_one_row_copies
+from engine.jax_backend import cpu_kernels, mesh, sampling, transformer
+from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_sharded, with_one_row_copies
 from engine.model_store.checkpoint import CheckpointError, ModelConfig
 from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
+from engine.core.prefix_cache import PrefixPool
 from engine.jax_backend.sampling import SlotSampling
 
 log = logging.getLogger(__name__)
@@ -66,19 +67,33 @@ MIN_BUCKET = 16  # smallest prompt (chunk) bucket
 MAX_CHUNK = 512  # largest prompt chunk one prefill call runs; longer prompts run as several chunks
 MIN_ATTEND = 128  # smallest decode attend bucket
 LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
+PREFIX_BLOCK = 16  # positions per prefix-cache block (the unit of prefix matching)
+# The scheduler's default prefill budget per step while others decode (Model.default_step_tokens):
+# what the hardware reads in the time of a few decode steps, so that a decoding stream's gaps
+# stay within a few steps while a long prompt is read (docs/benchmarks.md, "Long prompts").
+STEP_TOKENS = {"cpu": 16}
+ACCELERATOR_STEP_TOKENS = 512
 # XLA:CPU hands matmuls with more than one row, batched attention products and reductions to
 # YNNPACK by default; its own emitters and Eigen were faster for the decode shapes measured here
 # (docs/benchmarks.md, "Design measurements"), so on CPU every call compiles with YNNPACK fusions off.
 CPU_COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-def cpu_kernel_state(requested: bool, dtype: jnp.dtype, build: cpu_kernels.BuildOptions) -> str:
+def cpu_kernel_state(
+    requested: bool, dtype: jnp.dtype, build: cpu_kernels.BuildOptions, tensor_parallel: int = 1
+) -> str:
     """Whether a model's decode steps use the CPU kernels, as `JaxModel.kernel_state` says it:
     "on: ...", "off: <reason>" or "not applicable: <reason>"; the log says the same (at WARNING
     when they would apply here but cannot be loaded, engine.jax_backend.cpu_kernels.status)."""
     if not requested:
         log.info("CPU decode kernels off: turned off by configuration; using plain JAX")
         return f"{cpu_kernels.OFF}: turned off by configuration"
+    if tensor_parallel > 1 and jax.default_backend() == "cpu":
+        # An XLA custom call is opaque to the SPMD partitioner; the kernels read whole [out, in]
+        # weights and whole cache rows, so under a mesh they would need shard_map wrappers.
+        reason = f"tensor parallelism over {tensor_parallel} devices (the partitioner cannot split their custom calls)"
+        log.info("CPU decode kernels off: %s; using plain JAX", reason)
+        return f"{cpu_kernels.OFF}: {reason}"
     if jax.default_backend() == "cpu" and dtype != jnp.float32:
         log.info("CPU decode kernels not applicable: they are float32 only, the dtype is %s; using plain JAX", dtype)
         return f"{cpu_kernels.NOT_APPLICABLE}: the dtype is {dtype}, and they are float32 only"
@@ -136,6 +151,48 @@ def _write_mask(mask: jax.Array, row: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(mask, row[None], (slot, 0))  # [B, V'] with row [V'] at slot
 
 
+def _load_blocks(
+    k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D], donated
+    v_caches: tuple[jax.Array, ...],
+    k_pool: tuple[jax.Array, ...],  # L x [N, K, P, D]: N pool blocks of P positions
+    v_pool: tuple[jax.Array, ...],
+    slot: jax.Array,  # []
+    pool_blocks: jax.Array,  # [M] the pool block of prefix block i, the first `count` used
+    count: jax.Array,  # []
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Write pool block pool_blocks[i] at the slot's positions [i*P, (i+1)*P), for i < count."""
+    p = k_pool[0].shape[2]
+
+    def one(i, kv):
+        at = (slot, 0, i * p, 0)
+        put = lambda cache, pool: jax.lax.dynamic_update_slice(cache, pool[pool_blocks[i]][None], at)  # noqa: E731
+        return tuple(map(put, kv[0], k_pool)), tuple(map(put, kv[1], v_pool))
+
+    return jax.lax.fori_loop(0, count, one, (k_caches, v_caches))
+
+
+def _save_blocks(
+    k_pool: tuple[jax.Array, ...],  # L x [N, K, P, D], donated
+    v_pool: tuple[jax.Array, ...],
+    k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D]
+    v_caches: tuple[jax.Array, ...],
+    slot: jax.Array,  # []
+    blocks: jax.Array,  # [M] prefix block numbers, the first `count` used
+    pool_blocks: jax.Array,  # [M] the pool block each goes to
+    count: jax.Array,  # []
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Copy the slot's positions [b*P, (b+1)*P) into pool block pool_blocks[i], b = blocks[i]."""
+    _, k, p, d = k_pool[0].shape
+
+    def one(i, pools):
+        take = lambda pool, cache: jax.lax.dynamic_update_slice(  # noqa: E731
+            pool, jax.lax.dynamic_slice(cache, (slot, 0, blocks[i] * p, 0), (1, k, p, d)), (pool_blocks[i], 0, 0, 0)
+        )
+        return tuple(map(take, pools[0], k_caches)), tuple(map(take, pools[1], v_caches))
+
+    return jax.lax.fori_loop(0, count, one, (k_pool, v_pool))
+
+
 def _head_and_sample(
     x: jax.Array,  # [R, 1, E]
     final_norm: jax.Array,
@@ -145,10 +202,12 @@ def _head_and_sample(
     masked: jax.Array,  # [R] bool, mask this step
     params: SlotSampling,  # [R] rows
     positions: jax.Array,  # [R] of the tokens being sampled
+    top_n: jax.Array,  # [R] i32, alternatives each row reports (0: none; all 0 skips the top-k)
     cfg: ModelConfig,
-) -> tuple[jax.Array, jax.Array]:
-    logits = transformer.logits(x[:, 0], final_norm, lm_head, cfg)  # [R, V']
-    return sampling.sample(logits, params, positions, mask[slots], masked)
+    head_size: int | None = None,  # V' when the head is padded (engine.jax_backend.mesh), else None
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    logits = transformer.logits(x[:, 0], final_norm, lm_head, cfg)[:, :head_size]  # [R, V']
+    return (*sampling.sample(logits, params, positions, mask[slots], masked), *sampling.top_logprobs(logits, top_n))
 
 
 class JaxModel:
@@ -166,21 +225,31 @@ class JaxModel:
         kernels: bool = True,
         kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
         max_chunk: int = MAX_CHUNK,
+        prefix_cache_tokens: int = 0,
+        plan: mesh.Plan | None = None,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
         self.config = config
         self._weights = weights
-        self._head_size = weights.lm_head.shape[1]  # V'
-        cache = transformer.init_cache(config, b, s, dtype)
+        self.plan = plan  # tensor parallelism: where each array lives on the mesh; None: one device
+        self._head_size = weights.lm_head.shape[1] if plan is None else plan.head_size  # V'
+        cache_sharding = None if plan is None else plan.cache
+        cache = transformer.init_cache(config, b, s, dtype, cache_sharding)
         self._k, self._v = list(cache.k), list(cache.v)  # per layer; each call swaps in new buffers
-        self._mask = jnp.zeros((b, self._head_size), bool)
+        self._mask = jnp.zeros((b, self._head_size), bool, device=None if plan is None else plan.replicated)
+        if prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
+        self.prefix_pool = PrefixPool(PREFIX_BLOCK, prefix_cache_tokens // PREFIX_BLOCK)
+        pool = transformer.init_cache(config, self.prefix_pool.blocks, PREFIX_BLOCK, dtype, cache_sharding)  # pool blocks as "slots"
+        self._k_pool, self._v_pool = pool.k, pool.v
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self._prompt_buckets = length_buckets(min(s, max_chunk), min_bucket)
+        self.default_step_tokens = min(STEP_TOKENS.get(jax.default_backend(), ACCELERATOR_STEP_TOKENS), self._prompt_buckets[-1])
         # The CPU attention kernel reads each row's live keys itself: one attend shape is enough.
         # For operators: "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>".
-        self.kernel_state = cpu_kernel_state(kernels, dtype, kernel_build)
+        self.kernel_state = cpu_kernel_state(kernels, dtype, kernel_build, 1 if plan is None else plan.size)
         self.kernels = self.kernel_state.split(":", 1)[0] == cpu_kernels.ON
         self._attend_buckets = (s,) if self.kernels else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, 1)
@@ -197,6 +266,7 @@ class JaxModel:
         self._top_p = np.ones(b, np.float32)
         self._min_p = np.zeros(b, np.float32)
         self._seed = np.zeros((b, 2), np.uint32)
+        self._top_n = np.zeros(b, np.int32)  # alternatives each slot's samples report
         caches = ("k_caches", "v_caches")
         o = dict(compiler_options=cpu_compiler_options())
 
@@ -213,9 +283,13 @@ class JaxModel:
         )
         self._last = jax.jit(own(_last), **o)
         self._write_mask = jax.jit(own(_write_mask), donate_argnums=0, **o)
-        self._sample = jax.jit(own(_head_and_sample), static_argnames="cfg", **o)
+        head_size = None if plan is None else self._head_size
+        self._sample = jax.jit(own(_head_and_sample, head_size=head_size), static_argnames="cfg", **o)
+        self._load_blocks = jax.jit(own(_load_blocks), donate_argnums=(0, 1), **o)
+        self._save_blocks = jax.jit(own(_save_blocks), donate_argnums=(0, 1), **o)
         self._jitted = (
-            self._embed, self._prefill_layers, self._decode_layers, self._last, self._write_mask, self._sample
+            self._embed, self._prefill_layers, self._decode_layers, self._last, self._write_mask, self._sample,
+            self._load_blocks, self._save_blocks,
         )
 
     @classmethod
@@ -233,6 +307,8 @@ class JaxModel:
         kernels: bool = True,
         kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
         max_chunk: int = MAX_CHUNK,
+        prefix_cache_tokens: int = 0,
+        tensor_parallel: int = 1,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
@@ -249,11 +325,19 @@ class JaxModel:
         are looked for and built, and with which compiler. `max_chunk`: the largest prompt chunk
         one prefill call runs (capped at the context); prompt buckets are powers of two from
         `min_bucket` up to it, and a longer prompt, or a chunk the scheduler hands over, runs as
-        several calls of those shapes.
+        several calls of those shapes. `prefix_cache_tokens`: positions of prompt KV kept for
+        automatic prefix caching (rounded down to whole blocks of PREFIX_BLOCK; each holds
+        2 x layers x kv heads x head dim values, as a slot's position does); 0: none.
+        `tensor_parallel`: the devices one model is split over (engine.jax_backend.mesh); a size
+        the model's dimensions or the devices refuse raises mesh.TensorParallelError.
         """
         model_dir = Path(model_dir)
-        ckpt = load_checkpoint(model_dir, dtype)
-        cfg = ckpt.config
+        plan = None
+        if tensor_parallel == 1:
+            ckpt = load_checkpoint(model_dir, dtype)
+            cfg = ckpt.config
+        else:
+            ckpt, cfg, plan = load_sharded(model_dir, dtype, tensor_parallel)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_context_length is not None and not 1 <= max_context_length <= cfg.max_position_embeddings:
@@ -275,7 +359,8 @@ class JaxModel:
         )
         dtype_ = jnp.dtype(dtype or default_dtype())
         return cls(
-            cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels, kernel_build, max_chunk
+            cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels, kernel_build, max_chunk,
+            prefix_cache_tokens, plan,
         )
 
     @property
@@ -331,10 +416,13 @@ class JaxModel:
         for rows in self._row_buckets:
             zeros, off = np.zeros(rows, np.int32), np.zeros(rows, bool)
             x = self._embed(self._weights.embed, zeros[:, None])
-            on_device = jax.device_put((zeros, off))  # as decode passes them: committed arrays key the cache
+            on_device = self._put((zeros, off))  # as decode passes them: committed arrays key the cache
             for attend in self._attend_buckets:
                 self._run_layers(decode_groups, self._decode_layers, x, *on_device, cfg=self.config, attend=attend)
-            jax.block_until_ready(self._run_sample(x, zeros, off, self._params(slice(0, rows)), zeros))
+            jax.block_until_ready(self._run_sample(x, zeros, off, self._params(slice(0, rows)), zeros, zeros))
+        if self.prefix_pool.blocks:  # copies of 0 blocks: only the compiles
+            self._copy_into_slot(0, [])
+            self._copy_into_pool(0, [], [])
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
@@ -357,16 +445,7 @@ class JaxModel:
         ids = np.asarray(prompt_token_ids[start:end], np.int64)
         _require(0 <= ids.min() and ids.max() < v, "a prompt id outside the vocabulary")
         if start == 0:
-            _require(all(0 <= t < v for t in setup.masked_token_ids), "a masked id outside the vocabulary")
-            s = setup.sampling
-            _require(s.seed is not None, "no seed (the engine sets one for every request)")
-            self._temperature[slot], self._top_k[slot] = s.temperature, s.top_k
-            self._top_p[slot], self._min_p[slot] = s.top_p, s.min_p
-            self._seed[slot] = sampling.seed_words(s.seed)
-            mask_row = np.zeros(self._head_size, bool)
-            mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
-            self._mask = self._write_mask(self._mask, mask_row, np.int32(slot))
-            self._filling[slot] = True
+            self._take(slot, setup)
         x, last = None, 0
         for lo, hi, size in self._pieces(start, end):  # each one compiled shape: [lo, lo + size) in the context
             tokens = np.zeros(size, np.int32)
@@ -381,11 +460,63 @@ class JaxModel:
             return None
         self._filling[slot] = False
         row = slice(slot, slot + 1)
-        token, logprob = self._run_sample(
+        token, logprob, top = self._run_sample(
             self._last(x, np.int32(last)), np.array([slot], np.int32), np.array([masked]), self._params(row),
-            np.array([n], np.int32),
+            np.array([n], np.int32), self._top_n[row],
         )
-        return Sample(int(token[0]), float(logprob[0]))
+        return Sample(int(token[0]), float(logprob[0]), top[0])
+
+    def _take(self, slot: int, setup: SlotSetup) -> None:
+        """A free slot starts a request: its sampling parameters and masked ids."""
+        v = self.config.vocab_size
+        _require(all(0 <= t < v for t in setup.masked_token_ids), "a masked id outside the vocabulary")
+        s = setup.sampling
+        _require(s.seed is not None, "no seed (the engine sets one for every request)")
+        self._temperature[slot], self._top_k[slot] = s.temperature, s.top_k
+        self._top_p[slot], self._min_p[slot] = s.top_p, s.min_p
+        self._seed[slot] = sampling.seed_words(s.seed)
+        self._top_n[slot] = min(s.top_logprobs, sampling.MAX_TOP_LOGPROBS)
+        mask_row = np.zeros(self._head_size, bool)
+        mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
+        self._mask = self._write_mask(self._mask, mask_row, np.int32(slot))
+        self._filling[slot] = True
+
+    def load_prefix(self, slot: int, pool_blocks: Sequence[int], setup: SlotSetup) -> None:
+        n = len(pool_blocks) * PREFIX_BLOCK
+        _require(self._length[slot] == 0 and not self._filling[slot], f"slot {slot} is in use")
+        _require(0 < n < self.info.max_context_length, f"a prefix of {n} positions in a context of {self.info.max_context_length}")
+        _require(all(0 <= p < self.prefix_pool.blocks for p in pool_blocks), "a pool block outside the prefix pool")
+        self._take(slot, setup)
+        self._copy_into_slot(slot, pool_blocks)
+        self._length[slot] = n
+
+    def save_prefix(self, slot: int, blocks: Sequence[tuple[int, int]]) -> None:
+        if not blocks:
+            return
+        numbers, pool_blocks = zip(*blocks)
+        _require(self._length[slot] >= (max(numbers) + 1) * PREFIX_BLOCK, f"a block of slot {slot} not yet written")
+        _require(all(0 <= p < self.prefix_pool.blocks for p in pool_blocks), "a pool block outside the prefix pool")
+        self._copy_into_pool(slot, numbers, pool_blocks)
+
+    def _block_index(self, values: Sequence[int]) -> np.ndarray:
+        """Block numbers padded to one shape, the most blocks a context holds, so that every copy
+        of any length runs the one compiled loop."""
+        index = np.zeros(self.info.max_context_length // PREFIX_BLOCK, np.int32)
+        index[: len(values)] = values
+        return index
+
+    def _copy_into_slot(self, slot: int, pool_blocks: Sequence[int]) -> None:
+        k, v = self._load_blocks(
+            tuple(self._k), tuple(self._v), self._k_pool, self._v_pool, np.int32(slot),
+            self._block_index(pool_blocks), np.int32(len(pool_blocks)),
+        )
+        self._k, self._v = list(k), list(v)
+
+    def _copy_into_pool(self, slot: int, numbers: Sequence[int], pool_blocks: Sequence[int]) -> None:
+        self._k_pool, self._v_pool = self._save_blocks(
+            self._k_pool, self._v_pool, tuple(self._k), tuple(self._v), np.int32(slot),
+            self._block_index(numbers), self._block_index(pool_blocks), np.int32(len(pool_blocks)),
+        )
 
     def _pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
         """Positions [start, end) as calls of compiled chunk sizes: (lo, hi, size) with real
@@ -422,19 +553,28 @@ class JaxModel:
         masked[slots] = [i.masked for i in inputs]
         attend = _bucket(self._attend_buckets, int(given.max()) + 1)
         x = self._embed(self._weights.embed, tokens[:, None])  # [R, 1, E]
-        on_device = jax.device_put((positions, active))  # once, not once per layer call
+        on_device = self._put((positions, active))  # once, not once per layer call
         x = self._run_layers(self._decode_groups, self._decode_layers, x, *on_device, cfg=self.config, attend=attend)
-        out_tokens, out_logprobs = self._run_sample(
-            x, np.arange(rows, dtype=np.int32), masked, self._params(slice(0, rows), active), positions + 1
+        out_tokens, out_logprobs, tops = self._run_sample(
+            x, np.arange(rows, dtype=np.int32), masked, self._params(slice(0, rows), active), positions + 1,
+            np.where(active, self._top_n[:rows], 0).astype(np.int32),
         )
         self._length[slots] += 1
-        return [Sample(t, p) for t, p in zip(out_tokens[slots].tolist(), out_logprobs[slots].tolist())]
+        return [
+            Sample(t, p, tops[s]) for s, t, p in zip(slots.tolist(), out_tokens[slots].tolist(), out_logprobs[slots].tolist())
+        ]
 
     def release(self, slot: int) -> None:
         self._length[slot] = 0
         self._filling[slot] = False
         self._temperature[slot], self._top_k[slot], self._top_p[slot], self._min_p[slot] = 0.0, 0, 1.0, 0.0
         self._seed[slot] = 0
+        self._top_n[slot] = 0
+
+    def _put(self, tree):
+        """Per-step host inputs onto the device (every device of the mesh, replicated, under
+        tensor parallelism)."""
+        return jax.device_put(tree) if self.plan is None else self.plan.put(tree)
 
     def _run_layers(self, groups: list[tuple[int, int]], layers_fn, x: jax.Array, *args, **static) -> jax.Array:
         """Run `layers_fn` (prefill or decode) over each layer group in turn, one call per group,
@@ -446,13 +586,20 @@ class JaxModel:
         return x
 
     def _run_sample(
-        self, x: jax.Array, slots: np.ndarray, masked: np.ndarray, params: SlotSampling, positions: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, x: jax.Array, slots: np.ndarray, masked: np.ndarray, params: SlotSampling, positions: np.ndarray,
+        top_n: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[tuple[int, float], ...]]]:
+        """-> sampled ids [R], their logprobs [R], and per row its top_n alternatives (fetched from
+        the device only when some row asks for them)."""
         w = self._weights
-        token, logprob = self._sample(
-            x, w.final_norm, w.lm_head, self._mask, slots, masked, params, positions, cfg=self.config
+        token, logprob, top_ids, top_logprobs = self._sample(
+            x, w.final_norm, w.lm_head, self._mask, slots, masked, params, positions, top_n, cfg=self.config
         )
-        return jax.device_get((token, logprob))
+        if not top_n.any():
+            return (*jax.device_get((token, logprob)), [()] * len(top_n))
+        token, logprob, top_ids, top_logprobs = jax.device_get((token, logprob, top_ids, top_logprobs))
+        tops = [tuple(zip(i[:n].tolist(), p[:n].tolist())) for i, p, n in zip(top_ids, top_logprobs, top_n.tolist())]
+        return token, logprob, tops
 
     def _params(self, rows: slice, active: np.ndarray | bool = True) -> SlotSampling:
         """The rows' sampling parameters; inactive rows greedy with no cuts, so an idle sampled

@@ -15,6 +15,9 @@ sampled requests. What holds for every row:
   one block), which costs a pass over V instead of V random numbers.
 - The logprob returned is the chosen id's under the raw distribution (log_softmax of the logits as
   the model produced them, before mask, temperature and cuts).
+- `top_logprobs` gives the MAX_TOP_LOGPROBS most likely ids of that same distribution per row, a
+  static count so it adds no shape; it is computed only in a batch where some row asks for any
+  (a `lax.cond`, both branches in the one compiled step), so steps nobody asks it of skip it.
 
 Shapes: B rows (slots), V vocab.
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from engine.core.request import MAX_TOP_LOGPROBS
 
 BLOCK = 256  # ids per block of the two-level inverse CDF
 
@@ -72,6 +77,23 @@ def sample(
     tokens = jnp.where(params.temperature > 0, drawn, greedy)  # [B]
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [B]
     return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+
+
+def top_logprobs(logits: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """logits [B, V], wanted [B] i32 (alternatives each row asks for) -> (ids [B, K] i32,
+    raw logprobs [B, K] f32), K = min(MAX_TOP_LOGPROBS, V), most likely first (ties: the lower id
+    first); zeros when no row wants any. Callers keep each row's first `wanted` columns."""
+    b, v = logits.shape
+    k = min(MAX_TOP_LOGPROBS, v)
+
+    def compute() -> tuple[jax.Array, jax.Array]:
+        values, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [B, K]
+        return ids.astype(jnp.int32), values
+
+    def skip() -> tuple[jax.Array, jax.Array]:
+        return jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32)
+
+    return jax.lax.cond(jnp.any(wanted > 0), compute, skip)
 
 
 def _first_max(x: jax.Array) -> jax.Array:

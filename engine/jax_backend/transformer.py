@@ -32,6 +32,11 @@ live keys in place; `decode_attention` below is the same computation in JAX (the
 the reference the kernel is tested against). A one-row step's projections go to a second kernel
 when the layer carries [out, in] copies (`weights.with_one_row_copies`, `_project`).
 
+Under tensor parallelism (engine.jax_backend.mesh) the same functions run on weights and caches
+split over a mesh; XLA's partitioner adds the collectives. The fused projections' layouts
+(engine.model_store.checkpoint: q/k/v grouped per kv head, gate/up interleaved) keep every
+device's heads and features local, so a layer adds only an all-reduce after o and one after down.
+
 Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S cache positions (max
 context), A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
 <= V), E hidden, F ffn, H heads, K kv heads, G = H / K query heads per kv head, D head dim, L layers.
@@ -60,12 +65,15 @@ class KVCache:
     v: tuple[jax.Array, ...]  # L x [B, K, S, D]
 
 
-def init_cache(cfg: ModelConfig, batch: int, context: int, dtype: jnp.dtype) -> KVCache:
-    """Zeroed buffers, kv-head-major (see the module docstring)."""
+def init_cache(
+    cfg: ModelConfig, batch: int, context: int, dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None
+) -> KVCache:
+    """Zeroed buffers, kv-head-major (see the module docstring); made in place as `sharding`
+    says (engine.jax_backend.mesh: split on the kv-head axis) when one is given."""
     shape = (batch, cfg.n_kv_heads, context, cfg.head_dim)
     return KVCache(
-        tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
-        tuple(jnp.zeros(shape, dtype) for _ in range(cfg.n_layers)),
+        tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.n_layers)),
+        tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.n_layers)),
     )
 
 
@@ -200,19 +208,28 @@ def _project(x: jax.Array, w: jax.Array, out_in: jax.Array | None) -> jax.Array:
     one and x is a single row (a decode step of one row; prefill and batches use w)."""
     if out_in is not None and x.size == x.shape[-1]:
         return cpu_kernels.gemv(x, out_in)
-    return x @ w
+    return _dot(x, w)
+
+
+def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w, its sums kept in float32 until the end: one device rounds once, as a plain bf16
+    product does; under tensor parallelism (o, down: a sum split over devices) the partial sums
+    are added in float32 before the one rounding, so bf16 results stay close to one device's."""
+    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
     """Project, optionally bias and q/k-norm, then rotate: x [B, T, E] -> q [B,T,H,D], k/v [B,T,K,D]."""
     b, t, _ = x.shape
     h, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    qkv = _project(x, w.w_qkv, getattr(w.out_in, "qkv", None))  # [B, T, (H + 2K) * D]
+    g = h // kv
+    qkv = _project(x, w.w_qkv, getattr(w.out_in, "qkv", None))  # [B, T, K * (G + 2) * D]
     if cfg.qkv_bias:
         qkv = qkv + w.b_qkv
-    q = qkv[..., : h * d].reshape(b, t, h, d)  # [B, T, H, D]
-    k = qkv[..., h * d : (h + kv) * d].reshape(b, t, kv, d)  # [B, T, K, D]
-    v = qkv[..., (h + kv) * d :].reshape(b, t, kv, d)  # [B, T, K, D]
+    qkv = qkv.reshape(b, t, kv, g + 2, d)  # per kv head: its G query heads, its key, its value
+    q = qkv[:, :, :, :g].reshape(b, t, h, d)  # [B, T, H, D]; head k * G + i uses kv head k
+    k = qkv[:, :, :, g]  # [B, T, K, D]
+    v = qkv[:, :, :, g + 1]  # [B, T, K, D]
     if cfg.qk_norm:
         q = rms_norm(q, w.q_norm, cfg.rms_eps)
         k = rms_norm(k, w.k_norm, cfg.rms_eps)
@@ -221,8 +238,9 @@ def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) 
 
 
 def _mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
-    gate_up = _project(x, w.w_gate_up, getattr(w.out_in, "gate_up", None))  # [B, T, 2F]
-    gate, up = jnp.split(gate_up, 2, axis=-1)  # [B, T, F] each
+    gate_up = _project(x, w.w_gate_up, getattr(w.out_in, "gate_up", None))  # [B, T, 2F], interleaved
+    gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)  # [B, T, F, 2]
+    gate, up = gate_up[..., 0], gate_up[..., 1]  # [B, T, F] each
     return _project(jax.nn.silu(gate) * up, w.w_down, getattr(w.out_in, "down", None))  # [B, T, E]
 
 
@@ -258,7 +276,7 @@ def prefill_layers(
         ks.append(k_cache)
         vs.append(v_cache)
         seen = chunk_attention(q[0], k_cache, v_cache, slot, start, cfg)  # [C, H*D]
-        x = x + (seen @ w.w_o)[None]
+        x = x + _dot(seen, w.w_o)[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
 

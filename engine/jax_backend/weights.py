@@ -3,20 +3,26 @@ copies that the CPU one-row kernel reads.
 
 engine.model_store.checkpoint reads tensors as numpy and defines the weight classes without JAX;
 this module registers them as pytrees (so jitted steps take them as arguments) and places each
-tensor on the device, cast to the serving dtype, as it is read.
+tensor on the device, cast to the serving dtype, as it is read; or, split over a mesh
+(`load_sharded`, engine.jax_backend.mesh), reads each to the host and places it shard by shard.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from engine.model_store import checkpoint
-from engine.model_store.checkpoint import Checkpoint, LayerWeights, Weights
+from engine.model_store.checkpoint import Checkpoint, LayerWeights, ModelConfig, Weights
+
+if TYPE_CHECKING:
+    from engine.jax_backend import mesh
 
 
 @dataclass(frozen=True)
@@ -24,7 +30,7 @@ class OutInWeights:
     """A layer's four projections again, stored [out, in]: what the CPU one-row kernel reads
     (engine.jax_backend.cpu_kernels.gemv). Made by `with_one_row_copies`, never loaded."""
 
-    qkv: jax.Array  # [(H + 2K) * D, E]
+    qkv: jax.Array  # [K * (G + 2) * D, E]
     o: jax.Array  # [E, H * D]
     gate_up: jax.Array  # [2F, E]
     down: jax.Array  # [E, F]
@@ -33,7 +39,7 @@ class OutInWeights:
 for _cls in (OutInWeights, LayerWeights, Weights):
     jax.tree_util.register_dataclass(_cls)
 
-__all__ = ["Checkpoint", "LayerWeights", "OutInWeights", "Weights", "default_dtype", "load_checkpoint", "with_one_row_copies"]
+__all__ = ["Checkpoint", "LayerWeights", "OutInWeights", "Weights", "default_dtype", "load_checkpoint", "load_sharded", "with_one_row_copies"]
 
 
 def default_dtype() -> str:
@@ -50,6 +56,25 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoi
         return jnp.asarray(array, target)
 
     return checkpoint.load_checkpoint(model_dir, place)
+
+
+def load_sharded(model_dir: str | Path, dtype: str | None, size: int) -> tuple[Checkpoint, ModelConfig, "mesh.Plan"]:
+    """The checkpoint over a mesh of `size` devices (engine.jax_backend.mesh): its weights in
+    shards, the config the forward pass runs with there (kv heads replicated when `size`
+    exceeds them), and the plan. The sizes are checked against config.json before any tensor
+    is read. While the shards are placed the host holds the whole model once, in the serving
+    dtype (for a 70B model in bfloat16, ~140 GB of host memory during loading)."""
+    from engine.jax_backend import mesh
+
+    if not jax.distributed.is_initialized():  # (a group asked for its local devices when it joined)
+        mesh.request_cpu_devices(size)
+    model_dir = Path(model_dir)
+    cfg = checkpoint.parse_config(json.loads((model_dir / "config.json").read_text()))
+    plan = mesh.make_plan(cfg, size, checkpoint.tokenizer_size(model_dir, cfg.vocab_size))
+    target = jnp.dtype(dtype or default_dtype())
+    host = checkpoint.load_checkpoint(model_dir, lambda array: array.astype(target))  # numpy, cast as read
+    weights = mesh.shard_weights(host.weights, host.config, plan, target)
+    return replace(host, weights=weights), mesh.parallel_config(host.config, size), plan
 
 
 def with_one_row_copies(layer: LayerWeights) -> LayerWeights:

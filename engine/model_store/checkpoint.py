@@ -4,7 +4,10 @@ Data flow: config.json -> `ModelConfig` (frozen, hashable: it is the static argu
 jitted step); `model.safetensors` (or `model-*.safetensors` + index) -> `Weights`, one
 `LayerWeights` per layer (separate arrays, not stacked: on XLA:CPU a layer sliced out of a
 stacked array inside the step is copied first) and projections stored [in, out] so the forward
-pass multiplies `x @ w`; config.json + generation_config.json + the tokenizer's eos token ->
+pass multiplies `x @ w`; the fused projections are laid out so that any split of their columns
+into equal contiguous parts gives each part whole kv-head groups (q, k, v) and whole features
+(gate, up): a tensor-parallel shard (engine.jax_backend.mesh) then computes its heads and features
+with no exchange; config.json + generation_config.json + the tokenizer's eos token ->
 `eos_token_ids`. Everything a checkpoint can get wrong (an architecture we do not run, a missing or
 misshapen tensor) raises `CheckpointError` here, before anything is compiled.
 
@@ -85,12 +88,12 @@ class LayerWeights:
     """One decoder layer's tensors (each an `Array`: what `place` returned for it)."""
 
     attn_norm: Array  # [E]
-    w_qkv: Array  # [E, (H + 2K) * D]  q, k, v projections side by side
+    w_qkv: Array  # [E, K * (G + 2) * D]  per kv head: its G query heads, its key, its value
     w_o: Array  # [H * D, E]
     mlp_norm: Array  # [E]
-    w_gate_up: Array  # [E, 2F]  gate then up
+    w_gate_up: Array  # [E, 2F]  gate and up interleaved: columns 2f and 2f + 1 are feature f's
     w_down: Array  # [F, E]
-    b_qkv: Array | None  # [(H + 2K) * D]  only when qkv_bias
+    b_qkv: Array | None  # [K * (G + 2) * D]  only when qkv_bias, laid out as w_qkv
     q_norm: Array | None  # [D]  only when qk_norm
     k_norm: Array | None  # [D]  only when qk_norm
     out_in: Any = None  # [out, in] copies for one-row CPU steps, added by engine.jax_backend
@@ -209,23 +212,29 @@ def load_weights(model_dir: Path, config: ModelConfig, place: Place = np.asarray
 
     device = place
 
-    def qkv(p: str) -> np.ndarray:  # [E, (H + 2K) * D]
+    def by_kv_head(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """q [H * D, ...], k/v [K * D, ...] -> [K * (G + 2) * D, ...]: per kv head, its G query
+        heads, its key, its value (LayerWeights.w_qkv)."""
+        g, rest = H // K, q.shape[1:]
+        parts = [q.reshape(K, g, D, *rest), k.reshape(K, 1, D, *rest), v.reshape(K, 1, D, *rest)]
+        return np.concatenate(parts, axis=1).reshape(K * (g + 2) * D, *rest)
+
+    def qkv(p: str) -> np.ndarray:  # [E, K * (G + 2) * D]
         a = p + "self_attn."
-        return np.concatenate(
-            [tensor(a + "q_proj.weight", (H * D, E)), tensor(a + "k_proj.weight", (K * D, E)),
-             tensor(a + "v_proj.weight", (K * D, E))]
+        return by_kv_head(
+            tensor(a + "q_proj.weight", (H * D, E)), tensor(a + "k_proj.weight", (K * D, E)),
+            tensor(a + "v_proj.weight", (K * D, E)),
         ).T
 
-    def qkv_bias(p: str) -> np.ndarray:  # [(H + 2K) * D]
+    def qkv_bias(p: str) -> np.ndarray:  # [K * (G + 2) * D]
         a = p + "self_attn."
-        return np.concatenate(
-            [tensor(a + "q_proj.bias", (H * D,)), tensor(a + "k_proj.bias", (K * D,)),
-             tensor(a + "v_proj.bias", (K * D,))]
+        return by_kv_head(
+            tensor(a + "q_proj.bias", (H * D,)), tensor(a + "k_proj.bias", (K * D,)), tensor(a + "v_proj.bias", (K * D,))
         )
 
-    def gate_up(p: str) -> np.ndarray:  # [E, 2F]
+    def gate_up(p: str) -> np.ndarray:  # [E, 2F]: gate and up interleaved, feature by feature
         gate, up = tensor(p + "mlp.gate_proj.weight", (F, E)), tensor(p + "mlp.up_proj.weight", (F, E))
-        return np.concatenate([gate, up]).T
+        return np.stack([gate, up], axis=1).reshape(2 * F, E).T
 
     def layer(p: str) -> LayerWeights:
         return LayerWeights(

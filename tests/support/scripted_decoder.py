@@ -1,6 +1,7 @@
 """A decode-server process backed by the scripted model, for tests that kill or signal it.
 
-    python tests/support/scripted_decoder.py --port N [--step-delay S] [--max-queue-size Q] [--fail-at-step K]
+    python tests/support/scripted_decoder.py --port N [--host H] [--step-delay S] [--max-queue-size Q] [--fail-at-step K]
+        [--max-connection-age S]
 
 Runs the same server and shutdown code as `tokenwire decode-server` (start_decode_server,
 serve_until_signal); only the model differs. Prints "READY <port>" once serving.
@@ -25,7 +26,9 @@ from services.server import ServerOptions  # noqa: E402
 
 async def main() -> int:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--max-connection-age", type=float, default=0.0)
     parser.add_argument("--step-delay", type=float, default=0.0)
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--max-queue-size", type=int, default=16)
@@ -36,7 +39,7 @@ async def main() -> int:
         vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=a.max_batch_size,
         max_context_length=256, step_delay_s=a.step_delay, fail_at_step=a.fail_at_step,
     )
-    server = await start_decode_server(model, EngineConfig(a.max_queue_size), ServerOptions(port=a.port))
+    server = await start_decode_server(model, EngineConfig(a.max_queue_size), ServerOptions(host=a.host, port=a.port, max_connection_age_s=a.max_connection_age))
     print(f"READY {server.port}", flush=True)
     return await server.serve_until_signal(a.grace_period)
 

@@ -54,7 +54,7 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "sampling", "stopping", "keep_special_tokens", "stop_strings", "include_stop_string")
+    __slots__ = ("request_id", "prompt", "chat", "sampling", "stopping", "keep_special_tokens", "stop_strings", "include_stop_string", "logprobs", "top_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class GenerateRequest(_message.Message):
     KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     chat: Chat
@@ -71,7 +73,9 @@ class GenerateRequest(_message.Message):
     keep_special_tokens: bool
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     include_stop_string: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_decode_pb2.StoppingCriteria, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ...) -> None: ...
+    logprobs: bool
+    top_logprobs: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_decode_pb2.StoppingCriteria, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "finished")
@@ -82,12 +86,38 @@ class GenerateResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[TextDelta, _Mapping]] = ..., finished: _Optional[_Union[TextFinished, _Mapping]] = ...) -> None: ...
 
 class TextDelta(_message.Message):
-    __slots__ = ("text", "token_ids")
+    __slots__ = ("text", "token_ids", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("text", "bytes", "logprob", "top_logprobs")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    bytes: bytes
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, text: _Optional[str] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("id", "text", "bytes", "logprob")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    text: str
+    bytes: bytes
+    logprob: float
+    def __init__(self, id: _Optional[int] = ..., text: _Optional[str] = ..., bytes: _Optional[bytes] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class TextFinished(_message.Message):
     __slots__ = ("reason", "usage", "stop_token_id", "stop_string")
@@ -102,17 +132,19 @@ class TextFinished(_message.Message):
     def __init__(self, reason: _Optional[_Union[_decode_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class Completion(_message.Message):
-    __slots__ = ("text", "token_ids", "reason", "usage", "stop_token_id", "stop_string")
+    __slots__ = ("text", "token_ids", "reason", "usage", "stop_token_id", "stop_string", "logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     reason: _decode_pb2.FinishReason
     usage: _decode_pb2.Usage
     stop_token_id: int
     stop_string: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[_decode_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., reason: _Optional[_Union[_decode_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_decode_pb2.Usage, _Mapping]] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,329 @@
+"""The GPU check's phases that run JAX, one per process:
+
+    python -m benchmarks.gpu_check.phases PHASE PLAN.json RESULT.json [ARG]
+
+PHASE is env, golden, real-model (ARG: the model directory), speed-<i> (the plan's i-th speed
+shape) or stack-model (ARG: where to write it). Each writes one JSON object to RESULT.json; an
+exception is written there as {"error": ...} and exits 1. The orchestrator (__main__) runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from importlib import metadata
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.decode import Bandwidth, Slots, kv_bytes_per_token, weight_bytes
+from benchmarks.gpu_check.plan import Plan
+from benchmarks.gpu_check.random_model import model_config, random_model, random_weights, write_random_checkpoint
+from engine.core.model import SlotSetup
+from engine.core.request import SamplingParams
+from engine.jax_backend import transformer
+from engine.jax_backend.jax_model import MAX_CHUNK, JaxModel
+from engine.jax_backend.weights import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "tests" / "assets"
+STACK_TOKENIZER = ASSETS / "tokenizers" / "gpt2"  # 50,257 ids; the text service needs a real tokenizer
+# |logit - golden| <= atol + rtol * (the largest |golden logit| of the row). float32: the parity
+# test's bound. bfloat16 keeps 8 significant bits, and its error grows with the activations' scale
+# rather than with each logit's own size, so the bound is relative to the row; the differences it
+# allows against those seen on the CPU's bfloat16: docs/benchmarks.md, "GPU check".
+TOLERANCE = {"float32": (1e-4, 0.0), "bfloat16": (0.02, 0.02)}
+REAL_QUESTION = "What is the capital of France?"
+REAL_ANSWER = "The capital of France is Paris."  # transformers float32, greedy (tests/test_real_model.py)
+
+
+def _timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    value = fn()
+    return time.perf_counter() - start, value
+
+
+# -- env ------------------------------------------------------------------------------------
+
+
+def env(plan: Plan) -> dict:
+    devices = []
+    for d in jax.devices():
+        stats = {}
+        try:
+            stats = {k: v for k, v in (d.memory_stats() or {}).items() if k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use")}
+        except Exception as error:  # CPU devices have none
+            stats = {"unavailable": str(error)}
+        devices.append({"platform": d.platform, "kind": d.device_kind, "id": d.id, "memory": stats})
+    versions = {}
+    for package in ("jax", "jaxlib", "numpy", "grpcio", "protobuf", "tokenizers", "safetensors", "pytest"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    plugins = sorted(d.metadata["Name"] for d in metadata.distributions() if "cuda" in (d.metadata["Name"] or "").lower())
+    return {
+        "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
+        "backend": jax.default_backend(), "devices": devices, "versions": versions, "cuda_packages": plugins,
+    }
+
+
+# -- golden: the tiny checkpoints in the plan's dtype against transformers' float32 -----------
+
+
+def golden(plan: Plan) -> dict:
+    """Each golden case teacher-forced (the golden greedy ids are fed back, so a near-tie that
+    the lower precision resolves otherwise does not change what follows): first logits, the
+    top-8 logits at every step, and the greedy id wherever the golden top-2 gap exceeds twice the
+    tolerance (a decisive step)."""
+    atol, rtol = TOLERANCE.get(plan.dtype, TOLERANCE["bfloat16"])
+    prefill = jax.jit(transformer.prefill, static_argnames="cfg", donate_argnums=1)
+    decode = jax.jit(transformer.decode, static_argnames=("cfg", "attend", "kernels"), donate_argnums=1)
+    results = {}
+    for name in plan.goldens:
+        ckpt = load_checkpoint(ASSETS / name, dtype=plan.dtype)
+        cfg, weights = ckpt.config, ckpt.weights
+        cases = json.loads((ASSETS / name / "golden.json").read_text())["cases"]
+        context, bucket = 64, 32
+        cache = transformer.init_cache(cfg, len(cases), context, jnp.dtype(plan.dtype))
+        worst, compared, decisive, agree, outside = 0.0, 0, 0, 0, 0
+        for slot, case in enumerate(cases):
+            prompt, greedy = case["prompt_ids"], case["greedy_ids"]
+            tokens = np.zeros(bucket, np.int32)
+            tokens[: len(prompt)] = prompt
+            logits, cache = prefill(weights, cache, tokens, np.int32(len(prompt)), np.int32(slot), cfg=cfg)
+            rows = [(np.asarray(logits, np.float32), np.arange(len(case["first_logits"])), np.asarray(case["first_logits"]))]
+            for step in range(1, len(case["steps"])):
+                ids, positions, active = (np.zeros(len(cases), np.int32) for _ in range(3))
+                ids[slot], positions[slot], active[slot] = greedy[step - 1], len(prompt) + step - 1, 1
+                logits, cache = decode(weights, cache, ids, positions, active.astype(bool), cfg=cfg, attend=context, kernels=False)
+                top = case["steps"][step]
+                rows.append((np.asarray(logits, np.float32)[slot], np.asarray(top["ids"]), np.asarray(top["logits"])))
+            for step, (row, ids, expected) in enumerate(rows):
+                got, bound = row[ids], atol + rtol * float(np.max(np.abs(expected)))
+                worst = max(worst, float(np.max(np.abs(got - expected))))
+                outside += int(np.sum(np.abs(got - expected) > bound))
+                compared += len(ids)
+                ordered = np.sort(expected)[::-1]
+                if ordered[0] - ordered[1] > 2 * bound:
+                    decisive += 1
+                    agree += int(np.argmax(row) == greedy[step])
+        results[name] = {
+            "max_abs_diff": worst, "logits_compared": compared, "outside_tolerance": outside,
+            "decisive_steps": decisive, "greedy_agree": agree,
+        }
+    ok = all(r["outside_tolerance"] == 0 and r["greedy_agree"] == r["decisive_steps"] for r in results.values())
+    return {"dtype": plan.dtype, "tolerance": {"atol": atol, "rtol": rtol}, "checkpoints": results, "ok": ok}
+
+
+# -- the real default model through both services --------------------------------------------
+
+
+def real_model(plan: Plan, model_dir: str) -> dict:
+    from protos.decode.v1 import decode_pb2 as dpb
+    from protos.text.v1 import text_pb2 as pb
+    from services.decode_server import start_decode_server
+    from services.text_server import start_text_server
+    from tokenizer_svc.tokenizer import TextTokenizer
+    import grpc
+    from protos.text.v1 import text_pb2_grpc
+
+    model = JaxModel.load(model_dir, max_batch_size=2, max_context_length=256, min_bucket=64, dtype=plan.dtype)
+    warm_s, _ = _timed(model.warm_up)
+    compiled = model.compilations()
+
+    async def ask() -> dict:
+        decode = await start_decode_server(model)
+        text = await start_text_server(TextTokenizer.from_dir(model_dir), f"127.0.0.1:{decode.port}")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{text.port}") as channel:
+                stub = text_pb2_grpc.TextGenerationStub(channel)
+                chat = pb.Chat(messages=[pb.ChatMessage(role="user", content=REAL_QUESTION)])
+                request = pb.GenerateRequest(chat=chat)
+                request.stopping.max_output_tokens = 40
+                started = time.perf_counter()
+                completion = await stub.Complete(request)
+                return {
+                    "answer": completion.text, "token_ids": list(completion.token_ids),
+                    "finish": dpb.FinishReason.Name(completion.reason), "seconds": time.perf_counter() - started,
+                }
+        finally:
+            await text.stop(None)
+            await decode.stop(None)
+
+    answer = asyncio.run(ask())
+    return {
+        "model_dir": str(model_dir), "dtype": plan.dtype, "question": REAL_QUESTION, "expected": REAL_ANSWER, **answer,
+        "ok": answer["answer"] == REAL_ANSWER, "warm_up_s": warm_s, "compilations_after_warm_up": model.compilations() - compiled,
+    }
+
+
+# -- speed with random weights of a model's shape ---------------------------------------------
+
+
+def speed(plan: Plan, index: int) -> dict:
+    shape = plan.speed_shapes[index]
+    cfg = model_config(shape)
+    build_s, weights = _timed(lambda: random_weights(cfg, plan.dtype))
+    bandwidth = Bandwidth(plan.bandwidth_gib)
+    result = {"shape": shape.name, "parameters": shape.parameters(), "dtype": plan.dtype, "weights_build_s": build_s}
+    result["decode"] = _decode_speed(plan, shape, weights, bandwidth)
+    gc.collect()  # the decode model's KV cache goes before the prefill model's is made
+    result["prefill"] = _prefill_speed(plan, shape, weights)
+    result["bandwidth_gbs"] = result["decode"]["bandwidth_gbs"]
+    return result
+
+
+def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
+    batches = plan.batches
+    needed = plan.prompt_len + len(batches) * (1 + plan.rounds * plan.steps) + 2  # + a profiled step
+    context = -(-needed // 64) * 64
+    model, _ = random_model(  # one attend bucket (the context) and one prompt bucket: few compiles
+        shape, plan.dtype, weights, max_batch_size=max(batches), max_context_length=context, min_attend=context,
+        min_bucket=plan.prompt_len, max_chunk=plan.prompt_len,
+    )
+    warm_s, _ = _timed(model.warm_up)
+    compiled = model.compilations()
+    fill_s, slots = _timed(lambda: Slots(model, max(batches), plan.prompt_len))
+    for batch in batches:  # one untimed step each
+        slots.step(batch)
+    w_bytes, kv_token = weight_bytes(model), kv_bytes_per_token(model)
+    seconds = {b: [] for b in batches}
+    step_bytes = {b: [] for b in batches}
+    gbs = []
+    for _ in range(plan.rounds):
+        gbs.append(bandwidth.measure_gbs(repeats=5))
+        for batch in batches:
+            seconds[batch].append(statistics.median(slots.step(batch) for _ in range(plan.steps)))
+            step_bytes[batch].append(w_bytes + slots.mean_length(batch) * batch * kv_token)
+    rows = []
+    for batch in batches:
+        mbu = [b / s / (g * 1e9) for b, s, g in zip(step_bytes[batch], seconds[batch], gbs)]
+        floor = [b / (g * 1e9) for b, g in zip(step_bytes[batch], gbs)]
+        step = statistics.median(seconds[batch])
+        rows.append({
+            "batch": batch, "step_s": step, "step_s_range": [min(seconds[batch]), max(seconds[batch])],
+            "tok_s": batch / step, "tpot_s": step, "mbu": statistics.median(mbu),
+            "floor_s": statistics.median(floor), "bytes_per_step": statistics.median(step_bytes[batch]),
+        })
+    profile = step_profile(model, slots)
+    after = model.compilations() - compiled
+    slots.release()
+    return {
+        "context": context, "prompt_len": plan.prompt_len, "max_batch_size": max(batches), "warm_up_s": warm_s,
+        "compilations_at_warm_up": compiled, "compilations_after_warm_up": after, "fill_s": fill_s,
+        "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token, "bandwidth_gbs": statistics.median(gbs),
+        "bandwidth_gbs_range": [min(gbs), max(gbs)], "batches": rows, "batch1_profile": profile,
+        "row_buckets": list(model.row_buckets), "decode_layer_groups": len(model._decode_groups),
+    }
+
+
+def step_profile(model: JaxModel, slots: Slots, repeats: int = 5) -> dict:
+    """Where one batch-1 decode step's time goes: the step's own jitted calls (embed, each layer
+    group, head and sampling) run one at a time with a wait after each, best of `repeats`, and
+    the bytes each reads. The sum exceeds the step (each wait drains the device's queue); the
+    step without waits is the decode row's figure. Reads JaxModel's internals: a diagnostic."""
+    try:
+        slot, token, position = 0, slots.last[0], slots.length[0]
+        tokens, positions = np.array([token], np.int32), np.array([position], np.int32)
+        active, masked = np.array([True]), np.array([False])
+        pieces: dict[str, list[float]] = {}
+        for _ in range(repeats):
+            start = time.perf_counter()
+            x = jax.block_until_ready(model._embed(model._weights.embed, tokens[:, None]))
+            pieces.setdefault("embed", []).append(time.perf_counter() - start)
+            on_device = model._put((positions, active))
+            for lo, hi in model._decode_groups:
+                start = time.perf_counter()
+                x = jax.block_until_ready(model._run_layers(
+                    [(lo, hi)], model._decode_layers, x, *on_device, cfg=model.config, attend=model.attend_buckets[-1]
+                ))
+                pieces.setdefault(f"layers {lo}-{hi - 1}", []).append(time.perf_counter() - start)
+            start = time.perf_counter()
+            model._run_sample(x, np.array([slot], np.int32), masked, model._params(slice(0, 1)), positions + 1,
+                              np.zeros(1, np.int32))
+            pieces.setdefault("head and sampling", []).append(time.perf_counter() - start)
+        reads = {f"layers {lo}-{hi - 1}": _nbytes(model._layers[lo, hi]) for lo, hi in model._decode_groups}
+        w = model._weights
+        reads["head and sampling"] = _nbytes((w.final_norm, w.lm_head))
+        return {name: {"s": min(times), "bytes": reads.get(name, 0)} for name, times in pieces.items()}
+    except Exception as error:  # a diagnostic must not cost the measurements
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def _nbytes(tree) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
+
+
+def _prefill_speed(plan: Plan, shape, weights) -> dict:
+    lengths = plan.prefill_lengths
+    context = max(lengths) + 16
+    model, _ = random_model(  # chunk shapes from the shortest length up to the serving default (512)
+        shape, plan.dtype, weights, max_batch_size=1, max_context_length=context, min_attend=context,
+        min_bucket=min(MAX_CHUNK, *lengths), max_chunk=min(MAX_CHUNK, max(lengths)),
+    )
+    warm_s, _ = _timed(model.warm_up)
+    compiled = model.compilations()
+    setup = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in lengths:
+        best = float("inf")
+        for repeat in range(plan.prefill_repeats + 1):  # the first is untimed
+            prompt = rng.integers(3, model.info.vocab_size, n).tolist()
+            seconds, _ = _timed(lambda: model.prefill(0, prompt, setup, False))
+            model.release(0)
+            if repeat:
+                best = min(best, seconds)
+        rows.append({"tokens": n, "s": best, "tok_s": n / best})
+    return {
+        "context": context, "chunk_buckets": list(model.buckets), "warm_up_s": warm_s, "compilations_at_warm_up": compiled,
+        "compilations_after_warm_up": model.compilations() - compiled, "lengths": rows,
+    }
+
+
+# -- the served model of the stack measurement --------------------------------------------------
+
+
+def stack_model(plan: Plan, directory: str) -> dict:
+    from dataclasses import replace
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    vocab = TextTokenizer.from_dir(STACK_TOKENIZER).vocab_size
+    shape = replace(plan.stack_shape, vocab=vocab, name=f"{plan.stack_shape.name}, vocab {vocab}")
+    seconds, path = _timed(lambda: write_random_checkpoint(Path(directory), shape, STACK_TOKENIZER))
+    return {"dir": str(path), "shape": shape.name, "parameters": shape.parameters(), "write_s": seconds,
+            "bytes": (Path(path) / "model.safetensors").stat().st_size}
+
+
+PHASES = {"env": env, "golden": golden, "real-model": real_model, "stack-model": stack_model}
+
+
+def main(argv: list[str]) -> int:
+    phase, plan_path, out_path, *rest = argv
+    plan = Plan.from_json(Path(plan_path).read_text())
+    started = time.perf_counter()
+    try:
+        if phase.startswith("speed-"):
+            result = speed(plan, int(phase.removeprefix("speed-")))
+        else:
+            result = PHASES[phase](plan, *rest)
+        code = 0
+    except BaseException as error:  # the report shows it; the next phase still runs
+        result, code = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}, 1
+    result["phase_s"] = time.perf_counter() - started
+    Path(out_path).write_text(json.dumps(result, indent=1))
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,140 @@
+"""OpenAI bodies -> the text service's GenerateRequests, and its results -> OpenAI JSON.
+
+One request with `n` choices becomes n GenerateRequests (`generate_requests`), each its own
+generation; with a seed, choice i samples with seed + i, so the choices differ and a request
+repeats exactly. Sampling follows the API's defaults: temperature 1, no nucleus cut; top_p 0
+(the limit of a vanishing nucleus) is greedy.
+
+Results: finish reasons are only ever `stop` or `length` (the contract has no other); usage
+counts the prompt once and every choice's completion tokens; logprob entries carry each token's
+text as the detokenizer produced it, so the entries' texts joined equal the content unless a
+stop string cut it (protos/text/v1/text.proto TokenLogprob).
+"""
+
+from __future__ import annotations
+
+from protos.decode.v1 import decode_pb2
+from protos.text.v1 import text_pb2
+from services.openai_api.errors import ApiError, not_supported
+from services.openai_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+_REASONS = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
+# Roles the OpenAI API has that a chat template may not: "developer" is the newer name of "system".
+_ROLE_ALIASES = {"developer": "system"}
+
+
+def finish_reason(reason: int) -> str:
+    return _REASONS[reason]
+
+
+def usage_json(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _message_text(message: ChatMessage, i: int) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for j, part in enumerate(message.content):
+        if part.type != "text" or part.text is None:
+            raise not_supported(f"messages[{i}].content[{j}].type", f"{part.type!r} is not supported (only text parts)")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_pb(messages: list[ChatMessage], add_generation_prompt: bool = True) -> text_pb2.Chat:
+    """Messages as the text service's Chat (refusing tool turns and non-text parts)."""
+    chat = text_pb2.Chat(add_generation_prompt=add_generation_prompt)
+    for i, message in enumerate(messages):
+        for field in ("tool_calls", "tool_call_id", "function_call"):
+            if getattr(message, field) is not None:
+                raise not_supported(f"messages[{i}].{field}")
+        if message.role == "tool":
+            raise not_supported(f"messages[{i}].role", "'tool' is not supported (no tool calling)")
+        chat.messages.add(role=_ROLE_ALIASES.get(message.role, message.role), content=_message_text(message, i))
+    return chat
+
+
+def _base(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> text_pb2.GenerateRequest:
+    temperature = 1.0 if body.temperature is None else body.temperature
+    top_p = 1.0 if body.top_p is None else body.top_p
+    sampling = decode_pb2.SamplingParams(temperature=0.0 if top_p == 0 else temperature, top_p=top_p or 1.0)
+    stopping = decode_pb2.StoppingCriteria(max_output_tokens=max_tokens)
+    return text_pb2.GenerateRequest(sampling=sampling, stopping=stopping, stop_strings=_stop_strings(body.stop))
+
+
+def _prompt(body: CompletionRequest) -> str:
+    if isinstance(body.prompt, str):
+        return body.prompt
+    if len(body.prompt) != 1:
+        raise not_supported("prompt", "as a list of several prompts is not supported: send one string (or use n)")
+    return body.prompt[0]
+
+
+def generate_requests(body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[text_pb2.GenerateRequest]:
+    """The body's n GenerateRequests, choice i's request id `<request_id>-<i>`."""
+    if isinstance(body, ChatCompletionRequest):
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        request = _base(body, max_tokens)
+        request.chat.CopyFrom(chat_pb(body.messages))
+        if body.top_logprobs and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        request.logprobs = bool(body.logprobs)
+        request.top_logprobs = body.top_logprobs or 0
+    else:
+        request = _base(body, body.max_tokens)
+        request.prompt = _prompt(body)
+        request.logprobs = body.logprobs is not None
+        request.top_logprobs = body.logprobs or 0
+    requests = []
+    for i in range(body.n or 1):
+        choice = text_pb2.GenerateRequest()
+        choice.CopyFrom(request)
+        choice.request_id = f"{request_id}-{i}"
+        if body.seed is not None:
+            choice.sampling.seed = (body.seed + i) % 2**64
+        requests.append(choice)
+    return requests
+
+
+# --- results -----------------------------------------------------------------------------------
+
+
+def _bytes(data: bytes) -> list[int]:
+    return list(data)
+
+
+def chat_logprobs(entries) -> list[dict]:
+    """TokenLogprob messages -> the chat API's `logprobs.content` entries."""
+    return [
+        {
+            "token": e.text,
+            "logprob": e.logprob,
+            "bytes": _bytes(e.bytes),
+            "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": _bytes(t.bytes)} for t in e.top_logprobs],
+        }
+        for e in entries
+    ]
+
+
+def completion_logprobs(entries, offset: int) -> dict:
+    """TokenLogprob messages -> the completions API's `logprobs` object; `offset` is the text
+    offset of the first entry in the choice's text."""
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(e.text)
+        offsets.append(offset)
+        offset += len(e.text)
+    top = [{t.text: t.logprob for t in e.top_logprobs} for e in entries]
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": top, "text_offset": offsets}

@@ -1,0 +1,106 @@
+"""scripts/gpu_check (benchmarks/gpu_check): the shapes it builds, the targets it checks, and the
+whole check end to end in its smallest profile (smoke: every phase that the CPU can run, in
+child processes, as on the GPU). No speed is asserted: the machine is shared and noisy."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_check import report
+from benchmarks.gpu_check.plan import GPU, LLAMA3_8B, LLAMA32_1B, PROFILES, Plan
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_model_shapes_have_the_published_parameter_counts():
+    assert LLAMA3_8B.parameters() == 8_030_261_248
+    assert LLAMA32_1B.parameters() == 1_235_814_400
+
+
+@pytest.mark.parametrize("factor", [8, 16, 64])
+def test_scaled_shapes_stay_valid_llamas(factor):
+    for shape in (LLAMA3_8B, LLAMA32_1B):
+        small = shape.scaled(factor)
+        assert small.heads % small.kv_heads == 0 and small.hidden == small.heads * small.head_dim
+        assert small.layers >= 2 and small.parameters() < shape.parameters() / factor
+
+
+def test_profiles_round_trip_and_the_rehearsal_is_the_gpu_plan_scaled():
+    for plan in PROFILES.values():
+        assert Plan.from_json(plan.to_json()) == plan
+    rehearsal = PROFILES["rehearsal"]
+    same = ("dtype", "batches", "prompt_len", "prefill_lengths", "stack_streams", "stack_tokens", "goldens", "pytest_files")
+    assert all(getattr(rehearsal, k) == getattr(GPU, k) for k in same)
+    assert [s.name for s in rehearsal.speed_shapes] == [f"{s.name}/16" for s in GPU.speed_shapes]
+
+
+def _results(tpot_s: float, floor_s: float, text_vs_engine: float) -> dict:
+    engine = {"tokens": 1000, "wall_s": 1.0, "itl_p50_s": 0.01, "itl_p99_s": 0.02, "ttft_p50_s": 0.1, "ttft_p99_s": 0.2}
+    text = {**engine, "wall_s": 1.0 / text_vs_engine}
+    return {
+        "speed-0": {"decode": {"batches": [{"batch": 1, "tpot_s": tpot_s, "floor_s": floor_s}],
+                               "batch1_profile": {"layers 0-4": {"s": 0.001, "bytes": 10**9}}}},
+        "stack": {"results": [{"streams": 64, "path": p, "rounds": [m]} for p, m in
+                              (("engine", engine), ("decode", engine), ("text", text))]},
+    }
+
+
+def test_targets_say_met_or_by_how_much_they_are_missed():
+    met, served = report.targets(GPU, _results(tpot_s=0.004, floor_s=0.0034, text_vs_engine=0.9))
+    assert (met["status"], served["status"]) == ("met", "met") and "where" not in met
+    missed, served = report.targets(GPU, _results(tpot_s=0.0068, floor_s=0.0034, text_vs_engine=0.6))
+    assert missed["ratio"] == pytest.approx(2.0) and missed["status"].startswith("missed by 54%")
+    assert missed["where"] == {"layers 0-4": {"s": 0.001, "bytes": 10**9}}  # the step's pieces
+    assert served["status"] == "missed by 25%" and "the decode service alone serves 1.00x" in served["where"]
+
+
+def test_device_tests_stopped_at_their_limit_are_counted_from_the_log_and_fail_the_check(tmp_path):
+    log = ("tests/test_a.py::test_x PASSED [ 10%]\ntests/test_a.py::test_y[p-1] FAILED [ 20%]\n"
+           "tests/test_b.py::test_z SKIPPED (no kernels) [ 30%]\n")
+    tests = report.junit_summary(tmp_path / "absent.xml", 124, log)  # killed before writing its XML
+    assert (tests["passed"], tests["failures"], tests["skipped"]) == (1, 1, 1) and tests["unfinished"]
+    assert tests["failed"] == ["tests/test_a.py::test_y[p-1]"]
+    (check,) = report.checks({"pytest": tests})
+    assert not check["ok"] and "test_y[p-1]" in check["detail"]
+    table = report.markdown(report.build(GPU, {"pytest": tests}, 1.0))
+    assert "| device tests (pytest) | 1 passed, 1 skipped, 1 failed" in table and "| pytest | skipped" not in table
+
+
+def test_the_gpu_profile_refuses_a_machine_without_an_accelerator(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--profile", "gpu", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--profile rehearsal" in run.stderr
+
+
+def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--profile", "smoke", "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert run.returncode == 0, (summary["errors"], run.stdout[-3000:], run.stderr[-3000:])
+    assert summary["ok"] and not summary["errors"]
+    phases = summary["phases"]
+    assert phases["env"]["backend"] == "cpu" and phases["env"]["devices"]
+    checks = {c["name"]: c for c in summary["checks"]}
+    assert checks["tiny checkpoints in float32 vs float32 goldens"]["ok"]
+    assert checks["compilations after warm-up"]["detail"] == "speed-0 decode 0, speed-0 prefill 0"
+    decode = phases["speed-0"]["decode"]
+    assert [b["batch"] for b in decode["batches"]] == [1, 2]
+    assert all(b["tok_s"] > 0 and 0 < b["mbu"] and b["floor_s"] > 0 for b in decode["batches"])
+    assert decode["bandwidth_gbs"] > 0 and decode["compilations_at_warm_up"] > 0
+    assert {"embed", "head and sampling"} <= set(decode["batch1_profile"])
+    assert [p["tokens"] for p in phases["speed-0"]["prefill"]["lengths"]] == [32]
+    rows = {r["path"]: r for r in report.stack_rows(phases["stack"])}
+    assert set(rows) == {"engine", "decode", "text"} and rows["engine"]["vs_engine"] == 1.0
+    assert all(r["tok_s"] > 0 and math.isfinite(r["ttft_p99_s"]) and math.isfinite(r["itl_p50_s"]) for r in rows.values())
+    assert [t.get("ratio", -1) > 0 for t in summary["targets"]] == [True, True]
+    table = (tmp_path / "gpu-check.md").read_text()
+    assert "| model | batch | tok/s | TPOT ms | HBM floor ms | MBU |" in table and "| 2 | text |" in table
+    assert "| int8 |" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table

@@ -1,0 +1,140 @@
+"""One model over two processes (engine.jax_backend.multihost), started by the test as two real
+`tokenwire decode-server` processes on loopback: one CPU device each, `--tensor-parallel 2`,
+process 0 coordinating and serving, process 1 following and serving health only.
+
+- Through process 0's gRPC, greedy decoding gives the ids one process gives (the golden ids
+  of tests/assets/tiny-llama, which one process matches: tests/test_transformer_parity.py).
+- Killing process 1 takes process 0 down within the stated bound (multihost.wait_s): its
+  readiness goes NOT_SERVING (seen on a health Watch stream), then it exits non-zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.jax_backend import multihost
+from services.client import DecodeClient
+from services.service_names import DECODER_SERVICE
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "assets" / "tiny-llama"
+TIMEOUT_S = 3  # --distributed-timeout
+START_S = 300  # two processes compiling on a shared 2-core machine
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(process_id: int, port: int, coordinator: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENWIRE_", "JAX_NUM_CPU"))}
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "decode-server", "--model", str(TINY), "--port", str(port),
+         "--tensor-parallel", "2", "--coordinator", coordinator, "--num-processes", "2", "--process-id", str(process_id),
+         "--distributed-timeout", str(TIMEOUT_S), "--max-batch-size", "2", "--max-context-length", "32",
+         "--max-prefill-chunk", "16"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_serving(port: int, processes: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + START_S
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert all(p.poll() is None for p in processes), [(p.returncode, p.stderr.read()[-4000:]) for p in processes]
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=DECODER_SERVICE), timeout=1).status == SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise AssertionError(f"port {port} not SERVING within {START_S} s")
+
+
+def test_two_processes_decode_like_one_and_a_dead_one_takes_the_other_down():
+    leader_port, follower_port, coordinator = free_port(), free_port(), f"127.0.0.1:{free_port()}"
+    leader = start(0, leader_port, coordinator)
+    follower = start(1, follower_port, coordinator)
+    try:
+        wait_serving(leader_port, [leader, follower])
+        wait_serving(follower_port, [leader, follower])  # a follower's readiness: warm and following
+
+        case = json.loads((TINY / "golden.json").read_text())["cases"][0]
+        with DecodeClient(f"127.0.0.1:{leader_port}", timeout=60) as client:
+            events = list(client.decode(case["prompt_ids"], max_output_tokens=12, ignore_eos=True))
+            again = list(client.decode(case["prompt_ids"], max_output_tokens=12, ignore_eos=True))
+        ids = [e.token.id for e in events if e.HasField("token")]
+        assert ids == case["greedy_ids"][:12]
+        assert [e.token.id for e in again if e.HasField("token")] == ids
+
+        seen: list[int] = []
+        with grpc.insecure_channel(f"127.0.0.1:{leader_port}") as channel:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=DECODER_SERVICE))
+
+            def read() -> None:
+                try:
+                    for response in watch:
+                        seen.append(response.status)
+                except grpc.RpcError:  # the server stopped
+                    pass
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            while not seen:  # the current status comes first
+                time.sleep(0.05)
+            assert seen == [SERVING]
+            follower.send_signal(signal.SIGKILL)
+            killed = time.monotonic()
+            bound = multihost.wait_s(multihost.Group(coordinator, 2, 0, TIMEOUT_S))
+            code = leader.wait(timeout=bound)
+            took = time.monotonic() - killed
+            reader.join(5)
+        print(f"process 0 exited {code} {took:.1f} s after process 1 was killed (bound {bound} s)")
+        assert code != 0 and took < bound
+        assert seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, seen  # before the port closed
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            p.stderr.close()
+
+
+def config(*flags: str):
+    from services.cli import build_parser
+    from services.config import DecodeServerConfig
+
+    return DecodeServerConfig.from_args(build_parser().parse_args(["decode-server", "--model", str(TINY), *flags]))
+
+
+def test_the_group_flags_go_together_and_are_checked_in_one_line():
+    group = config("--coordinator", "h0:8476", "--num-processes", "2", "--process-id", "1", "--tensor-parallel", "4").group
+    assert (group.coordinator, group.num_processes, group.process_id, group.timeout_s) == ("h0:8476", 2, 1, 30.0)
+    assert config().group is None
+    problems = {
+        ("--coordinator", "h0:8476"): "go together",
+        ("--coordinator", "h0:8476", "--num-processes", "2", "--process-id", "2", "--tensor-parallel", "2"): "--process-id must be below",
+        ("--coordinator", "h0:8476", "--num-processes", "2", "--process-id", "0", "--tensor-parallel", "3"): "a multiple of --num-processes",
+    }
+    for flags, says in problems.items():
+        try:
+            config(*flags)
+        except ValueError as error:
+            assert says in str(error) and "\n" not in str(error)
+        else:
+            raise AssertionError(f"{flags} accepted")

@@ -1,0 +1,114 @@
+"""The decode service under `--tensor-parallel 2` passes the stream-invariant tests of
+tests/test_jax_stack.py through gRPC.
+
+Those tests run here again, unchanged (imported), against a real `tokenwire decode-server
+--tensor-parallel 2` process (two forced CPU devices in its engine process: the flag asks JAX
+for them on a CPU host) with a text service in front. Their reference is this server's own
+greedy run, and `test_streaming_equals_unary_equals_local` compares the text service's output
+with `tokenwire generate --local` on one device: TP=2 through both services equals TP=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.model_store.model_files import eos_token_ids
+from protos.decode.v1 import decode_pb2_grpc
+from protos.text.v1 import text_pb2_grpc
+from services.service_names import DECODER_SERVICE
+from services.text_server import start_text_server
+from tests.test_jax_stack import (  # noqa: F401  (collected here, against this module's stack)
+    reference,
+    test_concurrent_requests_match_the_reference,
+    test_control_token_at_prefill,
+    test_control_token_exactly_at_the_cap,
+    test_eos_is_never_output,
+    test_exactly_n_tokens,
+    test_large_n_with_ignore_eos,
+    test_stop_token_ids,
+    test_streaming_equals_unary_equals_local,
+)
+from tokenizer_svc.tokenizer import TextTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests" / "assets" / "tiny-llama"
+START_S = 300  # loading and compiling every shape under the mesh, on a shared 2-core machine
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_serving(port: int, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_S
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()[-3000:]
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=DECODER_SERVICE), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"the decode service was not SERVING within {START_S} s")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack():
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="tokenwire-tp-", suffix=".log")[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENWIRE_", "JAX_NUM_CPU"))}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "decode-server", "--model", str(TINY), "--port", str(port),
+         "--tensor-parallel", "2", "--max-batch-size", "4", "--max-context-length", "128", "--max-prefill-chunk", "16",
+         "--max-queue-size", "16"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
+    )
+    try:
+        await wait_serving(port, process, log)
+        tokenizer = TextTokenizer.from_dir(TINY)
+        text = await start_text_server(tokenizer, f"127.0.0.1:{port}")
+        decode_channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+        text_channel = grpc.aio.insecure_channel(f"127.0.0.1:{text.port}")
+        model = SimpleNamespace(info=SimpleNamespace(eos_token_ids=eos_token_ids(TINY)))  # what the tests read of it
+        yield (
+            SimpleNamespace(info=model.info, log=log),
+            decode_pb2_grpc.DecoderStub(decode_channel),
+            text_pb2_grpc.TextGenerationStub(text_channel),
+            tokenizer,
+            text.port,
+        )
+        await decode_channel.close()
+        await text_channel.close()
+        await text.stop(None)
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.unlink()
+
+
+async def test_the_server_runs_split_over_two_devices(stack):
+    """The engine process said so: the CPU kernels off, for tensor parallelism over 2 devices."""
+    assert "CPU decode kernels off: tensor parallelism over 2 devices" in stack[0].log.read_text()
