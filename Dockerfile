@@ -48,8 +48,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN if [ "$WITH_PIP" != yes ]; then python -m pip uninstall --yes pip; fi
 COPY --from=build /install /usr/local
 RUN useradd --create-home --uid 10001 tokenwire \
-    && mkdir /cache && chown tokenwire /cache
-# A named volume first mounted on /cache starts as a copy of this directory, so the user can write it.
+    && mkdir -p /cache/xla && chown -R tokenwire /cache && chmod 700 /cache/xla
+# A named volume first mounted on /cache (or /cache/xla, the compilation cache) starts as a copy of
+# this directory, so the user can write it (and the compilation cache is private to the user).
 # (No VOLUME here: it would leave an anonymous volume behind every `docker run`.)
 USER tokenwire
 WORKDIR /home/tokenwire

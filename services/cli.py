@@ -68,6 +68,11 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
     from engine.jax_backend.cpu_kernels import BuildOptions
     from engine.jax_backend.jax_model import JaxModel
 
+    if options.compilation_cache:  # before anything compiles
+        from engine.jax_backend import compilation_cache
+        from engine.model_store.registry import default_cache_dir
+
+        compilation_cache.enable((options.cache_dir or default_cache_dir()) / "xla")
     if group is not None:
         from engine.jax_backend import multihost
 
@@ -433,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_flag(p, "--max-prefill-chunk", help="largest prompt piece one prefill call runs; its shapes, the powers of two "
                  "from 16 up to it, are compiled at warm-up", type=positive, default=512)
+        add_flag(p, "--compilation-cache", help="keep warm-up's compiled executables in the cache directory (--cache, "
+                 "under xla/; it must be private to this user), so a restart loads them instead of compiling again",
+                 choices=["on", "off"], default="on")
         add_flag(p, "--tensor-parallel", help="devices one model is split over (a JAX mesh: weights split by heads, ffn and "
                  "vocabulary, the KV cache by kv heads; each device holds about 1/N); must divide the model's heads, kv heads "
                  "(or be a multiple of them), intermediate size and vocabulary. With --num-processes, every process's devices "

@@ -127,12 +127,13 @@ class ModelOptions:
     max_prefill_chunk: int = 512  # the largest prompt piece one prefill call runs
     prefix_cache_tokens: int = 0  # prompt positions whose KV is kept for prefix caching; 0: none
     tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)
+    compilation_cache: bool = False  # JAX's persistent compilation cache in <cache>/xla
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "ModelOptions":
         return ModelOptions(
             a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None,
-            a.max_prefill_chunk, a.prefix_cache_tokens, a.tensor_parallel,
+            a.max_prefill_chunk, a.prefix_cache_tokens, a.tensor_parallel, a.compilation_cache == "on",
         )
 
 

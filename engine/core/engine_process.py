@@ -171,8 +171,11 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     if log_setup is not None:
         log_setup()
     try:
+        started = time.monotonic()
         model = factory()
+        loaded = time.monotonic()
         model.warm_up()
+        log.info("model loaded in %.1f s and warmed up in %.1f s", loaded - started, time.monotonic() - loaded)
     except (ValueError, OSError) as error:  # a model or setting we cannot run: the message says which
         log.error("loading the model failed: %s", error)
         conn.send(("failed", str(error)))

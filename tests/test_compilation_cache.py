@@ -1,0 +1,69 @@
+"""The persistent compilation cache: a second start loads warm-up's executables instead of
+compiling them, and a cache directory someone else could write is never used.
+
+The start-ups run in fresh interpreters (the cache is JAX's process-wide configuration, which
+must not leak into this test process), each loading the tiny model the way decode-server's
+engine process does (`services.cli._load_model`) and warming it up."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "tests" / "assets"
+
+START = """
+import json, sys
+import jax.monitoring
+from pathlib import Path
+from services.cli import _load_model
+from services.config import ModelOptions
+events = {"hits": 0, "misses": 0}
+def count(event, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+        events["hits"] += 1
+    elif event == "/jax/compilation_cache/cache_misses":
+        events["misses"] += 1
+jax.monitoring.register_event_listener(count)
+options = ModelOptions(None, "float32", False, Path(sys.argv[2]), None, compilation_cache=sys.argv[3] == "on")  # kernels off: no g++ build into the fresh cache
+model = _load_model(Path(sys.argv[1]), 2, options)
+model.warm_up()
+print(json.dumps(events))
+"""
+
+
+def _start(cache: Path, on: str = "on") -> dict[str, int]:
+    """-> how many of the start's compiles the persistent cache answered (hits) or missed."""
+    result = subprocess.run(
+        [sys.executable, "-c", START, str(ASSETS / "tiny-llama"), str(cache), on],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_start_loads_every_executable_from_the_cache(tmp_path):
+    first = _start(tmp_path)
+    assert first["hits"] == 0 and first["misses"] > 10  # every shape compiled, and written
+    assert any((tmp_path / "xla").iterdir())
+    second = _start(tmp_path)
+    assert second == {"hits": first["misses"], "misses": 0}  # all read back, none compiled
+
+
+def test_a_cache_directory_others_can_write_is_refused(tmp_path, caplog):
+    from engine.jax_backend import compilation_cache
+
+    shared = tmp_path / "xla"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="engine.jax_backend.compilation_cache"):
+        assert not compilation_cache.enable(shared)
+    assert "no one else can write" in caplog.text and str(shared) in caplog.text
+    file = tmp_path / "a-file"
+    file.write_text("")
+    assert not compilation_cache.enable(file / "xla")  # cannot be made: refused, logged, no exception
