@@ -23,6 +23,7 @@ from engine.jax_backend.weights import load_checkpoint
 from engine.jax_backend.jax_model import JaxModel, length_buckets
 from engine.core.model import DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import SamplingParams
+from support.compile_watch import compile_events
 
 ASSETS = Path(__file__).parent / "assets"
 LLAMA = ASSETS / "tiny-llama"
@@ -169,24 +170,15 @@ def test_masked_ids_are_not_sampled_while_masked(model):
 
 
 def test_nothing_compiles_after_warm_up(model):
-    compiles = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if "compile" in event:
-            compiles.append(event)
-
     before = model.compilations()
     rows, attend, prompts = len(model.row_buckets), len(model.attend_buckets), len(model.buckets)
     layers = rows * attend + prompts  # tiny-llama's 2 layers: one decode call of 2, prefill 2 calls of 1
     small = (rows + prompts) + prompts + 1 + rows  # embed, last, write_mask, head and sampling
     assert before == layers + small
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as compiles:
         drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
         drive(model, [Plan(3, _prompt(9, 1), 30, SamplingParams(temperature=0.7, top_k=3, seed=3))])  # rows 4
         drive(model, [Plan(1, _prompt(9, 2), 20), Plan(0, _prompt(9, 3), 4)])  # rows 2, attend 16 -> 32
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert model.compilations() == before
     assert compiles == []
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
+from support.compile_watch import compile_events
 from support.recording_sink import Recorder
 from engine.jax_backend import transformer
 from engine.jax_backend.jax_model import JaxModel
@@ -104,22 +104,13 @@ def test_chunked_prefill_gives_the_same_greedy_ids_on_tiny_checkpoints(pair, len
 
 def test_nothing_compiles_after_warm_up_with_chunks_in_the_mix(pair):
     _, model = pair
-    compiles: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if "compile" in event:
-            compiles.append(event)
-
     before = model.compilations()
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
+    with compile_events() as compiles:
         prompt = tuple(range(3, 58))
         _greedy(model, prompt, 3, [5, 6, 29, 50])
         _greedy(model, prompt[:23], 10, None)
         model.prefill_chunk(0, prompt, 0, 17, GREEDY, masked=False)  # cancelled mid-prefill
         model.release(0)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert model.compilations() == before
     assert compiles == []
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -24,6 +23,7 @@ from engine.core.prefix_cache import PrefixCache, PrefixPool
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
+from support.compile_watch import compile_events
 from support.recording_sink import Recorder
 
 ASSETS = Path(__file__).parent / "assets"
@@ -204,29 +204,22 @@ def test_prefix_cached_runs_give_the_same_greedy_ids_and_compile_nothing(cached_
         system + (5, 6, 7),
     ]
     want = [_direct_greedy(model, p, 6) for p in prompts]
-    compiles: list[str] = []
-
-    def listener(event: str, duration: float, **kwargs) -> None:
-        if "compile" in event:
-            compiles.append(event)
-
     before = model.compilations()
-    jax.monitoring.register_event_duration_secs_listener(listener)
     engine = Engine(model, EngineConfig(max_step_tokens=24))
     engine.start()
     try:
-        background = Recorder()
-        engine.submit(Request("bg", (11, 12, 13), SamplingParams(temperature=0.0), StoppingCriteria(60)), background)
-        got = []
-        for p in prompts:
-            sink = Recorder()
-            engine.submit(Request("r", p, SamplingParams(temperature=0.0), StoppingCriteria(6)), sink)
-            assert sink.done.wait(60)
-            got.append(sink.tokens)
-        assert background.done.wait(60)
+        with compile_events() as compiles:
+            background = Recorder()
+            engine.submit(Request("bg", (11, 12, 13), SamplingParams(temperature=0.0), StoppingCriteria(60)), background)
+            got = []
+            for p in prompts:
+                sink = Recorder()
+                engine.submit(Request("r", p, SamplingParams(temperature=0.0), StoppingCriteria(6)), sink)
+                assert sink.done.wait(60)
+                got.append(sink.tokens)
+            assert background.done.wait(60)
     finally:
         engine.stop()
-        jax.monitoring.unregister_event_duration_listener(listener)
     assert got == want
     stats = engine.stats().prefix
     assert stats.hit_tokens >= 5 * PREFIX_BLOCK  # the repeated prompt, at least
