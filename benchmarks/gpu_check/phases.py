@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -74,6 +75,7 @@ def env(plan: Plan) -> dict:
     return {
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "backend": jax.default_backend(), "devices": devices, "versions": versions, "cuda_packages": plugins,
+        "int8": importlib.util.find_spec("engine.jax_backend.quantize") is not None,  # --weights int8
     }
 
 

@@ -212,7 +212,7 @@ def markdown(summary: dict) -> str:
             out.append(f"| {r['streams']} | {r['path']} | {r['tok_s']:.0f} | {r['vs_engine']:.2f} | "
                        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} |")
     out += ["", "| also | status |", "|---|---|",
-            "| int8 | not measured: the engine has no int8 path yet |",
+            f"| int8 | {_int8_line(phases)} |",
             f"| tensor parallelism | {_tp_line(phases)} |"]
     skipped = {k: v["skipped"] for k, v in phases.items() if isinstance(v, dict) and isinstance(v.get("skipped"), str)}
     for name, why in skipped.items():
@@ -220,6 +220,16 @@ def markdown(summary: dict) -> str:
     for name, error in summary["errors"].items():
         out.append(f"| {name} | **error**: {str(error).splitlines()[0][:200]} |")
     return "\n".join(out) + "\n"
+
+
+def _int8_line(phases: dict) -> str:
+    env = phases.get("env", {})
+    if not env.get("int8"):
+        return "not measured: the engine has no int8 path"
+    if env.get("backend") != "cpu":
+        return (f"not measured: `--weights int8` (engine/jax_backend/quantize.py) runs on the CPU kernels only, "
+                f"and the engine refuses it on {env.get('backend')}")
+    return "not measured by this check: `--weights int8` exists, for the CPU"
 
 
 def _tp_line(phases: dict) -> str:
