@@ -70,7 +70,15 @@ def _timed(fn) -> float:
 def weight_bytes(model: JaxModel) -> int:
     """Bytes of weights a decode step reads: everything but the embedding table."""
     w = model._weights
-    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves((w.layers, w.final_norm, w.lm_head)))
+    return sum({id(x): x.nbytes for x in jax.tree_util.tree_leaves((w.layers, w.final_norm, w.lm_head))}.values())
+
+
+def _rss_mb() -> float:
+    """The process's resident memory now (Linux /proc), in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1e3
+    return float("nan")
 
 
 def kv_bytes_per_token(model: JaxModel) -> int:
@@ -128,6 +136,8 @@ def main() -> None:
     parser.add_argument("--layers-per-call", type=int, default=None, help="layers one jitted decode call runs")
     parser.add_argument("--no-kernels", action="store_true", help="plain JAX: no CPU kernels (attention, one-row products)")
     parser.add_argument("--tensor-parallel", default="1", help="comma-separated mesh sizes: one table per size")
+    parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 (CPU kernels)")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="threads per CPU weight product (default: the CPUs available)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(n) for n in args.tensor_parallel.split(",")]
@@ -151,14 +161,15 @@ def table(args: argparse.Namespace, model_dir: Path, batches: list[int], bandwid
     knobs = {k: v for k, v in vars(args).items() if k in ("min_bucket", "min_attend", "layers_per_call") and v}
     model = JaxModel.load(
         model_dir, max_batch_size=max(batches), max_context_length=args.max_context_length, dtype=args.dtype,
-        kernels=not args.no_kernels, tensor_parallel=size, **knobs,
+        kernels=not args.no_kernels, tensor_parallel=size, weights=args.weights, cpu_threads=args.cpu_threads, **knobs,
     )
     compile_s = _timed(model.warm_up)
     print(f"-- tensor parallel {size}: {size} {jax.default_backend()} device(s)")
     print(
         f"model {model.info.model_id}: {weight_bytes(model) / 1e6:.0f} MB of weights read per step, "
         f"max_batch_size {model.info.max_batch_size}, context {model.info.max_context_length}, "
-        f"CPU kernels {'on' if model.kernels else 'off'}; buckets: rows {model.row_buckets}, "
+        f"weights {args.weights}, CPU kernels {'on' if model.kernels else 'off'} ({model.cpu_threads} threads), "
+        f"process RSS {_rss_mb():.0f} MB; buckets: rows {model.row_buckets}, "
         f"attend {model.attend_buckets}, prompt {model.buckets}; "
         f"warm-up (compiles {model.compilations()} shapes): {compile_s:.1f} s"
     )

@@ -2,7 +2,7 @@
 whether running streams keep their pace while it is, and what a cached prefix saves.
 
     python benchmarks/prefill.py [--model smollm2-135m-instruct] [--lengths 128,512,2047] [--rounds 3]
-        [--streams 1] [--long 1800] [--shared-prefix 1000] [--max-step-tokens N]
+        [--streams 1] [--long 1800] [--shared-prefix 1000] [--max-step-tokens N[,N...]]
 
 Each round measures, in this order, with fresh random token ids (prefill cost does not depend on
 which ids, and fresh ids keep the prefix cache from serving one round's prompt to the next):
@@ -13,7 +13,9 @@ which ids, and fresh ids keep the prefix cache from serving one round's prompt t
    greedy streams decode; once each has 8 tokens, a `--long`-token prompt arrives. Its time to first
    token, and the streams' gaps between tokens: the median of the gaps before it arrived
    (steady decode), and the median, p99 and worst of the gaps while it was read (from its
-   arrival to its first token). The stall target is worst <= 5x the steady median.
+   arrival to its first token). The stall target is worst <= 5x the steady median. Several
+   `--max-step-tokens` budgets are measured in turn within each round (one engine each, over the
+   same model), so their rows compare within the run.
 3. **shared prefix**: a prompt of `--shared-prefix` tokens plus 24 of its own, then a second prompt
    with the same prefix and 24 other tokens, on an idle engine with the prefix cache on: the
    second's time to first token over the first's.
@@ -131,7 +133,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="streams decoding while the long prompt is read (0: skip)")
     parser.add_argument("--long", type=int, default=1800, help="tokens of the prompt read under load")
     parser.add_argument("--shared-prefix", type=int, default=1000, help="tokens of the shared prefix (0: skip)")
-    parser.add_argument("--max-step-tokens", type=int, default=None, help="the scheduler's budget (default: the decode service's)")
+    parser.add_argument("--max-step-tokens", default="", help="the scheduler's budgets to compare, comma-separated "
+                        "(default: the decode service's, which is the model's)")
     parser.add_argument("--prefix-cache-tokens", type=int, default=4096)
     parser.add_argument("--max-context-length", type=int, default=2048)
     parser.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prompt piece one prefill call runs")
@@ -150,17 +153,17 @@ def main() -> None:
     )
     model.warm_up()
     warm_compilations = model.compilations()
-    config = EngineConfig() if args.max_step_tokens is None else EngineConfig(max_step_tokens=args.max_step_tokens)
+    budgets = [int(b) for b in args.max_step_tokens.split(",")] if args.max_step_tokens else [model.default_step_tokens]
     print(f"model {model_dir.name}: context {args.max_context_length}, chunk shapes {model.buckets}, "
-          f"max_step_tokens {config.max_step_tokens}, prefix cache {model.prefix_pool.tokens} tokens; "
-          f"load and warm-up {time.perf_counter() - started:.1f} s; kernels {model.kernel_state}")
-    engine = Engine(model, config)
+          f"max_step_tokens {budgets} (the model's default {model.default_step_tokens}), prefix cache "
+          f"{model.prefix_pool.tokens} tokens; load and warm-up {time.perf_counter() - started:.1f} s; kernels {model.kernel_state}")
+    engine = Engine(model, EngineConfig(max_step_tokens=budgets[0]))
     engine.start()
     setup = SlotSetup(GREEDY, frozenset())
     rng = np.random.default_rng(0)
     vocab = model.info.vocab_size
     seconds: dict[int, list[float]] = {n: [] for n in lengths}
-    loads: list[dict[str, float]] = []
+    loads: dict[int, list[dict[str, float]]] = {b: [] for b in budgets}
     shared: list[tuple[float, float]] = []
     try:
         for round_ in range(1, args.rounds + 1):
@@ -174,12 +177,15 @@ def main() -> None:
                     model.release(0)
                 seconds[n].append(best)
                 print(f"round {round_}: prefill {n} tokens in {best:.2f} s ({n / best:.0f} tok/s)", flush=True)
-            if args.streams:
+            for budget in budgets if args.streams else []:
+                engine.stop()
+                engine = Engine(model, EngineConfig(max_step_tokens=budget))
+                engine.start()
                 m = under_load(engine, rng, vocab, args.streams, args.long)
-                loads.append(m)
-                print(f"round {round_}: {args.long} tokens under {args.streams} streams: TTFT {m['ttft']:.2f} s; gaps "
-                      f"steady {m['steady'] * 1e3:.0f} ms, while read median {m['median'] * 1e3:.0f} / p99 "
-                      f"{m['p99'] * 1e3:.0f} / worst {m['worst'] * 1e3:.0f} ms", flush=True)
+                loads[budget].append(m)
+                print(f"round {round_}: {args.long} tokens under {args.streams} streams, budget {budget}: TTFT "
+                      f"{m['ttft']:.2f} s; gaps steady {m['steady'] * 1e3:.0f} ms, while read median "
+                      f"{m['median'] * 1e3:.0f} / p99 {m['p99'] * 1e3:.0f} / worst {m['worst'] * 1e3:.0f} ms", flush=True)
             if args.shared_prefix:
                 first, second = shared_prefix(engine, rng, vocab, args.shared_prefix)
                 shared.append((first, second))
@@ -194,13 +200,14 @@ def main() -> None:
         for n in lengths:
             s = seconds[n]
             print(f"| {n} | {_cell(s)} | {_cell([n / x for x in s], '{:.0f}')} |")
-    if loads:
-        ms = lambda key: _cell([m[key] * 1e3 for m in loads], "{:.0f}")  # noqa: E731
-        print(f"\n{args.long}-token prompt while {args.streams} stream(s) decode (max_step_tokens {config.max_step_tokens}):")
-        print("| its TTFT s | steady gap ms | gaps while read: median | p99 | worst | worst / steady |")
-        print("|---|---|---|---|---|---|")
-        print(f"| {_cell([m['ttft'] for m in loads])} | {ms('steady')} | {ms('median')} | {ms('p99')} | {ms('worst')} | "
-              f"{_cell([m['worst'] / m['steady'] for m in loads], '{:.1f}')} |")
+    if args.streams:
+        print(f"\n{args.long}-token prompt while {args.streams} stream(s) decode:")
+        print("| max_step_tokens | its TTFT s | steady gap ms | gaps while read: median | p99 | worst | worst / steady |")
+        print("|---|---|---|---|---|---|---|")
+        for budget, runs in loads.items():
+            ms = lambda key: _cell([m[key] * 1e3 for m in runs], "{:.0f}")  # noqa: E731
+            print(f"| {budget} | {_cell([m['ttft'] for m in runs])} | {ms('steady')} | {ms('median')} | {ms('p99')} | "
+                  f"{ms('worst')} | {_cell([m['worst'] / m['steady'] for m in runs], '{:.1f}')} |")
     if shared:
         print(f"\nshared {args.shared_prefix}-token prefix (+{OWN_TOKENS} own tokens each):")
         print("| first TTFT s | second TTFT s | second / first |")

@@ -88,6 +88,8 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
         kernels=options.cpu_kernels,
         kernel_build=BuildOptions(options.cache_dir, options.compiler),
         tensor_parallel=options.tensor_parallel,
+        weights=options.weights,
+        cpu_threads=options.cpu_threads,
     )
     if group is None:
         return model
@@ -436,6 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
             "with g++ into the cache and verified (off: plain JAX, and no second [out, in] copy of the projection weights)",
             choices=["on", "off"], default="on",
         )
+        add_flag(p, "--weights", help="float32: the dtype's own weights; int8: weight-only int8 (blocks of 32 with a "
+                 "scale, float32 activations), CPU kernels only, one device", choices=["float32", "int8"], default="float32")
+        add_flag(p, "--cpu-threads", help="threads per CPU weight product (0 = the CPUs this process may use: "
+                 "affinity and cgroup quota)", type=non_negative, default=0)
         add_flag(p, "--max-prefill-chunk", help="largest prompt piece one prefill call runs; its shapes, the powers of two "
                  "from 16 up to it, are compiled at warm-up", type=positive, default=512)
         add_flag(p, "--compilation-cache", help="keep warm-up's compiled executables in the cache directory (--cache, "

@@ -4,7 +4,10 @@ Why: on XLA:CPU a decode step's attention copies each sliced cache window and th
 [G, D] x [D, A] products one small matmul at a time, where `decode_attention` here reads the live
 keys in place; and a one-row step's weight products, which XLA:CPU runs as one or two uneven
 tasks, stream faster as `gemv` here, one contiguous row of an [out, in] copy of each projection
-per output. The copies are made by engine.jax_backend.weights.with_one_row_copies. The figures
+per output. The copies are made by engine.jax_backend.weights.with_one_row_copies.
+`int8_matmul` is the product of `--weights int8` (engine.jax_backend.quantize) for 1-64 rows.
+Both weight products split their outputs over the library's own thread pool (kernels/pool.h),
+`set_threads` threads (JaxModel sets `available_cpus()`, or `--cpu-threads`). The figures
 are in docs/benchmarks.md; the sources are in engine/jax_backend/kernels/, and each file's header
 says what it computes and why.
 
@@ -68,10 +71,13 @@ from engine.model_store.registry import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.cc", "gemv.cc")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
+SOURCES = ("decode_attention.cc", "gemv.cc", "int8_matmul.cc")
+HEADERS = ("pool.h",)  # included by the sources; hashed into the library name with them
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 GEMV_TARGET = "tokenwire_gemv"
+INT8_TARGET = "tokenwire_int8_matmul"
+INT8_BLOCK = 32  # int8 weights: one float32 scale per 32 consecutive inputs of an output (Q8_0's blocks)
 _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ON, OFF, NOT_APPLICABLE = "on", "off", "not applicable"  # what a state string starts with
 
@@ -128,6 +134,45 @@ def gemv(x: jax.Array, wt: jax.Array) -> jax.Array:
     return call(x.reshape(1, k), wt).reshape(*x.shape[:-1], n)
 
 
+def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
+    """x [..., K] f32 @ W.T, W [N, K] given as int8 blocks (engine.jax_backend.quantize): q [N, K]
+    int8, scale [N, K / INT8_BLOCK] f32 -> [..., N] f32; needs `load()` to have succeeded. The
+    weights are read once per call however many rows x has (kernels/int8_matmul.cc)."""
+    n, k = q.shape
+    if x.shape[-1] != k or k % INT8_BLOCK:  # checked while tracing
+        raise ValueError(f"int8_matmul takes rows of {k} values (a multiple of {INT8_BLOCK}), got shape {x.shape}")
+    rows = x.size // k
+    call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    return call(x.reshape(rows, k).astype(jnp.float32), q, scale).reshape(*x.shape[:-1], n)
+
+
+def set_threads(kernels: Kernels, threads: int) -> None:
+    """How many threads each weight product (gemv, int8_matmul) runs on, the caller included;
+    process-wide (the library's one pool, kernels/pool.h)."""
+    kernels.library.TokenwireSetThreads(max(1, threads))
+
+
+def last_threads(kernels: Kernels) -> int:
+    """How many threads took part in the last weight product (for tests)."""
+    return int(kernels.library.TokenwireLastThreads())
+
+
+def available_cpus() -> int:
+    """The CPUs this process may run on: its affinity mask, capped by a cgroup v2 CPU quota
+    (/sys/fs/cgroup/cpu.max, rounded up) when there is one. The default kernel thread count."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cpus)
+
+
 def load(build: BuildOptions = BuildOptions()) -> Kernels | None:
     """The registered kernels, or None (the reason logged once, and in `status(build).state`)."""
     return status(build).kernels
@@ -151,7 +196,7 @@ def status(build: BuildOptions = BuildOptions()) -> KernelStatus:
 def library_name() -> str:
     """The library's file name for these sources, flags and jaxlib."""
     digest = hashlib.sha256()
-    parts = [jaxlib.__version__.encode(), *(f.encode() for f in FLAGS), *((_KERNEL_DIR / s).read_bytes() for s in SOURCES)]
+    parts = [jaxlib.__version__.encode(), *(f.encode() for f in FLAGS), *((_KERNEL_DIR / s).read_bytes() for s in SOURCES + HEADERS)]
     for part in parts:
         digest.update(len(part).to_bytes(8, "little") + part)
     return f"tokenwire_kernels-{digest.hexdigest()[:16]}.so"
@@ -303,7 +348,11 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
     try:
         digest = digest or _sha256(fd)
         library = ctypes.CDLL(f"/proc/self/fd/{fd}")
-        handlers = {ATTENTION_TARGET: library.TokenwireDecodeAttention, GEMV_TARGET: library.TokenwireGemv}
+        handlers = {
+            ATTENTION_TARGET: library.TokenwireDecodeAttention, GEMV_TARGET: library.TokenwireGemv,
+            INT8_TARGET: library.TokenwireInt8Matmul,
+        }
+        library.TokenwireSetThreads.argtypes = [ctypes.c_int]
     except BaseException:
         os.close(fd)
         raise
@@ -380,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = build_library(args.build, args.cxx)
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
-        for symbol in ("TokenwireDecodeAttention", "TokenwireGemv"):
+        for symbol in ("TokenwireDecodeAttention", "TokenwireGemv", "TokenwireInt8Matmul", "TokenwireSetThreads"):
             getattr(library, symbol)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
         detail = getattr(e, "stderr", None) or str(e)

@@ -54,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import cpu_kernels, mesh, sampling, transformer
-from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_sharded, with_one_row_copies
+from engine.jax_backend import cpu_kernels, mesh, quantize, sampling, transformer
+from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, with_one_row_copies
 from engine.model_store.checkpoint import CheckpointError, ModelConfig
 from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
@@ -139,7 +139,7 @@ def _bucket(buckets: tuple[int, ...], length: int) -> int:
 
 
 def _embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
-    return table[tokens]  # [V, E], [R, T] -> [R, T, E]
+    return transformer.embed(table, tokens)  # [V, E], [R, T] -> [R, T, E]
 
 
 def _last(x: jax.Array, length: jax.Array) -> jax.Array:
@@ -227,6 +227,7 @@ class JaxModel:
         max_chunk: int = MAX_CHUNK,
         prefix_cache_tokens: int = 0,
         plan: mesh.Plan | None = None,
+        cpu_threads: int | None = None,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -251,12 +252,19 @@ class JaxModel:
         # For operators: "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>".
         self.kernel_state = cpu_kernel_state(kernels, dtype, kernel_build, 1 if plan is None else plan.size)
         self.kernels = self.kernel_state.split(":", 1)[0] == cpu_kernels.ON
+        self.int8 = isinstance(weights.embed, quantize.Int8Matrix)  # --weights int8 (engine.jax_backend.quantize)
+        if self.int8 and not self.kernels:
+            raise ValueError(f"int8 weights need the CPU kernels, which are {self.kernel_state}")
+        self.cpu_threads = 1  # threads per weight product: the CPUs this process may use, or as configured
+        if self.kernels:
+            self.cpu_threads = cpu_threads or cpu_kernels.available_cpus()
+            cpu_kernels.set_threads(cpu_kernels.status(kernel_build).kernels, self.cpu_threads)
         self._attend_buckets = (s,) if self.kernels else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, 1)
         self._decode_groups = layer_groups(config.n_layers, layers_per_call)
         self._prefill_groups = layer_groups(config.n_layers, 1)
         layers = weights.layers
-        if self.kernels:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
+        if self.kernels and not self.int8:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
             layers = tuple(with_one_row_copies(layer) for layer in layers)
         self._layers = {g: layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
@@ -309,6 +317,8 @@ class JaxModel:
         max_chunk: int = MAX_CHUNK,
         prefix_cache_tokens: int = 0,
         tensor_parallel: int = 1,
+        weights: str = "float32",
+        cpu_threads: int | None = None,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
@@ -330,10 +340,22 @@ class JaxModel:
         2 x layers x kv heads x head dim values, as a slot's position does); 0: none.
         `tensor_parallel`: the devices one model is split over (engine.jax_backend.mesh); a size
         the model's dimensions or the devices refuse raises mesh.TensorParallelError.
+        `weights`: "float32" (the dtype's own) or "int8" (engine.jax_backend.quantize: weight-only
+        int8 with float32 activations, CPU kernels only; ValueError elsewhere). `cpu_threads`:
+        threads per CPU weight product (default: the CPUs this process may use).
         """
         model_dir = Path(model_dir)
         plan = None
-        if tensor_parallel == 1:
+        if weights not in quantize.WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(quantize.WEIGHTS)}, got {weights!r}")
+        if weights == "int8" and tensor_parallel > 1:
+            raise ValueError("int8 weights run on one device: they cannot be combined with tensor parallelism")
+        if weights == "int8" and jnp.dtype(dtype or default_dtype()) != jnp.float32:
+            raise ValueError(f"int8 weights run with float32 activations, not {dtype}")
+        if weights == "int8":
+            ckpt = load_int8(model_dir)
+            cfg = ckpt.config
+        elif tensor_parallel == 1:
             ckpt = load_checkpoint(model_dir, dtype)
             cfg = ckpt.config
         else:
@@ -360,7 +382,7 @@ class JaxModel:
         dtype_ = jnp.dtype(dtype or default_dtype())
         return cls(
             cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels, kernel_build, max_chunk,
-            prefix_cache_tokens, plan,
+            prefix_cache_tokens, plan, cpu_threads,
         )
 
     @property
@@ -390,7 +412,7 @@ class JaxModel:
         zeros = np.zeros(rows, np.int32)
         lowered = self._decode_layers.lower(
             self._layers[group], tuple(self._k[lo:hi]), tuple(self._v[lo:hi]),
-            jnp.zeros((rows, 1, self.config.hidden_size), self._weights.embed.dtype), zeros, zeros.astype(bool),
+            jnp.zeros((rows, 1, self.config.hidden_size), self._k[0].dtype), zeros, zeros.astype(bool),
             cfg=self.config, attend=attend,
         )
         return lowered.compile().as_text()

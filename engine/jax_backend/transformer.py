@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import cpu_kernels
+from engine.jax_backend import cpu_kernels, quantize
 from engine.jax_backend.weights import LayerWeights, Weights
 from engine.model_store.checkpoint import ModelConfig, RopeScaling
 
@@ -214,7 +214,10 @@ def _project(x: jax.Array, w: jax.Array, out_in: jax.Array | None) -> jax.Array:
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w, its sums kept in float32 until the end: one device rounds once, as a plain bf16
     product does; under tensor parallelism (o, down: a sum split over devices) the partial sums
-    are added in float32 before the one rounding, so bf16 results stay close to one device's."""
+    are added in float32 before the one rounding, so bf16 results stay close to one device's.
+    An int8 weight (engine.jax_backend.quantize, `--weights int8`) goes to its own product."""
+    if isinstance(w, quantize.Int8Matrix):
+        return quantize.matmul(x, w).astype(x.dtype)
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -247,7 +250,16 @@ def _mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
 def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array, cfg: ModelConfig) -> jax.Array:
     """x [..., E] -> float32 logits [..., V'] (only ids the tokenizer can produce)."""
     x = rms_norm(x, final_norm, cfg.rms_eps)
+    if isinstance(lm_head, quantize.Int8Matrix):
+        return quantize.matmul(x, lm_head)
     return jnp.dot(x, lm_head, preferred_element_type=jnp.float32)
+
+
+def embed(table: jax.Array | quantize.Int8Matrix, tokens: jax.Array) -> jax.Array:
+    """Rows `tokens` [...] of the embedding [V, E] -> [..., E] (float32 rows of an int8 one)."""
+    if isinstance(table, quantize.Int8Matrix):
+        return quantize.embed(table, tokens)
+    return table[tokens]
 
 
 def prefill_layers(
@@ -340,7 +352,7 @@ def prefill_chunk(
     """The whole model over one chunk: tokens [C] at positions start..start+C-1 (real ones first,
     padding after), length [] in [1, C] real ones, slot [], start [] (positions [0, start) of the
     slot already written by earlier chunks) -> logits [V'] after the last real token, cache."""
-    x = weights.embed[tokens][None]  # [1, C, E]
+    x = embed(weights.embed, tokens)[None]  # [1, C, E]
     x, ks, vs = prefill_layers(weights.layers, cache.k, cache.v, x, slot, start, cfg)
     last = jax.lax.dynamic_index_in_dim(x[0], length - 1, keepdims=False)  # [E]
     return logits(last, weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)
@@ -359,6 +371,6 @@ def decode(
     """The whole model in one call: tokens/positions/active [R] for slots 0..R-1 (R <= B) ->
     logits [R, V'], cache. `attend` (static) > every active position; `kernels` as in
     `decode_layers`."""
-    x = weights.embed[tokens][:, None]  # [R, 1, E]
+    x = embed(weights.embed, tokens)[:, None]  # [R, 1, E]
     x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, positions, active, cfg, attend, kernels)
     return logits(x[:, 0], weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)

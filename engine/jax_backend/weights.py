@@ -39,7 +39,7 @@ class OutInWeights:
 for _cls in (OutInWeights, LayerWeights, Weights):
     jax.tree_util.register_dataclass(_cls)
 
-__all__ = ["Checkpoint", "LayerWeights", "OutInWeights", "Weights", "default_dtype", "load_checkpoint", "load_sharded", "with_one_row_copies"]
+__all__ = ["Checkpoint", "LayerWeights", "OutInWeights", "Weights", "default_dtype", "load_checkpoint", "load_int8", "load_sharded", "with_one_row_copies"]
 
 
 def default_dtype() -> str:
@@ -56,6 +56,21 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoi
         return jnp.asarray(array, target)
 
     return checkpoint.load_checkpoint(model_dir, place)
+
+
+def load_int8(model_dir: str | Path) -> Checkpoint:
+    """The checkpoint with weight-only int8 projections, embedding and head
+    (engine.jax_backend.quantize), each tensor quantized as it is read; a tied head that covers
+    every embedding row is the embedding's own Int8Matrix (held once)."""
+    from engine.jax_backend import quantize
+
+    model_dir = Path(model_dir)
+    cfg = checkpoint.parse_config(json.loads((model_dir / "config.json").read_text()))
+    ckpt = checkpoint.load_checkpoint(model_dir, quantize.int8_place((cfg.vocab_size, cfg.hidden_size)))
+    w = ckpt.weights
+    if cfg.tie_word_embeddings and w.lm_head.q.shape == w.embed.q.shape:
+        ckpt = replace(ckpt, weights=replace(w, lm_head=w.embed))
+    return ckpt
 
 
 def load_sharded(model_dir: str | Path, dtype: str | None, size: int) -> tuple[Checkpoint, ModelConfig, "mesh.Plan"]:

@@ -7,12 +7,15 @@
 // is the dot product of one contiguous row of wt with x, so the weights are read front to back in
 // a single stream; on one thread that ran the step's layer products in 0.87x XLA's time
 // (SmolLM2, batch 1, interleaved A/B on 2 shared vCPUs). Splitting across XLA's intra-op pool
-// was tried and was slower inside a step: the hand-off cost more than it saved.
+// was tried and was slower inside a step: the hand-off cost more than it saved; the outputs are
+// split instead over pool.h's spinning workers (as many as TokenwireSetThreads says), so one row
+// streams the weights on every core the process is given, as llama.cpp's threads do.
 
 #include <immintrin.h>
 
 #include <cstdint>
 
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -36,18 +39,20 @@ ffi::Error Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wt, ffi::ResultBu
   const float* xp = x.typed_data();
   const float* wp = wt.typed_data();
   float* yp = y->typed_data();
-  for (int64_t r = 0; r < n; ++r) {
-    const float* row = wp + r * k;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {
-      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(xp + j), a0);
-      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + j + 8), _mm256_loadu_ps(xp + j + 8), a1);
+  tokenwire::Pool::Get().Run(n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = wp + r * k;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= k; j += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(xp + j), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + j + 8), _mm256_loadu_ps(xp + j + 8), a1);
+      }
+      float s = HorizontalSum(_mm256_add_ps(a0, a1));
+      for (; j < k; ++j) s += row[j] * xp[j];
+      yp[r] = s;
     }
-    float s = HorizontalSum(_mm256_add_ps(a0, a1));
-    for (; j < k; ++j) s += row[j] * xp[j];
-    yp[r] = s;
-  }
+  });
   return ffi::Error::Success();
 }
 
@@ -58,3 +63,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireGemv, Gemv,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" void TokenwireSetThreads(int n) { tokenwire::Pool::Get().SetThreads(n); }
+extern "C" int TokenwireLastThreads() { return tokenwire::Pool::Get().LastThreads(); }
