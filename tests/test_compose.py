@@ -98,9 +98,10 @@ def test_services_volume_and_restart_policies():
     assert SERVICES["model"]["volumes"] == ["models:/cache"]
     for name in (*SERVERS, HTTP):
         assert SERVICES[name]["restart"] == "unless-stopped"
-    for name in SERVERS:
-        assert SERVICES[name]["volumes"] == ["models:/cache:ro"]
+    for name in SERVERS:  # the model read-only; decode writes its compiled executables (--compilation-cache)
+        assert SERVICES[name]["volumes"] == ["models:/cache:ro"] + (["xla:/cache/xla"] if name == "decode" else [])
         assert SERVICES[name]["environment"]["TOKENWIRE_CACHE"] == "/cache"
+    assert "xla" in COMPOSE["volumes"]
     assert SERVICES["decode"]["depends_on"] == {"model": {"condition": "service_completed_successfully"}}
     assert SERVICES["text"]["depends_on"]["decode"] == {"condition": "service_healthy"}
     assert flag_value(SERVICES["text"]["command"], "--decoder") == f"dns:///decode:{flag_value(SERVICES['decode']['command'], '--port')}"
