@@ -96,10 +96,17 @@ def token(a: argparse.Namespace, prefix: str = "") -> str | None:
     return value or None
 
 
-def server_options(a: argparse.Namespace) -> ServerOptions:
+def server_security(a: argparse.Namespace) -> tuple[ServerTlsConfig | None, str | None]:
+    """A server's TLS and bearer token from its flags, refused (check_server_auth) when a token
+    would travel in plaintext off the loopback interface."""
     tls = ServerTlsConfig.from_paths(a.tls_cert, a.tls_key, a.tls_client_ca)
     auth_token = token(a)
     check_server_auth(auth_token, tls, a.host)
+    return tls, auth_token
+
+
+def server_options(a: argparse.Namespace) -> ServerOptions:
+    tls, auth_token = server_security(a)
     return ServerOptions(
         host=a.host,
         port=a.port,
@@ -250,9 +257,7 @@ class ApiServerConfig:
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "ApiServerConfig":
-        tls = ServerTlsConfig.from_paths(a.tls_cert, a.tls_key, a.tls_client_ca)
-        auth_token = token(a)
-        check_server_auth(auth_token, tls, a.host)
+        tls, auth_token = server_security(a)
         return ApiServerConfig(
             text=a.text,
             host=a.host,
