@@ -40,6 +40,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.summary import median_range  # noqa: E402
 from engine.jax_backend import mesh  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
 from engine.core.model import DecodeInput, SlotSetup  # noqa: E402
@@ -118,10 +119,6 @@ class Slots:
             self.model.release(slot)
 
 
-def _spread(values: list[float], fmt: str) -> str:
-    return f"{fmt % statistics.median(values)} ({fmt % min(values)}-{fmt % max(values)})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model directory or registered name")
@@ -187,18 +184,18 @@ def table(args: argparse.Namespace, model_dir: Path, batches: list[int], bandwid
             step_bytes = weight_bytes(model) + slots.mean_length(1) * kv_bytes_per_token(model)
             mbu.append(step_bytes / seconds[1][-1] / (size * gbs[-1] * 1e9))
     slots.release()
-    print(f"memory read bandwidth (jitted sum, 1 GiB f32), per round: {_spread(gbs, '%.1f')} GB/s")
+    print(f"memory read bandwidth (jitted sum, 1 GiB f32), per round: {median_range(gbs, '{:.1f}')} GB/s")
     for batch in batches:
         tok_s = [batch / s for s in seconds[batch]]
-        line = f"batch {batch:3d}: step {_spread([s * 1e3 for s in seconds[batch]], '%.2f')} ms, "
-        line += f"{_spread(tok_s, '%.1f')} tok/s"
+        line = f"batch {batch:3d}: step {median_range([s * 1e3 for s in seconds[batch]], '{:.2f}')} ms, "
+        line += f"{median_range(tok_s, '{:.1f}')} tok/s"
         if batch == 1 and mbu:
-            line += f", MBU {_spread(mbu, '%.2f')}"
+            line += f", MBU {median_range(mbu, '{:.2f}')}"
         print(line)
     if 1 in seconds:
         for batch in batches[1:]:
             ratios = [batch * s1 / sb for s1, sb in zip(seconds[1], seconds[batch])]
-            print(f"throughput batch {batch} / batch 1, per round: {_spread(ratios, '%.1f')}x")
+            print(f"throughput batch {batch} / batch 1, per round: {median_range(ratios, '{:.1f}')}x")
     print(f"compilations after warm-up: {model.compilations() - compiled}")
 
 

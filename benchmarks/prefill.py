@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.summary import median_range  # noqa: E402
 from engine.core.engine import Engine, EngineConfig  # noqa: E402
 from engine.core.events import Finished, Token  # noqa: E402
 from engine.core.model import SlotSetup  # noqa: E402
@@ -120,10 +121,6 @@ def shared_prefix(engine: Engine, rng: np.random.Generator, vocab: int, prefix_l
     return ttfts[0], ttfts[1]
 
 
-def _cell(values: list[float], fmt: str = "{:.2f}") -> str:
-    return f"{fmt.format(statistics.median(values))} ({fmt.format(min(values))}-{fmt.format(max(values))})"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m-instruct", help="model directory or registered name")
@@ -199,21 +196,21 @@ def main() -> None:
         print("|---|---|---|")
         for n in lengths:
             s = seconds[n]
-            print(f"| {n} | {_cell(s)} | {_cell([n / x for x in s], '{:.0f}')} |")
+            print(f"| {n} | {median_range(s)} | {median_range([n / x for x in s], '{:.0f}')} |")
     if args.streams:
         print(f"\n{args.long}-token prompt while {args.streams} stream(s) decode:")
         print("| max_step_tokens | its TTFT s | steady gap ms | gaps while read: median | p99 | worst | worst / steady |")
         print("|---|---|---|---|---|---|---|")
         for budget, runs in loads.items():
-            ms = lambda key: _cell([m[key] * 1e3 for m in runs], "{:.0f}")  # noqa: E731
-            print(f"| {budget} | {_cell([m['ttft'] for m in runs])} | {ms('steady')} | {ms('median')} | {ms('p99')} | "
-                  f"{ms('worst')} | {_cell([m['worst'] / m['steady'] for m in runs], '{:.1f}')} |")
+            ms = lambda key: median_range([m[key] * 1e3 for m in runs], "{:.0f}")  # noqa: E731
+            print(f"| {budget} | {median_range([m['ttft'] for m in runs])} | {ms('steady')} | {ms('median')} | {ms('p99')} | "
+                  f"{ms('worst')} | {median_range([m['worst'] / m['steady'] for m in runs], '{:.1f}')} |")
     if shared:
         print(f"\nshared {args.shared_prefix}-token prefix (+{OWN_TOKENS} own tokens each):")
         print("| first TTFT s | second TTFT s | second / first |")
         print("|---|---|---|")
-        print(f"| {_cell([a for a, _ in shared])} | {_cell([b for _, b in shared], '{:.3f}')} | "
-              f"{_cell([b / a for a, b in shared], '{:.3f}')} |")
+        print(f"| {median_range([a for a, _ in shared])} | {median_range([b for _, b in shared], '{:.3f}')} | "
+              f"{median_range([b / a for a, b in shared], '{:.3f}')} |")
     print(f"\ncompilations after warm-up: {model.compilations() - warm_compilations}")
 
 

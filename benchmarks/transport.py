@@ -61,6 +61,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 import grpc  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
+from benchmarks.summary import median_range  # noqa: E402
 from engine.core.async_engine import AsyncEngine  # noqa: E402
 from engine.core.engine import Engine, EngineConfig  # noqa: E402
 from engine.core.events import Finished, Token  # noqa: E402
@@ -416,10 +417,6 @@ def text_server(model_dir: Path, decoder: str, log_dir: Path, port: int | None =
 # -- the run ------------------------------------------------------------------------------
 
 
-def _median_range(values: Sequence[float], fmt) -> str:
-    return f"{fmt(statistics.median(values))} ({fmt(min(values))}-{fmt(max(values))})"
-
-
 def _rate(v: float) -> str:
     return f"{v / 1000:.1f}k" if v >= 1000 else f"{v:.0f}"
 
@@ -441,7 +438,7 @@ def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps
             cells = []
             for path in paths:
                 runs = results[(step, n, path)]
-                cell = _median_range([m.tok_s for m in runs], _rate)
+                cell = median_range([m.tok_s for m in runs], _rate)
                 if path != "engine" and "engine" in paths:
                     ratios = [m.tok_s / e.tok_s for m, e in zip(runs, results[(step, n, "engine")])]
                     cell += f", {statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
@@ -455,8 +452,8 @@ def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps
             for path in paths:
                 runs = results[(step, n, path)]
                 p50, p99 = [m.itl_p50_s for m in runs], [m.itl_p99_s for m in runs]
-                cells = [_median_range(p50, _ms), _median_range(p99, _ms)]
-                cells += [_median_range(p50, _steps(step)), _median_range(p99, _steps(step))] if step > 0 else ["-", "-"]
+                cells = [median_range(p50, _ms), median_range(p99, _ms)]
+                cells += [median_range(p50, _steps(step)), median_range(p99, _steps(step))] if step > 0 else ["-", "-"]
                 print(f"| {_label(step)}, {n} | {path} | " + " | ".join(cells) + " |")
 
 

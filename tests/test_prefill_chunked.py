@@ -207,16 +207,17 @@ def test_chunked_and_whole_prefill_send_the_same_events(max_step_tokens):
         assert sink.batches[-1][-1].usage.prompt_tokens == 20 * i + 3
 
 
-class GatedFirstPrefill(ScriptedModel):
-    """Holds the first prefill call until the test opens the gate."""
+class GatedChunks(ScriptedModel):
+    """Holds every prefill chunk that `holds(start)` picks until the test opens the gate."""
 
-    def __init__(self, **kw) -> None:
+    def __init__(self, holds, **kw) -> None:
         super().__init__(**kw)
+        self.holds = holds
         self.entered = threading.Event()
         self.gate = threading.Event()
 
     def prefill_chunk(self, slot, prompt_token_ids, start, end, setup, masked):
-        if not self.entered.is_set():
+        if self.holds(start) and not self.gate.is_set():
             self.entered.set()
             assert self.gate.wait(10)
         return super().prefill_chunk(slot, prompt_token_ids, start, end, setup, masked)
@@ -225,7 +226,7 @@ class GatedFirstPrefill(ScriptedModel):
 def test_with_nothing_decoding_a_prompt_is_read_whole_and_the_budget_binds_once_a_stream_decodes():
     """Nobody waits on an idle engine, so the first long prompt is one call; from then on a
     stream decodes, and the second long prompt gets chunks of the budget with a step between."""
-    model = GatedFirstPrefill(vocab_size=1000, max_batch_size=3, max_context_length=256)
+    model = GatedChunks(lambda start: True, vocab_size=1000, max_batch_size=3, max_context_length=256)  # the first call
     engine = Engine(model, EngineConfig(max_step_tokens=16))
     engine.start()
     try:
@@ -249,23 +250,8 @@ def test_with_nothing_decoding_a_prompt_is_read_whole_and_the_budget_binds_once_
         assert model.calls[a + 1 : b] == [("decode", (0,))]
 
 
-class GatedChunks(ScriptedModel):
-    """Holds the second chunk of a prompt until the test opens the gate."""
-
-    def __init__(self, **kw) -> None:
-        super().__init__(**kw)
-        self.entered = threading.Event()
-        self.gate = threading.Event()
-
-    def prefill_chunk(self, slot, prompt_token_ids, start, end, setup, masked):
-        if start > 0 and not self.gate.is_set():
-            self.entered.set()
-            assert self.gate.wait(10)
-        return super().prefill_chunk(slot, prompt_token_ids, start, end, setup, masked)
-
-
 def test_cancelling_during_a_chunked_prefill_frees_the_slot_before_the_next_step():
-    model = GatedChunks(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002)
+    model = GatedChunks(lambda start: start > 0, vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002)
     engine = Engine(model, EngineConfig(max_step_tokens=8))
     engine.start()
     try:
