@@ -15,8 +15,11 @@ where the convert costs little per row. XLA:CPU does not fuse that convert into 
 kernel is needed for the few-row case (docs/benchmarks.md). CPU only: the engine refuses int8
 where the kernels are off (another backend, no compiler) and under tensor parallelism.
 
-Quantizing reads the float32 checkpoint on the host one tensor at a time as it is placed
-(`int8_place`), so the model never exists whole in float32 memory.
+Where the blocks come from (engine.jax_backend.weights.load_int8): a directory converted from a
+GGUF keeps it as `model.gguf`, and its matrices are read from there (`gguf_weights`): Q8_0 and
+Q4_0 blocks are taken as they are (the same integers and scales: no float32 round trip); Q4_1
+and other types are requantized a chunk of rows at a time (engine.model_store.gguf_blocks). Otherwise the float32 checkpoint is read on the host one tensor at a time and
+quantized as it is placed (`int8_place`). Either way the model never exists whole in float32.
 """
 
 from __future__ import annotations
@@ -99,6 +102,73 @@ def int8_place(embedding_shape: tuple[int, int]):
         return Int8Matrix(jnp.asarray(q), jnp.asarray(scale))
 
     return place
+
+
+def gguf_weights(get, config, head_size: int):
+    """engine.model_store.checkpoint.Weights in the layout `int8_place` gives a float32 checkpoint
+    (the fused q/k/v rows per kv head, gate and up rows interleaved), built from `get`
+    (engine.model_store.gguf_blocks.int8_tensor_reader: a matrix as Int8Rows [out, in], a vector
+    as float32), each matrix placed on the device as it is read. Rows are whole blocks, so the
+    fusions move q and scale rows together and quantize nothing again. Llama-architecture GGUFs
+    only: no q/k/v bias, no q/k norm."""
+    from engine.model_store.checkpoint import CheckpointError, LayerWeights, Weights
+
+    c = config
+    E, F, D, H, K = c.hidden_size, c.ffn_size, c.head_dim, c.n_heads, c.n_kv_heads
+    if c.qkv_bias or c.qk_norm:
+        raise CheckpointError(f"{c.architecture}: int8 from a GGUF supports llama layers only (no q/k/v bias or q/k norm)")
+
+    def rows(name: str, shape: tuple[int, int]):  # -> Int8Rows [out, in]
+        r = get(name)
+        if tuple(r.q.shape) != shape:
+            raise CheckpointError(f"{c.architecture}: tensor {name} has shape {tuple(r.q.shape)}, expected {shape}")
+        return r
+
+    def vector(name: str, size: int) -> jax.Array:
+        v = get(name)
+        if tuple(v.shape) != (size,):
+            raise CheckpointError(f"{c.architecture}: tensor {name} has shape {tuple(v.shape)}, expected {(size,)}")
+        return jnp.asarray(v, jnp.float32)
+
+    def place(q: np.ndarray, scale: np.ndarray) -> Int8Matrix:
+        return Int8Matrix(jnp.asarray(np.ascontiguousarray(q)), jnp.asarray(np.ascontiguousarray(scale)))
+
+    def by_kv_head(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """q [H * D, ...], k/v [K * D, ...] rows -> [K * (G + 2) * D, ...]: per kv head its G
+        query heads, its key, its value (as checkpoint.load_weights lays out w_qkv's columns)."""
+        g, rest = H // K, q.shape[1:]
+        parts = [q.reshape(K, g, D, *rest), k.reshape(K, 1, D, *rest), v.reshape(K, 1, D, *rest)]
+        return np.concatenate(parts, axis=1).reshape(K * (g + 2) * D, *rest)
+
+    def layer(p: str) -> LayerWeights:
+        a = p + "self_attn."
+        q, k, v = rows(a + "q_proj.weight", (H * D, E)), rows(a + "k_proj.weight", (K * D, E)), rows(a + "v_proj.weight", (K * D, E))
+        gate, up = rows(p + "mlp.gate_proj.weight", (F, E)), rows(p + "mlp.up_proj.weight", (F, E))
+        interleave = lambda x, y: np.stack([x, y], axis=1).reshape(2 * F, -1)  # rows 2f, 2f + 1: feature f's gate, up
+        o, down = rows(a + "o_proj.weight", (E, H * D)), rows(p + "mlp.down_proj.weight", (E, F))
+        return LayerWeights(
+            attn_norm=vector(p + "input_layernorm.weight", E),
+            w_qkv=place(by_kv_head(q.q, k.q, v.q), by_kv_head(q.scale, k.scale, v.scale)),
+            w_o=place(o.q, o.scale),
+            mlp_norm=vector(p + "post_attention_layernorm.weight", E),
+            w_gate_up=place(interleave(gate.q, up.q), interleave(gate.scale, up.scale)),
+            w_down=place(down.q, down.scale),
+            b_qkv=None, q_norm=None, k_norm=None,
+        )
+
+    e = rows("model.embed_tokens.weight", (c.vocab_size, E))
+    embed = place(e.q, e.scale)
+    if c.tie_word_embeddings:
+        head = embed if head_size == c.vocab_size else place(e.q[:head_size], e.scale[:head_size])
+    else:
+        h = rows("lm_head.weight", (c.vocab_size, E))
+        head = place(h.q[:head_size], h.scale[:head_size])
+    return Weights(
+        embed=embed,
+        layers=tuple(layer(f"model.layers.{i}.") for i in range(c.n_layers)),
+        final_norm=vector("model.norm.weight", E),
+        lm_head=head,
+    )
 
 
 def weight_bytes(tree) -> int:

@@ -60,12 +60,20 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoi
 
 def load_int8(model_dir: str | Path) -> Checkpoint:
     """The checkpoint with weight-only int8 projections, embedding and head
-    (engine.jax_backend.quantize), each tensor quantized as it is read; a tied head that covers
-    every embedding row is the embedding's own Int8Matrix (held once)."""
+    (engine.jax_backend.quantize); a tied head that covers every embedding row is the
+    embedding's own Int8Matrix (held once). A directory converted from a GGUF (it holds
+    `model.gguf`, e.g. the pulled default model) is read from the GGUF's own blocks
+    (quantize.gguf_weights); any other has each float32 tensor quantized as it is read."""
     from engine.jax_backend import quantize
+    from engine.model_store import gguf_blocks, gguf_convert
 
     model_dir = Path(model_dir)
     cfg = checkpoint.parse_config(json.loads((model_dir / "config.json").read_text()))
+    if (model_dir / gguf_convert.GGUF_NAME).is_file():
+        get = gguf_blocks.int8_tensor_reader(model_dir / gguf_convert.GGUF_NAME, quantize.quantize_rows)
+        head_size = checkpoint.tokenizer_size(model_dir, cfg.vocab_size)
+        weights = quantize.gguf_weights(get, cfg, head_size)
+        return Checkpoint(cfg, weights, checkpoint.eos_token_ids(model_dir), head_size)
     ckpt = checkpoint.load_checkpoint(model_dir, quantize.int8_place((cfg.vocab_size, cfg.hidden_size)))
     w = ckpt.weights
     if cfg.tie_word_embeddings and w.lm_head.q.shape == w.embed.q.shape:

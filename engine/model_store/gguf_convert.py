@@ -2,8 +2,11 @@
 
 Data flow: `model_registry.pull` fetches a .gguf -> `convert_gguf` reads it with the `gguf`
 package (memory-mapped, no torch) -> writes `model.safetensors` (float32), `config.json`,
-`generation_config.json`, `tokenizer.json` and `tokenizer_config.json` -> the JAX model and
-the tokenizer service load that directory like any HF checkpoint.
+`generation_config.json`, `tokenizer.json` and `tokenizer_config.json`, and keeps the GGUF
+itself as `model.gguf` -> the JAX model and the tokenizer service load that directory like any
+HF checkpoint; with `--weights int8` the JAX model reads its matrices from `model.gguf` instead
+(engine.model_store.gguf_blocks: Q8_0 and Q4_0 blocks as they are, other types requantized),
+so a quantized model is never expanded to float32 to be served as int8.
 
 What must hold for the output to equal the original HF checkpoint:
 - Every weight is dequantized to float32 and reshaped to the *reversed* GGUF shape (GGUF lists
@@ -18,6 +21,7 @@ What must hold for the output to equal the original HF checkpoint:
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +31,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+GGUF_NAME = "model.gguf"  # the source GGUF, kept in the converted directory for `--weights int8`
 _REQUIRED = object()
 _TOKEN_TYPE_CONTROL = 3  # gguf.TokenType.CONTROL: a special token (<|im_start|>, <|endoftext|>, ...)
 _TOKEN_TYPE_USER_DEFINED = 4  # matched verbatim in text, but not special
@@ -336,7 +341,8 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str], None] = lambda _: None) -> Path:
-    """Write an HF model directory for `gguf_path` into `out_dir` (created if absent) and return it.
+    """Write an HF model directory for `gguf_path` into `out_dir` (created if absent) and return it;
+    the GGUF itself is copied in as `model.gguf` (GGUF_NAME) for `--weights int8`.
 
     Everything is validated (arch, tokenizer, tensor names and types) before anything is written,
     so an unsupported file leaves no partial output behind.
@@ -357,5 +363,6 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str]
     _write_json(out / "generation_config.json", generation_config(specials))
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tok_config)
+    shutil.copyfile(gguf_path, out / GGUF_NAME)
     log(f"wrote {len(tensors)} float32 tensors ({sum(w.nbytes for w in tensors.values()) >> 20} MiB)")
     return out

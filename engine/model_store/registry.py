@@ -28,7 +28,7 @@ Log = Callable[[str], None]
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MARKER_NAME = ".tokenwire-prepared.json"
-_MARKER_FORMAT = 1  # bump when the converter's output changes, so old caches are redone
+_MARKER_FORMAT = 2  # bump when the converter's output changes, so old caches are redone (2: keeps model.gguf)
 
 
 class ModelRegistryError(RuntimeError):
@@ -107,7 +107,7 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = pr
     try:
         gguf_path = fetch_gguf(spec, work, log)
         staged = work / "model"
-        log(f"{spec.name}: converting {gguf_path.name} to a float32 Hugging Face directory")
+        log(f"{spec.name}: converting {gguf_path.name} to a float32 Hugging Face directory (keeping the GGUF for --weights int8)")
         convert_gguf(gguf_path, staged, log=lambda line: log(f"{spec.name}: {line}"))
         _write_marker(staged, spec)  # last: its presence means every other file is complete
         _swap_in(staged, target, spec, work)
