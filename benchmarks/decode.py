@@ -21,6 +21,11 @@ minute), so the run is interleaved: each round measures the bandwidth, then `--s
 at every batch size, and each ratio (MBU, batch N / batch 1) is taken within one round. The
 figures printed are medians over the rounds, with the range. Slots are prefilled once; every
 step extends each of its slots by one position, and the KV bytes counted are the live ones.
+
+Each batch size is timed two ways in every round: "read each step" dispatches a step and waits
+for its samples before the next (the step's own time), and "host one step behind" dispatches
+step N+1 before reading step N, as the engine does (engine.core.engine), timed over `--steps`
+steps; their ratio is what the lag gains (host work the device no longer waits for).
 """
 
 from __future__ import annotations
@@ -101,15 +106,29 @@ class Slots:
             self.last[slot] = model.prefill(slot, prompt, setup, False).token_id
             self.length[slot] = prompt_len
 
+    def _inputs(self, batch: int) -> list[DecodeInput]:
+        inputs = [DecodeInput(slot, None, self.length[slot], False) for slot in range(batch)]  # None: the last sample, on the device
+        for slot in range(batch):
+            self.length[slot] += 1
+        return inputs
+
     def step(self, batch: int) -> float:
-        """One decode step of the first `batch` slots; returns its seconds."""
-        inputs = [DecodeInput(slot, self.last[slot], self.length[slot], False) for slot in range(batch)]
+        """One decode step of the first `batch` slots, read before returning; -> its seconds."""
+        inputs = self._inputs(batch)
         start = time.perf_counter()
-        samples = self.model.decode(inputs)
-        seconds = time.perf_counter() - start
-        for i, s in zip(inputs, samples):
-            self.last[i.slot], self.length[i.slot] = s.token_id, self.length[i.slot] + 1
-        return seconds
+        self.model.decode(inputs)
+        return time.perf_counter() - start
+
+    def pipelined(self, batch: int, steps: int) -> float:
+        """`steps` decode steps of the first `batch` slots, each dispatched before the previous
+        one is read; -> seconds per step."""
+        start = time.perf_counter()
+        self.model.dispatch(self._inputs(batch))
+        for _ in range(steps - 1):
+            self.model.dispatch(self._inputs(batch))
+            self.model.collect()
+        self.model.collect()
+        return (time.perf_counter() - start) / steps
 
     def mean_length(self, batch: int) -> float:
         return sum(self.length[s] for s in range(batch)) / batch
@@ -130,7 +149,6 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--min-bucket", type=int, default=None, help="smallest prompt bucket (JaxModel.load)")
     parser.add_argument("--min-attend", type=int, default=None, help="smallest decode attend bucket (no kernels)")
-    parser.add_argument("--layers-per-call", type=int, default=None, help="layers one jitted decode call runs")
     parser.add_argument("--no-kernels", action="store_true", help="plain JAX: no CPU kernels (attention, one-row products)")
     parser.add_argument("--tensor-parallel", default="1", help="comma-separated mesh sizes: one table per size")
     parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 (CPU kernels)")
@@ -139,8 +157,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(n) for n in args.tensor_parallel.split(",")]
     mesh.request_cpu_devices(max(sizes))  # before JAX starts (a CPU host: forced devices; else a no-op)
-    # Slot 0 takes every step: one untimed step per batch size, then `steps` per batch size and round.
-    needed = args.prompt_len + len(batches) * (1 + args.rounds * args.steps)
+    # Slot 0 takes every step: one untimed step per batch size, then 2 x `steps` per batch size and round.
+    needed = args.prompt_len + len(batches) * (1 + 2 * args.rounds * args.steps)
     if needed >= args.max_context_length:
         parser.error(f"--max-context-length must exceed {needed} for these rounds and steps")
 
@@ -155,7 +173,7 @@ def main() -> None:
 
 def table(args: argparse.Namespace, model_dir: Path, batches: list[int], bandwidth: Bandwidth, size: int) -> None:
     """Load the model over `size` devices, warm it up, and print its table."""
-    knobs = {k: v for k, v in vars(args).items() if k in ("min_bucket", "min_attend", "layers_per_call") and v}
+    knobs = {k: v for k, v in vars(args).items() if k in ("min_bucket", "min_attend") and v}
     model = JaxModel.load(
         model_dir, max_batch_size=max(batches), max_context_length=args.max_context_length, dtype=args.dtype,
         kernels=not args.no_kernels, tensor_parallel=size, weights=args.weights, cpu_threads=args.cpu_threads, **knobs,
@@ -175,11 +193,13 @@ def table(args: argparse.Namespace, model_dir: Path, batches: list[int], bandwid
     for batch in batches:  # one untimed step each: first calls pay for buffer set-up
         slots.step(batch)
     seconds: dict[int, list[float]] = {b: [] for b in batches}
+    behind: dict[int, list[float]] = {b: [] for b in batches}
     mbu, gbs = [], []
     for _ in range(args.rounds):
         gbs.append(bandwidth.measure_gbs())
         for batch in batches:
             seconds[batch].append(statistics.median(slots.step(batch) for _ in range(args.steps)))
+            behind[batch].append(slots.pipelined(batch, args.steps))
         if 1 in seconds:
             step_bytes = weight_bytes(model) + slots.mean_length(1) * kv_bytes_per_token(model)
             mbu.append(step_bytes / seconds[1][-1] / (size * gbs[-1] * 1e9))
@@ -191,6 +211,9 @@ def table(args: argparse.Namespace, model_dir: Path, batches: list[int], bandwid
         line += f"{median_range(tok_s, '{:.1f}')} tok/s"
         if batch == 1 and mbu:
             line += f", MBU {median_range(mbu, '{:.2f}')}"
+        gain = [s / p for s, p in zip(seconds[batch], behind[batch])]
+        line += f"; host one step behind: {median_range([batch / p for p in behind[batch]], '{:.1f}')} tok/s"
+        line += f" ({median_range(gain, '{:.2f}')}x read each step)"
         print(line)
     if 1 in seconds:
         for batch in batches[1:]:

@@ -51,14 +51,15 @@ def _model_dir(name_or_dir: str, cache: Path | None):
 
 
 def _require_jax(what: str) -> None:
-    """JAX comes with the `cpu` or `gpu` extra; the text-side install (`tokenwire[text]`) has none.
+    """JAX comes with the `cpu`, `cuda12` or `cuda13` extra (or a GPU image's own); the text-side
+    install (`tokenwire[text]`) has none.
     Looked up, not imported: the decode server's own process never needs it (its engine process does)."""
     import importlib.util
 
     if importlib.util.find_spec("jax") is None:
         raise RuntimeError(
             f"{what} runs the model with JAX, which this installation lacks: "
-            "pip install 'tokenwire[cpu]' (or 'tokenwire[gpu]')"
+            "pip install 'tokenwire[cpu]' (or 'tokenwire[cuda12]' / 'tokenwire[cuda13]' for an NVIDIA GPU)"
         )
 
 
@@ -90,6 +91,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
         tensor_parallel=options.tensor_parallel,
         weights=options.weights,
         cpu_threads=options.cpu_threads,
+        memory_limit_bytes=options.memory_limit_bytes,
     )
     if group is None:
         return model
@@ -439,9 +441,15 @@ def build_parser() -> argparse.ArgumentParser:
             choices=["on", "off"], default="on",
         )
         add_flag(p, "--weights", help="float32: the dtype's own weights; int8: weight-only int8 (blocks of 32 with a "
-                 "scale, float32 activations), CPU kernels only, one device", choices=["float32", "int8"], default="float32")
+                 "scale, float32 activations), CPU kernels only, one device; a model pulled from a GGUF (the default) is "
+                 "read from its own blocks (Q8_0, Q4_0 as they are; Q4_1 and others requantized), never as float32",
+                 choices=["float32", "int8"], default="float32")
         add_flag(p, "--cpu-threads", help="threads per CPU weight product (0 = the CPUs this process may use: "
                  "affinity and cgroup quota)", type=non_negative, default=0)
+        add_flag(p, "--memory-limit-bytes", help="the memory check at load: weights + KV cache + prefix pool + the largest "
+                 "temporaries must fit in this many bytes per device, or the start fails in one line naming the numbers "
+                 "(0 = what the device offers: on a GPU JAX's bytes_limit, i.e. its memory x XLA_PYTHON_CLIENT_MEM_FRACTION; "
+                 "on a CPU the host's available memory)", type=non_negative, default=0)
         add_flag(p, "--max-prefill-chunk", help="largest prompt piece one prefill call runs; its shapes, the powers of two "
                  "from 16 up to it, are compiled at warm-up", type=positive, default=512)
         add_flag(p, "--compilation-cache", help="keep warm-up's compiled executables in the cache directory (--cache, "

@@ -13,6 +13,7 @@ from engine.core.engine import EngineConfig
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2_grpc
 from services.decode_server import start_decode_server
+from support.backend import require_cpu
 
 
 @pytest.fixture
@@ -70,3 +71,10 @@ def pki(tmp_path_factory) -> Path:
     _make_ca(d, "rogue-ca")
     _make_leaf(d, "rogue", "rogue-ca", "extendedKeyUsage=clientAuth\n")
     return d
+
+
+@pytest.fixture
+def cpu_backend():
+    """Skips, saying why, unless JAX's default backend is the CPU (support.backend): for tests
+    whose claim is exact equality under float32, which they pin themselves."""
+    require_cpu()

@@ -136,3 +136,37 @@ def test_a_dead_model_fails_every_request_and_the_engine_refuses_more():
     assert [str(e) for e in deaths] == ["scripted failure at decode step 1"]
     with pytest.raises(EngineStopped):
         engine.submit(make_request([10], 5), Recorder())
+
+
+def test_the_host_reads_a_step_only_after_the_next_one_is_enqueued(engine):
+    """The engine dispatches step N+1 before it reads step N, and never dispatches a step that
+    could only pass the length cap: with 20 tokens wanted, the prefill gives the first and steps
+    1..19 the rest, each read with the next already dispatched, the last with nothing after it."""
+    sink = Recorder()
+    engine.submit(make_request([10], 20, ignore_eos=True), sink)
+    assert sink.done.wait(5)
+    assert sink.tokens == [(11 + i) % 100 for i in range(20)]
+    reads = engine.model.reads
+    assert [step for step, _ in reads] == list(range(1, 20))
+    assert all(dispatched == step + 1 for step, dispatched in reads[:-1]), reads
+    assert reads[-1] == (19, 19)
+
+
+def test_a_step_dispatched_after_the_stop_is_discarded_and_its_slot_reused():
+    """A request that its step N finishes (its EOS) was also in step N+1, dispatched before N
+    was read: that sample is never sent or counted, and the slot serves the next request whole."""
+    model = ScriptedModel(vocab_size=1000, max_batch_size=1, max_context_length=64)
+    engine = Engine(model, EngineConfig(max_queue_size=8))
+    engine.start()
+    try:
+        first, second = Recorder(), Recorder()
+        engine.submit(make_request([995]), first)  # 996, 997, 998, 999, 0, 1, then 2: the EOS
+        engine.submit(make_request([40], 5), second)  # waits for the one slot
+        assert first.done.wait(5) and second.done.wait(5)
+        assert first.tokens == [996, 997, 998, 999, 0, 1]
+        end, end2 = first.batches[-1][-1], second.batches[-1][-1]
+        assert (end.reason, end.usage.completion_tokens, end.stop_token_id) == (FinishReason.STOP, 6, 2)
+        assert second.tokens == [41, 42, 43, 44, 45] and end2.reason == FinishReason.LENGTH
+        assert model.decode_steps == 7 + 4  # the first's 6 and the one dispatched after its EOS; the second's 4
+    finally:
+        engine.stop()

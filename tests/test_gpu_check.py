@@ -46,7 +46,7 @@ def _results(tpot_s: float, floor_s: float, text_vs_engine: float) -> dict:
     text = {**engine, "wall_s": 1.0 / text_vs_engine}
     return {
         "speed-0": {"decode": {"batches": [{"batch": 1, "tpot_s": tpot_s, "floor_s": floor_s}],
-                               "batch1_profile": {"layers 0-4": {"s": 0.001, "bytes": 10**9}}}},
+                               "batch1_profile": {"step, read at once": {"s": 0.001, "bytes": 10**9}}}},
         "stack": {"results": [{"streams": 64, "path": p, "rounds": [m]} for p, m in
                               (("engine", engine), ("decode", engine), ("text", text))]},
     }
@@ -57,7 +57,7 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
     assert (met["status"], served["status"]) == ("met", "met") and "where" not in met
     missed, served = report.targets(GPU, _results(tpot_s=0.0068, floor_s=0.0034, text_vs_engine=0.6))
     assert missed["ratio"] == pytest.approx(2.0) and missed["status"].startswith("missed by 54%")
-    assert missed["where"] == {"layers 0-4": {"s": 0.001, "bytes": 10**9}}  # the step's pieces
+    assert missed["where"] == {"step, read at once": {"s": 0.001, "bytes": 10**9}}  # the step's pieces
     assert served["status"] == "missed by 25%" and "the decode service alone serves 1.00x" in served["where"]
 
 
@@ -95,7 +95,8 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert [b["batch"] for b in decode["batches"]] == [1, 2]
     assert all(b["tok_s"] > 0 and 0 < b["mbu"] and b["floor_s"] > 0 for b in decode["batches"])
     assert decode["bandwidth_gbs"] > 0 and decode["compilations_at_warm_up"] > 0
-    assert {"embed", "head and sampling"} <= set(decode["batch1_profile"])
+    assert set(decode["batch1_profile"]) == {"step, read at once", "step, host one behind"}
+    assert all(p["s"] > 0 and p["bytes"] > 0 for p in decode["batch1_profile"].values())
     assert [p["tokens"] for p in phases["speed-0"]["prefill"]["lengths"]] == [32]
     rows = {r["path"]: r for r in report.stack_rows(phases["stack"])}
     assert set(rows) == {"engine", "decode", "text"} and rows["engine"]["vs_engine"] == 1.0

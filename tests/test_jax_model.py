@@ -1,10 +1,15 @@
 """JaxModel through the engine.core.model.Model interface, on tiny-llama (4 slots: row buckets 1, 2, 4;
 context 32: prompt and attend buckets 16 and 32): batch invariance across row buckets, seeds,
 masks, padding ids never sampled, no compilation after warm-up, and a cache that is updated in
-place rather than copied per step; each with decode attention in JAX and in the CPU kernel."""
+place rather than copied per step; each with decode attention in JAX and in the CPU kernel.
+
+Batch invariance (greedy ids equal to transformers' goldens whatever the row bucket and the
+company) is a claim about XLA:CPU in float32: the models here are pinned to float32, and the module
+skips, saying why, on another backend (tests/support/backend.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -20,15 +25,18 @@ from safetensors.numpy import load_file, save_file
 
 from engine.jax_backend import cpu_kernels, transformer
 from engine.jax_backend.weights import load_checkpoint
+from engine.jax_backend import jax_model
 from engine.jax_backend.jax_model import JaxModel, length_buckets
 from engine.core.model import DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import SamplingParams
 from support.compile_watch import compile_events
+from support.lowering import host_syncs
 
 ASSETS = Path(__file__).parent / "assets"
 LLAMA = ASSETS / "tiny-llama"
 GOLDEN = json.loads((LLAMA / "golden.json").read_text())["cases"]
 GREEDY = SamplingParams(temperature=0.0, seed=0)
+pytestmark = pytest.mark.usefixtures("cpu_backend")
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["jax-attention", "kernel-attention"])
@@ -37,7 +45,8 @@ def model(request) -> JaxModel:
     if request.param and cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
     m = JaxModel.load(
-        LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16, kernels=request.param
+        LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16, kernels=request.param,
+        dtype="float32",
     )
     assert m.kernels == request.param
     m.warm_up()
@@ -172,8 +181,8 @@ def test_masked_ids_are_not_sampled_while_masked(model):
 def test_nothing_compiles_after_warm_up(model):
     before = model.compilations()
     rows, attend, prompts = len(model.row_buckets), len(model.attend_buckets), len(model.buckets)
-    layers = rows * attend + prompts  # tiny-llama's 2 layers: one decode call of 2, prefill 2 calls of 1
-    small = (rows + prompts) + prompts + 1 + rows  # embed, last, write_mask, head and sampling
+    layers = rows * attend + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
+    small = prompts + prompts + 1 + 1  # embed and last of a prompt; write_mask; a prompt's head and sampling
     assert before == layers + small
     with compile_events() as compiles:
         drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
@@ -189,9 +198,8 @@ def test_decode_donates_the_cache_and_never_copies_it(model):
     old = model.cache
     drive(model, [Plan(0, _prompt(10, 4), 3)])
     assert all(buffer.is_deleted() for buffer in old.k + old.v)
-    lo, hi = model._decode_groups[0]
-    n_buffers = 2 * (hi - lo)  # k and v of each layer the call runs
-    cache_shape = "f32[%s]" % ",".join(map(str, model.cache.k[0].shape))
+    n_buffers = 2 * model.config.n_layers  # k and v of every layer: the step is one call
+    cache_shape = "f32[%s]" % ",".join(map(str, model.cache.k[0].shape))  # the fixture pins float32
     for rows, attend in [(r, a) for r in model.row_buckets for a in model.attend_buckets]:
         hlo = model.decode_hlo(rows, attend)
         header = hlo.splitlines()[0]
@@ -205,7 +213,7 @@ def test_decode_donates_the_cache_and_never_copies_it(model):
 def test_a_step_writes_only_its_active_rows_at_their_positions():
     """Inactive rows (free, idle or past the live ones) must leave their slot's cache untouched,
     whatever their position says; active rows write exactly one position each."""
-    ckpt = load_checkpoint(LLAMA)
+    ckpt = load_checkpoint(LLAMA, "float32")
     step = jax.jit(transformer.decode, static_argnames=("cfg", "attend"), donate_argnums=1)
     rng = np.random.default_rng(0)
     shape = transformer.init_cache(ckpt.config, 4, 32, jnp.float32).k[0].shape  # [B, K, S, D]
@@ -223,7 +231,7 @@ def test_step_time_does_not_grow_with_cache_size(slots, context):
     """At equal live rows and length (4 rows, attend 16), a 256x longer or 64x wider cache must
     not cost a copy per step (measured here: 0.2 ms all ways donated, ~10 ms at 16384 positions
     when not donated): reads are limited to the live rows and the attended length."""
-    ckpt = load_checkpoint(LLAMA)
+    ckpt = load_checkpoint(LLAMA, "float32")
     step = jax.jit(transformer.decode, static_argnames=("cfg", "attend"), donate_argnums=1)
     tokens, positions, active = np.zeros(4, np.int32), np.full(4, 5, np.int32), np.ones(4, bool)
     best = {}
@@ -292,3 +300,86 @@ def test_a_broken_model_contract_raises_even_under_python_O(model):
     finally:
         model.release(0)
         model.release(1)
+
+
+def test_a_decode_step_is_one_call_of_one_executable(model):
+    """Embed, every layer, head and sampling run as one jitted call a step; nothing else is called."""
+    jitted = {name: fn for name, fn in vars(model).items() if any(fn is f for f in model._jitted)}
+    calls: list[str] = []
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return call
+
+    prompt = _prompt(21, 5)
+    first = model.prefill(0, prompt, SlotSetup(GREEDY, frozenset()), False).token_id
+    try:
+        for name, fn in jitted.items():
+            setattr(model, name, counting(name, fn))
+        model.decode([DecodeInput(0, first, len(prompt), False)])
+        model.decode([DecodeInput(0, None, len(prompt) + 1, False)])
+    finally:
+        for name, fn in jitted.items():
+            setattr(model, name, fn)
+        model.release(0)
+    assert calls == ["_step", "_step"]
+
+
+def test_the_host_one_step_behind_gets_the_ids_of_a_step_at_a_time(model):
+    """Steps dispatched before the previous one is read, feeding each slot's last sample from the
+    device, give the ids of steps read one at a time with the host feeding them; a slot released
+    with a step in flight and prefilled again serves its new request as if alone."""
+    setup = SlotSetup(GREEDY, frozenset())
+    a, b, c = _prompt(31, 6), _prompt(32, 11), _prompt(33, 4)
+    alone = {p: drive(model, [Plan(1, p, 8)])[0] for p in (a, c)}
+    b_alone = drive(model, [Plan(0, b, 8)])[0]
+    ids = {0: [model.prefill(0, b, setup, False).token_id], 1: [model.prefill(1, a, setup, False).token_id]}
+    length = {0: len(b), 1: len(a)}
+
+    def dispatch(slots):
+        model.dispatch([DecodeInput(s, None, length[s], False) for s in slots])
+        for s in slots:
+            length[s] += 1
+
+    dispatch([0, 1])
+    for _ in range(6):
+        dispatch([0, 1])
+        for s, sample in zip([0, 1], model.collect()):
+            ids[s].append(sample.token_id)
+    assert ids[1] == alone[a][:7]
+    model.release(1)  # its 8th step is in flight: that sample is the engine's to discard
+    ids[1] = [model.prefill(1, c, setup, False).token_id]
+    length[1] = len(c)
+    ids[0].append(model.collect()[0].token_id)
+    assert ids[0] == b_alone
+    model.release(0)
+    dispatch([1])
+    for _ in range(6):
+        dispatch([1])
+        ids[1].append(model.collect()[0].token_id)
+    ids[1].append(model.collect()[0].token_id)
+    model.release(1)
+    assert ids[1] == alone[c]
+
+
+def test_the_decode_step_lowered_for_the_gpu_waits_on_the_host_for_nothing():
+    """The whole decode step as a GPU runs it (plain-JAX layers, the ragged Pallas attention,
+    sampling), lowered for CUDA from here: no conditional and no while loop for XLA:GPU to read a
+    predicate of on the host. (On the CPU, sampling keeps its lax.conds: the predicate is in host
+    memory there, so they cost no sync and skip work; engine.jax_backend.sampling.)"""
+    model = JaxModel.load(LLAMA, max_batch_size=4, max_context_length=32, kernels=False, dtype="float32")
+    step = jax.jit(
+        functools.partial(jax_model._decode_step, kernels=False, ragged=True), static_argnames=("cfg", "attend")
+    )
+    w = model._weights
+    for rows in model.row_buckets:
+        ints, floats = model._pack([], rows)
+        lowered = step.trace(
+            w.embed, w.final_norm, w.lm_head, model._decode_weights, model.cache.k, model.cache.v, model._last,
+            model._mask, ints, floats, cfg=model.config, attend=model.info.max_context_length,
+        ).lower(lowering_platforms=("cuda",))
+        module = lowered.compiler_ir("stablehlo")
+        assert host_syncs(module) == [], rows
+        assert "triton" in str(module).lower() or "pallas" in str(module).lower()  # the ragged kernel is in it

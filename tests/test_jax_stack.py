@@ -32,12 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
 PROMPT = "def main():\n    print("
 STOP, LENGTH = dpb.FINISH_REASON_STOP, dpb.FINISH_REASON_LENGTH
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# Greedy runs must agree across batch shapes (the concurrent test): a CPU float32 claim (tests/support/backend.py).
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_backend")]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stack():
-    model = JaxModel.load(TINY, max_batch_size=4, max_context_length=128, min_bucket=128)
+    model = JaxModel.load(TINY, max_batch_size=4, max_context_length=128, min_bucket=128, dtype="float32")
     decode = await start_decode_server(model, EngineConfig(max_queue_size=16))
     tokenizer = TextTokenizer.from_dir(TINY)
     text = await start_text_server(tokenizer, f"127.0.0.1:{decode.port}")
@@ -158,4 +159,4 @@ async def test_concurrent_requests_match_the_reference(stack, reference):
     others = [run(decoder, prompt_ids[: 3 + i], max_output_tokens=10 + i, ignore_eos=True) for i in range(3)]
     mine = run(decoder, prompt_ids, max_output_tokens=40, ignore_eos=True)
     results = await asyncio.gather(mine, *others)
-    assert results[0][0] == ref  # batch invariance through the whole stack
+    assert results[0][0] == ref  # batch invariance through the whole stack (CPU, float32)

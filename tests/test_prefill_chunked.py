@@ -22,6 +22,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
+from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.recording_sink import Recorder
 from engine.jax_backend import transformer
@@ -80,9 +81,13 @@ def _greedy(model: JaxModel, prompt: tuple[int, ...], n: int, cuts: list[int] | 
 def pair(request) -> tuple[JaxModel, JaxModel]:
     """The same checkpoint twice, context 60: `whole` runs any prompt as one call (one bucket, the
     context); `chunked` has chunk buckets 4, 8, 16, so its prompts always run in several calls,
-    and a last piece near the end of the context must start earlier to stay inside it."""
-    whole = JaxModel.load(ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=64)
-    chunked = JaxModel.load(ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=4, max_chunk=16)
+    and a last piece near the end of the context must start earlier to stay inside it. Equal ids
+    from different chunkings are a float32 CPU claim (support.backend)."""
+    require_cpu()
+    whole = JaxModel.load(ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=64, dtype="float32")
+    chunked = JaxModel.load(
+        ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=4, max_chunk=16, dtype="float32"
+    )
     assert whole.buckets == (60,) and chunked.buckets == (4, 8, 16)
     whole.warm_up()
     chunked.warm_up()
@@ -135,7 +140,10 @@ def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_
     path = registry.model_dir(registry.DEFAULT_MODEL)
     if not (path / "config.json").exists():
         pytest.skip(f"the real model is not prepared at {path} (tokenwire pull)")
-    model = JaxModel.load(path, max_batch_size=2, max_context_length=1024, max_chunk=256, prefix_cache_tokens=1024)
+    require_cpu()
+    model = JaxModel.load(
+        path, max_batch_size=2, max_context_length=1024, max_chunk=256, prefix_cache_tokens=1024, dtype="float32"
+    )
     rng = np.random.default_rng(0)
     prompt = tuple(int(t) for t in rng.integers(3, 49152, 700))
     want, want_logprob = _greedy(model, prompt, 8, None)  # 700 = 256 + 256 + 128 + 32 + 16 + 12 (16)

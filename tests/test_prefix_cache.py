@@ -23,6 +23,7 @@ from engine.core.prefix_cache import PrefixCache, PrefixPool
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
+from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.recording_sink import Recorder
 
@@ -180,9 +181,10 @@ def _direct_greedy(model: JaxModel, prompt: tuple[int, ...], n: int) -> list[int
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def cached_model(request) -> JaxModel:
+    require_cpu()  # cached and uncached runs give equal ids: a float32 CPU claim (support.backend)
     model = JaxModel.load(
         ASSETS / request.param, max_batch_size=2, max_context_length=128, min_bucket=8, max_chunk=32,
-        prefix_cache_tokens=6 * PREFIX_BLOCK,
+        prefix_cache_tokens=6 * PREFIX_BLOCK, dtype="float32",
     )
     model.warm_up()
     return model

@@ -1,8 +1,12 @@
 """engine.jax_backend.sampling on hand-made logits: greedy, cuts, masks, seeds, raw logprobs.
 
-All calls share two shapes ([ROWS, 4] and [8, 64]) so the suite compiles `sample` twice."""
+Most calls share two shapes ([ROWS, 4] and [8, 64]) so the suite compiles `sample` twice; the
+tests of the candidate cap use [8, WIDE], wider than the cap, and the GPU strategy (compute and
+select) is checked against the CPU one (branch) on it."""
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,10 +14,14 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.jax_backend.sampling import SlotSampling, row_key, sample, seed_words
+from engine.core.request import MAX_TOP_LOGPROBS
+from engine.jax_backend import sampling
+from engine.jax_backend.sampling import CAP, SlotSampling, row_key, sample, seed_words, top_logprobs
+from support.lowering import host_syncs, stablehlo_ops
 
 ROWS = 2000
 PROBS = np.array([0.5, 0.3, 0.15, 0.05], np.float32)
+WIDE = 1024  # > CAP, so rows can need more than the candidates
 _sample = jax.jit(sample)
 
 
@@ -169,3 +177,137 @@ def test_drawn_ids_always_survive_every_cut(seed, temperature, top_k, top_p, min
         keep &= p >= cutoff * (1 - 1e-5)
         keep &= p >= min_p * p.max() * (1 - 1e-5)
         assert keep[token], (row, token)
+
+
+def _wide_case() -> tuple[np.ndarray, SlotSampling, np.ndarray]:
+    """[8, WIDE] logits and cuts, half of them beyond the cap: top_k > CAP, a flat row whose
+    CAP best fall short of top_p, and ties straddling both the cap and a threshold."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(0, 3, (8, WIDE)).astype(np.float32)
+    logits[1] = rng.normal(0, 0.3, WIDE)  # flat: the CAP best hold far less than 0.9
+    logits[[2, 3]] = 2 + rng.permuted(np.tile(np.arange(WIDE) * 2e-6, (2, 1)), axis=1)  # dense: one bin of the
+    # high 16 key bits holds them all, so only the second level of the exact select tells them apart
+    logits[4] = np.round(logits[4])  # ties: the 60th to 200th best share a few values
+    logits[5] = np.round(logits[5] * 2) / 2
+    top_k = np.array([300, 0, 300, 0, 100, 700, 0, 5], np.int32)
+    top_p = np.array([1, 0.9, 0.9, 0.95, 1, 1, 0.5, 1], np.float32)
+    min_p = np.array([0, 0, 0, 0, 0, 0, 0.2, 0], np.float32)
+    temperature = np.array([1, 0.8, 1, 1.3, 1, 1, 0.7, 2], np.float32)
+    params = SlotSampling(temperature, top_k, top_p, min_p, np.array([seed_words(s) for s in range(8)], np.uint32))
+    mask = np.zeros((8, WIDE), bool)
+    mask[:, 5] = True
+    return logits, params, mask
+
+
+def _kept_by_sort(logits, params, mask, slack: float = 0.0) -> np.ndarray:
+    """The kept set [B, V] of every cut, from a full sort in numpy (float64 running sums), with
+    the top_p and min_p targets moved by the relative `slack` (> 0 keeps more)."""
+    kept = np.zeros(logits.shape, bool)
+    for row in range(len(logits)):
+        z = np.where(mask[row], -np.inf, logits[row] / params.temperature[row])  # float32, as sampled
+        keep = np.isfinite(z)
+        desc = np.sort(z[keep])[::-1]
+        if params.top_k[row]:
+            keep &= z >= desc[min(params.top_k[row], len(desc)) - 1]
+        w = np.where(keep, np.exp(z.astype(np.float64) - z[keep].max()), 0)
+        if params.top_p[row] < 1:
+            order = np.argsort(-z, kind="stable")
+            first = np.argmax(np.cumsum(w[order]) >= min(params.top_p[row] * w.sum() * (1 + slack), w.sum()))
+            keep &= z >= z[order[first]]
+        if params.min_p[row] > 0:
+            keep &= w >= params.min_p[row] * (1 - slack)
+        kept[row] = keep
+    return kept
+
+
+@jax.jit
+def _wide_kept(logits, params, mask):
+    live = jnp.where(mask, -jnp.inf, logits)
+    return tuple(sampling._kept_weights(live, params, skip) > 0 for skip in (True, False))
+
+
+def test_thresholds_beyond_the_cap_are_exact_with_ties_kept():
+    logits, params, mask = _wide_case()
+    expected = _kept_by_sort(logits, params, mask)
+    assert (expected.sum(-1)[[0, 1, 2, 3, 5]] > CAP).all()  # these rows need more than the candidates
+    assert expected[4].sum() > 100 and expected[5].sum() > 700  # ties at the top_k boundary are kept
+    branched, selected = (np.asarray(k) for k in _wide_kept(logits, params, mask))
+    np.testing.assert_array_equal(branched, expected)
+    np.testing.assert_array_equal(selected, expected)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    spread=st.sampled_from([0.1, 1.0, 4.0]),
+    temperature=st.floats(0.2, 3.0),
+    top_k=st.integers(0, WIDE),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.5),
+)
+def test_kept_sets_match_a_full_sort_beyond_the_cap(seed, spread, temperature, top_k, top_p, min_p):
+    """Both strategies against the sort, within float rounding of the top_p and min_p targets."""
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(0, spread, (8, WIDE)).astype(np.float32)
+    mask = rng.random((8, WIDE)) < 0.1
+    params = _params(8, temperature, top_k, top_p, min_p)
+    strict, loose = _kept_by_sort(logits, params, mask, -1e-5), _kept_by_sort(logits, params, mask, 1e-5)
+    for kept in _wide_kept(logits, params, mask):
+        kept = np.asarray(kept)
+        assert (strict <= kept).all() and (kept <= loose).all()
+
+
+def _both_strategies(skip: bool):
+    def step(logits, params, positions, mask, masked, wanted):
+        return (*sampling._sample(logits, params, positions, mask, masked, skip=skip),
+                *sampling._top_logprobs(logits, wanted, skip=skip))
+    return jax.jit(step)
+
+
+_branch, _select = _both_strategies(True), _both_strategies(False)
+
+
+def test_computing_and_selecting_gives_what_branching_gives():
+    """The GPU strategy (every piece computed, then selected) against the CPU one (a branch skips
+    what no row needs), run here on the CPU: the same ids, logprobs and alternatives, also for a
+    greedy-only batch and one that asks no alternatives."""
+    logits, params, mask = _wide_case()
+    positions = np.arange(8, dtype=np.int32) * 7
+    greedy = SlotSampling(np.zeros(8, np.float32), params.top_k, params.top_p, params.min_p, params.seed)
+    for p, wanted in [(params, np.full(8, 3, np.int32)), (greedy, np.zeros(8, np.int32))]:
+        args = (logits, p, positions, mask, np.ones(8, bool), wanted)
+        for ours, theirs in zip(_branch(*args), _select(*args)):
+            np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
+    ids, logprobs = (np.asarray(x) for x in _select(*args)[2:])
+    assert ids.shape == (8, MAX_TOP_LOGPROBS) and not ids.any() and not logprobs.any()  # nobody asked
+
+
+def _loops(hlo: str) -> tuple[int, int]:
+    return len(re.findall(r"\bconditional\(", hlo)), len(re.findall(r"\bwhile\(", hlo))
+
+
+def test_the_compute_and_select_step_has_no_conditional_and_no_loop_of_its_own():
+    """Compiled here, the GPU strategy of sample + top_logprobs has no conditional; its only
+    loops are the two that XLA:CPU's threefry lowering rolls (fold_in and the uniform; the GPU
+    lowering unrolls them), as a step that draws nothing but the uniforms has."""
+    logits, params, mask = _wide_case()
+    args = (logits, params, np.zeros(8, np.int32), mask, np.ones(8, bool), np.zeros(8, np.int32))
+    compiled = _select.lower(*args).compile().as_text()
+    uniforms = jax.jit(jax.vmap(lambda s, p: jax.random.uniform(row_key(s, p))))
+    assert _loops(compiled) == (0, _loops(uniforms.lower(params.seed, args[2]).compile().as_text())[1])
+    assert _loops(_branch.lower(*args).compile().as_text())[0] > 0  # the check can fail
+
+
+def test_the_public_functions_lowered_for_gpu_have_no_conditional_and_no_loop():
+    """`sample` and `top_logprobs` lowered for CUDA (no GPU needed): no while and no if; the only
+    cases are lax.platform_dependent's pick of the strategy, which has a constant index or a single
+    branch and which XLA folds away."""
+    logits, params, mask = _wide_case()
+
+    def step(logits, params, positions, mask, masked, wanted):
+        return sample(logits, params, positions, mask, masked), top_logprobs(logits, wanted)
+
+    args = (logits, params, np.zeros(8, np.int32), mask, np.ones(8, bool), np.zeros(8, np.int32))
+    module = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    assert host_syncs(module) == []
+    assert any(op.name == "stablehlo.case" for op in stablehlo_ops(module))  # the strategy's pick is there

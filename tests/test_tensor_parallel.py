@@ -50,7 +50,9 @@ def odd_vocabulary(folder: Path) -> Path:
 def runs(tmp_path_factory) -> dict:
     specs = [f"{name}:{','.join(map(str, sizes))}:{2 if name == TWO_SLOTS else 1}" for name, sizes in RUNS.items()]
     specs.append(f"{odd_vocabulary(tmp_path_factory.mktemp('odd') / 'tiny-qwen2-509')}:2")
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4"}
+    # 4 CPU devices, pinned to the CPU platform (so float32) even on a GPU host: greedy ids equal to
+    # one device's and batch invariance are float32 CPU claims (tests/support/backend.py)
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.support.tp_worker", *specs], cwd=ROOT, env=env, capture_output=True, text=True,
         timeout=600,

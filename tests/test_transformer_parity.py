@@ -5,7 +5,11 @@ Each golden case is run the way the engine runs it: prefill into a slot of a bat
 one token per step with the other slots idle; logits must match within float32 noise and the
 greedy ids exactly (the goldens keep every greedy step >= 2e-3 away from a tie). Decode runs
 in plain JAX and with the CPU kernels (engine.jax_backend.cpu_kernels: attention, and the one-row products
-since each step here decodes one slot)."""
+since each step here decodes one slot).
+
+Float32 noise is a CPU claim (a GPU's float32 products may run as TF32): the weights are loaded as
+float32 and every array and call is placed on the CPU device, whatever JAX's default backend is, so
+the test means the same on a GPU host. tests/test_bfloat16.py bounds bfloat16 against float32."""
 
 from __future__ import annotations
 
@@ -24,6 +28,13 @@ from engine.jax_backend.weights import load_checkpoint, with_one_row_copies
 ASSETS = Path(__file__).parent / "assets"
 BATCH, CONTEXT, PROMPT_BUCKET = 3, 64, 32
 ATOL = 1e-4  # goldens are rounded to 1e-5; f32 differences seen are ~1e-5
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """Arrays made and calls run inside the test go to the CPU device (see the module docstring)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["jax-attention", "kernel-attention"])

@@ -225,39 +225,20 @@ def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
         "compilations_at_warm_up": compiled, "compilations_after_warm_up": after, "fill_s": fill_s,
         "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token, "bandwidth_gbs": statistics.median(gbs),
         "bandwidth_gbs_range": [min(gbs), max(gbs)], "batches": rows, "batch1_profile": profile,
-        "row_buckets": list(model.row_buckets), "decode_layer_groups": len(model._decode_groups),
+        "row_buckets": list(model.row_buckets), "executables_per_step": 1,
     }
 
 
 def step_profile(model: JaxModel, slots: Slots, repeats: int = 5) -> dict:
-    """Where one batch-1 decode step's time goes: the step's own jitted calls (embed, each layer
-    group, head and sampling) run one at a time with a wait after each, best of `repeats`, and
-    the bytes each reads. The sum exceeds the step (each wait drains the device's queue); the
-    step without waits is the decode row's figure. Reads JaxModel's internals: a diagnostic."""
+    """Where batch 1's step time goes, best of `repeats`: the step (one executable: embed, every
+    layer, head and sampling) read before the next is dispatched, and 8 steps with the host one
+    behind, as the engine runs them; the gap between the two is host time the lag hides. Both
+    read the weights once a step (`bytes`)."""
     try:
-        slot, token, position = 0, slots.last[0], slots.length[0]
-        tokens, positions = np.array([token], np.int32), np.array([position], np.int32)
-        active, masked = np.array([True]), np.array([False])
-        pieces: dict[str, list[float]] = {}
-        for _ in range(repeats):
-            start = time.perf_counter()
-            x = jax.block_until_ready(model._embed(model._weights.embed, tokens[:, None]))
-            pieces.setdefault("embed", []).append(time.perf_counter() - start)
-            on_device = model._put((positions, active))
-            for lo, hi in model._decode_groups:
-                start = time.perf_counter()
-                x = jax.block_until_ready(model._run_layers(
-                    [(lo, hi)], model._decode_layers, x, *on_device, cfg=model.config, attend=model.attend_buckets[-1]
-                ))
-                pieces.setdefault(f"layers {lo}-{hi - 1}", []).append(time.perf_counter() - start)
-            start = time.perf_counter()
-            model._run_sample(x, np.array([slot], np.int32), masked, model._params(slice(0, 1)), positions + 1,
-                              np.zeros(1, np.int32))
-            pieces.setdefault("head and sampling", []).append(time.perf_counter() - start)
-        reads = {f"layers {lo}-{hi - 1}": _nbytes(model._layers[lo, hi]) for lo, hi in model._decode_groups}
-        w = model._weights
-        reads["head and sampling"] = _nbytes((w.final_norm, w.lm_head))
-        return {name: {"s": min(times), "bytes": reads.get(name, 0)} for name, times in pieces.items()}
+        read = min(slots.step(1) for _ in range(repeats))
+        behind = min(slots.pipelined(1, 8) for _ in range(repeats))
+        weights = weight_bytes(model)
+        return {"step, read at once": {"s": read, "bytes": weights}, "step, host one behind": {"s": behind, "bytes": weights}}
     except Exception as error:  # a diagnostic must not cost the measurements
         return {"error": f"{type(error).__name__}: {error}"}
 

@@ -15,8 +15,13 @@ Data flow, on the engine thread, once per iteration:
      prefix cache (`model.save_prefix`) and samples its first token -> `decide` -> events; a
      request that finishes there (a control token, or max_output_tokens = 1) releases its slot
      at once and never joins a decode step;
-  4. one `model.decode` step for every active slot whose prompt is complete -> `decide` per
-     slot -> events; finished slots are released in the same iteration.
+  4. dispatch one decode step (`model.dispatch`) for every active slot whose prompt is complete
+     and whose output may still grow, then read the previous iteration's step (`model.collect`)
+     -> `decide` per slot -> events; finished slots are released in the same iteration. The
+     host thus runs one step behind the device: step N+1 is enqueued before step N is read, and
+     its inputs (each slot's last sample) never leave the device. A request that step N finished
+     was also in step N+1; that sample is discarded (never decided, never sent), and a request
+     is never dispatched a step that could only pass its length cap.
 A request cancelled between or during its chunks is released at step 2 or at the end of its
 chunk, with no events, before the next step.
 After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
@@ -105,6 +110,7 @@ class _Live:
     emitted: int = 0
     last_token: int = -1
     prefilled: int = 0  # prompt positions in the cache; the request decodes once all are
+    steps: int = 0  # decode steps dispatched for it (read or in flight)
 
     @property
     def filling(self) -> bool:
@@ -129,7 +135,11 @@ class Engine:
         on_step: Callable[[float], None] | None = None,
     ) -> None:
         """`on_death` is called on the engine thread if the loop dies (a server exits on it);
-        `on_step(seconds)` after each decode step (metrics). Both must not block."""
+        `on_step(seconds)` after each decode step (metrics): the wall time from the later of its
+        dispatch and the host's previous read of the device to its samples' arrival, which is
+        the step's time on the device when the host runs behind it. A step during which the host
+        read a prompt's first token is not timed (the prompt's time on the device is in it).
+        Both must not block."""
         self.model = model
         self.config = config
         self._on_death = on_death
@@ -140,6 +150,10 @@ class Engine:
         self._waiting: collections.OrderedDict[int, _Live] = collections.OrderedDict()
         self._aborts: set[int] = set()
         self._active: dict[int, _Live] = {}  # slot -> live request
+        self._in_flight: list[_Live] = []  # the requests of the dispatched step not yet read (engine thread)
+        self._dispatched_at = 0.0  # when the step in flight was dispatched
+        self._read_at = 0.0  # when the host last read the device's samples (a step, or a prompt's first token)
+        self._read_in_flight = False  # whether the host read a prompt's sample while the step was in flight
         self._tickets = itertools.count(1)
         self._running = False
         self._dead: BaseException | None = None
@@ -247,13 +261,12 @@ class Engine:
                     if not live.filling or live.slot not in self._active:  # a first token, or a cancel
                         self._after_delivery()
                     self._progressed()
-                if any(not live.filling for live in self._active.values()):
-                    started = time.perf_counter()
-                    self._decode_step()
+                if self._in_flight or any(not live.filling for live in self._active.values()):
+                    seconds = self._decode_step()
                     self._after_delivery()
                     self._progressed()
-                    if self._on_step is not None:
-                        self._on_step(time.perf_counter() - started)
+                    if self._on_step is not None and seconds is not None:
+                        self._on_step(seconds)
         except BaseException as error:  # a dead loop must not leave callers hanging
             log.exception("engine loop died")
             with self._cond:
@@ -310,6 +323,9 @@ class Engine:
         else:
             sample = self.model.prefill_chunk(live.slot, prompt, start, end, setup, masked)
         live.prefilled = end
+        if sample is not None:
+            self._read_at = time.perf_counter()
+            self._read_in_flight = bool(self._in_flight)
         if end == len(prompt) and self._prefix is not None:
             self._save_prefix(live)
         with self._cond:  # aborted while prefilling: free the slot, send nothing
@@ -345,26 +361,48 @@ class Engine:
         cached = len(self._prefix) * self._prefix.block_tokens
         self._prefix_stats = dataclasses.replace(self._prefix_stats, cached_tokens=cached)
 
-    def _decode_step(self) -> None:
-        lives = [live for live in self._active.values() if not live.filling]
-        inputs = [
-            DecodeInput(
-                slot=live.slot,
-                token_id=live.last_token,
-                position=len(live.request.prompt_token_ids) + live.emitted - 1,
-                masked=live.rule.masks_control_tokens(live.emitted),
-            )
-            for live in lives
+    def _decode_step(self) -> float | None:
+        """Dispatch the next step, then read the one dispatched before it (see the module
+        docstring). Each request's next step is predicted from what is dispatched: the step in
+        flight emits a token unless it finishes the request, in which case the new step's sample
+        is discarded, so positions and masking follow from the count of steps alone. -> the read
+        step's time (see `on_step`), or None when none was read or it cannot be told apart."""
+        lives = [
+            live for live in self._active.values()
+            if not live.filling and 1 + live.steps < live.rule.max_output_tokens  # 1: the prefill's token
         ]
-        samples = self.model.decode(inputs)
+        dispatched_at = time.perf_counter()
+        if lives:
+            self.model.dispatch([
+                DecodeInput(
+                    slot=live.slot,
+                    token_id=None,  # the slot's last sample, still on the device
+                    position=len(live.request.prompt_token_ids) + live.steps,
+                    masked=live.rule.masks_control_tokens(1 + live.steps),
+                )
+                for live in lives
+            ])
+            for live in lives:
+                live.steps += 1
+        previous, self._in_flight = self._in_flight, lives
+        started = max(self._dispatched_at, self._read_at)
+        timed = not self._read_in_flight
+        self._dispatched_at, self._read_in_flight = dispatched_at, False
+        if not previous:
+            return None
+        samples = self.model.collect()
+        self._read_at = time.perf_counter()
         with self._cond:  # requests aborted during the step are freed now, with no more events
-            aborted = {live.ticket for live in lives} & self._aborts
+            aborted = {live.ticket for live in previous} & self._aborts
             self._aborts -= aborted
-        for live, sample in zip(lives, samples, strict=True):
+        for live, sample in zip(previous, samples, strict=True):
+            if self._active.get(live.slot) is not live:
+                continue  # finished by the step before, or aborted: the sample is discarded
             if live.ticket in aborted:
                 self._release(live)
             else:
                 self._advance(live, sample)
+        return self._read_at - started if timed else None
 
     def _advance(self, live: _Live, sample: Sample) -> None:
         """Apply the one decision to a sampled token and send the resulting events."""

@@ -4,6 +4,10 @@ A model owns a slot-based KV cache of `max_batch_size` slots x `max_context_leng
 positions. The scheduler prefills one request into a free slot (whole, or in chunks over several
 steps, `prefill_chunk`), then calls `decode` once per step for every active slot whose prompt is
 complete, and releases a slot when its request ends (or is cancelled, mid-prefill included).
+A decode step is dispatched (`dispatch`) before the previous one's samples are read (`collect`),
+so the host works one step behind the device: a step's inputs name the slot and position, and its
+token is the slot's last sample, which the model keeps (on the device for the JAX model). A step
+may thus run for a request that the previous step finished; the scheduler discards that sample.
 A model that offers a prefix pool (`prefix_pool.blocks > 0`) also copies whole blocks of a
 slot's prompt KV into it (`save_prefix`) and back into a new slot (`load_prefix`), so a prompt
 that starts like an earlier one skips computing that start (engine.core.prefix_cache decides what
@@ -72,7 +76,7 @@ class DecodeInput:
     """One active slot's input to a decode step."""
 
     slot: int
-    token_id: int  # the last sampled token, fed back in
+    token_id: int | None  # the token fed in; None: the slot's last sample, which the model holds
     position: int  # its position: exactly the slot's next free position (prompt_len + tokens fed so far)
     masked: bool  # mask the slot's `masked_token_ids` when sampling this step
 
@@ -102,7 +106,16 @@ class Model(Protocol):
         `prefill(slot, p, setup, masked)` is `prefill_chunk(slot, p, 0, len(p), setup, masked)`."""
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
-        """One step for the given slots; returns one sample per input, in the same order."""
+        """One step for the given slots; returns one sample per input, in the same order.
+        `dispatch` then `collect`, with no other step in flight."""
+
+    def dispatch(self, inputs: Sequence[DecodeInput]) -> None:
+        """Start one step for the given slots (not empty) and return without waiting for its
+        samples. Positions are checked against the slots' own counts, which a dispatch advances,
+        so a step may be dispatched while the previous one is in flight."""
+
+    def collect(self) -> list[Sample]:
+        """Wait for the oldest dispatched step: one sample per input, in input order."""
 
     def load_prefix(self, slot: int, pool_blocks: Sequence[int], setup: SlotSetup) -> None:
         """Take a free slot for a request, as a first `prefill_chunk` does (with `setup`), and

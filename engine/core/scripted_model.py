@@ -8,11 +8,15 @@ The logprob of token `t` is `-(t % 10) / 10`. With `sampling.top_logprobs = k`, 
 alternatives are the sampled token and the k - 1 ids after it, `(t + i) % vocab_size` with
 logprob `-(t % 10) / 10 - i`.
 
-It drives the real scheduler and stop decision in tests; `step_delay_s` slows each decode
-step so tests can catch requests in flight (cancellation, overload, drain); `fail_at_step` makes
-one decode step raise, as a lost device would. `calls` records every prefill chunk
+It drives the real scheduler and stop decision in tests; `step_delay_s` is each decode step's
+time on a device that runs beside the host, as an accelerator does: `dispatch` returns at once and
+`collect` waits until the step is due (each step starts when the previous one ends), so tests
+catch requests in flight (cancellation, overload, drain) and benchmarks see a host one step
+behind. `fail_at_step` makes one decode step's `collect` raise, as a lost device would. `calls` records every prefill chunk
 ("prefill", slot, start, end) and decode step ("decode", slots), in order, so scheduler tests can
-check how chunks and steps interleave. With `prefix_blocks` it offers a prefix pool of that many
+check how chunks and steps interleave; `reads` records, for each `collect`, (the step read, the
+steps dispatched by then), so they can check that the host reads a step only after the next one
+is enqueued. With `prefix_blocks` it offers a prefix pool of that many
 blocks of `prefix_block_tokens`: it keeps the prompt ids each pool block was saved from and checks
 that a loaded block holds exactly the ids of the positions it is loaded at (its KV would be wrong
 otherwise), and `calls` records ("load", slot, pool blocks) and ("save", slot, ((block, pool
@@ -21,6 +25,7 @@ block), ...)).
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Sequence
 
@@ -55,6 +60,10 @@ class ScriptedModel:
         self.calls: list[tuple] = []
         self.prefills = 0  # counters, so tests can check e.g. that N = 1 never decodes
         self.decode_steps = 0
+        self._last: dict[int, int] = {}  # slot -> its last sample, the next step's input
+        self.reads: list[tuple[int, int]] = []
+        self._next_free = 0.0  # when the "device" finishes the steps dispatched so far (perf_counter)
+        self._pending: collections.deque[tuple[int, float, list[Sample]]] = collections.deque()  # (step, due, samples)
 
     def warm_up(self) -> None:
         pass
@@ -91,7 +100,12 @@ class ScriptedModel:
             self._filling[slot] = end
             return None
         self._filling.pop(slot, None)
-        return self._next(slot, prompt_token_ids[-1], masked)
+        wait = self._next_free - time.perf_counter()  # the device runs in order: after the steps in flight
+        if wait > 0:
+            time.sleep(wait)
+        sample = self._next(slot, prompt_token_ids[-1], masked)
+        self._last[slot] = sample.token_id
+        return sample
 
     def _take(self, slot: int, setup: SlotSetup) -> None:
         if slot in self._masked or not 0 <= slot < self.info.max_batch_size:
@@ -122,21 +136,44 @@ class ScriptedModel:
         self.calls.append(("save", slot, tuple(blocks)))
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
+        if self._pending:
+            raise ModelUsageError("decode with a dispatched step not yet collected")
+        self.dispatch(inputs)
+        return self.collect()
+
+    def dispatch(self, inputs: Sequence[DecodeInput]) -> None:
+        if not inputs:
+            raise ModelUsageError("a decode step with no inputs")
         self.decode_steps += 1
-        if self.decode_steps == self.fail_at_step:
-            raise RuntimeError(f"scripted failure at decode step {self.decode_steps}")
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
         self.calls.append(("decode", tuple(i.slot for i in inputs)))
         for i in inputs:
-            if i.slot in self._filling:
+            if i.slot in self._filling or i.slot not in self._masked:
                 raise ModelUsageError(f"slot {i.slot} decoded before its last prefill chunk")
             if i.position >= self.info.max_context_length:
                 raise ModelUsageError(f"slot {i.slot} decoded past the context")
-        return [self._next(i.slot, i.token_id, i.masked) for i in inputs]
+        samples = []
+        for i in inputs:
+            sample = self._next(i.slot, self._last[i.slot] if i.token_id is None else i.token_id, i.masked)
+            self._last[i.slot] = sample.token_id
+            samples.append(sample)
+        self._next_free = max(self._next_free, time.perf_counter()) + self.step_delay_s
+        self._pending.append((self.decode_steps, self._next_free, samples))
+
+    def collect(self) -> list[Sample]:
+        if not self._pending:
+            raise ModelUsageError("collect with no step dispatched")
+        step, due, samples = self._pending.popleft()
+        self.reads.append((step, self.decode_steps))
+        wait = due - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        if step == self.fail_at_step:
+            raise RuntimeError(f"scripted failure at decode step {step}")
+        return samples
 
     def release(self, slot: int) -> None:
         del self._masked[slot]
+        self._last.pop(slot, None)
         self._top.pop(slot, None)
         self._filling.pop(slot, None)
         self._loaded.pop(slot, None)

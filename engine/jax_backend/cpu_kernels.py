@@ -1,4 +1,4 @@
-"""C++ kernels for the CPU decode step, called from jitted code as XLA FFI custom calls.
+"""C++ kernels for the CPU decode step and prefill chunks, called from jitted code as XLA FFI custom calls.
 
 Why: on XLA:CPU a decode step's attention copies each sliced cache window and then runs its
 [G, D] x [D, A] products one small matmul at a time, where `decode_attention` here reads the live
@@ -6,7 +6,11 @@ keys in place; and a one-row step's weight products, which XLA:CPU runs as one o
 tasks, stream faster as `gemv` here, one contiguous row of an [out, in] copy of each projection
 per output. The copies are made by engine.jax_backend.weights.with_one_row_copies.
 `int8_matmul` is the product of `--weights int8` (engine.jax_backend.quantize) for 1-64 rows.
-Both weight products split their outputs over the library's own thread pool (kernels/pool.h),
+`chunk_attention` is a prefill chunk's attention over its slot's cached keys: plain JAX runs it as
+small blocked products far below the machine's GEMM speed, and near the end of a long prompt it is
+a large part of a 16-token chunk, whose cost is what the streams decoding beside a chunked prefill
+wait for (kernels/chunk_attention.cc).
+It and both weight products split their work over the library's own thread pool (kernels/pool.h),
 `set_threads` threads (JaxModel sets `available_cpus()`, or `--cpu-threads`). The figures
 are in docs/benchmarks.md; the sources are in engine/jax_backend/kernels/, and each file's header
 says what it computes and why.
@@ -71,10 +75,11 @@ from engine.model_store.registry import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.cc", "gemv.cc", "int8_matmul.cc")
-HEADERS = ("pool.h",)  # included by the sources; hashed into the library name with them
+SOURCES = ("decode_attention.cc", "chunk_attention.cc", "gemv.cc", "int8_matmul.cc")
+HEADERS = ("pool.h", "chunk_attention_unit.h")  # included by the sources; hashed into the library name with them
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
+CHUNK_TARGET = "tokenwire_chunk_attention"
 GEMV_TARGET = "tokenwire_gemv"
 INT8_TARGET = "tokenwire_int8_matmul"
 INT8_BLOCK = 32  # int8 weights: one float32 scale per 32 consecutive inputs of an output (Q8_0's blocks)
@@ -124,6 +129,28 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, posit
     return call(q, k_cache, v_cache, positions.astype(jnp.int32))
 
 
+def chunk_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slot: jax.Array, start: jax.Array
+) -> jax.Array:
+    """Causal GQA attention of one slot's prefill chunk over its cached keys: q [C, H, D] f32 (the
+    queries at positions start..start+C-1), caches [B, K, S, D] f32 (the chunk's own keys already
+    written), slot [] and start [] i32 -> [C, H * D] f32; query i sees positions 0..start+i.
+    Equal (to float rounding) to transformer.chunk_attention; reads only positions [0, start + C)
+    of the slot, in place, each key block loaded once for the G x 8 (AVX2) or G x 16 (AVX-512)
+    queries of a kv head and tile of chunk positions (kernels/chunk_attention.cc says why). D must
+    be a multiple of 8 (`chunk_attention_applies`); needs `load()` to have succeeded."""
+    c, h, d = q.shape
+    if not chunk_attention_applies(d):  # checked while tracing
+        raise ValueError(f"chunk_attention takes a head dim that is a multiple of 8, got {d}")
+    call = jax.ffi.ffi_call(CHUNK_TARGET, jax.ShapeDtypeStruct((c, h * d), jnp.float32))
+    return call(q, k_cache, v_cache, jnp.asarray(slot, jnp.int32), jnp.asarray(start, jnp.int32))
+
+
+def chunk_attention_applies(head_dim: int) -> bool:
+    """Whether `chunk_attention` takes this head dim (its value micro-kernels take 4 or 8 columns at a time)."""
+    return head_dim % 8 == 0
+
+
 def gemv(x: jax.Array, wt: jax.Array) -> jax.Array:
     """x @ wt.T for one row: x [..., K] f32 holding a single row (every leading dim 1), wt [N, K]
     f32 (a projection stored [out, in]) -> [..., N] f32. Equal to float rounding; needs `load()`."""
@@ -147,9 +174,15 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def set_threads(kernels: Kernels, threads: int) -> None:
-    """How many threads each weight product (gemv, int8_matmul) runs on, the caller included;
-    process-wide (the library's one pool, kernels/pool.h)."""
+    """How many threads each weight product (gemv, int8_matmul) and each chunk attention runs on,
+    the caller included; process-wide (the library's one pool, kernels/pool.h)."""
     kernels.library.TokenwireSetThreads(max(1, threads))
+
+
+def chunk_attention_isa(kernels: Kernels, avx512: bool = True) -> str:
+    """Let `chunk_attention` use AVX-512 where the CPU has it (the default), or cap it at AVX2;
+    -> the instruction set it now uses, "avx512" or "avx2" (process-wide; tests run both)."""
+    return "avx512" if kernels.library.TokenwireChunkAttentionIsa(int(avx512)) else "avx2"
 
 
 def last_threads(kernels: Kernels) -> int:
@@ -349,10 +382,11 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
         digest = digest or _sha256(fd)
         library = ctypes.CDLL(f"/proc/self/fd/{fd}")
         handlers = {
-            ATTENTION_TARGET: library.TokenwireDecodeAttention, GEMV_TARGET: library.TokenwireGemv,
-            INT8_TARGET: library.TokenwireInt8Matmul,
+            ATTENTION_TARGET: library.TokenwireDecodeAttention, CHUNK_TARGET: library.TokenwireChunkAttention,
+            GEMV_TARGET: library.TokenwireGemv, INT8_TARGET: library.TokenwireInt8Matmul,
         }
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]
+        library.TokenwireChunkAttentionIsa.argtypes = [ctypes.c_int]
     except BaseException:
         os.close(fd)
         raise
@@ -429,7 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path = build_library(args.build, args.cxx)
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
-        for symbol in ("TokenwireDecodeAttention", "TokenwireGemv", "TokenwireInt8Matmul", "TokenwireSetThreads"):
+        symbols = (
+            "TokenwireDecodeAttention", "TokenwireChunkAttention", "TokenwireChunkAttentionIsa", "TokenwireGemv",
+            "TokenwireInt8Matmul", "TokenwireSetThreads",
+        )
+        for symbol in symbols:
             getattr(library, symbol)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
         detail = getattr(e, "stderr", None) or str(e)

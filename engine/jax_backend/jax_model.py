@@ -13,25 +13,30 @@ attends over the smallest attend bucket that covers every active position; on th
 the attention is a C++ kernel (engine.jax_backend.cpu_kernels) that reads each row's live keys in place, so
 there is one attend bucket, the context, and no window is copied; and a one-row step's weight
 products run on a second kernel over [out, in] copies of the projections, made once here (the
-[in, out] originals serve prefill and batches). A step is a chain of
-jitted calls: embed, then the layers `layers_per_call` at a time, each call taking its layers'
-cache buffers donated and handing them back written in place, then head and sampling
-(engine.jax_backend.sampling) on the device; only the sampled ids and logprobs come back to the host.
-Per-slot sampling parameters live on the host and travel with each step as [R] arrays.
+[in, out] originals serve prefill and batches). A decode step is one jitted executable: embed,
+every layer, head and sampling (engine.jax_backend.sampling), with the cache buffers and the
+slots' last samples donated and handed back written in place. The host runs one step behind the
+device: `dispatch` enqueues step N+1 with no wait (its inputs are the samples of step N, which
+never leave the device, and host arrays packed into two transfers), and only then does `collect`
+read step N's ids and logprobs; the scheduler decides on them while the device computes.
+Per-slot sampling parameters live on the host and travel with each step as [R] columns.
 
 Shapes and warm-up. `warm_up` compiles every shape serving can use, so serving compiles nothing
 (`compilations()` lets tests check): per prompt (chunk) bucket a prefill layer, whatever the
 chunk's offset; per (row bucket, attend
-bucket) a decode layer group; per row bucket embed, head and sampling. Row buckets are powers of
-two up to B, attend buckets powers of two from `min_attend` (128) up to the context, prompt
+bucket) a decode step; one head and sampling for a prompt's last position. Row buckets are powers of
+two up to B (from 1 on CPU, from 16 on an accelerator: MIN_ROWS), attend buckets powers of two from `min_attend` (128) up to the context, prompt
 buckets from `min_bucket` (16). Why these shapes (measured on the project's CPU machine; the
 figures are in docs/benchmarks.md, "Design measurements"):
-- Decode runs 5 layers per jitted call (6 calls a step for 30 layers): a whole unrolled model per
-  call compiles several times slower per shape, one layer per call adds dispatches to every step,
-  and 5 or 10 layers per call step equally fast. Prefill, compute-bound, runs one layer per call.
+- Decode runs every layer in one jitted call: one dispatch a step, and the host free while the
+  device runs. Unrolling all 30 layers of the default model compiles in about twice the time of
+  the 5-layer groups used before (3.4 s against 1.7 s a shape here), and the persistent
+  compilation cache pays that once per machine. Prefill, compute-bound, runs one layer per call.
 - With the CPU kernel the decode shapes are the row buckets alone (the kernel reads the live
   length), far fewer compilations than rows x attend buckets without it.
-- Without the kernel (GPU, or a CPU that cannot build it), attend buckets start at 128 because
+- On a GPU the Pallas kernel (engine.jax_backend.ragged_attention) reads each row's live length
+  in place as well: one attend shape there too (not under tensor parallelism).
+- Without either kernel (a mesh, bfloat16 on CPU, or a CPU that cannot build it), attend buckets start at 128 because
   fewer, longer reads are cheap at decode: the K/V of 128 positions is small next to the weights
   a step reads.
 
@@ -45,8 +50,11 @@ rows, V' ids the tokenizer can produce, E hidden, K kv heads, D head dim, L laye
 
 from __future__ import annotations
 
+import collections
 import functools
+import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -54,9 +62,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import cpu_kernels, mesh, quantize, sampling, transformer
+from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize, ragged_attention, sampling, transformer
 from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, with_one_row_copies
-from engine.model_store.checkpoint import CheckpointError, ModelConfig
+from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
 from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
 from engine.jax_backend.sampling import SlotSampling
@@ -66,6 +74,13 @@ log = logging.getLogger(__name__)
 MIN_BUCKET = 16  # smallest prompt (chunk) bucket
 MAX_CHUNK = 512  # largest prompt chunk one prefill call runs; longer prompts run as several chunks
 MIN_ATTEND = 128  # smallest decode attend bucket
+# Smallest decode row bucket. On the CPU a step's products cost more with every row, so rows
+# double from 1. On an accelerator a decode step reads every weight once whatever its rows, and up
+# to ~100 rows the arithmetic hides under that read (an H200 reads a 1B model's 2.4 GB of bf16 in
+# ~0.5 ms; 16 rows of it are 0.04 TFLOP, ~0.05 ms), so buckets below 16 rows would cost compiles
+# and save nothing.
+MIN_ROWS = {"cpu": 1}
+ACCELERATOR_MIN_ROWS = 16
 LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
 PREFIX_BLOCK = 16  # positions per prefix-cache block (the unit of prefix matching)
 # The scheduler's default prefill budget per step while others decode (Model.default_step_tokens):
@@ -198,16 +213,82 @@ def _head_and_sample(
     final_norm: jax.Array,
     lm_head: jax.Array,  # [E, V']
     mask: jax.Array,  # [B, V'] bool, every slot's masked ids
+    last: jax.Array,  # [B] i32, each slot's last sampled token, donated
     slots: jax.Array,  # [R] the slot of each row
+    active: jax.Array,  # [R] bool, rows whose sample is the slot's next token
     masked: jax.Array,  # [R] bool, mask this step
     params: SlotSampling,  # [R] rows
     positions: jax.Array,  # [R] of the tokens being sampled
     top_n: jax.Array,  # [R] i32, alternatives each row reports (0: none; all 0 skips the top-k)
     cfg: ModelConfig,
     head_size: int | None = None,  # V' when the head is padded (engine.jax_backend.mesh), else None
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """-> (last [B] with each active row's sample at its slot, ids [R], logprobs [R], top ids
+    [R, K], top logprobs [R, K]). The sample stays on the device as the slot's next input, so a
+    decode step never waits for the host to send back what it just sampled."""
     logits = transformer.logits(x[:, 0], final_norm, lm_head, cfg)[:, :head_size]  # [R, V']
-    return (*sampling.sample(logits, params, positions, mask[slots], masked), *sampling.top_logprobs(logits, top_n))
+    tokens, logprobs = sampling.sample(logits, params, positions, mask[slots], masked)  # [R], [R]
+    last = last.at[slots].set(jnp.where(active, tokens, last[slots]))
+    return (last, tokens, logprobs, *sampling.top_logprobs(logits, top_n))
+
+
+# Columns of a decode step's packed host inputs: one [R, 9] i32 and one [R, 3] f32 array cross to
+# the device per step, not eleven small ones.
+GIVEN, USE_GIVEN, POSITION, ACTIVE, MASKED, TOP_K, TOP_N, SEED_HI, SEED_LO = range(9)
+TEMPERATURE, TOP_P, MIN_P = range(3)
+
+
+def _decode_step(
+    embed_table: jax.Array,  # [V, E] (or its int8 form)
+    final_norm: jax.Array,  # [E]
+    lm_head: jax.Array,  # [E, V']
+    layers: tuple,  # L layer weights (with the one-row copies where the kernels use them)
+    k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D], donated
+    v_caches: tuple[jax.Array, ...],
+    last: jax.Array,  # [B] i32, each slot's last sampled token, donated
+    mask: jax.Array,  # [B, V'] bool
+    ints: jax.Array,  # [R, 9] i32, the columns above
+    floats: jax.Array,  # [R, 3] f32, the columns above
+    cfg: ModelConfig,
+    attend: int,
+    kernels: bool,
+    ragged: bool,
+    head_size: int | None = None,
+) -> tuple:
+    """One whole decode step for the first R slots as one executable: embed the slots' inputs
+    (the token the host gives, or the slot's last sample, already on the device), every layer,
+    head and sampling. -> (k_caches, v_caches, last, ids [R], logprobs [R], top ids [R, K], top
+    logprobs [R, K])."""
+    r = ints.shape[0]
+    rows = jnp.arange(r, dtype=jnp.int32)  # [R] row i is slot i
+    active = ints[:, ACTIVE] > 0  # [R]
+    positions = ints[:, POSITION]  # [R]
+    tokens = jnp.where(ints[:, USE_GIVEN] > 0, ints[:, GIVEN], last[:r])  # [R]
+    x = transformer.embed(embed_table, tokens[:, None])  # [R, 1, E]
+    x, k_caches, v_caches = transformer.decode_layers(
+        layers, k_caches, v_caches, x, positions, active, cfg=cfg, attend=attend, kernels=kernels, ragged=ragged
+    )
+    seed = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)  # [R, 2]
+    params = SlotSampling(floats[:, TEMPERATURE], ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P], seed)
+    last, *out = _head_and_sample(
+        x, final_norm, lm_head, mask, last, rows, active, ints[:, MASKED] > 0, params,
+        positions + 1, ints[:, TOP_N], cfg, head_size,
+    )
+    return (k_caches, v_caches, last, *out)
+
+
+def _alternatives(ids: np.ndarray, logprobs: np.ndarray, wanted: np.ndarray) -> list[tuple[tuple[int, float], ...]]:
+    """ids, logprobs [R, K], wanted [R] -> per row its first `wanted` (id, logprob) pairs."""
+    return [tuple(zip(i[:n].tolist(), p[:n].tolist())) for i, p, n in zip(ids, logprobs, wanted.tolist())]
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A dispatched decode step whose samples the host has not read yet."""
+
+    slots: np.ndarray  # [N] the slots of the step's inputs, in input order
+    top_n: np.ndarray  # [R] alternatives each row reports
+    samples: tuple[jax.Array, ...]  # ids [R], logprobs [R], top ids [R, K], top logprobs [R, K], on the device
 
 
 class JaxModel:
@@ -221,13 +302,13 @@ class JaxModel:
         dtype: jnp.dtype,
         min_bucket: int = MIN_BUCKET,
         min_attend: int = MIN_ATTEND,
-        layers_per_call: int = LAYERS_PER_CALL,
         kernels: bool = True,
         kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
         max_chunk: int = MAX_CHUNK,
         prefix_cache_tokens: int = 0,
         plan: mesh.Plan | None = None,
         cpu_threads: int | None = None,
+        min_rows: int | None = None,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -239,6 +320,8 @@ class JaxModel:
         cache = transformer.init_cache(config, b, s, dtype, cache_sharding)
         self._k, self._v = list(cache.k), list(cache.v)  # per layer; each call swaps in new buffers
         self._mask = jnp.zeros((b, self._head_size), bool, device=None if plan is None else plan.replicated)
+        self._last = jnp.zeros(b, jnp.int32, device=None if plan is None else plan.replicated)  # [B] last samples
+        self._pending: collections.deque[_Pending] = collections.deque()  # dispatched steps, oldest first
         if prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         self.prefix_pool = PrefixPool(PREFIX_BLOCK, prefix_cache_tokens // PREFIX_BLOCK)
@@ -259,14 +342,17 @@ class JaxModel:
         if self.kernels:
             self.cpu_threads = cpu_threads or cpu_kernels.available_cpus()
             cpu_kernels.set_threads(cpu_kernels.status(kernel_build).kernels, self.cpu_threads)
-        self._attend_buckets = (s,) if self.kernels else length_buckets(s, min_attend)
-        self._row_buckets = length_buckets(b, 1)
-        self._decode_groups = layer_groups(config.n_layers, layers_per_call)
+        # On a GPU, decode attention is the ragged Pallas kernel (engine.jax_backend.ragged_attention),
+        # which reads each row's live length too; not under a mesh, whose partitioner cannot split it.
+        self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, s)
+        self._attend_buckets = (s,) if self.kernels or self.ragged else length_buckets(s, min_attend)
+        self._row_buckets = length_buckets(b, min_rows or MIN_ROWS.get(jax.default_backend(), ACCELERATOR_MIN_ROWS))
         self._prefill_groups = layer_groups(config.n_layers, 1)
         layers = weights.layers
         if self.kernels and not self.int8:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
             layers = tuple(with_one_row_copies(layer) for layer in layers)
-        self._layers = {g: layers[g[0] : g[1]] for g in self._decode_groups + self._prefill_groups}
+        self._decode_weights = layers  # every layer, as one decode step reads them
+        self._layers = {g: layers[g[0] : g[1]] for g in self._prefill_groups}
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
         self._filling = np.zeros(b, bool)  # prefilled in part: more chunks to come before it may decode
         self._temperature = np.zeros(b, np.float32)
@@ -283,20 +369,22 @@ class JaxModel:
 
         self._embed = jax.jit(own(_embed), **o)
         self._prefill_layers = jax.jit(
-            own(transformer.prefill_layers), static_argnames="cfg", donate_argnames=caches, **o
+            own(transformer.prefill_layers, kernels=self.kernels), static_argnames="cfg", donate_argnames=caches, **o
         )
-        self._decode_layers = jax.jit(
-            own(transformer.decode_layers, kernels=self.kernels),
-            static_argnames=("cfg", "attend"), donate_argnames=caches, **o,
-        )
-        self._last = jax.jit(own(_last), **o)
-        self._write_mask = jax.jit(own(_write_mask), donate_argnums=0, **o)
         head_size = None if plan is None else self._head_size
-        self._sample = jax.jit(own(_head_and_sample, head_size=head_size), static_argnames="cfg", **o)
+        self._step = jax.jit(
+            own(_decode_step, kernels=self.kernels, ragged=self.ragged, head_size=head_size),
+            static_argnames=("cfg", "attend"), donate_argnames=(*caches, "last"), **o,
+        )
+        self._last_hidden = jax.jit(own(_last), **o)
+        self._write_mask = jax.jit(own(_write_mask), donate_argnums=0, **o)
+        self._sample = jax.jit(
+            own(_head_and_sample, head_size=head_size), static_argnames="cfg", donate_argnames="last", **o
+        )
         self._load_blocks = jax.jit(own(_load_blocks), donate_argnums=(0, 1), **o)
         self._save_blocks = jax.jit(own(_save_blocks), donate_argnums=(0, 1), **o)
         self._jitted = (
-            self._embed, self._prefill_layers, self._decode_layers, self._last, self._write_mask, self._sample,
+            self._embed, self._prefill_layers, self._step, self._last_hidden, self._write_mask, self._sample,
             self._load_blocks, self._save_blocks,
         )
 
@@ -311,7 +399,6 @@ class JaxModel:
         model_id: str | None = None,
         min_bucket: int = MIN_BUCKET,
         min_attend: int = MIN_ATTEND,
-        layers_per_call: int = LAYERS_PER_CALL,
         kernels: bool = True,
         kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
         max_chunk: int = MAX_CHUNK,
@@ -319,14 +406,16 @@ class JaxModel:
         tensor_parallel: int = 1,
         weights: str = "float32",
         cpu_threads: int | None = None,
+        memory_limit_bytes: int | None = None,
+        min_rows: int | None = None,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
         Compile-time knobs (fewer shapes warm up faster; see the module docstring for figures):
         `min_bucket` is the smallest prompt bucket, `min_attend` the smallest attended length of a
-        decode step (both then double up to the context; unused with the kernel), `layers_per_call`
-        how many layers one jitted decode call runs (all of them: `layers_per_call=n_layers`;
-        prefill runs one). `kernels`: use the CPU decode kernels where they apply (CPU backend,
+        decode step (both then double up to the context; unused with the kernel), `min_rows` the
+        smallest row bucket of a decode step (default: 1 on CPU, ACCELERATOR_MIN_ROWS elsewhere).
+        `kernels`: use the CPU decode kernels where they apply (CPU backend,
         float32, and a library is found or built here; `self.kernels` says whether they are on, and
         `self.kernel_state` says it for operators: "on: <origin> <path>", "off: <reason>" or
         "not applicable: <reason>"): attention, and the
@@ -343,6 +432,9 @@ class JaxModel:
         `weights`: "float32" (the dtype's own) or "int8" (engine.jax_backend.quantize: weight-only
         int8 with float32 activations, CPU kernels only; ValueError elsewhere). `cpu_threads`:
         threads per CPU weight product (default: the CPUs this process may use).
+        `memory_limit_bytes`: the memory check's limit per device instead of what the device
+        offers (engine.jax_backend.memory_plan); a configuration that cannot fit raises
+        memory_plan.MemoryPlanError (a ValueError, one line) before any weight is read.
         """
         model_dir = Path(model_dir)
         plan = None
@@ -352,14 +444,9 @@ class JaxModel:
             raise ValueError("int8 weights run on one device: they cannot be combined with tensor parallelism")
         if weights == "int8" and jnp.dtype(dtype or default_dtype()) != jnp.float32:
             raise ValueError(f"int8 weights run with float32 activations, not {dtype}")
-        if weights == "int8":
-            ckpt = load_int8(model_dir)
-            cfg = ckpt.config
-        elif tensor_parallel == 1:
-            ckpt = load_checkpoint(model_dir, dtype)
-            cfg = ckpt.config
-        else:
-            ckpt, cfg, plan = load_sharded(model_dir, dtype, tensor_parallel)
+        # The sizes are checked on config.json, and the memory they take against the device,
+        # before any weight is placed (engine.jax_backend.memory_plan).
+        cfg = parse_config(json.loads((model_dir / "config.json").read_text()))
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_context_length is not None and not 1 <= max_context_length <= cfg.max_position_embeddings:
@@ -372,6 +459,40 @@ class JaxModel:
             raise CheckpointError(
                 f"{cfg.architecture}: sliding_window {cfg.sliding_window} < context {context} is not supported"
             )
+        if tensor_parallel > 1 and not jax.distributed.is_initialized():
+            mesh.request_cpu_devices(tensor_parallel)  # (as load_sharded does) before the backend starts below
+        dtype_ = jnp.dtype(dtype or default_dtype())
+        settings = memory_plan.Settings(
+            max_batch_size, context, max_chunk, prefix_cache_tokens, PREFIX_BLOCK, dtype_.itemsize,
+            int8=weights == "int8",
+            one_row_copies=(  # as cpu_kernel_state will decide in __init__
+                kernels and weights != "int8" and tensor_parallel == 1 and jax.default_backend() == "cpu"
+                and dtype_ == jnp.float32 and cpu_kernels.load(kernel_build) is not None
+            ),
+            devices=tensor_parallel,
+        )
+        if memory_limit_bytes:
+            limit = memory_plan.MemoryLimit(memory_limit_bytes, "the limit stated by configuration")
+        else:
+            limit = memory_plan.device_limit(jax.local_devices()[0])
+        head_size = tokenizer_size(model_dir, cfg.vocab_size)
+        if limit is None:
+            log.info("memory check skipped: %s reports no memory limit", jax.local_devices()[0])
+        else:
+            need = memory_plan.check(cfg, head_size, settings, limit, jax.default_backend())
+            log.info(
+                "memory plan per device: weights %s + KV cache %s + prefix pool %s + temporaries %s = %s of %s, %s",
+                *map(memory_plan.gib, (need.weights, need.kv_cache, need.prefix_pool, need.temporaries, need.total, limit.bytes)),
+                limit.source,
+            )
+        if weights == "int8":
+            ckpt = load_int8(model_dir)
+            cfg = ckpt.config
+        elif tensor_parallel == 1:
+            ckpt = load_checkpoint(model_dir, dtype)
+            cfg = ckpt.config
+        else:
+            ckpt, cfg, plan = load_sharded(model_dir, dtype, tensor_parallel)
         info = ModelInfo(
             model_id=model_id or model_dir.name,
             vocab_size=cfg.vocab_size,
@@ -379,10 +500,9 @@ class JaxModel:
             max_batch_size=max_batch_size,
             eos_token_ids=ckpt.eos_token_ids,
         )
-        dtype_ = jnp.dtype(dtype or default_dtype())
         return cls(
-            cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, layers_per_call, kernels, kernel_build, max_chunk,
-            prefix_cache_tokens, plan, cpu_threads,
+            cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, kernels, kernel_build, max_chunk,
+            prefix_cache_tokens, plan, cpu_threads, min_rows=min_rows,
         )
 
     @property
@@ -406,16 +526,17 @@ class JaxModel:
         return transformer.KVCache(tuple(self._k), tuple(self._v))
 
     def decode_hlo(self, rows: int, attend: int) -> str:
-        """The compiled first layer group of a decode step as HLO text (cached once warmed up), so
-        tests can check that its cache buffers are aliased to the output and never copied."""
-        lo, hi = group = self._decode_groups[0]
-        zeros = np.zeros(rows, np.int32)
-        lowered = self._decode_layers.lower(
-            self._layers[group], tuple(self._k[lo:hi]), tuple(self._v[lo:hi]),
-            jnp.zeros((rows, 1, self.config.hidden_size), self._k[0].dtype), zeros, zeros.astype(bool),
-            cfg=self.config, attend=attend,
+        """The compiled decode step as HLO text (cached once warmed up), so tests can check that
+        it is one executable whose cache buffers are aliased to the output and never copied."""
+        return self._lower_step(rows, attend).compile().as_text()
+
+    def _lower_step(self, rows: int, attend: int):
+        w = self._weights
+        ints, floats = self._pack([], rows)
+        return self._step.lower(
+            w.embed, w.final_norm, w.lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
+            self._mask, *self._put((ints, floats)), cfg=self.config, attend=attend,
         )
-        return lowered.compile().as_text()
 
     def compilations(self) -> int:
         """How many (function, shape) variants this model has compiled so far."""
@@ -429,19 +550,17 @@ class JaxModel:
         costs the compiles and little else."""
         if self._length.any():
             raise ModelUsageError("warm_up with requests in flight")
-        decode_groups = list({hi - lo: (lo, hi) for lo, hi in self._decode_groups}.values())
         for t in self._prompt_buckets:
             x = self._embed(self._weights.embed, np.zeros((1, t), np.int32))
             self._run_layers(self._prefill_groups[:1], self._prefill_layers, x, np.int32(0), np.int32(0), cfg=self.config)
-            self._last(x, np.int32(1))
+            last = self._last_hidden(x, np.int32(1))
         self._mask = self._write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
-        for rows in self._row_buckets:
-            zeros, off = np.zeros(rows, np.int32), np.zeros(rows, bool)
-            x = self._embed(self._weights.embed, zeros[:, None])
-            on_device = self._put((zeros, off))  # as decode passes them: committed arrays key the cache
+        zero = np.zeros(1, np.int32)
+        self._run_sample(last, zero, np.zeros(1, bool), self._params(slice(0, 1)), zero, zero)
+        for rows in self._row_buckets:  # a step with every row idle writes nothing and samples for nobody
             for attend in self._attend_buckets:
-                self._run_layers(decode_groups, self._decode_layers, x, *on_device, cfg=self.config, attend=attend)
-            jax.block_until_ready(self._run_sample(x, zeros, off, self._params(slice(0, rows)), zeros, zeros))
+                self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend)
+                self.collect()
         if self.prefix_pool.blocks:  # copies of 0 blocks: only the compiles
             self._copy_into_slot(0, [])
             self._copy_into_pool(0, [], [])
@@ -483,7 +602,7 @@ class JaxModel:
         self._filling[slot] = False
         row = slice(slot, slot + 1)
         token, logprob, top = self._run_sample(
-            self._last(x, np.int32(last)), np.array([slot], np.int32), np.array([masked]), self._params(row),
+            self._last_hidden(x, np.int32(last)), np.array([slot], np.int32), np.array([masked]), self._params(row),
             np.array([n], np.int32), self._top_n[row],
         )
         return Sample(int(token[0]), float(logprob[0]), top[0])
@@ -558,33 +677,65 @@ class JaxModel:
         return pieces
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
-        if not inputs:
-            return []
+        _require(not self._pending, "decode with a dispatched step not yet collected")
+        self.dispatch(inputs)
+        return self.collect()
+
+    def dispatch(self, inputs: Sequence[DecodeInput]) -> None:
+        """Enqueue one decode step and return without waiting for it: the device runs it while
+        the host reads the previous step (`collect`). An input whose token_id is None feeds the
+        slot's last sample, which never left the device."""
+        _require(bool(inputs), "a decode step with no inputs")
         slots = np.fromiter((i.slot for i in inputs), np.int64, len(inputs))
         given = np.fromiter((i.position for i in inputs), np.int64, len(inputs))
-        ids = np.fromiter((i.token_id for i in inputs), np.int64, len(inputs))
+        ids = [i.token_id for i in inputs if i.token_id is not None]
         _require(len(np.unique(slots)) == len(slots), "a slot twice in one step")
         _require((self._length[slots] > 0).all() and not self._filling[slots].any(), "a slot that was not prefilled")
         _require((given == self._length[slots]).all(), "a position that is not the slot's next one")
         _require(given.max() < self.info.max_context_length, "a position past the context")
-        _require(0 <= ids.min() and ids.max() < self.config.vocab_size, "a token id outside the vocabulary")
+        _require(all(0 <= t < self.config.vocab_size for t in ids), "a token id outside the vocabulary")
         rows = _bucket(self._row_buckets, int(slots.max()) + 1)
-        tokens, positions = np.zeros(rows, np.int32), np.zeros(rows, np.int32)
-        active, masked = np.zeros(rows, bool), np.zeros(rows, bool)
-        tokens[slots], positions[slots], active[slots] = ids, given, True
-        masked[slots] = [i.masked for i in inputs]
         attend = _bucket(self._attend_buckets, int(given.max()) + 1)
-        x = self._embed(self._weights.embed, tokens[:, None])  # [R, 1, E]
-        on_device = self._put((positions, active))  # once, not once per layer call
-        x = self._run_layers(self._decode_groups, self._decode_layers, x, *on_device, cfg=self.config, attend=attend)
-        out_tokens, out_logprobs, tops = self._run_sample(
-            x, np.arange(rows, dtype=np.int32), masked, self._params(slice(0, rows), active), positions + 1,
-            np.where(active, self._top_n[:rows], 0).astype(np.int32),
-        )
+        self._launch(slots, *self._pack(inputs, rows), attend)
         self._length[slots] += 1
-        return [
-            Sample(t, p, tops[s]) for s, t, p in zip(slots.tolist(), out_tokens[slots].tolist(), out_logprobs[slots].tolist())
-        ]
+
+    def collect(self) -> list[Sample]:
+        """The samples of the oldest dispatched step, one per input in input order; waits for
+        the device to finish it."""
+        _require(bool(self._pending), "collect with no step dispatched")
+        step = self._pending.popleft()
+        if not step.top_n.any():
+            tokens, logprobs = jax.device_get(step.samples[:2])
+            tops = [()] * len(step.top_n)
+        else:
+            tokens, logprobs, top_ids, top_logprobs = jax.device_get(step.samples)
+            tops = _alternatives(top_ids, top_logprobs, step.top_n)
+        slots = step.slots.tolist()
+        return [Sample(t, p, tops[s]) for s, t, p in zip(slots, tokens[slots].tolist(), logprobs[slots].tolist())]
+
+    def _pack(self, inputs: Sequence[DecodeInput], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """A step's host inputs for the first `rows` slots as the two packed arrays the step
+        reads (columns GIVEN.. and TEMPERATURE..); rows with no input are idle (greedy, no cuts)."""
+        ints, floats = np.zeros((rows, 9), np.int32), np.zeros((rows, 3), np.float32)
+        floats[:, TOP_P] = 1.0
+        for i in inputs:
+            s = i.slot
+            ints[s, GIVEN] = 0 if i.token_id is None else i.token_id
+            ints[s, USE_GIVEN] = i.token_id is not None
+            ints[s, POSITION], ints[s, ACTIVE], ints[s, MASKED] = i.position, 1, i.masked
+            ints[s, TOP_K], ints[s, TOP_N] = self._top_k[s], self._top_n[s]
+            floats[s] = self._temperature[s], self._top_p[s], self._min_p[s]
+        ints[:, SEED_HI:SEED_LO + 1] = self._seed[:rows].view(np.int32)
+        return ints, floats
+
+    def _launch(self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, attend: int) -> None:
+        w = self._weights
+        k, v, self._last, *samples = self._step(
+            w.embed, w.final_norm, w.lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
+            self._mask, *self._put((ints, floats)), cfg=self.config, attend=attend,
+        )
+        self._k, self._v = list(k), list(v)
+        self._pending.append(_Pending(slots, ints[:, TOP_N].copy(), tuple(samples)))
 
     def release(self, slot: int) -> None:
         self._length[slot] = 0
@@ -611,25 +762,21 @@ class JaxModel:
         self, x: jax.Array, slots: np.ndarray, masked: np.ndarray, params: SlotSampling, positions: np.ndarray,
         top_n: np.ndarray,
     ) -> tuple[np.ndarray, np.ndarray, list[tuple[tuple[int, float], ...]]]:
-        """-> sampled ids [R], their logprobs [R], and per row its top_n alternatives (fetched from
-        the device only when some row asks for them)."""
+        """Head and sampling for a prompt's last position (the row of slot `slots[0]`), which
+        also becomes the slot's first decode input on the device. -> sampled ids [R], their
+        logprobs [R], and per row its top_n alternatives (fetched from the device only when some
+        row asks for them)."""
         w = self._weights
-        token, logprob, top_ids, top_logprobs = self._sample(
-            x, w.final_norm, w.lm_head, self._mask, slots, masked, params, positions, top_n, cfg=self.config
+        self._last, token, logprob, top_ids, top_logprobs = self._sample(
+            x, w.final_norm, w.lm_head, self._mask, self._last, slots, np.ones(len(slots), bool), masked, params,
+            positions, top_n, cfg=self.config,
         )
         if not top_n.any():
             return (*jax.device_get((token, logprob)), [()] * len(top_n))
         token, logprob, top_ids, top_logprobs = jax.device_get((token, logprob, top_ids, top_logprobs))
-        tops = [tuple(zip(i[:n].tolist(), p[:n].tolist())) for i, p, n in zip(top_ids, top_logprobs, top_n.tolist())]
+        tops = _alternatives(top_ids, top_logprobs, top_n)
         return token, logprob, tops
 
-    def _params(self, rows: slice, active: np.ndarray | bool = True) -> SlotSampling:
-        """The rows' sampling parameters; inactive rows greedy with no cuts, so an idle sampled
-        slot does not make a greedy step pay for drawing."""
-        return SlotSampling(
-            np.where(active, self._temperature[rows], 0.0).astype(np.float32),
-            np.where(active, self._top_k[rows], 0).astype(np.int32),
-            np.where(active, self._top_p[rows], 1.0).astype(np.float32),
-            np.where(active, self._min_p[rows], 0.0).astype(np.float32),
-            self._seed[rows],
-        )
+    def _params(self, rows: slice) -> SlotSampling:
+        """The rows' sampling parameters (a prompt's last position; a decode step packs its own)."""
+        return SlotSampling(self._temperature[rows], self._top_k[rows], self._top_p[rows], self._min_p[rows], self._seed[rows])

@@ -25,13 +25,16 @@ Failure, and the bound on it (T = the group's `timeout_s`):
   `follow`.
 
 Keys are deleted once every process is known to have read them: after a call whose result came
-back from the devices (a sample), every earlier collective has completed everywhere, so every
-follower has read every earlier key.
+back from the devices (a prompt's sample), that collective has completed everywhere, so every
+follower has read its key and every earlier one. A decode step's samples are read (`collect`)
+after the next step is dispatched, and a follower may not have read that dispatch yet: a collect
+shows only that the keys up to its own step's dispatch were read.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import inspect
 import logging
 import os
@@ -105,6 +108,7 @@ class Leader:
         self._store = _store()
         self._next = 0  # the next call's number
         self._unread = 0  # calls below this number are deleted from the store
+        self._dispatched: collections.deque[int] = collections.deque()  # numbers of steps not yet collected
         self._stopped = False
         atexit.register(self.stop)  # before jax.distributed's own shutdown (atexit runs newest first)
 
@@ -114,24 +118,31 @@ class Leader:
             return attr
 
         def call(*args, **kwargs):
-            self._publish((name, args, kwargs))
+            number = self._publish((name, args, kwargs))
             result = attr(*args, **kwargs)
-            if result or name == "warm_up":  # samples came back from the devices: everyone has read
-                self._forget()  # (None or [] did not: a release, a chunk, an empty step)
+            if name == "dispatch":
+                self._dispatched.append(number)
+            elif name == "collect":  # that step ran everywhere: its dispatch, and all before, were read
+                self._forget(self._dispatched.popleft())
+            elif result or name == "warm_up":  # samples came back from the devices: everyone has read
+                self._forget(number)  # (None or [] did not: a release, a chunk)
             return result
 
         return call
 
-    def _publish(self, message: tuple) -> None:
+    def _publish(self, message: tuple) -> int:
+        """Store the call under the next number; -> that number."""
         # pickle: the store is the group's own (its port must be reachable by the group alone,
         # as jax.distributed's coordinator always must), and every process runs this same code.
         self._store.key_value_set_bytes(f"{STEP_KEY}{self._next}", pickle.dumps(message))
         self._next += 1
+        return self._next - 1
 
-    def _forget(self) -> None:
-        for n in range(self._unread, self._next):
+    def _forget(self, read: int) -> None:
+        """Delete the calls up to number `read`, which every process has read."""
+        for n in range(self._unread, read + 1):
             self._store.key_value_delete(f"{STEP_KEY}{n}")
-        self._unread = self._next
+        self._unread = max(self._unread, read + 1)
 
     def stop(self) -> None:
         """Tell the followers to return from `follow` (an orderly stop; once)."""

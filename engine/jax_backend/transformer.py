@@ -28,9 +28,13 @@ transposed that slice in every layer). Even so, at 32 rows the XLA attention is 
 step on XLA:CPU: it copies the sliced window, then runs each of the R x K [G, D] x [D, A] products
 as a separate small matmul. On the CPU the engine therefore uses
 a C++ kernel for decode attention (`kernels=True`, engine.jax_backend.cpu_kernels), which reads each row's
-live keys in place; `decode_attention` below is the same computation in JAX (the GPU path, and
-the reference the kernel is tested against). A one-row step's projections go to a second kernel
-when the layer carries [out, in] copies (`weights.with_one_row_copies`, `_project`).
+live keys in place; `decode_attention` below is the same computation in JAX (the reference the
+kernel is tested against, and the path where neither kernel applies). On a GPU the decode
+layers use a Pallas kernel (engine.jax_backend.ragged_attention) that likewise reads each row's
+live keys in place instead of a bucketed window. A one-row step's projections go to a second kernel
+when the layer carries [out, in] copies (`weights.with_one_row_copies`, `_project`), and a
+prefill chunk's attention to a third (`prefill_layers`), GEMM-shaped where XLA:CPU ran
+`chunk_attention`'s small blocked products far below its matmul speed.
 
 Under tensor parallelism (engine.jax_backend.mesh) the same functions run on weights and caches
 split over a mesh; XLA's partitioner adds the collectives. The fused projections' layouts
@@ -50,7 +54,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import cpu_kernels, quantize
+from engine.jax_backend import cpu_kernels, quantize, ragged_attention
 from engine.jax_backend.weights import LayerWeights, Weights
 from engine.model_store.checkpoint import ModelConfig, RopeScaling
 
@@ -270,14 +274,23 @@ def prefill_layers(
     slot: jax.Array,
     start: jax.Array,
     cfg: ModelConfig,
+    kernels: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """One chunk of a prompt through a group of layers: x [1, C, E] (the tokens at positions
     start..start+C-1, real ones first, padding after), slot [], start [] -> x [1, C, E] and the
     group's caches, with the slot's K/V written for positions [start, start + C). The chunk
     attends to the slot's keys at positions [0, start + C): those written by earlier chunks and
     its own (`chunk_attention`). start + C <= S. Positions written past the prompt are padding,
-    overwritten by the next chunk or by decode before any query can see them."""
+    overwritten by the next chunk or by decode before any query can see them. `kernels` (static):
+    the attention by the CPU kernel (engine.jax_backend.cpu_kernels.chunk_attention: GEMM-shaped,
+    on the kernels' thread pool; ~1.5x the plain-JAX blocks' speed for a 16-token chunk over ~1,800
+    keys on a loaded machine, docs/benchmarks.md) where it applies (float32 and a head dim that is
+    a multiple of 8); otherwise, and off, `chunk_attention`, the reference it is tested against."""
     c = x.shape[1]
+    use_kernel = (
+        kernels and cpu_kernels.chunk_attention_applies(cfg.head_dim)
+        and x.dtype == jnp.float32 and k_caches[0].dtype == jnp.float32
+    )
     positions = (start + jnp.arange(c))[None, :]  # [1, C]
     at = (slot, 0, start, 0)
     ks, vs = [], []
@@ -287,7 +300,10 @@ def prefill_layers(
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), at)
         ks.append(k_cache)
         vs.append(v_cache)
-        seen = chunk_attention(q[0], k_cache, v_cache, slot, start, cfg)  # [C, H*D]
+        if use_kernel:
+            seen = cpu_kernels.chunk_attention(q[0], k_cache, v_cache, slot, start)  # [C, H*D]
+        else:
+            seen = chunk_attention(q[0], k_cache, v_cache, slot, start, cfg)  # [C, H*D]
         x = x + _dot(seen, w.w_o)[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
@@ -303,10 +319,14 @@ def decode_layers(
     cfg: ModelConfig,
     attend: int,
     kernels: bool = False,
+    ragged: bool | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """x [R, 1, E], positions/active [R] for slots 0..R-1 -> x [R, 1, E] and the group's caches.
     `attend` (static) > every active position. `kernels` (static): attention by the CPU kernel
     (engine.jax_backend.cpu_kernels), which reads each row's live keys in place and ignores `attend`.
+    `ragged` (static): otherwise, attention by the Pallas kernel (engine.jax_backend.ragged_attention),
+    which also reads each row's live keys in place and ignores `attend`; None: where it
+    `applies()` (a GPU backend and shapes it takes). Off, the XLA attention over `attend` positions.
 
     Inactive rows compute garbage and write back what their slot already holds, so a slot between
     prefill and its first decode keeps its prompt intact. (Dropping an out-of-range write instead,
@@ -322,6 +342,8 @@ def decode_layers(
     def write(cache: jax.Array, new: jax.Array) -> jax.Array:  # new [R, K, D] -> [B, K, S, D]
         return cache.at[rows, :, at].set(jnp.where(keep, cache[rows, :, at], new.astype(cache.dtype)))
 
+    if ragged is None:
+        ragged = ragged_attention.applies(cfg.head_dim, k_caches[0].shape[2])
     ks, vs = [], []
     for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
         q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [R, 1, H|K, D]
@@ -330,6 +352,8 @@ def decode_layers(
         vs.append(v_cache)
         if kernels:
             seen = cpu_kernels.decode_attention(q[:, 0], k_cache, v_cache, positions)  # [R, H*D]
+        elif ragged:  # an inactive row reads no key (length 0)
+            seen = ragged_attention.decode_attention(q[:, 0], k_cache, v_cache, jnp.where(active, positions + 1, 0))
         else:
             seen = decode_attention(q[:, 0], k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)
         x = x + _project(seen, w.w_o, getattr(w.out_in, "o", None))[:, None]
@@ -367,10 +391,11 @@ def decode(
     cfg: ModelConfig,
     attend: int,
     kernels: bool = False,
+    ragged: bool | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """The whole model in one call: tokens/positions/active [R] for slots 0..R-1 (R <= B) ->
-    logits [R, V'], cache. `attend` (static) > every active position; `kernels` as in
-    `decode_layers`."""
+    logits [R, V'], cache. `attend` (static) > every active position; `kernels` and `ragged` as
+    in `decode_layers`."""
     x = embed(weights.embed, tokens)[:, None]  # [R, 1, E]
-    x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, positions, active, cfg, attend, kernels)
+    x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, positions, active, cfg, attend, kernels, ragged)
     return logits(x[:, 0], weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)

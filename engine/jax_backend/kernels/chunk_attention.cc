@@ -1,0 +1,245 @@
+// tokenwire_chunk_attention: one prefill chunk's attention on the CPU, read straight from the
+// slot KV cache.
+//
+//   q [C, H, D] f32, k_cache / v_cache [B, K, S, D] f32, slot [] s32, start [] s32 -> out [C, H * D] f32
+//
+// The chunk's queries sit at positions start..start+C-1 of slot `slot`; query i of head
+// h = kv * G + g (G = H / K) attends to the slot's keys of kv head kv at positions 0..start+i
+// (causal; its own chunk's keys are already written). Only positions [0, start + C) are ever read,
+// so whatever the cache holds past the chunk's end (stale values, NaN) changes nothing. D must be a
+// multiple of 8; the caller (transformer.prefill_layers) keeps plain JAX otherwise.
+//
+// Why a kernel: chunked prefill interleaves small chunks (16 tokens) with decode steps, and near
+// the end of a long prompt the chunk's attention over ~2,000 cached keys is most of its cost. In
+// plain JAX (transformer.chunk_attention, a fori_loop over 256-key blocks) each block is a few
+// small batched products with a softmax, copies and masks between them, far from the machine's
+// GEMM speed (docs/benchmarks.md, "Prefill"). Here the computation is GEMM-shaped: a work unit is
+// one kv head and a tile of chunk positions, G * tile query rows (48 for G = 3 with AVX-512) that
+// share every key and value the unit loads; keys are walked in blocks of 128 with an online softmax
+// (flash-attention style, so no [rows, S] array); and both products are register-tiled outer-product
+// micro-kernels with the rows in vector lanes, reading the cache in place (no copy of the window,
+// no transpose of K or V, no horizontal sums: chunk_attention_unit.h). The exponentials are a
+// vectorised Cephes-style polynomial (libm's scalar expf would cost as much as the products).
+//
+// Two builds of that body: AVX2/FMA (8 lanes, tiles of 8 positions: what every machine the kernels
+// apply to has) and AVX-512 (16 lanes, tiles of 16), picked at run time where the CPU has AVX-512F,
+// because XLA:CPU's own products use it there and it doubles the FMA width (measured ~2x on this
+// machine's Xeon). `TokenwireChunkAttentionIsa(n)` caps the choice (tests run both).
+//
+// Threads: units (kv head x position tile, heaviest tiles first, since a later tile sees more
+// keys) are spread over the library's pool (pool.h, `TokenwireSetThreads` threads). A chunk with
+// fewer (kv head, tile) pairs than twice the threads also splits each pair's keys into block-aligned
+// ranges (flash-decoding style) and merges the partial softmaxes after: a 16-token chunk of SmolLM2
+// (3 kv heads) is 3 pairs with AVX-512, so 6 units on 2 threads instead of 3 that leave one idle.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kKeyBlock = 128;  // keys per online-softmax step (a multiple of every kKeys)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Shape {
+  int64_t chunk, heads, kv_heads, group, context, dim;
+};
+
+// Per-thread buffers for a unit, all with rows in the last (contiguous) dimension.
+struct Scratch {
+  std::vector<float> qt, ot, st, m, l;  // [D][R] queries, [D][R] output, [block][R] scores, [R], [R]
+  std::vector<int32_t> last;            // [R] each row's last visible key position
+};
+
+// Cephes' expf in both widths: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial for e^r, and 2^n
+// built in the exponent bits (~1-2 ulp); lanes below -87 (masked scores, -inf) or NaN give exactly 0.
+#define TW_EXP_POLY(P)                                      \
+  P y = Set1(1.9875691500e-4f);                             \
+  y = Fma(y, r, Set1(1.3981999507e-3f));                    \
+  y = Fma(y, r, Set1(8.3334519073e-3f));                    \
+  y = Fma(y, r, Set1(4.1665795894e-2f));                    \
+  y = Fma(y, r, Set1(1.6666665459e-1f));                    \
+  y = Fma(y, r, Set1(5.0000001201e-1f));                    \
+  y = Fma(y, Mul(r, r), r);                                 \
+  y = Add(y, Set1(1.0f));
+
+namespace avx2 {
+#define TW_TARGET __attribute__((target("avx2,fma")))
+using Vec = __m256;
+constexpr int64_t kLanes = 8, kKeys = 4, kCols = 4, kTile = 8;
+TW_TARGET inline Vec Zero() { return _mm256_setzero_ps(); }
+TW_TARGET inline Vec Set1(float x) { return _mm256_set1_ps(x); }
+TW_TARGET inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+TW_TARGET inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+TW_TARGET inline Vec Bcast(const float* p) { return _mm256_broadcast_ss(p); }
+TW_TARGET inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+TW_TARGET inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+TW_TARGET inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+TW_TARGET inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+TW_TARGET inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+TW_TARGET inline Vec MaskPast(Vec x, const int32_t* last, int32_t key) {
+  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(last));
+  const __m256i seen = _mm256_cmpgt_epi32(_mm256_add_epi32(l, _mm256_set1_epi32(1)), _mm256_set1_epi32(key));
+  return _mm256_blendv_ps(_mm256_set1_ps(kNegInf), x, _mm256_castsi256_ps(seen));
+}
+TW_TARGET inline Vec Exp(Vec x) {
+  const Vec dead = _mm256_cmp_ps(x, Set1(-87.0f), _CMP_NGE_UQ);  // and NaN (-inf minus -inf)
+  x = _mm256_min_ps(Max(x, Set1(-87.0f)), Set1(88.0f));
+  const Vec n = _mm256_round_ps(Mul(x, Set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, Set1(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
+  TW_EXP_POLY(Vec)
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(dead, Mul(y, _mm256_castsi256_ps(e)));
+}
+#include "chunk_attention_unit.h"
+#undef TW_TARGET
+}  // namespace avx2
+
+namespace avx512 {
+#define TW_TARGET __attribute__((target("avx512f,avx2,fma")))
+using Vec = __m512;
+constexpr int64_t kLanes = 16, kKeys = 8, kCols = 8, kTile = 16;
+TW_TARGET inline Vec Zero() { return _mm512_setzero_ps(); }
+TW_TARGET inline Vec Set1(float x) { return _mm512_set1_ps(x); }
+TW_TARGET inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+TW_TARGET inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+TW_TARGET inline Vec Bcast(const float* p) { return _mm512_set1_ps(*p); }
+TW_TARGET inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+TW_TARGET inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+TW_TARGET inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+TW_TARGET inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+TW_TARGET inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+TW_TARGET inline Vec MaskPast(Vec x, const int32_t* last, int32_t key) {
+  const __m512i l = _mm512_loadu_si512(last);
+  const __mmask16 seen = _mm512_cmpge_epi32_mask(l, _mm512_set1_epi32(key));
+  return _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), seen, x);
+}
+TW_TARGET inline Vec Exp(Vec x) {
+  const __mmask16 alive = _mm512_cmp_ps_mask(x, Set1(-87.0f), _CMP_GE_OQ);
+  x = _mm512_min_ps(Max(x, Set1(-87.0f)), Set1(88.0f));
+  const Vec n = _mm512_roundscale_ps(Mul(x, Set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, Set1(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
+  TW_EXP_POLY(Vec)
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mov_ps(alive, Mul(y, _mm512_castsi512_ps(e)));
+}
+#include "chunk_attention_unit.h"
+#undef TW_TARGET
+}  // namespace avx512
+
+#undef TW_EXP_POLY
+
+// 1: AVX-512 where the CPU has it; 0: AVX2 only (TokenwireChunkAttentionIsa).
+std::atomic<int> isa_cap{1};
+
+bool UseAvx512() { return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512f"); }
+
+// out = the splits' partial softmaxes combined: each row's max m = max_i m_i, its sum
+// l = sum_i l_i e^(m_i - m) and its output (sum_i o_i e^(m_i - m)) / l. A split a row saw no key in
+// has m_i = -inf and weighs 0 (split 0 holds key 0, which every row sees).
+void Merge(const Shape& s, const float* parts, int64_t tiles, int64_t tile, int64_t splits, int64_t part_size,
+           float* out) {
+  const int64_t d = s.dim;
+  std::vector<float> weight(static_cast<size_t>(splits));
+  for (int64_t pair = 0; pair < tiles * s.kv_heads; ++pair) {
+    const int64_t t = tiles - 1 - pair / s.kv_heads, kv = pair % s.kv_heads;
+    const int64_t c0 = t * tile, c1 = std::min(s.chunk, c0 + tile), rows = (c1 - c0) * s.group;
+    const float* first = parts + pair * splits * part_size;
+    for (int64_t r = 0; r < rows; ++r) {
+      float m = kNegInf, l = 0.0f;
+      for (int64_t i = 0; i < splits; ++i) m = std::max(m, first[i * part_size + r]);
+      for (int64_t i = 0; i < splits; ++i) {
+        const float mi = first[i * part_size + r];
+        weight[i] = mi == kNegInf ? 0.0f : std::exp(mi - m);
+        l += weight[i] * first[i * part_size + rows + r];
+      }
+      const int64_t ci = r / s.group, g = r % s.group;
+      float* dst = out + ((c0 + ci) * s.heads + kv * s.group + g) * d;
+      for (int64_t e = 0; e < d; ++e) {
+        float o = 0.0f;
+        for (int64_t i = 0; i < splits; ++i) {
+          if (weight[i] != 0.0f) o += weight[i] * first[i * part_size + 2 * rows + r * d + e];
+        }
+        dst[e] = o / l;
+      }
+    }
+  }
+}
+
+ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                          ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), cd = k_cache.dimensions(), vd = v_cache.dimensions();
+  const bool same_caches = vd.size() == cd.size() && std::equal(vd.begin(), vd.end(), cd.begin());
+  if (qd.size() != 3 || cd.size() != 4 || !same_caches || qd[2] != cd[3] || qd[2] % 8 != 0 || qd[0] < 1 ||
+      qd[1] % cd[1] != 0 || slot.element_count() != 1 || start.element_count() != 1 ||
+      out->element_count() != q.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "tokenwire_chunk_attention: expected q [C, H, D] with D a multiple of 8, caches [B, K, S, D] with K | H, "
+        "slot [], start [], out [C, H * D]");
+  }
+  const Shape s{qd[0], qd[1], cd[1], qd[1] / cd[1], cd[2], cd[3]};
+  // Clamped into the cache, so nothing is ever read out of bounds (callers keep start + C <= S).
+  const int64_t b = std::clamp<int64_t>(slot.typed_data()[0], 0, cd[0] - 1);
+  const int64_t lo = std::clamp<int64_t>(start.typed_data()[0], 0, s.context - 1);
+  const bool wide = UseAvx512();
+  const int64_t tile = wide ? avx512::kTile : avx2::kTile;
+  const int64_t tiles = (s.chunk + tile - 1) / tile;
+  // A chunk with fewer (kv head, tile) pairs than twice the threads (a 16-token chunk: 3 pairs)
+  // also splits each pair's keys, so that every thread has work; the splits are merged below.
+  const int64_t threads = tokenwire::Pool::Get().Threads(), pairs = tiles * s.kv_heads;
+  const int64_t blocks = (std::min(lo + s.chunk, s.context) + kKeyBlock - 1) / kKeyBlock;
+  const int64_t splits =
+      threads < 2 ? 1 : std::clamp<int64_t>((2 * threads + pairs - 1) / pairs, 1, std::max<int64_t>(1, blocks / 2));
+  const int64_t units = pairs * splits, rows = tile * s.group, part_size = rows * (s.dim + 2);
+  std::vector<float> parts(splits > 1 ? static_cast<size_t>(units * part_size) : 0);
+  const float *qp = q.typed_data(), *kp = k_cache.typed_data(), *vp = v_cache.typed_data();
+  float* op = out->typed_data();
+  // Units scaled by 8: the pool cuts its range into multiples of 8, so one unit is one step of 8.
+  tokenwire::Pool::Get().Run(units * 8, 8, [&](int64_t begin, int64_t end) {
+    thread_local Scratch scratch;
+    for (int64_t u = begin / 8; u < end / 8; ++u) {
+      const int64_t pair = u / splits, split = u % splits;
+      const int64_t t = tiles - 1 - pair / s.kv_heads, kv = pair % s.kv_heads;  // heaviest tiles first
+      const int64_t head = (b * s.kv_heads + kv) * s.context * s.dim;
+      const int64_t c0 = t * tile, c1 = std::min(s.chunk, c0 + tile);
+      float* part = splits > 1 ? &parts[u * part_size] : nullptr;
+      if (wide) {
+        avx512::Unit(s, qp, kp + head, vp + head, lo, op, kv, c0, c1, split, splits, part, scratch);
+      } else {
+        avx2::Unit(s, qp, kp + head, vp + head, lo, op, kv, c0, c1, split, splits, part, scratch);
+      }
+    }
+  });
+  if (splits > 1) Merge(s, parts.data(), tiles, tile, splits, part_size, op);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttention, ChunkAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Caps the ISA the kernel may use (0: AVX2 only; 1: AVX-512 where the CPU has it) and returns the
+// one it now uses (0 or 1); tests run both builds on a machine that has both.
+extern "C" int TokenwireChunkAttentionIsa(int cap) {
+  isa_cap.store(cap);
+  return UseAvx512() ? 1 : 0;
+}

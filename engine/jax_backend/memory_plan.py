@@ -1,0 +1,219 @@
+"""The memory check at load: what a configuration will hold on one device, against what the
+device has, so that an impossible configuration fails at start in one line that names the
+numbers and what to lower, instead of with a raw out-of-memory error at warm-up or mid-serving.
+
+Data flow: `JaxModel.load` reads the model's config, builds a `MemoryPlan` (`plan`) for its
+settings before any weight is placed, asks `device_limit` what one device offers (or takes a
+stated limit), and `check` raises MemoryPlanError when the plan's total exceeds it.
+
+What is counted, per device (1/N of the sharded parts under tensor parallelism over N):
+- weights: exactly the arrays the loader places (engine.model_store.checkpoint's layout: fused
+  qkv and gate_up, the head's V' columns as a separate array even when tied), in the serving
+  dtype or as int8 blocks with float32 scales (engine.jax_backend.quantize; a tied head that
+  covers every row shares the embedding), plus the [out, in] copies of the projections that the
+  CPU one-row kernel reads when the CPU kernels are on (tests/test_memory_plan.py checks these
+  figures against the loaded arrays);
+- KV cache: L x 2 buffers of [B, K, S, D] in the cache dtype, and each slot's banned-id row [B, V'];
+- prefix pool: the same per position, for the prefix cache's whole blocks;
+- temporaries: the larger of the two biggest calls' working sets, from the model's dimensions:
+  one prefill chunk of C = min(S, max_chunk) tokens through one layer (activations, q/k/v, the
+  blocked attention's float32 scores, the MLP's 2F features, rope in float32) and one decode
+  step of B rows (the same per row, plus float32 scores over S positions, the head's [B, V']
+  float32 logits with the sampler's copies of them and its exact select's tables); with int8
+  weights, a matrix dequantized to float32 where more than quantize.DIRECT_ROWS rows multiply
+  it. Counted whole under tensor parallelism. This is an estimate of the largest arrays alive at
+  once, not XLA's buffer assignment: the sampler's share is calibrated on XLA:CPU's own figures
+  (docs/benchmarks.md, "Design measurements"), and tests/test_memory_plan.py checks that it bounds
+  XLA:CPU's figure for whole prefill and decode steps of the tiny checkpoints. Decode attention
+  reads the cache in place (a copied window of the cache is not counted).
+Not counted: XLA's and the CUDA libraries' own workspaces, which live in the part of the GPU
+that JAX's memory fraction leaves out (compose.gpu.yaml sets XLA_PYTHON_CLIENT_MEM_FRACTION).
+
+The limit (`device_limit`): on a GPU, the allocator's `bytes_limit` from
+`device.memory_stats()` (the device's memory times XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's
+default 0.75) less what is already in use there; on the CPU, the host memory available now
+(MemAvailable, or a cgroup's limit less its usage when lower), since the weights, the cache and
+the temporaries all live in host memory and none of it is placed yet when the check runs; None
+(no check, said in the log) where neither can be read. An operator or a test may state the
+limit instead (`JaxModel.load(memory_limit_bytes=...)`, `--memory-limit-bytes`).
+
+Shapes: B slots, S context, C prompt chunk, L layers, E hidden, F ffn, H heads, K kv heads, D head
+dim, V embedding rows, V' head columns.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS
+from engine.model_store.checkpoint import ModelConfig
+
+GIB = 1 << 30
+ATTENTION_BLOCK = 256  # key positions per block of prefill's chunk attention (transformer.chunk_attention)
+# Head and sampling, per row: [V'] float32 arrays alive at once (with room over what XLA:CPU held,
+# docs/benchmarks.md), and the exact select's histogram tables: bounded by four int32 tables of
+# 2^16 (engine.jax_backend.sampling's RADIX_BITS levels are at most 16 bits wide).
+SAMPLER_COPIES = 12
+SELECT_TABLE_BYTES = 4 * 4 * 2**16
+
+
+class MemoryPlanError(ValueError):
+    """A configuration that cannot fit on the device: one line with the numbers and what to lower."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the engine is asked to hold; the sizes a MemoryPlan is made of."""
+
+    max_batch_size: int  # B
+    context: int  # S
+    max_chunk: int  # the largest prompt chunk one prefill call runs (capped at S)
+    prefix_cache_tokens: int  # positions asked for the prefix pool; it holds whole blocks of them
+    prefix_block: int  # positions per prefix-pool block (jax_model.PREFIX_BLOCK)
+    dtype_bytes: int  # the serving dtype: 4 float32, 2 bfloat16 (activations and cache)
+    int8: bool = False  # weight-only int8 (activations and cache float32)
+    one_row_copies: bool = False  # the CPU kernels' [out, in] copies of the projections
+    devices: int = 1  # tensor parallelism: the devices the model is split over
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes one device will hold (module docstring for what each part counts)."""
+
+    weights: int
+    kv_cache: int
+    prefix_pool: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.prefix_pool + self.temporaries
+
+
+@dataclass(frozen=True)
+class MemoryLimit:
+    """What one device offers, and where the figure comes from (said in the error and the log)."""
+
+    bytes: int
+    source: str
+
+
+def plan(cfg: ModelConfig, head_size: int, s: Settings) -> MemoryPlan:
+    """The bytes one device holds for model `cfg` (its head `head_size` = V' columns wide) as
+    `s` says. Pure arithmetic on the dimensions."""
+    n = s.devices
+    kv = max(cfg.n_kv_heads, n) if n > 1 else cfg.n_kv_heads  # kv heads are replicated up to N
+    act = 4 if s.int8 else s.dtype_bytes  # activations and cache: float32 under int8 weights
+    position = 2 * cfg.n_layers * kv * cfg.head_dim * act  # one cached position of one slot, K and V
+    cache = s.max_batch_size * s.context * position // n + s.max_batch_size * head_size  # + banned-id rows [B, V'] bool
+    pool = s.prefix_cache_tokens // s.prefix_block * s.prefix_block * position // n
+    return MemoryPlan(
+        weights=-(-_weight_bytes(cfg, head_size, s, kv) // n),
+        kv_cache=cache,
+        prefix_pool=pool,
+        temporaries=_temporaries(cfg, head_size, s, act),
+    )
+
+
+def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int:
+    e, f, d, h = cfg.hidden_size, cfg.ffn_size, cfg.head_dim, cfg.n_heads
+    qkv = (h + 2 * kv) * d  # the fused projection's width
+    matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
+    vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
+    if s.int8:
+        per = lambda size: size + size // INT8_BLOCK * 4  # noqa: E731  int8 values + a float32 scale per block
+        head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(head_size * e)
+        layer = sum(per(m) for m in matrices) + vectors * 4
+        return cfg.n_layers * layer + per(cfg.vocab_size * e) + e * 4 + head
+    copies = 2 if s.one_row_copies else 1
+    layer = (copies * sum(matrices) + vectors) * s.dtype_bytes
+    return cfg.n_layers * layer + (cfg.vocab_size * e + e + e * head_size) * s.dtype_bytes
+
+
+def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int:
+    """The larger working set of a prefill chunk and a decode step (module docstring)."""
+    e, f, d, h, kv = cfg.hidden_size, cfg.ffn_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    per_token = (
+        act * (3 * e + (h + 2 * kv) * d + h * d + 3 * f)  # x, normed x, new x; q/k/v; attention out; gate_up, act
+        + 4 * 2 * (h + kv) * d  # rope's float32 rotation of q and k (in and out)
+    )
+    chunk = min(s.context, s.max_chunk)
+    block = min(ATTENTION_BLOCK, s.context)
+    prefill = chunk * per_token + 4 * h * chunk * (2 * block + d + 2)  # scores and p per block, acc, m and l (f32)
+    b = s.max_batch_size
+    sampler = SAMPLER_COPIES * 4 * head_size + SELECT_TABLE_BYTES  # per row
+    decode = b * per_token + 4 * 2 * b * h * s.context + b * sampler
+    if s.int8:  # the many-row path dequantizes a whole matrix to float32 (quantize.matmul)
+        widest = max(e * (h + 2 * kv) * d, h * d * e, e * 2 * f, f * e)
+        prefill += 4 * widest if chunk > INT8_DIRECT_ROWS else 0
+        decode += 4 * max(widest, head_size * e) if b > INT8_DIRECT_ROWS else 0
+    return max(prefill, decode)
+
+
+def device_limit(device, meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> MemoryLimit | None:
+    """What `device` (a jax.Device) offers now (module docstring); None where it cannot be read."""
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        in_use = stats.get("bytes_in_use", 0)
+        source = (
+            f"{device.platform}:{device.id} bytes_limit {gib(stats['bytes_limit'])} (its memory x "
+            f"XLA_PYTHON_CLIENT_MEM_FRACTION) less {gib(in_use)} in use"
+        )
+        return MemoryLimit(stats["bytes_limit"] - in_use, source)
+    if device.platform == "cpu":
+        return host_limit(meminfo, cgroup)
+    return None
+
+
+def host_limit(meminfo: Path, cgroup: Path) -> MemoryLimit | None:
+    """The host's available memory: MemAvailable, or a cgroup's (v2, then v1) limit less its
+    usage when that is lower; None when /proc/meminfo cannot be read (not Linux)."""
+    try:
+        fields = dict(line.split(":", 1) for line in meminfo.read_text().splitlines() if ":" in line)
+        available = int(fields["MemAvailable"].split()[0]) * 1024  # "21052868 kB"
+    except (OSError, KeyError, ValueError):
+        return None
+    best = MemoryLimit(available, f"the host's available memory (MemAvailable {gib(available)})")
+    for limit_file, usage_file in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit, usage = int((cgroup / limit_file).read_text()), int((cgroup / usage_file).read_text())
+        except (OSError, ValueError):  # absent, or "max" (no limit)
+            continue
+        if limit - usage < best.bytes:
+            best = MemoryLimit(limit - usage, f"the cgroup's memory limit {gib(limit)} less {gib(usage)} in use")
+        break
+    return best
+
+
+def check(cfg: ModelConfig, head_size: int, s: Settings, limit: MemoryLimit, backend: str) -> MemoryPlan:
+    """The plan when it fits `limit`; else MemoryPlanError, one line: the parts, the total, the
+    limit and its source, the largest batch that would fit with the rest unchanged, and the other
+    settings that lower it (those not already at their smallest)."""
+    need = plan(cfg, head_size, s)
+    if need.total <= limit.bytes:
+        return need
+    fits = max((b for b in range(1, s.max_batch_size) if _fits(cfg, head_size, s, b, limit)), default=0)
+    batch = f"max batch size {s.max_batch_size} (at most {fits} fits)" if fits else f"max batch size {s.max_batch_size} (1 does not fit either)"
+    lower = [batch, f"context length {s.context}"]
+    if s.prefix_cache_tokens:
+        lower.append(f"prefix cache tokens {s.prefix_cache_tokens}")
+    if s.dtype_bytes == 4 and not s.int8:
+        lower.append("the weights' size (dtype bfloat16" + (", or weights int8)" if backend == "cpu" and s.devices == 1 else ")"))
+    if s.one_row_copies:
+        lower.append("CPU kernels off (drops the projections' second copy)")
+    raise MemoryPlanError(
+        f"the model does not fit in memory: weights {gib(need.weights)} + KV cache {gib(need.kv_cache)} "
+        f"(batch {s.max_batch_size} x context {s.context}) + prefix pool {gib(need.prefix_pool)} + temporaries "
+        f"{gib(need.temporaries)} = {gib(need.total)} > {gib(limit.bytes)}, {limit.source}; lower "
+        + ", ".join(lower)
+    )
+
+
+def _fits(cfg: ModelConfig, head_size: int, s: Settings, batch: int, limit: MemoryLimit) -> bool:
+    return plan(cfg, head_size, replace(s, max_batch_size=batch)).total <= limit.bytes
+
+
+def gib(n: int) -> str:
+    """Bytes for people, 2 decimals: GiB from 1 GiB up (12.50 GiB), MiB below (0.53 MiB)."""
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / (1 << 20):.2f} MiB"

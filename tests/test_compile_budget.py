@@ -1,0 +1,53 @@
+"""The compile budget: how many shapes warm-up compiles for stated configurations, counted twice
+(the jitted functions' caches and JAX's own compile events), so a change that adds shapes, and so
+minutes of GPU warm-up on every start without a compilation cache, fails here first.
+
+The configurations are the decode-server's defaults (8 slots, prompt chunks up to 512, a prefix
+cache) on tiny-llama, whose context is 256 (the default model's 2048 adds 3 prompt buckets, and 3
+attend buckets where there are several): once as the CPU runs them (the attention kernel: one
+attend shape; rows from 1), and once with neither attention kernel and rows from 16, as an
+accelerator without the Pallas kernel runs them (attend buckets from 128). A GPU with the Pallas
+kernel (engine.jax_backend.ragged_attention) has one attend shape: 1 + 15 + 4 = 20 there. Each
+count is written out, not computed from the model, so it reads as the budget it is.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.jax_backend import cpu_kernels
+from engine.jax_backend.jax_model import JaxModel
+from support.compile_watch import compile_events
+
+LLAMA = Path(__file__).parent / "assets" / "tiny-llama"
+DEFAULTS = dict(max_batch_size=8, max_context_length=256, prefix_cache_tokens=4096, dtype="float32")
+
+
+def _warm(**kw) -> tuple[JaxModel, list[str]]:
+    model = JaxModel.load(LLAMA, **DEFAULTS, **kw)
+    with compile_events() as compiles:
+        model.warm_up()
+    return model, compiles
+
+
+def test_the_cpu_shape_of_the_defaults_compiles_23_shapes():
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
+    model, compiles = _warm(kernels=True, min_rows=1)
+    assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
+    assert model.buckets == (16, 32, 64, 128, 256)
+    # decode steps: 4 rows x 1 attend; per prompt bucket: embed, one prefill layer, last position
+    # (5 x 3); the mask write; a prompt's head and sampling; the two prefix-pool copies
+    assert model.compilations() == 4 + 15 + 1 + 1 + 2 == 23
+    assert len([c for c in compiles if "backend_compile" in c]) <= 23 + 4  # + jnp's own small helpers
+
+
+def test_the_plain_accelerator_shape_of_the_defaults_compiles_21_shapes():
+    model, compiles = _warm(kernels=False, min_rows=16)
+    assert model.row_buckets == (8,)  # the batch itself: no bucket below 16 rows
+    assert model.attend_buckets == (128, 256)
+    # decode steps: 1 row bucket x 2 attend; 5 prompt buckets x 3; mask; prompt sampling; 2 copies
+    assert model.compilations() == 2 + 15 + 1 + 1 + 2 == 21
+    assert len([c for c in compiles if "backend_compile" in c]) <= 21 + 4

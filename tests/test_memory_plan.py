@@ -1,0 +1,183 @@
+"""The memory check at load (engine.jax_backend.memory_plan): its weight and cache figures equal
+what the loader and the engine place, its temporaries bound XLA:CPU's own figure, and an
+impossible configuration is refused in one line naming the numbers, through JaxModel.load and
+through a real `tokenwire decode-server` start, against a stated limit."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from engine.jax_backend import memory_plan, quantize, sampling, transformer
+from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
+from engine.jax_backend.memory_plan import MemoryLimit, MemoryPlanError, Settings
+from engine.jax_backend.weights import load_checkpoint, load_int8, with_one_row_copies
+from engine.model_store.checkpoint import ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "tests" / "assets"
+TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")  # untied, tied + qkv bias, q/k norms
+GIB = 1 << 30
+
+# Llama-3-8B's dimensions (config.json of meta-llama/Meta-Llama-3-8B): the sizes of a real refusal.
+LLAMA3_8B = ModelConfig(
+    architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+    head_dim=128, ffn_size=14336, rope_theta=500000.0, rope_scaling=None, rms_eps=1e-5, tie_word_embeddings=False,
+    qkv_bias=False, qk_norm=False, max_position_embeddings=8192, sliding_window=None,
+)
+
+
+def settings(batch: int = 4, context: int = 32, **kw) -> Settings:
+    return Settings(batch, context, 512, kw.pop("prefix", 0), PREFIX_BLOCK, kw.pop("dtype_bytes", 4), **kw)
+
+
+@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "float32+copies", "int8"])
+def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
+    """The arithmetic against the arrays themselves: the loader's weights (with the CPU kernels'
+    [out, in] copies, or as int8 blocks), and the engine's cache, pool and banned-id rows."""
+    d = ASSETS / name
+    if kind == "int8":
+        ckpt, s = load_int8(d), settings(int8=True)
+    else:
+        dtype = kind.split("+")[0]
+        ckpt = load_checkpoint(d, dtype)
+        s = settings(dtype_bytes=jnp.dtype(dtype).itemsize, one_row_copies=kind.endswith("+copies"))
+        if s.one_row_copies:
+            ckpt = replace(ckpt, weights=replace(ckpt.weights, layers=tuple(map(with_one_row_copies, ckpt.weights.layers))))
+    s = replace(s, prefix_cache_tokens=40)  # 2 whole blocks of 16; the rest is not held
+    cache_dtype = jnp.float32 if s.int8 else jnp.dtype(kind.split("+")[0])
+    cache = transformer.init_cache(ckpt.config, s.max_batch_size, s.context, cache_dtype)
+    pool = transformer.init_cache(ckpt.config, 2, PREFIX_BLOCK, cache_dtype)
+    plan = memory_plan.plan(ckpt.config, ckpt.tokenizer_size, s)
+    assert plan.weights == quantize.weight_bytes(ckpt.weights)
+    assert plan.kv_cache == sum(a.nbytes for a in cache.k + cache.v) + s.max_batch_size * ckpt.tokenizer_size  # + bool rows
+    assert plan.prefix_pool == sum(a.nbytes for a in pool.k + pool.v)
+
+
+@pytest.mark.parametrize("name, batch, context", [("tiny-llama", 4, 32), ("tiny-qwen3", 8, 256)])
+def test_the_temporaries_bound_xla_cpus_own_figure(name, batch, context):
+    """The estimate covers what XLA:CPU's buffer assignment reserves for the whole model's prefill
+    of the largest chunk and for a decode step with head and sampling (its temp bytes)."""
+    ckpt = load_checkpoint(ASSETS / name, "float32")
+    cfg, w, v = ckpt.config, ckpt.weights, ckpt.tokenizer_size
+    cache = transformer.init_cache(cfg, batch, context, jnp.float32)
+    z = jnp.zeros(batch, jnp.int32)
+    prefill = jax.jit(transformer.prefill_chunk, static_argnames="cfg", donate_argnums=1).lower(
+        w, cache, jnp.zeros(context, jnp.int32), jnp.int32(context), jnp.int32(0), jnp.int32(0), cfg=cfg
+    )
+
+    def step(w, cache, tokens, positions, active, params, mask):
+        logits, cache = transformer.decode(w, cache, tokens, positions, active, cfg=cfg, attend=context)
+        return sampling.sample(logits, params, positions, mask, active), cache
+
+    params = sampling.SlotSampling(jnp.ones(batch), z, jnp.full(batch, 0.9), jnp.zeros(batch), jnp.zeros((batch, 2), jnp.uint32))
+    decode = jax.jit(step, donate_argnums=1).lower(w, cache, z, z, jnp.ones(batch, bool), params, jnp.zeros((batch, v), bool))
+    xla = max(c.compile().memory_analysis().temp_size_in_bytes for c in (prefill, decode))
+    assert memory_plan.plan(cfg, v, settings(batch, context)).temporaries >= xla > 0
+
+
+def test_an_8b_model_at_batch_64_and_context_8192_is_refused_naming_the_numbers():
+    s = settings(64, 8192, dtype_bytes=2, prefix=4096)  # bfloat16
+    limit = MemoryLimit(72 * GIB, "cuda:0 bytes_limit")  # an 80 GiB GPU at memory fraction 0.9
+    plan = memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, s)
+    assert plan.kv_cache == 64 * GIB + 64 * LLAMA3_8B.vocab_size  # K/V: 128 KiB a position; a banned-id row per slot
+    with pytest.raises(MemoryPlanError) as refused:
+        memory_plan.check(LLAMA3_8B, LLAMA3_8B.vocab_size, s, limit, "gpu")
+    message = str(refused.value)
+    fits = max(b for b in range(1, 64) if memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, replace(s, max_batch_size=b)).total <= limit.bytes)
+    assert 40 < fits < 64
+    assert message == (
+        f"the model does not fit in memory: weights {memory_plan.gib(plan.weights)} + KV cache 64.01 GiB (batch 64 x "
+        f"context 8192) + prefix pool 512.00 MiB + temporaries {memory_plan.gib(plan.temporaries)} = "
+        f"{memory_plan.gib(plan.total)} > 72.00 GiB, cuda:0 bytes_limit; lower max batch size 64 (at most {fits} fits), "
+        "context length 8192, prefix cache tokens 4096"
+    )
+    assert "\n" not in message
+
+
+def test_the_limit_is_inclusive_and_what_to_lower_follows_the_settings():
+    cfg, s = LLAMA3_8B, settings(8, 2048, one_row_copies=True)  # float32 with the CPU kernels' copies
+    total = memory_plan.plan(cfg, cfg.vocab_size, s).total
+    assert memory_plan.check(cfg, cfg.vocab_size, s, MemoryLimit(total, "stated"), "cpu").total == total
+    with pytest.raises(MemoryPlanError, match=r"\(1 does not fit either\), context length 2048, the weights' size "
+                       r"\(dtype bfloat16, or weights int8\), CPU kernels off \(drops the projections' second copy\)$"):
+        memory_plan.check(cfg, cfg.vocab_size, s, MemoryLimit(GIB, "stated"), "cpu")
+    with pytest.raises(MemoryPlanError, match=r"at most 7 fits\), context length 2048$"):  # bfloat16: nothing smaller to offer
+        s = settings(8, 2048, dtype_bytes=2)
+        memory_plan.check(cfg, cfg.vocab_size, s, MemoryLimit(memory_plan.plan(cfg, cfg.vocab_size, s).total - 1, ""), "gpu")
+
+
+def test_tensor_parallelism_splits_weights_and_cache_over_the_devices():
+    one, four = (memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, settings(8, 2048, devices=n)) for n in (1, 4))
+    assert four.weights * 4 - one.weights < 4 and four.kv_cache < one.kv_cache / 3.9
+    sixteen = memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, settings(8, 2048, devices=16, prefix=0))
+    assert sixteen.kv_cache > one.kv_cache / 16  # 8 kv heads replicated to 16: one head per device, not half
+
+
+def test_host_limit_is_memavailable_or_a_lower_cgroup_limit(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20971520 kB\n")  # 20 GiB available
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert memory_plan.host_limit(meminfo, cgroup) == MemoryLimit(20 * GIB, "the host's available memory (MemAvailable 20.00 GiB)")
+    (cgroup / "memory.max").write_text("max\n")  # no limit
+    (cgroup / "memory.current").write_text(f"{GIB}\n")
+    assert memory_plan.host_limit(meminfo, cgroup).bytes == 20 * GIB
+    (cgroup / "memory.max").write_text(f"{8 * GIB}\n")
+    assert memory_plan.host_limit(meminfo, cgroup) == MemoryLimit(7 * GIB, "the cgroup's memory limit 8.00 GiB less 1.00 GiB in use")
+    assert memory_plan.host_limit(tmp_path / "absent", cgroup) is None
+
+
+class _Gpu:
+    """What device_limit reads of a jax.Device on a GPU (this machine has none): its allocator's stats."""
+
+    platform, id = "gpu", 0
+
+    def memory_stats(self) -> dict:
+        return {"bytes_limit": 100 * GIB, "bytes_in_use": GIB, "peak_bytes_in_use": GIB}
+
+
+def test_device_limit_is_the_allocators_limit_on_a_gpu_and_the_hosts_memory_on_the_cpu(tmp_path):
+    limit = memory_plan.device_limit(_Gpu())
+    assert limit.bytes == 99 * GIB and limit.source.startswith("gpu:0 bytes_limit 100.00 GiB") and "1.00 GiB in use" in limit.source
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 1048576 kB\n")
+    cpu = jax.devices("cpu")[0]
+    assert memory_plan.device_limit(cpu, meminfo, tmp_path) == MemoryLimit(GIB, "the host's available memory (MemAvailable 1.00 GiB)")
+
+
+def test_jax_model_load_refuses_before_reading_a_weight(tmp_path):
+    """Against a stated limit: refused from config.json alone (the weights file is not even
+    there), and the same settings load under a limit that holds them."""
+    d = tmp_path / "tiny-llama"
+    shutil.copytree(ASSETS / "tiny-llama", d)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(MemoryPlanError, match=r"^the model does not fit in memory: weights 0\.53 MiB \+ KV cache 0\.50 MiB "
+                       r".* > 3\.81 MiB, the limit stated by configuration; lower max batch size 4 \(at most 2 fits\)"):
+        JaxModel.load(d, max_batch_size=4, max_context_length=256, dtype="float32", kernels=False, memory_limit_bytes=4_000_000)
+    model = JaxModel.load(ASSETS / "tiny-llama", max_batch_size=4, max_context_length=256, dtype="float32", kernels=False,
+                          memory_limit_bytes=5_500_000)
+    assert model.info.max_batch_size == 4
+
+
+def test_decode_server_refuses_an_impossible_configuration_in_one_line():
+    """The real start: the engine process refuses at load, the log says why in one line, and the
+    process exits 1 (a supervisor's restart will not help; the message says what to lower)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "decode-server", "--model", str(ASSETS / "tiny-llama"), "--port", "0",
+         "--max-batch-size", "4", "--max-context-length", "256", "--cpu-kernels", "off", "--compilation-cache", "off",
+         "--memory-limit-bytes", "4000000"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    refusals = [line for line in result.stderr.splitlines() if "does not fit in memory" in line]
+    assert len(refusals) == 1 and "ERROR" in refusals[0] and "loading the model failed: the model does not fit" in refusals[0]
+    assert "lower max batch size 4" in refusals[0] and "Traceback" not in result.stderr
