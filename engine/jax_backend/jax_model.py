@@ -136,14 +136,6 @@ def length_buckets(max_length: int, smallest: int = MIN_BUCKET) -> tuple[int, ..
     return (*sizes, max_length)
 
 
-def layer_groups(n_layers: int, per_call: int) -> list[tuple[int, int]]:
-    """[lo, hi) layer ranges, one per jitted call, as even as possible (at most two sizes, so at
-    most two compiled shapes per bucket): 30 layers by 10 -> 3 x 10; 28 by 10 -> 9, 9, 10."""
-    calls = -(-n_layers // max(1, min(per_call, n_layers)))
-    bounds = [n_layers * i // calls for i in range(calls + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 def _require(condition: bool, problem: str) -> None:
     if not condition:
         raise ModelUsageError(problem)
@@ -347,7 +339,7 @@ class JaxModel:
         self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, s)
         self._attend_buckets = (s,) if self.kernels or self.ragged else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, min_rows or MIN_ROWS.get(jax.default_backend(), ACCELERATOR_MIN_ROWS))
-        self._prefill_groups = layer_groups(config.n_layers, 1)
+        self._prefill_groups = [(i, i + 1) for i in range(config.n_layers)]  # prefill: one layer per call
         layers = weights.layers
         if self.kernels and not self.int8:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
             layers = tuple(with_one_row_copies(layer) for layer in layers)
@@ -543,11 +535,9 @@ class JaxModel:
         return sum(f._cache_size() for f in self._jitted)
 
     def warm_up(self) -> None:
-        """Compile every shape serving can use: each prompt bucket, each (rows, attend) pair, and
-        head and sampling for each row bucket. Only with no request in flight: writes slot 0.
-
-        Runs one layer group of each distinct size per shape (not the whole model), so warming up
-        costs the compiles and little else."""
+        """Compile every shape serving can use: each prompt bucket (one prefill layer; all
+        layers share its shape), a prompt's head and sampling, and a decode step for each (rows,
+        attend) pair, run with every row idle. Only with no request in flight: writes slot 0."""
         if self._length.any():
             raise ModelUsageError("warm_up with requests in flight")
         for t in self._prompt_buckets:
@@ -750,7 +740,7 @@ class JaxModel:
         return jax.device_put(tree) if self.plan is None else self.plan.put(tree)
 
     def _run_layers(self, groups: list[tuple[int, int]], layers_fn, x: jax.Array, *args, **static) -> jax.Array:
-        """Run `layers_fn` (prefill or decode) over each layer group in turn, one call per group,
+        """Run `layers_fn` (prefill) over each layer group in turn, one call per group,
         with the group's cache buffers donated; install the returned buffers; -> hidden states."""
         for lo, hi in groups:
             x, self._k[lo:hi], self._v[lo:hi] = layers_fn(
