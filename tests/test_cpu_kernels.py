@@ -32,6 +32,7 @@ import pytest
 from engine.jax_backend import cpu_kernels, transformer
 from engine.jax_backend.jax_model import JaxModel
 from engine.model_store.checkpoint import ModelConfig
+from support.attention_config import attention_config
 from engine.model_store.registry import default_cache_dir
 
 pytestmark = pytest.mark.skipif(
@@ -40,12 +41,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
-    return ModelConfig(
-        architecture="LlamaForCausalLM", vocab_size=8, hidden_size=heads * head_dim, n_layers=1,
-        n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, ffn_size=8, rms_eps=1e-5, rope_theta=1e4,
-        rope_scaling=None, max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, qk_norm=False,
-        sliding_window=None,
-    )
+    return attention_config(heads, kv_heads, head_dim, context=64)
 
 
 @pytest.mark.parametrize(
