@@ -253,3 +253,23 @@ def test_the_default_model_served_int8_from_its_gguf_follows_float32():
     france = tuple(tok.encode(chat_prompt("What is the capital of France?"), add_special_tokens=False).ids)
     (answer,) = _greedy(int8, [france], 8)
     assert tok.decode(answer[: answer.index(2)]) == "The capital of France is Paris."
+
+
+def test_fewer_threads_after_more_run_on_fewer():
+    """Workers made for a larger thread count stay out of products once the count is lowered."""
+    kernels = cpu_kernels.load()
+    rng = np.random.default_rng(1)
+    wt = jnp.asarray(rng.standard_normal((4096, 1024)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((1, 1024)).astype(np.float32))
+    gemv = jax.jit(cpu_kernels.gemv)
+    try:
+        cpu_kernels.set_threads(kernels, 4)
+        jax.block_until_ready(gemv(x, wt))  # makes the 3 workers
+        cpu_kernels.set_threads(kernels, 2)
+        seen = []
+        for _ in range(20):
+            jax.block_until_ready(gemv(x, wt))
+            seen.append(cpu_kernels.last_threads(kernels))
+        assert max(seen) <= 2, seen
+    finally:
+        cpu_kernels.set_threads(kernels, cpu_kernels.available_cpus())

@@ -87,15 +87,16 @@ class Pool {
     }
   }
 
+  // Worker `index` (1, 2, ...) takes part only while index < Threads(): workers made for an
+  // earlier, larger thread count stay parked, so a product never runs on more threads than set.
   void Work(int index, uint64_t seen) {
-    (void)index;
     for (;;) {
       if (!SpinFor(seen)) {
         std::unique_lock<std::mutex> lock(mutex_);
         cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
       }
       seen = generation_.load(std::memory_order_acquire);
-      Drain(0);
+      if (index < Threads()) Drain(0);
     }
   }
 
