@@ -108,7 +108,6 @@ class _Live:
     sink: EventSink
     slot: int = -1
     emitted: int = 0
-    last_token: int = -1
     prefilled: int = 0  # prompt positions in the cache; the request decodes once all are
     steps: int = 0  # decode steps dispatched for it (read or in flight)
 
@@ -410,7 +409,6 @@ class Engine:
         events: list[Event] = []
         if decision.emit:
             live.emitted += 1
-            live.last_token = sample.token_id
             logprobs = live.request.return_logprobs
             events.append(Token(sample.token_id, sample.logprob if logprobs else None, sample.top_logprobs if logprobs else ()))
         if decision.finish is not None:
