@@ -33,6 +33,13 @@ from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, S
 from engine.core.prefix_cache import PrefixPool
 
 
+def _sleep_until(t: float) -> None:
+    """Wait until perf_counter() reaches `t` (at once if it has)."""
+    wait = t - time.perf_counter()
+    if wait > 0:
+        time.sleep(wait)
+
+
 class ScriptedModel:
     def __init__(
         self,
@@ -100,9 +107,7 @@ class ScriptedModel:
             self._filling[slot] = end
             return None
         self._filling.pop(slot, None)
-        wait = self._next_free - time.perf_counter()  # the device runs in order: after the steps in flight
-        if wait > 0:
-            time.sleep(wait)
+        _sleep_until(self._next_free)  # the device runs in order: after the steps in flight
         sample = self._next(slot, prompt_token_ids[-1], masked)
         self._last[slot] = sample.token_id
         return sample
@@ -164,9 +169,7 @@ class ScriptedModel:
             raise ModelUsageError("collect with no step dispatched")
         step, due, samples = self._pending.popleft()
         self.reads.append((step, self.decode_steps))
-        wait = due - time.perf_counter()
-        if wait > 0:
-            time.sleep(wait)
+        _sleep_until(due)
         if step == self.fail_at_step:
             raise RuntimeError(f"scripted failure at decode step {step}")
         return samples
