@@ -62,7 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize, ragged_attention, sampling, transformer
+from engine.jax_backend import cpu_kernels, host_memory, memory_plan, mesh, quantize, ragged_attention, sampling, transformer
 from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, with_one_row_copies
 from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
 from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
@@ -355,6 +355,8 @@ class JaxModel:
         self._top_n = np.zeros(b, np.int32)  # alternatives each slot's samples report
         caches = ("k_caches", "v_caches")
         o = dict(compiler_options=cpu_compiler_options())
+        if jax.default_backend() == "cpu":  # each call's scratch reuses the last one's pages
+            host_memory.keep_scratch_resident()
 
         def own(fn, **bound):  # a function object of this model's: jit caches, and so compilations(), are per model
             return functools.partial(fn, **bound)

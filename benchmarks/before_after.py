@@ -1,0 +1,143 @@
+"""Decode step time of two checkouts side by side, interleaved finely, in one run.
+
+    git worktree add /tmp/before <commit>
+    python benchmarks/before_after.py /tmp/before . [--batches 1,8,32] [--rounds 16] [--steps 8]
+
+Each checkout gets a worker process that loads the model once and prefills its slots with the
+same random prompts (each checkout's own benchmarks/decode.py `Slots`). The parent then asks the
+two in turn for `--steps` decode steps at each batch size, alternating which goes first, so the
+noise of a shared machine falls on both alike; the idle worker waits on a pipe and uses no CPU.
+Per round and batch it prints nothing; at the end, per batch size and mode, the median step time
+of each, the ratio "after / before" of speeds (>1: after is faster) as median and range over the
+rounds, and the minor page faults and kernel (sys) milliseconds per step, which is how a
+per-call allocation that faults its pages in shows (engine.jax_backend.host_memory).
+
+Modes: "read" dispatches a step and reads its samples before the next (the step's own time);
+"lag" dispatches step N+1 before reading step N, as the engine does. A checkout whose Slots has
+no `pipelined` (before the host ran one step behind) runs "lag" as "read", which is what its
+engine did. Slots are released and prefilled again before a run would pass 500 positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_len: int) -> None:
+    """Serve "batch steps mode" lines on stdin with "seconds_per_step faults_per_step sys_per_step"."""
+    os.chdir(checkout)
+    sys.path.insert(0, checkout)
+    from benchmarks.decode import Slots
+    from engine.jax_backend.jax_model import JaxModel
+
+    model = JaxModel.load(model_dir, max_batch_size=max_batch, max_context_length=context)
+    slots = Slots(model, max_batch, prompt_len)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        batch, steps, mode = int(line.split()[0]), int(line.split()[1]), line.split()[2]
+        if max(slots.length.values()) + steps + 2 >= min(500, context):
+            slots.release()
+            slots = Slots(model, max_batch, prompt_len)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        if mode == "lag" and hasattr(slots, "pipelined"):
+            seconds = slots.pipelined(batch, steps) * steps
+        else:
+            start = time.perf_counter()
+            for _ in range(steps):
+                slots.step(batch)
+            seconds = time.perf_counter() - start
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        faults, sys_s = after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
+        print(seconds / steps, faults / steps, sys_s / steps, flush=True)
+
+
+class Worker:
+    def __init__(self, checkout: str, args: argparse.Namespace, model_dir: str) -> None:
+        self.name = checkout
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", checkout, model_dir, str(max(args.batches)),
+             str(args.max_context_length), str(args.prompt_len)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+
+    def wait_ready(self) -> None:
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            raise SystemExit(f"{self.name}: the worker did not start (it printed {line!r}); see its stderr above")
+
+    def run(self, batch: int, steps: int, mode: str) -> tuple[float, float, float]:
+        self.proc.stdin.write(f"{batch} {steps} {mode}\n")
+        self.proc.stdin.flush()
+        seconds, faults, sys_s = map(float, self.proc.stdout.readline().split())
+        return seconds, faults, sys_s
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--worker"]:
+        checkout, model_dir, max_batch, context, prompt_len = sys.argv[2:7]
+        _worker(checkout, model_dir, int(max_batch), int(context), int(prompt_len))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("before", help="the checkout measured first as the baseline (a git worktree)")
+    parser.add_argument("after", help="the checkout compared with it")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="model directory or registered name (resolved by this checkout)")
+    parser.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 8, 32])
+    parser.add_argument("--modes", type=lambda s: s.split(","), default=["read", "lag"], help="read, lag, or both")
+    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per worker, batch and round")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-context-length", type=int, default=512)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.machine import describe
+    from benchmarks.summary import median_range
+    from engine.model_store.registry import resolve_model
+
+    model_dir = str(resolve_model(args.model))
+    print(describe())
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    before, after = Worker(str(Path(args.before).resolve()), args, model_dir), Worker(str(Path(args.after).resolve()), args, model_dir)
+    try:
+        for w in (before, after):
+            w.wait_ready()
+            for batch in args.batches:  # compile every shape before timing
+                w.run(batch, 2, "read")
+        results: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {}
+        for r in range(args.rounds):
+            for batch in args.batches:
+                for mode in args.modes:
+                    for w in (before, after) if r % 2 == 0 else (after, before):
+                        results.setdefault((w.name, batch, mode), []).append(w.run(batch, args.steps, mode))
+    finally:
+        before.close()
+        after.close()
+    print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"{args.rounds} rounds of {args.steps} steps; before = {args.before}, after = {args.after}")
+    print("| batch | mode | before ms/step | after ms/step | after / before speed | page faults/step before, after | sys ms/step before, after |")
+    print("|---|---|---|---|---|---|---|")
+    for batch in args.batches:
+        for mode in args.modes:
+            b, a = results[(before.name, batch, mode)], results[(after.name, batch, mode)]
+            speed = [x[0] / y[0] for x, y in zip(b, a)]
+            med = lambda rows, i: statistics.median(row[i] for row in rows)  # noqa: E731
+            print(
+                f"| {batch} | {mode} | {med(b, 0) * 1e3:.1f} | {med(a, 0) * 1e3:.1f} | {median_range(speed, '{:.3f}')}x | "
+                f"{med(b, 1):.0f}, {med(a, 1):.0f} | {med(b, 2) * 1e3:.1f}, {med(a, 2) * 1e3:.1f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()
