@@ -136,6 +136,7 @@ def main() -> None:
     parser.add_argument("--max-context-length", type=int, default=2048)
     parser.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prompt piece one prefill call runs")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--min-bucket", type=int, default=16, help="smallest chunk shape (JaxModel.load's min_bucket)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else []
     if max([*lengths, args.long, args.shared_prefix + OWN_TOKENS]) >= args.max_context_length:
@@ -146,7 +147,7 @@ def main() -> None:
     started = time.perf_counter()
     model = JaxModel.load(
         model_dir, max_batch_size=args.streams + 1, max_context_length=args.max_context_length, dtype=args.dtype,
-        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
+        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens, min_bucket=args.min_bucket,
     )
     model.warm_up()
     warm_compilations = model.compilations()

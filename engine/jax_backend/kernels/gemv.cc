@@ -29,6 +29,28 @@ inline float HorizontalSum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// y[i] = w[i] . x for OB consecutive outputs (w: OB rows of K): OB independent streams of the
+// weights in flight at once, each with its own accumulators, so neither one row's FMA latency nor
+// one stream's prefetching sets the pace (one output at a time read ~0.6x as fast on a Xeon).
+template <int OB>
+inline void Dots(const float* w, const float* x, int64_t k, float* y) {
+  __m256 a[OB][2];
+  for (int i = 0; i < OB; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + j + 8);
+    for (int i = 0; i < OB; ++i) {
+      a[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * k + j), x0, a[i][0]);
+      a[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(w + i * k + j + 8), x1, a[i][1]);
+    }
+  }
+  for (int i = 0; i < OB; ++i) {
+    float s = HorizontalSum(_mm256_add_ps(a[i][0], a[i][1]));
+    for (int64_t t = j; t < k; ++t) s += w[i * k + t] * x[t];
+    y[i] = s;
+  }
+}
+
 ffi::Error Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wt, ffi::ResultBuffer<ffi::F32> y) {
   const auto d = wt.dimensions();
   const auto count = [](size_t n) { return static_cast<int64_t>(n); };
@@ -40,18 +62,9 @@ ffi::Error Gemv(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> wt, ffi::ResultBu
   const float* wp = wt.typed_data();
   float* yp = y->typed_data();
   tokenwire::Pool::Get().Run(n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = wp + r * k;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      int64_t j = 0;
-      for (; j + 16 <= k; j += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(xp + j), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(row + j + 8), _mm256_loadu_ps(xp + j + 8), a1);
-      }
-      float s = HorizontalSum(_mm256_add_ps(a0, a1));
-      for (; j < k; ++j) s += row[j] * xp[j];
-      yp[r] = s;
-    }
+    int64_t o = begin;
+    for (; o + 4 <= end; o += 4) Dots<4>(wp + o * k, xp, k, yp + o);
+    for (; o < end; ++o) Dots<1>(wp + o * k, xp, k, yp + o);
   });
   return ffi::Error::Success();
 }
