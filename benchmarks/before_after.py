@@ -32,14 +32,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_len: int) -> None:
+def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_len: int, weights: str) -> None:
     """Serve "batch steps mode" lines on stdin with "seconds_per_step faults_per_step sys_per_step"."""
     os.chdir(checkout)
     sys.path.insert(0, checkout)
     from benchmarks.decode import Slots
     from engine.jax_backend.jax_model import JaxModel
 
-    model = JaxModel.load(model_dir, max_batch_size=max_batch, max_context_length=context)
+    extra = {} if weights == "float32" else {"weights": weights}  # a checkout from before int8 knows no weights=
+    model = JaxModel.load(model_dir, max_batch_size=max_batch, max_context_length=context, **extra)
     slots = Slots(model, max_batch, prompt_len)
     print("ready", flush=True)
     for line in sys.stdin:
@@ -65,7 +66,7 @@ class Worker:
         self.name = checkout
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", checkout, model_dir, str(max(args.batches)),
-             str(args.max_context_length), str(args.prompt_len)],
+             str(args.max_context_length), str(args.prompt_len), args.weights],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
 
@@ -87,8 +88,8 @@ class Worker:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        checkout, model_dir, max_batch, context, prompt_len = sys.argv[2:7]
-        _worker(checkout, model_dir, int(max_batch), int(context), int(prompt_len))
+        checkout, model_dir, max_batch, context, prompt_len, weights = sys.argv[2:8]
+        _worker(checkout, model_dir, int(max_batch), int(context), int(prompt_len), weights)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="the checkout measured first as the baseline (a git worktree)")
@@ -100,6 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps per worker, batch and round")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-context-length", type=int, default=512)
+    parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 in both")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
     from benchmarks.machine import describe
@@ -125,7 +127,7 @@ def main() -> None:
         before.close()
         after.close()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{args.rounds} rounds of {args.steps} steps; before = {args.before}, after = {args.after}")
+    print(f"{args.rounds} rounds of {args.steps} steps, {args.weights} weights; before = {args.before}, after = {args.after}")
     print("| batch | mode | before ms/step | after ms/step | after / before speed | page faults/step before, after | sys ms/step before, after |")
     print("|---|---|---|---|---|---|---|")
     for batch in args.batches:

@@ -44,7 +44,7 @@ from engine.core.engine import Engine, EngineConfig  # noqa: E402
 from engine.core.events import Finished, Token  # noqa: E402
 from engine.core.model import SlotSetup  # noqa: E402
 from engine.core.request import Request, SamplingParams, StoppingCriteria  # noqa: E402
-from engine.jax_backend.jax_model import JaxModel  # noqa: E402
+from engine.jax_backend.jax_model import JaxModel, smallest_chunk  # noqa: E402
 from engine.model_store.registry import resolve_model  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, seed=0)
@@ -136,18 +136,20 @@ def main() -> None:
     parser.add_argument("--max-context-length", type=int, default=2048)
     parser.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prompt piece one prefill call runs")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--min-bucket", type=int, default=16, help="smallest chunk shape (JaxModel.load's min_bucket)")
+    parser.add_argument("--min-bucket", type=int, default=None, help="smallest chunk shape (JaxModel.load's min_bucket; "
+                        "default: as decode-server sets it for the smallest --max-step-tokens)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else []
     if max([*lengths, args.long, args.shared_prefix + OWN_TOKENS]) >= args.max_context_length:
         parser.error(f"every prompt must be below --max-context-length ({args.max_context_length}): room for one token")
 
+    smallest_budget = min(int(b) for b in args.max_step_tokens.split(",")) if args.max_step_tokens else None
     model_dir = resolve_model(args.model, log=lambda line: print(line, file=sys.stderr))
     print(f"machine: {describe('jax', 'jaxlib', 'numpy')}; backend {jax.default_backend()}")
     started = time.perf_counter()
     model = JaxModel.load(
         model_dir, max_batch_size=args.streams + 1, max_context_length=args.max_context_length, dtype=args.dtype,
-        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens, min_bucket=args.min_bucket,
+        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens, min_bucket=args.min_bucket or smallest_chunk(smallest_budget),
     )
     model.warm_up()
     warm_compilations = model.compilations()

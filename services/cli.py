@@ -67,7 +67,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
     """The model, split over `options.tensor_parallel` devices; in a process group, process 0's
     wrapped to publish its steps and the others' to follow them (engine.jax_backend.multihost)."""
     from engine.jax_backend.cpu_kernels import BuildOptions
-    from engine.jax_backend.jax_model import JaxModel
+    from engine.jax_backend.jax_model import JaxModel, smallest_chunk
 
     if options.compilation_cache:  # before anything compiles
         from engine.jax_backend import compilation_cache
@@ -84,6 +84,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
         max_batch_size=max_batch_size,
         max_context_length=options.max_context_length,
         max_chunk=options.max_prefill_chunk,
+        min_bucket=smallest_chunk(options.max_step_tokens),
         prefix_cache_tokens=options.prefix_cache_tokens,
         dtype=options.dtype,
         kernels=options.cpu_kernels,
@@ -476,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--max-step-tokens", help="prompt tokens prefilled per engine step while other requests decode, over every "
              "request still reading its prompt: a longer prompt is prefilled in chunks, with a decode step for the running "
              "streams after each, so they keep flowing; with nothing decoding a prompt is read whole (0: always whole, which "
-             "stalls every stream for its length; default: 16 on CPU, 512 on an accelerator)", type=non_negative, default=None)
+             "stalls every stream for its length; default: 16 on CPU, 512 on an accelerator; below 16 the smallest prompt chunk "
+             "shape follows it, so its chunks are not padded to 16)", type=non_negative, default=None)
     add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model (jax.distributed; "
              "process 0 listens there, serves gRPC and schedules; the others follow its steps and serve health only)", default=None)
     add_flag(p, "--num-processes", help="processes in the group (with --coordinator)", type=positive, default=None)

@@ -138,13 +138,14 @@ class ModelOptions:
     weights: str = "float32"  # "int8": weight-only int8 on the CPU kernels (engine.jax_backend.quantize)
     cpu_threads: int | None = None  # threads per CPU weight product; None: the CPUs the process may use
     memory_limit_bytes: int | None = None  # the memory check's limit per device; None: what the device reports
+    max_step_tokens: int | None = None  # the scheduler's prompt budget per step: below 16, the smallest chunk shape follows it
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "ModelOptions":
         return ModelOptions(
             a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None,
             a.max_prefill_chunk, a.prefix_cache_tokens, a.tensor_parallel, a.compilation_cache == "on",
-            a.weights, a.cpu_threads or None, a.memory_limit_bytes or None,
+            a.weights, a.cpu_threads or None, a.memory_limit_bytes or None, getattr(a, "max_step_tokens", None),
         )
 
 

@@ -137,6 +137,18 @@ def test_cpu_kernels_flag_reaches_the_model(value, on, caplog):
     assert ("turned off by configuration" in caplog.text) is not on
 
 
+@pytest.mark.parametrize("budget, smallest", [(None, 16), ("0", 16), ("4", 4), ("5", 8), ("16", 16), ("64", 16)])
+def test_a_step_budget_below_16_sets_the_smallest_chunk_shape(budget, smallest):
+    """A small --max-step-tokens would gain nothing if its chunks were padded to the 16 shape."""
+    from services.cli import _load_model
+    from services.config import DecodeServerConfig
+
+    flags = ["decode-server", "--model", "m", "--cpu-kernels", "off"] + ([] if budget is None else ["--max-step-tokens", budget])
+    config = DecodeServerConfig.from_args(build_parser().parse_args(flags))
+    model = _load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
+    assert model.buckets[0] == smallest
+
+
 async def test_the_log_level_takes_any_case():
     code, _, err = await tokenwire("health", "--server", "127.0.0.1:1", "--timeout", "1", env={"TOKENWIRE_LOG_LEVEL": "debug"})
     assert code == 1 and "UNAVAILABLE" in err and "Traceback" not in err

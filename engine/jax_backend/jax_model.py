@@ -127,6 +127,16 @@ def cpu_compiler_options() -> dict[str, str] | None:
     return CPU_COMPILER_OPTIONS
 
 
+def smallest_chunk(step_tokens: int | None) -> int:
+    """The smallest prompt bucket (`JaxModel.load`'s min_bucket) for a scheduler's per-step prompt
+    budget (`--max-step-tokens`; None or 0: the default): MIN_BUCKET, or for a budget below it the
+    power of two that holds one budget's chunk, so small chunks are not padded up to MIN_BUCKET
+    (each halving adds one chunk shape to warm-up)."""
+    if not step_tokens or step_tokens >= MIN_BUCKET:
+        return MIN_BUCKET
+    return 1 << (step_tokens - 1).bit_length()
+
+
 def length_buckets(max_length: int, smallest: int = MIN_BUCKET) -> tuple[int, ...]:
     """Powers of two from `smallest` below `max_length`, then `max_length` itself."""
     sizes, size = [], max(1, min(smallest, max_length))

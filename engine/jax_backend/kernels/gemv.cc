@@ -4,12 +4,15 @@
 // Why: XLA:CPU emits a one-row product as a tiled matrix-vector loop cut into tasks of at least
 // 2^19 multiply-adds, so a small model's per-layer products (SmolLM2: 0.3M-1.8M) run as one or
 // two uneven tasks, and a step's 120 of them stream the weights at ~20-25 GB/s. Here each output
-// is the dot product of one contiguous row of wt with x, so the weights are read front to back in
-// a single stream; on one thread that ran the step's layer products in 0.87x XLA's time
-// (SmolLM2, batch 1, interleaved A/B on 2 shared vCPUs). Splitting across XLA's intra-op pool
-// was tried and was slower inside a step: the hand-off cost more than it saved; the outputs are
-// split instead over pool.h's spinning workers (as many as TokenwireSetThreads says), so one row
-// streams the weights on every core the process is given, as llama.cpp's threads do.
+// is the dot product of one contiguous row of wt with x, four outputs at a time (`Dots`), so the
+// weights are read front to back; on one thread that ran the step's layer products in 0.87x XLA's
+// time (SmolLM2, batch 1, interleaved A/B on 2 shared vCPUs of an AMD EPYC). On a Sapphire Rapids
+// Xeon the four-output tile made batch-1 steps 1.13x faster than one output at a time, and XLA's
+// own product was within the noise of it (1.08x, range 0.92-1.36): the kernel is no longer a clear
+// win there, and its [out, in] copies cost memory (docs/benchmarks.md). Splitting across XLA's
+// intra-op pool was tried and was slower inside a step: the hand-off cost more than it saved; the
+// outputs are split instead over pool.h's spinning workers (as many as TokenwireSetThreads says),
+// so one row streams the weights on every core the process is given, as llama.cpp's threads do.
 
 #include <immintrin.h>
 
