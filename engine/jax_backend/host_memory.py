@@ -5,8 +5,8 @@ glibc serves a request above its mmap threshold (which it raises by itself up to
 on 64-bit) with new pages from the kernel, and returns them on free, so every call faults each
 page of its scratch in again. The one-executable decode step at 32 rows of SmolLM2-135M has a
 33.8 MB scratch: measured 6,221 page faults and 17 ms of kernel time per step, against 22 and
-0.9 ms with the change below (docs/benchmarks.md, issue 17). Prefill chunks, whose scratch grows
-with the chunk, paid the same.
+0.9 ms with the change below (docs/benchmarks.md, issue 17). Any executable whose scratch passes
+32 MiB (a long prefill piece, a larger batch or vocabulary) would pay the same.
 
 The fix is glibc's own setting, made here because no library does it for us and jaxlib has no
 option to keep a temporary buffer between calls: serve every request from the heap (M_MMAP_MAX 0)
