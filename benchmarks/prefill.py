@@ -12,8 +12,8 @@ which ids, and fresh ids keep the prefix cache from serving one round's prompt t
 2. **under load**: through the scheduler (engine.core.engine.Engine on a thread, no gRPC), `--streams`
    greedy streams decode; once each has 8 tokens and then STEADY_S more seconds, a `--long`-token
    prompt arrives. Its time to first token, and the streams' gaps between tokens: the median of
-   the gaps before it arrived, past each stream's first SETTLING (steady decode), and the median, p99 and worst of the gaps while it was read (from its
-   arrival to its first token). The stall target is worst <= 5x the steady median. Several
+   the gaps before it arrived, past each stream's first SETTLING (steady decode), and the median,
+   p99 and worst of the gaps while it was read (from its arrival to its first token). The stall target is worst <= 5x the steady median. Several
    `--max-step-tokens` budgets are measured in turn within each round (one engine each, over the
    same model), so their rows compare within the run.
 3. **shared prefix**: a prompt of `--shared-prefix` tokens plus 24 of its own, then a second prompt
@@ -158,7 +158,8 @@ def main() -> None:
     started = time.perf_counter()
     model = JaxModel.load(
         model_dir, max_batch_size=args.streams + 1, max_context_length=args.max_context_length, dtype=args.dtype,
-        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens, min_bucket=args.min_bucket or smallest_chunk(smallest_budget),
+        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
+        min_bucket=args.min_bucket or smallest_chunk(smallest_budget),
     )
     model.warm_up()
     warm_compilations = model.compilations()
