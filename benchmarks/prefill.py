@@ -152,18 +152,18 @@ def main() -> None:
     if max([*lengths, args.long, args.shared_prefix + OWN_TOKENS]) >= args.max_context_length:
         parser.error(f"every prompt must be below --max-context-length ({args.max_context_length}): room for one token")
 
-    smallest_budget = min(int(b) for b in args.max_step_tokens.split(",")) if args.max_step_tokens else None
+    budgets = [int(b) for b in args.max_step_tokens.split(",")] if args.max_step_tokens else []
     model_dir = resolve_model(args.model, log=lambda line: print(line, file=sys.stderr))
     print(f"machine: {describe('jax', 'jaxlib', 'numpy')}; backend {jax.default_backend()}")
     started = time.perf_counter()
     model = JaxModel.load(
         model_dir, max_batch_size=args.streams + 1, max_context_length=args.max_context_length, dtype=args.dtype,
         max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
-        min_bucket=args.min_bucket or smallest_chunk(smallest_budget),
+        min_bucket=args.min_bucket or smallest_chunk(min(budgets, default=None)),
     )
     model.warm_up()
     warm_compilations = model.compilations()
-    budgets = [int(b) for b in args.max_step_tokens.split(",")] if args.max_step_tokens else [model.default_step_tokens]
+    budgets = budgets or [model.default_step_tokens]
     print(f"model {model_dir.name}: context {args.max_context_length}, chunk shapes {model.buckets}, "
           f"max_step_tokens {budgets} (the model's default {model.default_step_tokens}), prefix cache "
           f"{model.prefix_pool.tokens} tokens; load and warm-up {time.perf_counter() - started:.1f} s; kernels {model.kernel_state}")

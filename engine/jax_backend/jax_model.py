@@ -349,12 +349,10 @@ class JaxModel:
         self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, s)
         self._attend_buckets = (s,) if self.kernels or self.ragged else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, min_rows or MIN_ROWS.get(jax.default_backend(), ACCELERATOR_MIN_ROWS))
-        self._prefill_groups = [(i, i + 1) for i in range(config.n_layers)]  # prefill: one layer per call
         layers = weights.layers
         if self.kernels and not self.int8:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
             layers = tuple(with_one_row_copies(layer) for layer in layers)
-        self._decode_weights = layers  # every layer, as one decode step reads them
-        self._layers = {g: layers[g[0] : g[1]] for g in self._prefill_groups}
+        self._decode_weights = layers  # every layer: one decode step reads them all, a prefill call one
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
         self._filling = np.zeros(b, bool)  # prefilled in part: more chunks to come before it may decode
         self._temperature = np.zeros(b, np.float32)
@@ -554,7 +552,7 @@ class JaxModel:
             raise ModelUsageError("warm_up with requests in flight")
         for t in self._prompt_buckets:
             x = self._embed(self._weights.embed, np.zeros((1, t), np.int32))
-            self._run_layers(self._prefill_groups[:1], self._prefill_layers, x, np.int32(0), np.int32(0), cfg=self.config)
+            self._prefill_through(x, np.int32(0), np.int32(0), layers=1)
             last = self._last_hidden(x, np.int32(1))
         self._mask = self._write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
         zero = np.zeros(1, np.int32)
@@ -594,9 +592,7 @@ class JaxModel:
             tokens = np.zeros(size, np.int32)
             tokens[: hi - lo] = prompt_token_ids[lo:hi]
             x = self._embed(self._weights.embed, tokens[None])  # [1, C, E]
-            x = self._run_layers(
-                self._prefill_groups, self._prefill_layers, x, np.int32(slot), np.int32(lo), cfg=self.config
-            )
+            x = self._prefill_through(x, np.int32(slot), np.int32(lo))
             last = hi - lo  # the last real token's index in the piece, plus one
         self._length[slot] = end
         if end < n:
@@ -751,12 +747,13 @@ class JaxModel:
         tensor parallelism)."""
         return jax.device_put(tree) if self.plan is None else self.plan.put(tree)
 
-    def _run_layers(self, groups: list[tuple[int, int]], layers_fn, x: jax.Array, *args, **static) -> jax.Array:
-        """Run `layers_fn` (prefill) over each layer group in turn, one call per group,
-        with the group's cache buffers donated; install the returned buffers; -> hidden states."""
-        for lo, hi in groups:
-            x, self._k[lo:hi], self._v[lo:hi] = layers_fn(
-                self._layers[lo, hi], tuple(self._k[lo:hi]), tuple(self._v[lo:hi]), x, *args, **static
+    def _prefill_through(self, x: jax.Array, slot: np.int32, start: np.int32, layers: int | None = None) -> jax.Array:
+        """A prompt piece x [1, C, E] at `start` of `slot` through the first `layers` layers (None:
+        all), one jitted call per layer with its cache buffers donated, the returned buffers
+        installed; -> hidden states."""
+        for i, layer in enumerate(self._decode_weights[:layers]):
+            x, self._k[i : i + 1], self._v[i : i + 1] = self._prefill_layers(
+                (layer,), (self._k[i],), (self._v[i],), x, slot, start, cfg=self.config
             )
         return x
 

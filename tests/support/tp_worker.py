@@ -71,7 +71,7 @@ def logits(model: JaxModel, prompt: list[int]) -> list[float]:
     tokens = np.zeros(model.buckets[0], np.int32)
     tokens[: len(prompt)] = prompt
     x = model._embed(w.embed, tokens[None])  # [1, C, E]
-    x = model._run_layers(model._prefill_groups, model._prefill_layers, x, np.int32(0), np.int32(0), cfg=model.config)
+    x = model._prefill_through(x, np.int32(0), np.int32(0))
     out = jax.jit(transformer.logits, static_argnames="cfg")(x[0, len(prompt) - 1], w.final_norm, w.lm_head, cfg=model.config)
     return np.asarray(out)[: model._head_size].tolist()  # V': a padded head cut back, as sampling does
 
