@@ -438,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, "--dtype", help="weights/compute dtype; default float32 on CPU, bfloat16 on GPU", choices=["float32", "bfloat16"], default=None)
         add_flag(
             p, "--cpu-kernels", help="C++ decode kernels on CPU with float32: prebuilt in the package (images), else built "
-            "with g++ into the cache and verified (off: plain JAX, and no second [out, in] copy of the projection weights)",
+            "with g++ into the cache and verified (off: plain JAX, and no second, panel-packed copy of the projection weights)",
             choices=["on", "off"], default="on",
         )
         add_flag(p, "--weights", help="float32: the dtype's own weights; int8: weight-only int8 (blocks of 32 with a "

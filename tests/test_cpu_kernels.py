@@ -1,6 +1,7 @@
 """engine.jax_backend.cpu_kernels: the C++ decode attention equals transformer.decode_attention (the JAX
-reference) on random inputs of many shapes, on one thread and split across the pool; the one-row
-product equals x @ w; and a machine that cannot build the kernels gets None (the engine then runs
+reference) on random inputs of many shapes, on one thread and split across the pool; the product
+of a few rows over panel-packed weights equals x @ w, with each row's bits independent of the
+call's other rows and of the ISA; and a machine that cannot build the kernels gets None (the engine then runs
 plain JAX), never an error.
 
 Where the library comes from (module docstring of cpu_kernels): the library `--build` writes is the
@@ -69,39 +70,75 @@ def test_kernel_attention_equals_the_jax_reference(rows, heads, kv_heads, head_d
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
+ISAS = ["avx2"] + (["avx512"] if "avx512f" in cpu_kernels._cpu_flags() else [])
+
+
+@pytest.fixture(params=ISAS)
+def panel_isa(request):
+    """Each build of panel_matmul's tile this CPU can run (AVX-512 where it has it), then back."""
+    kernels = cpu_kernels.load()
+    assert cpu_kernels.panel_matmul_isa(kernels, request.param == "avx512") == request.param
+    yield request.param
+    cpu_kernels.panel_matmul_isa(kernels, True)
+
+
 @pytest.mark.parametrize(
-    "k, n",
+    "rows, k, n",
     [
-        (5, 7),  # shorter than one vector
-        (64, 100),
-        (20, 3),
-        (576, 960),  # SmolLM2's q/k/v, o, gate/up and down products
-        (576, 576),
-        (576, 3072),
-        (1536, 576),
+        (1, 5, 7),  # shorter than one vector, fewer outputs than a panel
+        (2, 64, 100),  # a part-filled last panel
+        (3, 20, 3),
+        (1, 576, 960),  # SmolLM2's q/k/v, o, gate/up and down products, as a decode step and chunks
+        (8, 576, 576),
+        (13, 576, 3072),  # one row past a block of 12
+        (37, 1536, 576),
+        (64, 576, 960),  # PANEL_ROWS
     ],
 )
-def test_one_row_product_equals_matmul(k, n):
-    rng = np.random.default_rng(k * 7 + n)
-    x = rng.standard_normal((1, 1, k), np.float32)
+def test_panel_product_equals_matmul(panel_isa, rows, k, n):
+    rng = np.random.default_rng(rows * 1000 + k * 7 + n)
+    x = rng.standard_normal((rows, 1, k), np.float32)
     w = rng.standard_normal((k, n), np.float32)
-    out_in = jnp.transpose(jnp.asarray(w))
-    got = jax.jit(cpu_kernels.gemv)(x, out_in)
-    assert got.shape == (1, 1, n)
+    got = jax.jit(cpu_kernels.panel_matmul, static_argnums=2)(x, cpu_kernels.pack_panels(jnp.asarray(w)), n)
+    assert got.shape == (rows, 1, n)
     want = x.astype(np.float64) @ w.astype(np.float64)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5 * np.sqrt(k), rtol=1e-5)
 
 
-def test_one_row_copies_are_used_for_one_row_only():
-    """A decode step of one row reads the [out, in] copies, prefill and batches the originals:
-    with the copies zeroed only the one-row result changes."""
+def test_a_rows_panel_product_is_the_same_bits_whatever_else_is_in_the_call():
+    """Each output is summed over K in order with one fused multiply-add at a time, whatever the
+    row's place in its block of rows, the block sizes, or the ISA: the same bits for a row alone,
+    in a call of 29 rows (blocks of 10, 10, 9 with AVX-512, 3s with AVX2), and under either ISA.
+    (Batch invariance at the model level rests on this.)"""
+    kernels = cpu_kernels.load()
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((29, 576), np.float32))
+    p = cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal((576, 200), np.float32)))
+    product = jax.jit(cpu_kernels.panel_matmul, static_argnums=2)
+    results = []
+    try:
+        for isa in ISAS:
+            cpu_kernels.panel_matmul_isa(kernels, isa == "avx512")
+            results.append(np.asarray(product(x, p, 200)))
+            results.append(np.concatenate([np.asarray(product(x[r : r + 1], p, 200)) for r in range(29)]))
+    finally:
+        cpu_kernels.panel_matmul_isa(kernels, True)
+    for other in results[1:]:
+        np.testing.assert_array_equal(other, results[0])
+
+
+def test_panels_are_used_up_to_panel_rows_only():
+    """Products of up to PANEL_ROWS rows read the panel copies, longer ones the originals: with the
+    panels zeroed only the shorter results change."""
     rng = np.random.default_rng(3)
-    w = jnp.asarray(rng.standard_normal((8, 16), np.float32))
-    one, many = jnp.ones((1, 1, 8)), jnp.ones((2, 1, 8))
-    zeros = jnp.zeros((16, 8))
-    np.testing.assert_array_equal(transformer._project(one, w, zeros), np.zeros((1, 1, 16)))
+    w = jnp.asarray(rng.standard_normal((8, 40), np.float32))
+    zeros = jnp.zeros_like(cpu_kernels.pack_panels(w))
+    for rows in (1, 2, cpu_kernels.PANEL_ROWS):
+        x = jnp.ones((rows, 1, 8))
+        np.testing.assert_array_equal(transformer._project(x, w, zeros), np.zeros((rows, 1, 40)))
+        np.testing.assert_allclose(transformer._project(x, w, None), x @ w, rtol=1e-6)
+    many = jnp.ones((1, cpu_kernels.PANEL_ROWS + 1, 8))  # a prefill chunk past the limit
     np.testing.assert_allclose(transformer._project(many, w, zeros), many @ w, rtol=1e-6)
-    np.testing.assert_allclose(transformer._project(one, w, None), one @ w, rtol=1e-6)
 
 
 def test_keys_past_a_rows_position_are_never_read():
@@ -131,7 +168,7 @@ __attribute__((constructor)) static void planted() {
     if (FILE* f = std::fopen(marker, "a")) { std::fputs("loaded\n", f); std::fclose(f); }
 }
 extern "C" void TokenwireDecodeAttention() {}
-extern "C" void TokenwireGemv() {}
+extern "C" void TokenwirePanelMatmul() {}
 """
 
 

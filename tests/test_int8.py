@@ -6,6 +6,7 @@ after warm-up, the thread count, and the refusals; int8 read straight from a GGU
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -55,18 +56,18 @@ def test_the_thread_count_is_respected():
     kernels = cpu_kernels.load()
     rng = np.random.default_rng(0)
     m = _int8(rng.standard_normal((1024, 8192)).astype(np.float32))  # ~1 ms: long enough for a worker to join
-    wt = jnp.asarray(rng.standard_normal((4096, 1024)).astype(np.float32))
+    panels = cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal((1024, 4096)).astype(np.float32)))
     x = jnp.asarray(rng.standard_normal((1, 1024)).astype(np.float32))
-    int8, gemv = jax.jit(quantize.matmul), jax.jit(cpu_kernels.gemv)
+    int8, panel = jax.jit(quantize.matmul), jax.jit(functools.partial(cpu_kernels.panel_matmul, n=4096))
     results = {}
     try:
         for threads in (1, 2):
             cpu_kernels.set_threads(kernels, threads)
-            for product, args in (("int8", (x, m)), ("gemv", (x, wt))):
+            for product, args in (("int8", (x, m)), ("panel", (x, panels))):
                 # a worker that is not scheduled in time leaves its chunks to the others: take the most of a few
                 seen = []
                 for _ in range(20):
-                    results[product, threads] = np.asarray(jax.block_until_ready((int8 if product == "int8" else gemv)(*args)))
+                    results[product, threads] = np.asarray(jax.block_until_ready((int8 if product == "int8" else panel)(*args)))
                     seen.append(cpu_kernels.last_threads(kernels))
                     if max(seen) == threads:
                         break
@@ -74,7 +75,7 @@ def test_the_thread_count_is_respected():
     finally:
         cpu_kernels.set_threads(kernels, cpu_kernels.available_cpus())
     np.testing.assert_array_equal(results["int8", 1], results["int8", 2])
-    np.testing.assert_array_equal(results["gemv", 1], results["gemv", 2])
+    np.testing.assert_array_equal(results["panel", 1], results["panel", 2])
 
 
 def _greedy(model: JaxModel, prompts: list[tuple[int, ...]], n: int, fed: list[list[int]] | None = None) -> list[list[int]]:
@@ -259,16 +260,16 @@ def test_fewer_threads_after_more_run_on_fewer():
     """Workers made for a larger thread count stay out of products once the count is lowered."""
     kernels = cpu_kernels.load()
     rng = np.random.default_rng(1)
-    wt = jnp.asarray(rng.standard_normal((4096, 1024)).astype(np.float32))
+    panels = cpu_kernels.pack_panels(jnp.asarray(rng.standard_normal((1024, 4096)).astype(np.float32)))
     x = jnp.asarray(rng.standard_normal((1, 1024)).astype(np.float32))
-    gemv = jax.jit(cpu_kernels.gemv)
+    product = jax.jit(functools.partial(cpu_kernels.panel_matmul, n=4096))
     try:
         cpu_kernels.set_threads(kernels, 4)
-        jax.block_until_ready(gemv(x, wt))  # makes the 3 workers
+        jax.block_until_ready(product(x, panels))  # makes the 3 workers
         cpu_kernels.set_threads(kernels, 2)
         seen = []
         for _ in range(20):
-            jax.block_until_ready(gemv(x, wt))
+            jax.block_until_ready(product(x, panels))
             seen.append(cpu_kernels.last_threads(kernels))
         assert max(seen) <= 2, seen
     finally:

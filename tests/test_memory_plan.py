@@ -18,7 +18,7 @@ import pytest
 from engine.jax_backend import memory_plan, quantize, sampling, transformer
 from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
 from engine.jax_backend.memory_plan import MemoryLimit, MemoryPlanError, Settings
-from engine.jax_backend.weights import load_checkpoint, load_int8, with_one_row_copies
+from engine.jax_backend.weights import load_checkpoint, load_int8, with_panels
 from engine.model_store.checkpoint import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,9 +49,9 @@ def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
     else:
         dtype = kind.split("+")[0]
         ckpt = load_checkpoint(d, dtype)
-        s = settings(dtype_bytes=jnp.dtype(dtype).itemsize, one_row_copies=kind.endswith("+copies"))
-        if s.one_row_copies:
-            ckpt = replace(ckpt, weights=replace(ckpt.weights, layers=tuple(map(with_one_row_copies, ckpt.weights.layers))))
+        s = settings(dtype_bytes=jnp.dtype(dtype).itemsize, panel_copies=kind.endswith("+copies"))
+        if s.panel_copies:
+            ckpt = replace(ckpt, weights=replace(ckpt.weights, layers=tuple(map(with_panels, ckpt.weights.layers))))
     s = replace(s, prefix_cache_tokens=40)  # 2 whole blocks of 16; the rest is not held
     cache_dtype = jnp.float32 if s.int8 else jnp.dtype(kind.split("+")[0])
     cache = transformer.init_cache(ckpt.config, s.max_batch_size, s.context, cache_dtype)
@@ -104,7 +104,7 @@ def test_an_8b_model_at_batch_64_and_context_8192_is_refused_naming_the_numbers(
 
 
 def test_the_limit_is_inclusive_and_what_to_lower_follows_the_settings():
-    cfg, s = LLAMA3_8B, settings(8, 2048, one_row_copies=True)  # float32 with the CPU kernels' copies
+    cfg, s = LLAMA3_8B, settings(8, 2048, panel_copies=True)  # float32 with the CPU kernels' copies
     total = memory_plan.plan(cfg, cfg.vocab_size, s).total
     assert memory_plan.check(cfg, cfg.vocab_size, s, MemoryLimit(total, "stated"), "cpu").total == total
     with pytest.raises(MemoryPlanError, match=r"\(1 does not fit either\), context length 2048, the weights' size "

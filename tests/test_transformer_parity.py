@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from engine.jax_backend import cpu_kernels, transformer
-from engine.jax_backend.weights import load_checkpoint, with_one_row_copies
+from engine.jax_backend.weights import load_checkpoint, with_panels
 
 ASSETS = Path(__file__).parent / "assets"
 BATCH, CONTEXT, PROMPT_BUCKET = 3, 64, 32
@@ -45,8 +45,8 @@ def test_logits_and_greedy_ids_match_transformers(name, kernels):
     ckpt = load_checkpoint(ASSETS / name, dtype="float32")
     cfg = ckpt.config
     weights = ckpt.weights
-    if kernels:  # one-row decode steps then run their products on the kernel too
-        weights = replace(weights, layers=tuple(map(with_one_row_copies, weights.layers)))
+    if kernels:  # decode steps and short prompts then run their products on the kernel too
+        weights = replace(weights, layers=tuple(map(with_panels, weights.layers)))
     cases = json.loads((ASSETS / name / "golden.json").read_text())["cases"]
     prefill = jax.jit(transformer.prefill, static_argnames="cfg", donate_argnums=1)
     decode = jax.jit(transformer.decode, static_argnames=("cfg", "attend", "kernels"), donate_argnums=1)

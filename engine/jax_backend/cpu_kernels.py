@@ -2,9 +2,10 @@
 
 Why: on XLA:CPU a decode step's attention copies each sliced cache window and then runs its
 [G, D] x [D, A] products one small matmul at a time, where `decode_attention` here reads the live
-keys in place; and a one-row step's weight products, which XLA:CPU runs as one or two uneven
-tasks, stream faster as `gemv` here, one contiguous row of an [out, in] copy of each projection
-per output. The copies are made by engine.jax_backend.weights.with_one_row_copies.
+keys in place; and the weight products of a few rows (decode steps, short prompt chunks), which
+XLA:CPU streams from memory well below the bandwidth a step needs, run as `panel_matmul` here
+over a copy of each projection packed in panels of 32 outputs (`pack_panels`; the copies are made
+by engine.jax_backend.weights.with_panels), up to PANEL_ROWS rows.
 `int8_matmul` is the product of `--weights int8` (engine.jax_backend.quantize) for 1-64 rows.
 `chunk_attention` is a prefill chunk's attention over its slot's cached keys: plain JAX runs it as
 small blocked products far below the machine's GEMM speed, and near the end of a long prompt it is
@@ -75,13 +76,19 @@ from engine.model_store.registry import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("decode_attention.cc", "chunk_attention.cc", "gemv.cc", "int8_matmul.cc")
+SOURCES = ("decode_attention.cc", "chunk_attention.cc", "int8_matmul.cc", "panel_matmul.cc")
 HEADERS = ("pool.h", "chunk_attention_unit.h")  # included by the sources; hashed into the library name with them
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
-GEMV_TARGET = "tokenwire_gemv"
 INT8_TARGET = "tokenwire_int8_matmul"
+PANEL_TARGET = "tokenwire_panel_matmul"
+PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
+# Most rows a product goes to panel_matmul with; XLA's GEMM above. Measured on the default model's
+# 30 layers of products (2 vCPUs of a Sapphire Rapids Xeon, interleaved): the kernel took 0.44-0.65x
+# XLA's time at 2-48 rows, 0.81x at 64, 0.94x at 96 and the same at 128, where both reach the
+# machine's arithmetic speed (docs/benchmarks.md).
+PANEL_ROWS = 64
 INT8_BLOCK = 32  # int8 weights: one float32 scale per 32 consecutive inputs of an output (Q8_0's blocks)
 _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ON, OFF, NOT_APPLICABLE = "on", "off", "not applicable"  # what a state string starts with
@@ -151,16 +158,6 @@ def chunk_attention_applies(head_dim: int) -> bool:
     return head_dim % 8 == 0
 
 
-def gemv(x: jax.Array, wt: jax.Array) -> jax.Array:
-    """x @ wt.T for one row: x [..., K] f32 holding a single row (every leading dim 1), wt [N, K]
-    f32 (a projection stored [out, in]) -> [..., N] f32. Equal to float rounding; needs `load()`."""
-    n, k = wt.shape
-    if x.size != k:  # checked while tracing, so it costs nothing per step
-        raise ValueError(f"gemv takes one row of {k} values, got shape {x.shape}")
-    call = jax.ffi.ffi_call(GEMV_TARGET, jax.ShapeDtypeStruct((1, n), jnp.float32))
-    return call(x.reshape(1, k), wt).reshape(*x.shape[:-1], n)
-
-
 def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     """x [..., K] f32 @ W.T, W [N, K] given as int8 blocks (engine.jax_backend.quantize): q [N, K]
     int8, scale [N, K / INT8_BLOCK] f32 -> [..., N] f32; needs `load()` to have succeeded. The
@@ -173,8 +170,35 @@ def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
     return call(x.reshape(rows, k).astype(jnp.float32), q, scale).reshape(*x.shape[:-1], n)
 
 
+def pack_panels(w: jax.Array) -> jax.Array:
+    """A weight [K, N] ([in, out]) as `panel_matmul` reads it: [ceil(N / PANEL), K, PANEL],
+    panel j holding outputs PANEL * j .. PANEL * j + PANEL - 1 (zeros past N)."""
+    k, n = w.shape
+    panels = -(-n // PANEL)
+    padded = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
+    return padded.reshape(k, panels, PANEL).transpose(1, 0, 2)
+
+
+def panel_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x [..., K] f32 @ W [K, N], W given as `pack_panels(W)` -> [..., N] f32. Each output is
+    summed over K in order, so a row's result does not depend on the call's other rows; the
+    weights are read once per call for up to 12 rows (kernels/panel_matmul.cc); needs `load()`."""
+    count, k, width = panels.shape
+    if x.shape[-1] != k or width != PANEL or not (count - 1) * PANEL < n <= count * PANEL:  # checked while tracing
+        raise ValueError(f"panel_matmul takes rows of {k} values and {n} outputs, got x {x.shape}, panels {panels.shape}")
+    rows = x.size // k
+    call = jax.ffi.ffi_call(PANEL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    return call(x.reshape(rows, k).astype(jnp.float32), panels).reshape(*x.shape[:-1], n)
+
+
+def panel_matmul_isa(kernels: Kernels, avx512: bool = True) -> str:
+    """Let `panel_matmul` use AVX-512 where the CPU has it (the default), or cap it at AVX2;
+    -> the instruction set it now uses (process-wide; tests run both)."""
+    return "avx512" if kernels.library.TokenwirePanelMatmulIsa(int(avx512)) else "avx2"
+
+
 def set_threads(kernels: Kernels, threads: int) -> None:
-    """How many threads each weight product (gemv, int8_matmul) and each chunk attention runs on,
+    """How many threads each weight product (panel_matmul, int8_matmul) and each chunk attention runs on,
     the caller included; process-wide (the library's one pool, kernels/pool.h)."""
     kernels.library.TokenwireSetThreads(max(1, threads))
 
@@ -383,10 +407,12 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
         library = ctypes.CDLL(f"/proc/self/fd/{fd}")
         handlers = {
             ATTENTION_TARGET: library.TokenwireDecodeAttention, CHUNK_TARGET: library.TokenwireChunkAttention,
-            GEMV_TARGET: library.TokenwireGemv, INT8_TARGET: library.TokenwireInt8Matmul,
+            INT8_TARGET: library.TokenwireInt8Matmul,
+            PANEL_TARGET: library.TokenwirePanelMatmul,
         }
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]
         library.TokenwireChunkAttentionIsa.argtypes = [ctypes.c_int]
+        library.TokenwirePanelMatmulIsa.argtypes = [ctypes.c_int]
     except BaseException:
         os.close(fd)
         raise
@@ -464,8 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         path = build_library(args.build, args.cxx)
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
         symbols = (
-            "TokenwireDecodeAttention", "TokenwireChunkAttention", "TokenwireChunkAttentionIsa", "TokenwireGemv",
-            "TokenwireInt8Matmul", "TokenwireSetThreads",
+            "TokenwireDecodeAttention", "TokenwireChunkAttention", "TokenwireChunkAttentionIsa",
+            "TokenwireInt8Matmul", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa", "TokenwireSetThreads",
         )
         for symbol in symbols:
             getattr(library, symbol)

@@ -11,9 +11,10 @@ context; the chunk that ends the prompt samples its first token. `decode` runs o
 highest active slot (the scheduler fills the lowest free slot first, so live slots sit low), and
 attends over the smallest attend bucket that covers every active position; on the CPU (float32)
 the attention is a C++ kernel (engine.jax_backend.cpu_kernels) that reads each row's live keys in place, so
-there is one attend bucket, the context, and no window is copied; and a one-row step's weight
-products run on a second kernel over [out, in] copies of the projections, made once here (the
-[in, out] originals serve prefill and batches). A decode step is one jitted executable: embed,
+there is one attend bucket, the context, and no window is copied; and the weight products of up
+to cpu_kernels.PANEL_ROWS rows (decode steps, short prompt chunks) run on a second kernel over
+panel-packed copies of the projections, made once here (the [in, out] originals serve longer
+prompt chunks). A decode step is one jitted executable: embed,
 every layer, head and sampling (engine.jax_backend.sampling), with the cache buffers and the
 slots' last samples donated and handed back written in place. The host runs one step behind the
 device: `dispatch` enqueues step N+1 with no wait (its inputs are the samples of step N, which
@@ -63,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import cpu_kernels, host_memory, memory_plan, mesh, quantize, ragged_attention, sampling, transformer
-from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, with_one_row_copies
+from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, with_panels
 from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
 from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
@@ -104,7 +105,7 @@ def cpu_kernel_state(
         log.info("CPU decode kernels off: turned off by configuration; using plain JAX")
         return f"{cpu_kernels.OFF}: turned off by configuration"
     if tensor_parallel > 1 and jax.default_backend() == "cpu":
-        # An XLA custom call is opaque to the SPMD partitioner; the kernels read whole [out, in]
+        # An XLA custom call is opaque to the SPMD partitioner; the kernels read whole packed
         # weights and whole cache rows, so under a mesh they would need shard_map wrappers.
         reason = f"tensor parallelism over {tensor_parallel} devices (the partitioner cannot split their custom calls)"
         log.info("CPU decode kernels off: %s; using plain JAX", reason)
@@ -244,7 +245,7 @@ def _decode_step(
     embed_table: jax.Array,  # [V, E] (or its int8 form)
     final_norm: jax.Array,  # [E]
     lm_head: jax.Array,  # [E, V']
-    layers: tuple,  # L layer weights (with the one-row copies where the kernels use them)
+    layers: tuple,  # L layer weights (with the panel copies where the kernels use them)
     k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D], donated
     v_caches: tuple[jax.Array, ...],
     last: jax.Array,  # [B] i32, each slot's last sampled token, donated
@@ -350,8 +351,8 @@ class JaxModel:
         self._attend_buckets = (s,) if self.kernels or self.ragged else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, min_rows or MIN_ROWS.get(jax.default_backend(), ACCELERATOR_MIN_ROWS))
         layers = weights.layers
-        if self.kernels and not self.int8:  # [out, in] copies for one-row steps (engine.jax_backend.cpu_kernels.gemv)
-            layers = tuple(with_one_row_copies(layer) for layer in layers)
+        if self.kernels and not self.int8:  # panel copies for products of a few rows (cpu_kernels.panel_matmul)
+            layers = tuple(with_panels(layer) for layer in layers)
         self._decode_weights = layers  # every layer: one decode step reads them all, a prefill call one
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
         self._filling = np.zeros(b, bool)  # prefilled in part: more chunks to come before it may decode
@@ -421,8 +422,8 @@ class JaxModel:
         float32, and a library is found or built here; `self.kernels` says whether they are on, and
         `self.kernel_state` says it for operators: "on: <origin> <path>", "off: <reason>" or
         "not applicable: <reason>"): attention, and the
-        one-row weight products on [out, in] copies of the projections (held in memory besides the
-        originals); False forces plain JAX and makes no copies. `kernel_build` says where they
+        weight products of up to cpu_kernels.PANEL_ROWS rows on panel-packed copies of the
+        projections (held in memory besides the originals); False forces plain JAX and makes no copies. `kernel_build` says where they
         are looked for and built, and with which compiler. `max_chunk`: the largest prompt chunk
         one prefill call runs (capped at the context); prompt buckets are powers of two from
         `min_bucket` up to it, and a longer prompt, or a chunk the scheduler hands over, runs as
@@ -467,7 +468,7 @@ class JaxModel:
         settings = memory_plan.Settings(
             max_batch_size, context, max_chunk, prefix_cache_tokens, PREFIX_BLOCK, dtype_.itemsize,
             int8=weights == "int8",
-            one_row_copies=(  # as cpu_kernel_state will decide in __init__
+            panel_copies=(  # as cpu_kernel_state will decide in __init__
                 kernels and weights != "int8" and tensor_parallel == 1 and jax.default_backend() == "cpu"
                 and dtype_ == jnp.float32 and cpu_kernels.load(kernel_build) is not None
             ),

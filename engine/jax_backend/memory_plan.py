@@ -10,8 +10,9 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
 - weights: exactly the arrays the loader places (engine.model_store.checkpoint's layout: fused
   qkv and gate_up, the head's V' columns as a separate array even when tied), in the serving
   dtype or as int8 blocks with float32 scales (engine.jax_backend.quantize; a tied head that
-  covers every row shares the embedding), plus the [out, in] copies of the projections that the
-  CPU one-row kernel reads when the CPU kernels are on (tests/test_memory_plan.py checks these
+  covers every row shares the embedding), plus the panel-packed copies of the projections that the
+  CPU kernel of products of a few rows reads when the CPU kernels are on (each output count
+  rounded up to whole panels of 32) (tests/test_memory_plan.py checks these
   figures against the loaded arrays);
 - KV cache: L x 2 buffers of [B, K, S, D] in the cache dtype, and each slot's banned-id row [B, V'];
 - prefix pool: the same per position, for the prefix cache's whole blocks;
@@ -47,6 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS
+from engine.jax_backend.cpu_kernels import PANEL
 from engine.model_store.checkpoint import ModelConfig
 
 GIB = 1 << 30
@@ -73,7 +75,7 @@ class Settings:
     prefix_block: int  # positions per prefix-pool block (jax_model.PREFIX_BLOCK)
     dtype_bytes: int  # the serving dtype: 4 float32, 2 bfloat16 (activations and cache)
     int8: bool = False  # weight-only int8 (activations and cache float32)
-    one_row_copies: bool = False  # the CPU kernels' [out, in] copies of the projections
+    panel_copies: bool = False  # the CPU kernels' panel-packed copies of the projections
     devices: int = 1  # tensor parallelism: the devices the model is split over
 
 
@@ -126,8 +128,8 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
         head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(head_size * e)
         layer = sum(per(m) for m in matrices) + vectors * 4
         return cfg.n_layers * layer + per(cfg.vocab_size * e) + e * 4 + head
-    copies = 2 if s.one_row_copies else 1
-    layer = (copies * sum(matrices) + vectors) * s.dtype_bytes
+    panels = [k * -(-n // PANEL) * PANEL for k, n in ((e, qkv), (h * d, e), (e, 2 * f), (f, e))] if s.panel_copies else []
+    layer = (sum(matrices) + sum(panels) + vectors) * s.dtype_bytes
     return cfg.n_layers * layer + (cfg.vocab_size * e + e + e * head_size) * s.dtype_bytes
 
 
@@ -200,7 +202,7 @@ def check(cfg: ModelConfig, head_size: int, s: Settings, limit: MemoryLimit, bac
         lower.append(f"prefix cache tokens {s.prefix_cache_tokens}")
     if s.dtype_bytes == 4 and not s.int8:
         lower.append("the weights' size (dtype bfloat16" + (", or weights int8)" if backend == "cpu" and s.devices == 1 else ")"))
-    if s.one_row_copies:
+    if s.panel_copies:
         lower.append("CPU kernels off (drops the projections' second copy)")
     raise MemoryPlanError(
         f"the model does not fit in memory: weights {gib(need.weights)} + KV cache {gib(need.kv_cache)} "

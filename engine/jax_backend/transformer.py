@@ -31,10 +31,12 @@ a C++ kernel for decode attention (`kernels=True`, engine.jax_backend.cpu_kernel
 live keys in place; `decode_attention` below is the same computation in JAX (the reference the
 kernel is tested against, and the path where neither kernel applies). On a GPU the decode
 layers use a Pallas kernel (engine.jax_backend.ragged_attention) that likewise reads each row's
-live keys in place instead of a bucketed window. A one-row step's projections go to a second kernel
-when the layer carries [out, in] copies (`weights.with_one_row_copies`, `_project`), and a
-prefill chunk's attention to a third (`prefill_layers`), GEMM-shaped where XLA:CPU ran
-`chunk_attention`'s small blocked products far below its matmul speed.
+live keys in place instead of a bucketed window. The projections of up to cpu_kernels.PANEL_ROWS
+rows (decode steps, short prompt chunks) go to a second kernel when the layer carries
+panel-packed copies (`weights.with_panels`, `_project`), which streams the weights at about the
+memory's speed where XLA:CPU's GEMM of a few rows did not; and a prefill chunk's attention to a
+third (`prefill_layers`), GEMM-shaped where XLA:CPU ran `chunk_attention`'s small blocked
+products far below its matmul speed.
 
 Under tensor parallelism (engine.jax_backend.mesh) the same functions run on weights and caches
 split over a mesh; XLA's partitioner adds the collectives. The fused projections' layouts
@@ -207,11 +209,12 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array,
     return out.reshape(r, cfg.n_heads * d)
 
 
-def _project(x: jax.Array, w: jax.Array, out_in: jax.Array | None) -> jax.Array:
-    """x [..., in] @ w [in, out]; by the CPU one-row kernel on the [out, in] copy when there is
-    one and x is a single row (a decode step of one row; prefill and batches use w)."""
-    if out_in is not None and x.size == x.shape[-1]:
-        return cpu_kernels.gemv(x, out_in)
+def _project(x: jax.Array, w: jax.Array, panels: jax.Array | None) -> jax.Array:
+    """x [..., in] @ w [in, out]; by the CPU kernel on the panel-packed copy when there is one and
+    x has at most cpu_kernels.PANEL_ROWS rows (decode steps, short prompt chunks; longer chunks
+    use w and XLA's GEMM). The row count is static: the choice is made while tracing."""
+    if panels is not None and x.size // x.shape[-1] <= cpu_kernels.PANEL_ROWS:
+        return cpu_kernels.panel_matmul(x, panels, w.shape[1]).astype(x.dtype)
     return _dot(x, w)
 
 
@@ -230,7 +233,7 @@ def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) 
     b, t, _ = x.shape
     h, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     g = h // kv
-    qkv = _project(x, w.w_qkv, getattr(w.out_in, "qkv", None))  # [B, T, K * (G + 2) * D]
+    qkv = _project(x, w.w_qkv, getattr(w.panels, "qkv", None))  # [B, T, K * (G + 2) * D]
     if cfg.qkv_bias:
         qkv = qkv + w.b_qkv
     qkv = qkv.reshape(b, t, kv, g + 2, d)  # per kv head: its G query heads, its key, its value
@@ -245,10 +248,10 @@ def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) 
 
 
 def _mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
-    gate_up = _project(x, w.w_gate_up, getattr(w.out_in, "gate_up", None))  # [B, T, 2F], interleaved
+    gate_up = _project(x, w.w_gate_up, getattr(w.panels, "gate_up", None))  # [B, T, 2F], interleaved
     gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)  # [B, T, F, 2]
     gate, up = gate_up[..., 0], gate_up[..., 1]  # [B, T, F] each
-    return _project(jax.nn.silu(gate) * up, w.w_down, getattr(w.out_in, "down", None))  # [B, T, E]
+    return _project(jax.nn.silu(gate) * up, w.w_down, getattr(w.panels, "down", None))  # [B, T, E]
 
 
 def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -304,7 +307,7 @@ def prefill_layers(
             seen = cpu_kernels.chunk_attention(q[0], k_cache, v_cache, slot, start)  # [C, H*D]
         else:
             seen = chunk_attention(q[0], k_cache, v_cache, slot, start, cfg)  # [C, H*D]
-        x = x + _dot(seen, w.w_o)[None]
+        x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
 
@@ -356,7 +359,7 @@ def decode_layers(
             seen = ragged_attention.decode_attention(q[:, 0], k_cache, v_cache, jnp.where(active, positions + 1, 0))
         else:
             seen = decode_attention(q[:, 0], k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)
-        x = x + _project(seen, w.w_o, getattr(w.out_in, "o", None))[:, None]
+        x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[:, None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
 

@@ -1,5 +1,5 @@
-"""A checkpoint's weights on the JAX device: pytree registration, the dtype, and the [out, in]
-copies that the CPU one-row kernel reads.
+"""A checkpoint's weights on the JAX device: pytree registration, the dtype, and the
+panel-packed copies that the CPU kernel of products of a few rows reads.
 
 engine.model_store.checkpoint reads tensors as numpy and defines the weight classes without JAX;
 this module registers them as pytrees (so jitted steps take them as arguments) and places each
@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engine.jax_backend import cpu_kernels
 from engine.model_store import checkpoint
 from engine.model_store.checkpoint import Checkpoint, LayerWeights, ModelConfig, Weights
 
@@ -26,20 +27,21 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
-class OutInWeights:
-    """A layer's four projections again, stored [out, in]: what the CPU one-row kernel reads
-    (engine.jax_backend.cpu_kernels.gemv). Made by `with_one_row_copies`, never loaded."""
+class PanelWeights:
+    """A layer's four projections again, packed in panels of 32 outputs: what the CPU kernel for
+    products of a few rows reads (engine.jax_backend.cpu_kernels.panel_matmul). Made by
+    `with_panels`, never loaded."""
 
-    qkv: jax.Array  # [K * (G + 2) * D, E]
-    o: jax.Array  # [E, H * D]
-    gate_up: jax.Array  # [2F, E]
-    down: jax.Array  # [E, F]
+    qkv: jax.Array  # [ceil(K * (G + 2) * D / 32), E, 32]
+    o: jax.Array  # [ceil(E / 32), H * D, 32]
+    gate_up: jax.Array  # [ceil(2F / 32), E, 32]
+    down: jax.Array  # [ceil(E / 32), F, 32]
 
 
-for _cls in (OutInWeights, LayerWeights, Weights):
+for _cls in (PanelWeights, LayerWeights, Weights):
     jax.tree_util.register_dataclass(_cls)
 
-__all__ = ["Checkpoint", "LayerWeights", "OutInWeights", "Weights", "default_dtype", "load_checkpoint", "load_int8", "load_sharded", "with_one_row_copies"]
+__all__ = ["Checkpoint", "LayerWeights", "PanelWeights", "Weights", "default_dtype", "load_checkpoint", "load_int8", "load_sharded", "with_panels"]
 
 
 def default_dtype() -> str:
@@ -100,8 +102,9 @@ def load_sharded(model_dir: str | Path, dtype: str | None, size: int) -> tuple[C
     return replace(host, weights=weights), mesh.parallel_config(host.config, size), plan
 
 
-def with_one_row_copies(layer: LayerWeights) -> LayerWeights:
-    """The layer with [out, in] copies of its projections for the CPU one-row kernel (doubles the
-    projections' memory; only JaxModel makes them, when its CPU kernels are on)."""
-    t = jnp.transpose
-    return replace(layer, out_in=OutInWeights(t(layer.w_qkv), t(layer.w_o), t(layer.w_gate_up), t(layer.w_down)))
+def with_panels(layer: LayerWeights) -> LayerWeights:
+    """The layer with panel-packed copies of its projections for the CPU kernel of products of a
+    few rows (doubles the projections' memory; only JaxModel makes them, when its CPU kernels are
+    on)."""
+    pack = cpu_kernels.pack_panels
+    return replace(layer, panels=PanelWeights(pack(layer.w_qkv), pack(layer.w_o), pack(layer.w_gate_up), pack(layer.w_down)))

@@ -96,7 +96,7 @@ class LayerWeights:
     b_qkv: Array | None  # [K * (G + 2) * D]  only when qkv_bias, laid out as w_qkv
     q_norm: Array | None  # [D]  only when qk_norm
     k_norm: Array | None  # [D]  only when qk_norm
-    out_in: Any = None  # [out, in] copies for one-row CPU steps, added by engine.jax_backend
+    panels: Any = None  # panel-packed copies for CPU products of a few rows, added by engine.jax_backend
 
 
 @dataclass(frozen=True)

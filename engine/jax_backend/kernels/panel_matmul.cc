@@ -1,0 +1,188 @@
+// tokenwire_panel_matmul: y[R, N] = x[R, K] @ W[K, N] in float32, W given packed in panels of 32
+// outputs: p [P, K, 32], p[j, e, c] = W[e, 32 j + c] (zero past N), P = ceil(N / 32). For the
+// weight products of decode steps of a few rows and of short prompt chunks on the CPU.
+//
+// Why: XLA:CPU's product of a few rows streams the weights from memory at 7-13 GB/s on the
+// project's machines (22 GB/s for one row), so a decode step of 8 or 32 rows, or a prompt chunk of
+// 16 tokens, costs 2-3x the time its bytes need (docs/benchmarks.md). A tile of rows x 32 outputs
+// kept in registers while the weights stream past needs those 32 outputs' weights for one input
+// to lie together: in W as stored ([in, out]) they are 128 bytes out of every row of N, a strided
+// walk that the hardware prefetchers follow poorly (an outer-product tile on W as stored reached
+// only 0.6-0.8x of XLA). Packed, each panel is one contiguous stream, read once per call for up
+// to kMaxRows rows (and again from L2 for each further block of rows). Each output's sum runs over
+// e = 0..K-1 in order, so a row's result does not depend on the other rows of the call.
+//
+// Two builds of the tile: AVX-512 (rows x 2 vectors of 16) where the CPU has it, AVX2/FMA (rows
+// x 4 vectors of 8) elsewhere. The panels are split over pool.h's threads.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 32;  // outputs per panel
+// Inputs ahead (4 KiB of the panel) that the AVX-512 tile prefetches: left to the hardware
+// prefetcher alone, 2-8 rows streamed the weights at 13-18 GB/s on a Sapphire Rapids Xeon, with
+// this at 19-23 (8 inputs ahead: 17-23; 64: 18-24; all on 2 shared vCPUs, a noisy host).
+// Prefetches past the panel's end are harmless (they never fault).
+constexpr int64_t kAhead = 32;
+
+namespace avx512 {
+#define TW_TARGET __attribute__((target("avx512f,avx2,fma")))
+constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors + a broadcast: 27 of 32 registers
+
+// y[r, 0..cols) = x[r, :] . panel for MR rows (x rows xs apart, y rows ys apart).
+template <int MR>
+TW_TARGET void Tile(const float* panel, const float* x, int64_t xs, int64_t k, float* y, int64_t ys, int64_t cols) {
+  __m512 a[MR][2];
+  for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < k; ++e) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (e + kAhead) * kPanel), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(panel + (e + kAhead) * kPanel + 16), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(panel + e * kPanel), w1 = _mm512_loadu_ps(panel + e * kPanel + 16);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 b = _mm512_set1_ps(x[r * xs + e]);
+      a[r][0] = _mm512_fmadd_ps(w0, b, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(w1, b, a[r][1]);
+    }
+  }
+  const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32 ? 0xffff : (cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1));
+  for (int r = 0; r < MR; ++r) {
+    _mm512_mask_storeu_ps(y + r * ys, m0, a[r][0]);
+    _mm512_mask_storeu_ps(y + r * ys + 16, m1, a[r][1]);
+  }
+}
+#undef TW_TARGET
+}  // namespace avx512
+
+namespace avx2 {
+#define TW_TARGET __attribute__((target("avx2,fma")))
+constexpr int kMaxRows = 3;  // 12 accumulators + 3 broadcasts + a weight vector: 16 of 16 registers
+
+template <int MR>
+TW_TARGET void Tile(const float* panel, const float* x, int64_t xs, int64_t k, float* y, int64_t ys, int64_t cols) {
+  __m256 a[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) a[r][j] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < k; ++e) {
+    __m256 b[MR];
+    for (int r = 0; r < MR; ++r) b[r] = _mm256_broadcast_ss(x + r * xs + e);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 w = _mm256_loadu_ps(panel + e * kPanel + 8 * j);
+      for (int r = 0; r < MR; ++r) a[r][j] = _mm256_fmadd_ps(w, b[r], a[r][j]);
+    }
+  }
+  alignas(32) float out[kPanel];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < 4; ++j) _mm256_store_ps(out + 8 * j, a[r][j]);
+    std::copy(out, out + cols, y + r * ys);
+  }
+}
+#undef TW_TARGET
+}  // namespace avx2
+
+// All rows of x through one panel, in the fewest blocks of at most MaxRows, as even as can be
+// (16 rows: 8 + 8, not 12 + 4, whose second pass would have few products per weight load).
+template <int MaxRows, template <int> class TileOf>
+void Panel(const float* panel, const float* x, int64_t rows, int64_t k, float* y, int64_t n, int64_t cols) {
+  const int64_t blocks = (rows + MaxRows - 1) / MaxRows;
+  for (int64_t b = 0, r = 0; b < blocks; ++b) {
+    const int64_t m = (rows - r) / (blocks - b);
+    TileOf<MaxRows>::Run(static_cast<int>(m), panel, x + r * k, k, y + r * n, n, cols);
+    r += m;
+  }
+}
+
+// Tile<MR> for a row count known only at run time (1..MaxRows).
+template <int MaxRows>
+struct Avx512Tiles {
+  template <int MR>
+  static void Call(const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols) {
+    avx512::Tile<MR>(p, x, k, k, y, n, cols);
+  }
+  static void Run(int m, const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols) {
+    switch (m) {
+      case 1: return Call<1>(p, x, k, y, n, cols);
+      case 2: return Call<2>(p, x, k, y, n, cols);
+      case 3: return Call<3>(p, x, k, y, n, cols);
+      case 4: return Call<4>(p, x, k, y, n, cols);
+      case 5: return Call<5>(p, x, k, y, n, cols);
+      case 6: return Call<6>(p, x, k, y, n, cols);
+      case 7: return Call<7>(p, x, k, y, n, cols);
+      case 8: return Call<8>(p, x, k, y, n, cols);
+      case 9: return Call<9>(p, x, k, y, n, cols);
+      case 10: return Call<10>(p, x, k, y, n, cols);
+      case 11: return Call<11>(p, x, k, y, n, cols);
+      default: return Call<12>(p, x, k, y, n, cols);
+    }
+  }
+};
+
+template <int MaxRows>
+struct Avx2Tiles {
+  static void Run(int m, const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols) {
+    switch (m) {
+      case 1: return avx2::Tile<1>(p, x, k, k, y, n, cols);
+      case 2: return avx2::Tile<2>(p, x, k, k, y, n, cols);
+      default: return avx2::Tile<3>(p, x, k, k, y, n, cols);
+    }
+  }
+};
+
+std::atomic<int> isa_cap{1};  // 1: AVX-512 where the CPU has it; 0: AVX2 only (tests run both)
+bool UseAvx512() { return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512f"); }
+
+ffi::Error PanelMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> p, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto pd = p.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[2] != kPanel || xd[1] != pd[1] || yd[0] != xd[0] ||
+      yd[1] > pd[0] * kPanel || yd[1] <= (pd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument(
+        "tokenwire_panel_matmul: expected x [R, K], p [ceil(N / 32), K, 32], y [R, N]");
+  }
+  const int64_t rows = xd[0], k = xd[1], n = yd[1], panels = pd[0];
+  const float* xp = x.typed_data();
+  const float* pp = p.typed_data();
+  float* yp = y->typed_data();
+  const bool wide = UseAvx512();
+  // Run splits [0, total) into multiples of 8: 8 units a panel keeps every chunk whole panels.
+  tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin / 8; j < end / 8; ++j) {
+      const float* panel = pp + j * k * kPanel;
+      const int64_t cols = std::min<int64_t>(kPanel, n - j * kPanel);
+      if (wide) {
+        Panel<avx512::kMaxRows, Avx512Tiles>(panel, xp, rows, k, yp + j * kPanel, n, cols);
+      } else {
+        Panel<avx2::kMaxRows, Avx2Tiles>(panel, xp, rows, k, yp + j * kPanel, n, cols);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwirePanelMatmul, PanelMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+extern "C" void TokenwireSetThreads(int n) { tokenwire::Pool::Get().SetThreads(n); }
+extern "C" int TokenwireLastThreads() { return tokenwire::Pool::Get().LastThreads(); }
+
+// Caps the ISA the kernel may use (0: AVX2 only; 1: AVX-512 where the CPU has it) and returns the
+// one it now uses (1: AVX-512).
+extern "C" int TokenwirePanelMatmulIsa(int cap) {
+  isa_cap.store(cap);
+  return UseAvx512() ? 1 : 0;
+}
