@@ -18,7 +18,7 @@ import pytest
 from engine.jax_backend import memory_plan, quantize, sampling, transformer
 from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
 from engine.jax_backend.memory_plan import MemoryLimit, MemoryPlanError, Settings
-from engine.jax_backend.weights import load_checkpoint, load_int8, with_panels
+from engine.jax_backend.weights import load_checkpoint, load_int8, packed_head, with_panels
 from engine.model_store.checkpoint import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +42,7 @@ def settings(batch: int = 4, context: int = 32, **kw) -> Settings:
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float32+copies", "int8"])
 def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
     """The arithmetic against the arrays themselves: the loader's weights (with the CPU kernels'
-    [out, in] copies, or as int8 blocks), and the engine's cache, pool and banned-id rows."""
+    panel-packed copies, or as int8 blocks), and the engine's cache, pool and banned-id rows."""
     d = ASSETS / name
     if kind == "int8":
         ckpt, s = load_int8(d), settings(int8=True)
@@ -51,7 +51,8 @@ def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
         ckpt = load_checkpoint(d, dtype)
         s = settings(dtype_bytes=jnp.dtype(dtype).itemsize, panel_copies=kind.endswith("+copies"))
         if s.panel_copies:
-            ckpt = replace(ckpt, weights=replace(ckpt.weights, layers=tuple(map(with_panels, ckpt.weights.layers))))
+            w = ckpt.weights
+            ckpt = replace(ckpt, weights=replace(w, layers=tuple(map(with_panels, w.layers)), lm_head=packed_head(w.lm_head)))
     s = replace(s, prefix_cache_tokens=40)  # 2 whole blocks of 16; the rest is not held
     cache_dtype = jnp.float32 if s.int8 else jnp.dtype(kind.split("+")[0])
     cache = transformer.init_cache(ckpt.config, s.max_batch_size, s.context, cache_dtype)

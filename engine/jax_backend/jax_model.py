@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import cpu_kernels, host_memory, memory_plan, mesh, quantize, ragged_attention, sampling, transformer
-from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, with_panels
+from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, packed_head, with_panels
 from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
 from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
@@ -214,7 +214,7 @@ def _save_blocks(
 def _head_and_sample(
     x: jax.Array,  # [R, 1, E]
     final_norm: jax.Array,
-    lm_head: jax.Array,  # [E, V']
+    lm_head: jax.Array,  # [E, V'] (with its panel copy, weights.PackedHead, where the kernels use it)
     mask: jax.Array,  # [B, V'] bool, every slot's masked ids
     last: jax.Array,  # [B] i32, each slot's last sampled token, donated
     slots: jax.Array,  # [R] the slot of each row
@@ -244,7 +244,7 @@ TEMPERATURE, TOP_P, MIN_P = range(3)
 def _decode_step(
     embed_table: jax.Array,  # [V, E] (or its int8 form)
     final_norm: jax.Array,  # [E]
-    lm_head: jax.Array,  # [E, V']
+    lm_head: jax.Array,  # [E, V'] (with its panel copy, weights.PackedHead, where the kernels use it)
     layers: tuple,  # L layer weights (with the panel copies where the kernels use them)
     k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D], donated
     v_caches: tuple[jax.Array, ...],
@@ -351,8 +351,10 @@ class JaxModel:
         self._attend_buckets = (s,) if self.kernels or self.ragged else length_buckets(s, min_attend)
         self._row_buckets = length_buckets(b, min_rows or MIN_ROWS.get(jax.default_backend(), ACCELERATOR_MIN_ROWS))
         layers = weights.layers
+        self._lm_head = weights.lm_head
         if self.kernels and not self.int8:  # panel copies for products of a few rows (cpu_kernels.panel_matmul)
             layers = tuple(with_panels(layer) for layer in layers)
+            self._lm_head = packed_head(weights.lm_head)
         self._decode_weights = layers  # every layer: one decode step reads them all, a prefill call one
         self._length = np.zeros(b, np.int64)  # positions written per slot; 0 = free slot
         self._filling = np.zeros(b, bool)  # prefilled in part: more chunks to come before it may decode
@@ -537,7 +539,7 @@ class JaxModel:
         w = self._weights
         ints, floats = self._pack([], rows)
         return self._step.lower(
-            w.embed, w.final_norm, w.lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
+            w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
             self._mask, *self._put((ints, floats)), cfg=self.config, attend=attend,
         )
 
@@ -730,7 +732,7 @@ class JaxModel:
     def _launch(self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, attend: int) -> None:
         w = self._weights
         k, v, self._last, *samples = self._step(
-            w.embed, w.final_norm, w.lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
+            w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
             self._mask, *self._put((ints, floats)), cfg=self.config, attend=attend,
         )
         self._k, self._v = list(k), list(v)
@@ -768,7 +770,7 @@ class JaxModel:
         row asks for them)."""
         w = self._weights
         self._last, token, logprob, top_ids, top_logprobs = self._sample(
-            x, w.final_norm, w.lm_head, self._mask, self._last, slots, np.ones(len(slots), bool), masked, params,
+            x, w.final_norm, self._lm_head, self._mask, self._last, slots, np.ones(len(slots), bool), masked, params,
             positions, top_n, cfg=self.config,
         )
         if not top_n.any():

@@ -10,7 +10,7 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
 - weights: exactly the arrays the loader places (engine.model_store.checkpoint's layout: fused
   qkv and gate_up, the head's V' columns as a separate array even when tied), in the serving
   dtype or as int8 blocks with float32 scales (engine.jax_backend.quantize; a tied head that
-  covers every row shares the embedding), plus the panel-packed copies of the projections that the
+  covers every row shares the embedding), plus the panel-packed copies of the projections and the head that the
   CPU kernel of products of a few rows reads when the CPU kernels are on (each output count
   rounded up to whole panels of 32) (tests/test_memory_plan.py checks these
   figures against the loaded arrays);
@@ -130,7 +130,8 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
         return cfg.n_layers * layer + per(cfg.vocab_size * e) + e * 4 + head
     panels = [k * -(-n // PANEL) * PANEL for k, n in ((e, qkv), (h * d, e), (e, 2 * f), (f, e))] if s.panel_copies else []
     layer = (sum(matrices) + sum(panels) + vectors) * s.dtype_bytes
-    return cfg.n_layers * layer + (cfg.vocab_size * e + e + e * head_size) * s.dtype_bytes
+    head_panels = e * -(-head_size // PANEL) * PANEL if s.panel_copies else 0
+    return cfg.n_layers * layer + (cfg.vocab_size * e + e + e * head_size + head_panels) * s.dtype_bytes
 
 
 def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int:

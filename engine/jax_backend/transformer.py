@@ -57,7 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import cpu_kernels, quantize, ragged_attention
-from engine.jax_backend.weights import LayerWeights, Weights
+from engine.jax_backend.weights import LayerWeights, PackedHead, Weights
 from engine.model_store.checkpoint import ModelConfig, RopeScaling
 
 
@@ -254,11 +254,14 @@ def _mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
     return _project(jax.nn.silu(gate) * up, w.w_down, getattr(w.panels, "down", None))  # [B, T, E]
 
 
-def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """x [..., E] -> float32 logits [..., V'] (only ids the tokenizer can produce)."""
+def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array | PackedHead, cfg: ModelConfig) -> jax.Array:
+    """x [..., E] -> float32 logits [..., V'] (only ids the tokenizer can produce). A head with its
+    panel-packed copy (weights.packed_head) is read as `_project` reads a projection."""
     x = rms_norm(x, final_norm, cfg.rms_eps)
     if isinstance(lm_head, quantize.Int8Matrix):
         return quantize.matmul(x, lm_head)
+    if isinstance(lm_head, PackedHead):
+        return _project(x, lm_head.w, lm_head.panels).astype(jnp.float32)
     return jnp.dot(x, lm_head, preferred_element_type=jnp.float32)
 
 

@@ -38,10 +38,23 @@ class PanelWeights:
     down: jax.Array  # [ceil(E / 32), F, 32]
 
 
-for _cls in (PanelWeights, LayerWeights, Weights):
+@dataclass(frozen=True)
+class PackedHead:
+    """The LM head [E, V'] with its panel-packed copy (`with_panels` makes one for the head too):
+    transformer.logits reads the copy for up to cpu_kernels.PANEL_ROWS rows."""
+
+    w: jax.Array  # [E, V']
+    panels: jax.Array  # [ceil(V' / 32), E, 32]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.w.shape
+
+
+for _cls in (PanelWeights, PackedHead, LayerWeights, Weights):
     jax.tree_util.register_dataclass(_cls)
 
-__all__ = ["Checkpoint", "LayerWeights", "PanelWeights", "Weights", "default_dtype", "load_checkpoint", "load_int8", "load_sharded", "with_panels"]
+__all__ = ["Checkpoint", "LayerWeights", "PackedHead", "PanelWeights", "Weights", "default_dtype", "load_checkpoint", "load_int8", "load_sharded", "with_panels"]
 
 
 def default_dtype() -> str:
@@ -100,6 +113,11 @@ def load_sharded(model_dir: str | Path, dtype: str | None, size: int) -> tuple[C
     host = checkpoint.load_checkpoint(model_dir, lambda array: array.astype(target))  # numpy, cast as read
     weights = mesh.shard_weights(host.weights, host.config, plan, target)
     return replace(host, weights=weights), mesh.parallel_config(host.config, size), plan
+
+
+def packed_head(lm_head: jax.Array) -> PackedHead:
+    """The head with its panel-packed copy (adds the head's size again in memory)."""
+    return PackedHead(lm_head, cpu_kernels.pack_panels(lm_head))
 
 
 def with_panels(layer: LayerWeights) -> LayerWeights:
