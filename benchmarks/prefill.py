@@ -160,6 +160,7 @@ def main() -> None:
         model_dir, max_batch_size=args.streams + 1, max_context_length=args.max_context_length, dtype=args.dtype,
         max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
         min_bucket=args.min_bucket or smallest_chunk(min(budgets, default=None)),
+        fused_chunk_tokens=max(budgets, default=None),  # chunks along with decode steps, each budget its own size
     )
     model.warm_up()
     warm_compilations = model.compilations()

@@ -85,6 +85,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
         max_context_length=options.max_context_length,
         max_chunk=options.max_prefill_chunk,
         min_bucket=smallest_chunk(options.max_step_tokens),
+        fused_chunk_tokens=options.max_step_tokens,  # None: the model's default budget; 0: no budget, nothing to fuse
         prefix_cache_tokens=options.prefix_cache_tokens,
         dtype=options.dtype,
         kernels=options.cpu_kernels,

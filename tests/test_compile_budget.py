@@ -5,8 +5,9 @@ minutes of GPU warm-up on every start without a compilation cache, fails here fi
 The configurations are the decode-server's defaults (8 slots, prompt chunks up to 512, a prefix
 cache) on tiny-llama, whose context is 256 (the default model's 2048 adds 3 prompt buckets, and 3
 attend buckets where there are several): once as the CPU runs them (the attention kernel: one
-attend shape; rows from 1), and once with neither attention kernel and rows from 16, as an
-accelerator without the Pallas kernel runs them (attend buckets from 128). A GPU with the Pallas
+attend shape; rows from 1), and once with neither attention kernel, rows from 16 and no
+chunk along with a decode step, as an accelerator without the Pallas kernel runs them (attend
+buckets from 128). A GPU with the Pallas
 kernel (engine.jax_backend.ragged_attention) has one attend shape: 1 + 15 + 4 = 20 there. Each
 count is written out, not computed from the model, so it reads as the budget it is.
 """
@@ -32,20 +33,22 @@ def _warm(**kw) -> tuple[JaxModel, list[str]]:
     return model, compiles
 
 
-def test_the_cpu_shape_of_the_defaults_compiles_23_shapes():
+def test_the_cpu_shape_of_the_defaults_compiles_27_shapes():
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
     model, compiles = _warm(kernels=True, min_rows=1)
     assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
     assert model.buckets == (16, 32, 64, 128, 256)
-    # decode steps: 4 rows x 1 attend; per prompt bucket: embed, one prefill layer, last position
-    # (5 x 3); the mask write; a prompt's head and sampling; the two prefix-pool copies
-    assert model.compilations() == 4 + 15 + 1 + 1 + 2 == 23
-    assert len([c for c in compiles if "backend_compile" in c]) <= 23 + 4  # + jnp's own small helpers
+    # decode steps: 4 rows x 1 attend, alone and with a 16-token chunk along (the default budget's
+    # bucket); per prompt bucket: embed, one prefill layer, last position (5 x 3); the mask write;
+    # a prompt's head and sampling; the two prefix-pool copies
+    assert model.fused_chunk_tokens == 16
+    assert model.compilations() == 4 * 2 + 15 + 1 + 1 + 2 == 27
+    assert len([c for c in compiles if "backend_compile" in c]) <= 27 + 4  # + jnp's own small helpers
 
 
 def test_the_plain_accelerator_shape_of_the_defaults_compiles_21_shapes():
-    model, compiles = _warm(kernels=False, min_rows=16)
+    model, compiles = _warm(kernels=False, min_rows=16, fused_chunk_tokens=0)  # an accelerator's default: no chunk along
     assert model.row_buckets == (8,)  # the batch itself: no bucket below 16 rows
     assert model.attend_buckets == (128, 256)
     # decode steps: 1 row bucket x 2 attend; 5 prompt buckets x 3; mask; prompt sampling; 2 copies

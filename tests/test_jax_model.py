@@ -181,7 +181,9 @@ def test_masked_ids_are_not_sampled_while_masked(model):
 def test_nothing_compiles_after_warm_up(model):
     before = model.compilations()
     rows, attend, prompts = len(model.row_buckets), len(model.attend_buckets), len(model.buckets)
-    layers = rows * attend + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
+    along = len(model.fused_chunk_sizes)  # decode steps with a chunk along, one per compiled chunk size
+    assert along == (1 if model.kernels else 0)  # (on by default with the CPU kernels only)
+    layers = rows * attend * (1 + along) + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
     small = prompts + prompts + 1 + 1  # embed and last of a prompt; write_mask; a prompt's head and sampling
     assert before == layers + small
     with compile_events() as compiles:
@@ -193,15 +195,17 @@ def test_nothing_compiles_after_warm_up(model):
 
 
 def test_decode_donates_the_cache_and_never_copies_it(model):
-    """Structural: the old buffers are consumed, the compiled step aliases the cache input to its
-    output, and no instruction copies a whole-cache-shaped array."""
+    """Structural: the old buffers are consumed, the compiled step (alone, and with a prompt chunk
+    along) aliases the cache input to its output, and no instruction copies a whole-cache-shaped
+    array."""
     old = model.cache
     drive(model, [Plan(0, _prompt(10, 4), 3)])
     assert all(buffer.is_deleted() for buffer in old.k + old.v)
     n_buffers = 2 * model.config.n_layers  # k and v of every layer: the step is one call
     cache_shape = "f32[%s]" % ",".join(map(str, model.cache.k[0].shape))  # the fixture pins float32
-    for rows, attend in [(r, a) for r in model.row_buckets for a in model.attend_buckets]:
-        hlo = model.decode_hlo(rows, attend)
+    along = [False, True] if model.fused_chunk_sizes else [False]  # and the step with a chunk along
+    for rows, attend, chunk in [(r, a, c) for r in model.row_buckets for a in model.attend_buckets for c in along]:
+        hlo = model.decode_hlo(rows, attend, chunk)
         header = hlo.splitlines()[0]
         inputs = re.findall(r"\w+\[[\d,]*\]", header.split("entry_computation_layout={(")[1].split(")->")[0])
         cache_inputs = {i for i, shape in enumerate(inputs) if shape == cache_shape}

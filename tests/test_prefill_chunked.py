@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from engine.core.engine import Engine, EngineConfig
-from engine.core.model import DecodeInput, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from support.backend import require_cpu
@@ -84,7 +84,9 @@ def pair(request) -> tuple[JaxModel, JaxModel]:
     and a last piece near the end of the context must start earlier to stay inside it. Equal ids
     from different chunkings are a float32 CPU claim (support.backend)."""
     require_cpu()
-    whole = JaxModel.load(ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=64, dtype="float32")
+    whole = JaxModel.load(
+        ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=64, dtype="float32", fused_chunk_tokens=0
+    )
     chunked = JaxModel.load(
         ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=4, max_chunk=16, dtype="float32"
     )
@@ -121,8 +123,6 @@ def test_nothing_compiles_after_warm_up_with_chunks_in_the_mix(pair):
 
 
 def test_a_slot_mid_prefill_cannot_decode_or_skip_a_chunk(pair):
-    from engine.core.model import ModelUsageError
-
     _, model = pair
     prompt = tuple(range(3, 30))
     model.prefill_chunk(0, prompt, 0, 10, GREEDY, masked=False)
@@ -132,6 +132,43 @@ def test_a_slot_mid_prefill_cannot_decode_or_skip_a_chunk(pair):
         model.prefill_chunk(0, prompt, 11, 20, GREEDY, masked=False)
     model.release(0)
     assert model.prefill_chunk(0, prompt, 0, len(prompt), GREEDY, masked=False) is not None
+    model.release(0)
+
+
+def test_chunks_carried_by_decode_steps_change_no_id(pair):
+    """A prompt whose chunks ride along with another slot's decode steps (`dispatch(inputs,
+    chunk)`: one pass over the weights for both, the last chunk padded to the compiled size) gives
+    the same greedy ids as one whole-prompt call, and the decoding slot gets the ids it gets
+    alone; nothing compiles after warm-up."""
+    whole, model = pair
+    assert model.fused_chunk_tokens == 16
+    prompt = tuple(int(t) for t in np.random.default_rng(7).integers(3, 250, 45))
+    want, want_logprob = _greedy(whole, prompt, 6, None)
+
+    def decode_slot_0(chunks) -> list[int]:
+        ids = [model.prefill(0, (5, 6, 7), GREEDY, masked=False).token_id]
+        for chunk in chunks:
+            model.dispatch([DecodeInput(0, None, 2 + len(ids), False)], chunk)
+            ids.append(model.collect()[0].token_id)
+        return ids
+
+    alone = decode_slot_0([None] * 3)
+    model.release(0)
+    with compile_events() as compiles:
+        before = model.compilations()
+        beside = decode_slot_0([ChunkInput(1, prompt, lo, hi, GREEDY) for lo, hi in ((0, 16), (16, 32), (32, 44))])
+        first = model.prefill_chunk(1, prompt, 44, 45, GREEDY, masked=False)
+        ids = [first.token_id]
+        for step in range(5):
+            ids.append(model.decode([DecodeInput(1, ids[-1], len(prompt) + step, False)])[0].token_id)
+        model.release(0)
+        model.release(1)
+    assert beside == alone
+    assert ids == want and abs(first.logprob - want_logprob) < 1e-4
+    assert model.compilations() == before and compiles == []
+    with pytest.raises(ModelUsageError):  # a last chunk samples: it cannot ride along
+        model.prefill(0, (5, 6, 7), GREEDY, masked=False)
+        model.dispatch([DecodeInput(0, None, 3, False)], ChunkInput(1, prompt[:10], 0, 10, GREEDY))
     model.release(0)
 
 
@@ -176,8 +213,12 @@ def _request(prompt, n) -> Request:
     return Request("r", tuple(prompt), stopping=StoppingCriteria(n))
 
 
-def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_prefilled():
-    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002)
+@pytest.mark.parametrize("fused", [0, 16], ids=["chunk-calls", "chunks-along-with-steps"])
+def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_prefilled(fused):
+    """Between any two chunks, one decode step of the running stream. With a model that takes a
+    chunk along with a step, every chunk but the last goes with the step after it (one pass over
+    the weights); the last, which samples the first token, is a call of its own."""
+    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002, fused_chunk_tokens=fused)
     engine = Engine(model, EngineConfig(max_step_tokens=16))
     engine.start()
     try:
@@ -196,11 +237,13 @@ def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_pre
         assert model.calls[a + 1 : b] == [("decode", (0,))]
     assert long.tokens == [501, 502, 503]  # its first token comes from the last chunk
     assert running.tokens == list(range(11, 71))
+    assert model.fused_chunks == (len(chunks) - 1 if fused else 0)
 
 
+@pytest.mark.parametrize("fused", [0, 64], ids=["chunk-calls", "chunks-along-with-steps"])
 @pytest.mark.parametrize("max_step_tokens", [0, 1, 5, 64])
-def test_chunked_and_whole_prefill_send_the_same_events(max_step_tokens):
-    model = ScriptedModel(vocab_size=1000, max_batch_size=3, max_context_length=128)
+def test_chunked_and_whole_prefill_send_the_same_events(max_step_tokens, fused):
+    model = ScriptedModel(vocab_size=1000, max_batch_size=3, max_context_length=128, fused_chunk_tokens=fused)
     engine = Engine(model, EngineConfig(max_step_tokens=max_step_tokens))
     engine.start()
     try:
@@ -258,8 +301,13 @@ def test_with_nothing_decoding_a_prompt_is_read_whole_and_the_budget_binds_once_
         assert model.calls[a + 1 : b] == [("decode", (0,))]
 
 
-def test_cancelling_during_a_chunked_prefill_frees_the_slot_before_the_next_step():
-    model = GatedChunks(lambda start: start > 0, vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002)
+@pytest.mark.parametrize("fused", [0, 8], ids=["chunk-calls", "chunks-along-with-steps"])
+def test_cancelling_during_a_chunked_prefill_frees_the_slot_before_the_next_step(fused):
+    """(With chunks along with steps, the second chunk is held inside the step that carries it.)"""
+    model = GatedChunks(
+        lambda start: start > 0, vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002,
+        fused_chunk_tokens=fused,
+    )
     engine = Engine(model, EngineConfig(max_step_tokens=8))
     engine.start()
     try:
@@ -282,8 +330,9 @@ def test_cancelling_during_a_chunked_prefill_frees_the_slot_before_the_next_step
     assert model.slots_held == 0 and engine.stats().slots_in_use == 0
 
 
-def test_cancelling_between_chunks_frees_the_slot():
-    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=512, step_delay_s=0.01)
+@pytest.mark.parametrize("fused", [0, 4], ids=["chunk-calls", "chunks-along-with-steps"])
+def test_cancelling_between_chunks_frees_the_slot(fused):
+    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=512, step_delay_s=0.01, fused_chunk_tokens=fused)
     engine = Engine(model, EngineConfig(max_step_tokens=4))
     engine.start()
     try:
@@ -303,3 +352,4 @@ def test_cancelling_between_chunks_frees_the_slot():
     finally:
         engine.stop()
     assert cancelled.batches == [] and model.slots_held == 0
+    assert (model.fused_chunks >= 3) == bool(fused)

@@ -45,7 +45,7 @@ from typing import Callable, Protocol
 
 from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
-from engine.core.model import DecodeInput, Model, ModelInfo, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request
 from engine.core.stopping import StopRule, decide, resolve
@@ -150,6 +150,7 @@ class Engine:
         self._aborts: set[int] = set()
         self._active: dict[int, _Live] = {}  # slot -> live request
         self._in_flight: list[_Live] = []  # the requests of the dispatched step not yet read (engine thread)
+        self._chunk: ChunkInput | None = None  # a prompt chunk the next decode step takes along (engine thread)
         self._dispatched_at = 0.0  # when the step in flight was dispatched
         self._read_at = 0.0  # when the host last read the device's samples (a step, or a prompt's first token)
         self._read_in_flight = False  # whether the host read a prompt's sample while the step was in flight
@@ -309,7 +310,11 @@ class Engine:
 
     def _prefill(self, live: _Live, budget: int | None) -> int:
         """Prefill the next chunk of `live`'s prompt, at most `budget` tokens (None: the rest);
-        the chunk that ends the prompt samples its first token. -> tokens prefilled."""
+        the chunk that ends the prompt samples its first token. A chunk that does not end the
+        prompt, under a budget (others decode), goes with the next decode step when the model
+        takes one along (`Model.fused_chunk_tokens`): one pass over the weights for both, so the
+        streams decoding beside a long prompt wait for one step, not a chunk and a step.
+        -> tokens prefilled."""
         prompt = live.request.prompt_token_ids
         setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
         if live.prefilled == 0 and self._prefix is not None:
@@ -317,8 +322,11 @@ class Engine:
         start = live.prefilled
         end = len(prompt) if budget is None else min(len(prompt), start + budget)
         masked = live.rule.masks_control_tokens(0)
-        if start == 0 and end == len(prompt):  # the whole prompt at once
-            sample: Sample | None = self.model.prefill(live.slot, prompt, setup, masked)
+        sample: Sample | None = None
+        if budget is not None and end < len(prompt) and self._chunk is None and end - start <= self.model.fused_chunk_tokens:
+            self._chunk = ChunkInput(live.slot, tuple(prompt), start, end, setup)
+        elif start == 0 and end == len(prompt):  # the whole prompt at once
+            sample = self.model.prefill(live.slot, prompt, setup, masked)
         else:
             sample = self.model.prefill_chunk(live.slot, prompt, start, end, setup, masked)
         live.prefilled = end
@@ -330,6 +338,8 @@ class Engine:
         with self._cond:  # aborted while prefilling: free the slot, send nothing
             if live.ticket in self._aborts:
                 self._aborts.discard(live.ticket)
+                if self._chunk is not None and self._chunk.slot == live.slot:
+                    self._chunk = None  # (its chunk never reaches the model)
                 self._release(live)
                 return end - start
         if sample is not None:
@@ -371,6 +381,7 @@ class Engine:
             if not live.filling and 1 + live.steps < live.rule.max_output_tokens  # 1: the prefill's token
         ]
         dispatched_at = time.perf_counter()
+        chunk, self._chunk = self._chunk, None
         if lives:
             self.model.dispatch([
                 DecodeInput(
@@ -380,9 +391,12 @@ class Engine:
                     masked=live.rule.masks_control_tokens(1 + live.steps),
                 )
                 for live in lives
-            ])
+            ], chunk)
             for live in lives:
                 live.steps += 1
+        elif chunk is not None:  # no step to take it along (every decoding request has its last in flight)
+            c = chunk
+            self.model.prefill_chunk(c.slot, c.prompt_token_ids, c.start, c.end, c.setup, False)
         previous, self._in_flight = self._in_flight, lives
         started = max(self._dispatched_at, self._read_at)
         timed = not self._read_in_flight

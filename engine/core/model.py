@@ -2,7 +2,7 @@
 
 A model owns a slot-based KV cache of `max_batch_size` slots x `max_context_length`
 positions. The scheduler prefills one request into a free slot (whole, or in chunks over several
-steps, `prefill_chunk`), then calls `decode` once per step for every active slot whose prompt is
+steps: `prefill_chunk`, or a chunk carried by a decode step, `dispatch(inputs, chunk)`), then calls `decode` once per step for every active slot whose prompt is
 complete, and releases a slot when its request ends (or is cancelled, mid-prefill included).
 A decode step is dispatched (`dispatch`) before the previous one's samples are read (`collect`),
 so the host works one step behind the device: a step's inputs name the slot and position, and its
@@ -81,12 +81,28 @@ class DecodeInput:
     masked: bool  # mask the slot's `masked_token_ids` when sampling this step
 
 
+@dataclass(frozen=True)
+class ChunkInput:
+    """A prompt chunk that rides along with a decode step (`dispatch(inputs, chunk)`): the KV of
+    prompt_token_ids[start:end] written into `slot` exactly as `prefill_chunk` would write it,
+    in the same pass over the weights as the step's rows. Never a prompt's last chunk (that one
+    samples the first token, and runs as `prefill_chunk`); `start == 0` takes the free slot."""
+
+    slot: int
+    prompt_token_ids: tuple[int, ...]
+    start: int
+    end: int
+    setup: SlotSetup
+
+
 class Model(Protocol):
     info: ModelInfo
     prefix_pool: PrefixPool  # blocks == 0: the model keeps no prefix KV
     # prompt tokens to prefill per step while other requests decode, unless configured: about
     # what this model reads in the time of a few of its decode steps on its hardware
     default_step_tokens: int
+    # the longest chunk `dispatch` takes along with a step (0: none; every chunk is `prefill_chunk`)
+    fused_chunk_tokens: int
 
     def warm_up(self) -> None:
         """Compile every shape the model will use; nothing compiles after this."""
@@ -109,10 +125,12 @@ class Model(Protocol):
         """One step for the given slots; returns one sample per input, in the same order.
         `dispatch` then `collect`, with no other step in flight."""
 
-    def dispatch(self, inputs: Sequence[DecodeInput]) -> None:
+    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None) -> None:
         """Start one step for the given slots (not empty) and return without waiting for its
         samples. Positions are checked against the slots' own counts, which a dispatch advances,
-        so a step may be dispatched while the previous one is in flight."""
+        so a step may be dispatched while the previous one is in flight. With `chunk` (at most
+        `fused_chunk_tokens` tokens, for a slot that is not one of the inputs), that prompt chunk
+        is prefilled in the same step, as if by `prefill_chunk` just before it."""
 
     def collect(self) -> list[Sample]:
         """Wait for the oldest dispatched step: one sample per input, in input order."""

@@ -12,7 +12,9 @@ It drives the real scheduler and stop decision in tests; `step_delay_s` is each 
 time on a device that runs beside the host, as an accelerator does: `dispatch` returns at once and
 `collect` waits until the step is due (each step starts when the previous one ends), so tests
 catch requests in flight (cancellation, overload, drain) and benchmarks see a host one step
-behind. `fail_at_step` makes one decode step's `collect` raise, as a lost device would. `calls` records every prefill chunk
+behind. `fail_at_step` makes one decode step's `collect` raise, as a lost device would. With
+`fused_chunk_tokens` a step takes a prompt chunk along (`dispatch(inputs, chunk)`), counted in
+`fused_chunks` and recorded as the prefill it stands for. `calls` records every prefill chunk
 ("prefill", slot, start, end) and decode step ("decode", slots), in order, so scheduler tests can
 check how chunks and steps interleave; `reads` records, for each `collect`, (the step read, the
 steps dispatched by then), so they can check that the host reads a step only after the next one
@@ -29,7 +31,7 @@ import collections
 import time
 from typing import Sequence
 
-from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
 
 
@@ -52,10 +54,13 @@ class ScriptedModel:
         fail_at_step: int | None = None,
         prefix_blocks: int = 0,
         prefix_block_tokens: int = 16,
+        fused_chunk_tokens: int = 0,
     ) -> None:
         self.info = ModelInfo(model_id, vocab_size, max_context_length, max_batch_size, frozenset(eos_token_ids))
         self.prefix_pool = PrefixPool(prefix_block_tokens, prefix_blocks)
         self.default_step_tokens = 256
+        self.fused_chunk_tokens = fused_chunk_tokens
+        self.fused_chunks = 0  # chunks that came with a decode step (recorded in `calls` as a prefill before it)
         self._pool: dict[int, tuple[int, ...]] = {}  # pool block -> the prompt ids [0, end of block) it was saved from
         self._loaded: dict[int, tuple[int, ...]] = {}  # slot -> the prompt ids its loaded blocks hold
         self._prompts: dict[int, tuple[int, ...]] = {}  # slot -> its prompt, once a chunk was written
@@ -146,9 +151,16 @@ class ScriptedModel:
         self.dispatch(inputs)
         return self.collect()
 
-    def dispatch(self, inputs: Sequence[DecodeInput]) -> None:
+    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None) -> None:
         if not inputs:
             raise ModelUsageError("a decode step with no inputs")
+        if chunk is not None:
+            if not 0 < chunk.end - chunk.start <= self.fused_chunk_tokens or chunk.end >= len(chunk.prompt_token_ids):
+                raise ModelUsageError(f"a chunk [{chunk.start}, {chunk.end}) cannot ride along with a step")
+            if chunk.slot in {i.slot for i in inputs}:
+                raise ModelUsageError(f"slot {chunk.slot} both decodes and prefills in one step")
+            self.prefill_chunk(chunk.slot, chunk.prompt_token_ids, chunk.start, chunk.end, chunk.setup, False)
+            self.fused_chunks += 1
         self.decode_steps += 1
         self.calls.append(("decode", tuple(i.slot for i in inputs)))
         for i in inputs:

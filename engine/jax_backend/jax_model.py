@@ -66,7 +66,7 @@ import numpy as np
 from engine.jax_backend import cpu_kernels, host_memory, memory_plan, mesh, quantize, ragged_attention, sampling, transformer
 from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, packed_head, with_panels
 from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
-from engine.core.model import DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
 from engine.jax_backend.sampling import SlotSampling
 
@@ -252,6 +252,8 @@ def _decode_step(
     mask: jax.Array,  # [B, V'] bool
     ints: jax.Array,  # [R, 9] i32, the columns above
     floats: jax.Array,  # [R, 3] f32, the columns above
+    chunk: tuple[jax.Array, jax.Array] | None = None,  # a prompt chunk riding along: ids [C] i32, (slot, start) [2] i32
+    *,
     cfg: ModelConfig,
     attend: int,
     kernels: bool,
@@ -260,17 +262,25 @@ def _decode_step(
 ) -> tuple:
     """One whole decode step for the first R slots as one executable: embed the slots' inputs
     (the token the host gives, or the slot's last sample, already on the device), every layer,
-    head and sampling. -> (k_caches, v_caches, last, ids [R], logprobs [R], top ids [R, K], top
-    logprobs [R, K])."""
+    head and sampling; with `chunk`, that prompt chunk's KV written into its slot in the same
+    pass (transformer.mixed_layers). -> (k_caches, v_caches, last, ids [R], logprobs [R], top ids
+    [R, K], top logprobs [R, K])."""
     r = ints.shape[0]
     rows = jnp.arange(r, dtype=jnp.int32)  # [R] row i is slot i
     active = ints[:, ACTIVE] > 0  # [R]
     positions = ints[:, POSITION]  # [R]
     tokens = jnp.where(ints[:, USE_GIVEN] > 0, ints[:, GIVEN], last[:r])  # [R]
     x = transformer.embed(embed_table, tokens[:, None])  # [R, 1, E]
-    x, k_caches, v_caches = transformer.decode_layers(
-        layers, k_caches, v_caches, x, positions, active, cfg=cfg, attend=attend, kernels=kernels, ragged=ragged
-    )
+    if chunk is None:
+        x, k_caches, v_caches = transformer.decode_layers(
+            layers, k_caches, v_caches, x, positions, active, cfg=cfg, attend=attend, kernels=kernels, ragged=ragged
+        )
+    else:
+        ids, at = chunk
+        x, k_caches, v_caches = transformer.mixed_layers(
+            layers, k_caches, v_caches, x, positions, active, transformer.embed(embed_table, ids), at[0], at[1],
+            cfg=cfg, attend=attend, kernels=kernels, ragged=ragged,
+        )
     seed = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)  # [R, 2]
     params = SlotSampling(floats[:, TEMPERATURE], ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P], seed)
     last, *out = _head_and_sample(
@@ -312,6 +322,7 @@ class JaxModel:
         plan: mesh.Plan | None = None,
         cpu_threads: int | None = None,
         min_rows: int | None = None,
+        fused_chunk_tokens: int | None = None,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -349,6 +360,15 @@ class JaxModel:
         # which reads each row's live length too; not under a mesh, whose partitioner cannot split it.
         self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, s)
         self._attend_buckets = (s,) if self.kernels or self.ragged else length_buckets(s, min_attend)
+        if fused_chunk_tokens is None:  # with the CPU kernels (one device): the scheduler's default budget
+            fused_chunk_tokens = self.default_step_tokens if self.kernels else 0
+        if fused_chunk_tokens < 0:
+            raise ValueError(f"fused_chunk_tokens must be >= 0, got {fused_chunk_tokens}")
+        # a chunk that rides along with a decode step (dispatch) is padded to the smallest of these
+        # compiled sizes that holds it: the chunk buckets up to the one of fused_chunk_tokens
+        self.fused_chunk_tokens = 0 if b == 1 else min(fused_chunk_tokens, self._prompt_buckets[-1])
+        top = _bucket(self._prompt_buckets, self.fused_chunk_tokens) if self.fused_chunk_tokens else 0
+        self._fused_sizes = tuple(c for c in self._prompt_buckets if c <= top)
         self._row_buckets = length_buckets(b, min_rows or MIN_ROWS.get(jax.default_backend(), ACCELERATOR_MIN_ROWS))
         layers = weights.layers
         self._lm_head = weights.lm_head
@@ -413,6 +433,7 @@ class JaxModel:
         cpu_threads: int | None = None,
         memory_limit_bytes: int | None = None,
         min_rows: int | None = None,
+        fused_chunk_tokens: int | None = None,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
@@ -440,6 +461,13 @@ class JaxModel:
         `memory_limit_bytes`: the memory check's limit per device instead of what the device
         offers (engine.jax_backend.memory_plan); a configuration that cannot fit raises
         memory_plan.MemoryPlanError (a ValueError, one line) before any weight is read.
+        `fused_chunk_tokens`: the longest prompt chunk a decode step takes along (`dispatch`;
+        the scheduler's budget per step, `--max-step-tokens`, is what it hands over); a chunk is
+        padded to the smallest prompt bucket that holds it, and each row bucket compiles a decode
+        step for each prompt bucket up to the one of fused_chunk_tokens (one, with the defaults).
+        Default: with the CPU kernels on, the default budget (`default_step_tokens`); otherwise 0,
+        none, each chunk its own calls (with XLA's attention the chunk's step copied its cache
+        buffers; on an accelerator it is untried).
         """
         model_dir = Path(model_dir)
         plan = None
@@ -507,7 +535,7 @@ class JaxModel:
         )
         return cls(
             cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, kernels, kernel_build, max_chunk,
-            prefix_cache_tokens, plan, cpu_threads, min_rows=min_rows,
+            prefix_cache_tokens, plan, cpu_threads, min_rows=min_rows, fused_chunk_tokens=fused_chunk_tokens,
         )
 
     @property
@@ -521,6 +549,11 @@ class JaxModel:
         return self._attend_buckets
 
     @property
+    def fused_chunk_sizes(self) -> tuple[int, ...]:
+        """The compiled sizes of a chunk along with a decode step (empty: none), increasing."""
+        return self._fused_sizes
+
+    @property
     def row_buckets(self) -> tuple[int, ...]:
         """Row counts (the first R slots) a decode step is compiled for, in increasing order."""
         return self._row_buckets
@@ -530,17 +563,19 @@ class JaxModel:
         """The current KV cache; each step consumes (donates) its buffers and installs the next."""
         return transformer.KVCache(tuple(self._k), tuple(self._v))
 
-    def decode_hlo(self, rows: int, attend: int) -> str:
-        """The compiled decode step as HLO text (cached once warmed up), so tests can check that
-        it is one executable whose cache buffers are aliased to the output and never copied."""
-        return self._lower_step(rows, attend).compile().as_text()
+    def decode_hlo(self, rows: int, attend: int, chunk: bool = False) -> str:
+        """The compiled decode step (with `chunk`, the one that takes a chunk along) as HLO text
+        (cached once warmed up), so tests can check that it is one executable whose cache buffers
+        are aliased to the output and never copied."""
+        return self._lower_step(rows, attend, chunk).compile().as_text()
 
-    def _lower_step(self, rows: int, attend: int):
+    def _lower_step(self, rows: int, attend: int, chunk: bool = False):
         w = self._weights
         ints, floats = self._pack([], rows)
+        along = self._put(self._chunk_arrays(0, [0] * self._fused_sizes[-1], 0)) if chunk else None
         return self._step.lower(
             w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
-            self._mask, *self._put((ints, floats)), cfg=self.config, attend=attend,
+            self._mask, *self._put((ints, floats)), along, cfg=self.config, attend=attend,
         )
 
     def compilations(self) -> int:
@@ -564,6 +599,9 @@ class JaxModel:
             for attend in self._attend_buckets:
                 self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend)
                 self.collect()
+                for size in self._fused_sizes:  # and with a chunk along (padding, into slot 0, released below)
+                    self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, self._chunk_arrays(0, [0] * size, 0))
+                    self.collect()
         if self.prefix_pool.blocks:  # copies of 0 blocks: only the compiles
             self._copy_into_slot(0, [])
             self._copy_into_pool(0, [], [])
@@ -578,16 +616,7 @@ class JaxModel:
         self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
     ) -> Sample | None:
         n = len(prompt_token_ids)
-        v = self.config.vocab_size
-        s_ = self.info.max_context_length
-        _require(1 <= n < s_, f"a prompt of {n} tokens in a context of {s_}")
-        _require(0 <= start < end <= n, f"a chunk [{start}, {end}) of a prompt of {n} tokens")
-        if start == 0:
-            _require(self._length[slot] == 0 and not self._filling[slot], f"slot {slot} is in use")
-        else:
-            _require(self._filling[slot] and self._length[slot] == start, f"a chunk at {start} is not slot {slot}'s next one")
-        ids = np.asarray(prompt_token_ids[start:end], np.int64)
-        _require(0 <= ids.min() and ids.max() < v, "a prompt id outside the vocabulary")
+        self._check_chunk(slot, prompt_token_ids, start, end)
         if start == 0:
             self._take(slot, setup)
         x, last = None, 0
@@ -607,6 +636,18 @@ class JaxModel:
             np.array([n], np.int32), self._top_n[row],
         )
         return Sample(int(token[0]), float(logprob[0]), top[0])
+
+    def _check_chunk(self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int) -> None:
+        """A chunk [start, end) of a prompt this slot can take next (prefill_chunk, dispatch)."""
+        n, s_ = len(prompt_token_ids), self.info.max_context_length
+        _require(1 <= n < s_, f"a prompt of {n} tokens in a context of {s_}")
+        _require(0 <= start < end <= n, f"a chunk [{start}, {end}) of a prompt of {n} tokens")
+        if start == 0:
+            _require(self._length[slot] == 0 and not self._filling[slot], f"slot {slot} is in use")
+        else:
+            _require(self._filling[slot] and self._length[slot] == start, f"a chunk at {start} is not slot {slot}'s next one")
+        ids = np.asarray(prompt_token_ids[start:end], np.int64)
+        _require(0 <= ids.min() and ids.max() < self.config.vocab_size, "a prompt id outside the vocabulary")
 
     def _take(self, slot: int, setup: SlotSetup) -> None:
         """A free slot starts a request: its sampling parameters and masked ids."""
@@ -682,10 +723,12 @@ class JaxModel:
         self.dispatch(inputs)
         return self.collect()
 
-    def dispatch(self, inputs: Sequence[DecodeInput]) -> None:
+    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None) -> None:
         """Enqueue one decode step and return without waiting for it: the device runs it while
         the host reads the previous step (`collect`). An input whose token_id is None feeds the
-        slot's last sample, which never left the device."""
+        slot's last sample, which never left the device. A `chunk` (at most fused_chunk_tokens,
+        padded to their compiled size) is prefilled in the same executable
+        (transformer.mixed_layers), its slot then awaiting its next chunk as after prefill_chunk."""
         _require(bool(inputs), "a decode step with no inputs")
         slots = np.fromiter((i.slot for i in inputs), np.int64, len(inputs))
         given = np.fromiter((i.position for i in inputs), np.int64, len(inputs))
@@ -697,8 +740,22 @@ class JaxModel:
         _require(all(0 <= t < self.config.vocab_size for t in ids), "a token id outside the vocabulary")
         rows = _bucket(self._row_buckets, int(slots.max()) + 1)
         attend = _bucket(self._attend_buckets, int(given.max()) + 1)
-        self._launch(slots, *self._pack(inputs, rows), attend)
+        arrays = None
+        if chunk is not None:
+            c = chunk
+            _require(0 < c.end - c.start <= self.fused_chunk_tokens, f"a chunk of {c.end - c.start} tokens along with a step")
+            _require(c.slot not in set(slots.tolist()), f"slot {c.slot} both decodes and prefills in one step")
+            size = _bucket(self._fused_sizes, c.end - c.start)
+            _require(c.start + size <= self.info.max_context_length, "a chunk along with a step past the context")
+            self._check_chunk(c.slot, c.prompt_token_ids, c.start, c.end)
+            _require(c.end < len(c.prompt_token_ids), "a prompt's last chunk along with a step (it samples)")
+            if c.start == 0:
+                self._take(c.slot, c.setup)
+            arrays = self._chunk_arrays(c.slot, c.prompt_token_ids[c.start : c.end], c.start, size)
+        self._launch(slots, *self._pack(inputs, rows), attend, arrays)
         self._length[slots] += 1
+        if chunk is not None:
+            self._length[chunk.slot] = chunk.end
 
     def collect(self) -> list[Sample]:
         """The samples of the oldest dispatched step, one per input in input order; waits for
@@ -729,11 +786,23 @@ class JaxModel:
         ints[:, SEED_HI:SEED_LO + 1] = self._seed[:rows].view(np.int32)
         return ints, floats
 
-    def _launch(self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, attend: int) -> None:
+    def _chunk_arrays(
+        self, slot: int, ids: Sequence[int], start: int, size: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A chunk's ids padded to `size` (default: its length), and (slot, start): what the step
+        takes along."""
+        tokens = np.zeros(size or len(ids), np.int32)
+        tokens[: len(ids)] = ids
+        return tokens, np.array([slot, start], np.int32)
+
+    def _launch(
+        self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, attend: int,
+        chunk: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> None:
         w = self._weights
         k, v, self._last, *samples = self._step(
             w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
-            self._mask, *self._put((ints, floats)), cfg=self.config, attend=attend,
+            self._mask, *self._put((ints, floats)), None if chunk is None else self._put(chunk), cfg=self.config, attend=attend,
         )
         self._k, self._v = list(k), list(v)
         self._pending.append(_Pending(slots, ints[:, TOP_N].copy(), tuple(samples)))

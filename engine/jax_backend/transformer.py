@@ -9,6 +9,9 @@ once and runs for every group of the same shape (see engine.jax_backend.jax_mode
 - `decode_layers`: one token for each of the first R slots through a group of layers; writes each
   active slot's K/V at its position and reads only the first R slots and the first `attend`
   positions, so a step costs what the live batch and lengths need, not what the cache could hold.
+- `mixed_layers`: both at once, a decode step's rows and one prompt chunk of another slot, each
+  projection taking all their rows together, so that the weights are read once for both (the
+  scheduler's chunk rides along with the step that the streams decoding beside it wait for).
 - `logits`: final norm and head -> float32 logits over the ids the tokenizer can produce.
 `prefill`, `prefill_chunk` and `decode` chain them into one whole-model call (tests; one-call serving).
 
@@ -293,10 +296,7 @@ def prefill_layers(
     keys on a loaded machine, docs/benchmarks.md) where it applies (float32 and a head dim that is
     a multiple of 8); otherwise, and off, `chunk_attention`, the reference it is tested against."""
     c = x.shape[1]
-    use_kernel = (
-        kernels and cpu_kernels.chunk_attention_applies(cfg.head_dim)
-        and x.dtype == jnp.float32 and k_caches[0].dtype == jnp.float32
-    )
+    use_kernel = _chunk_kernel(kernels, cfg, x.dtype, k_caches[0].dtype)
     positions = (start + jnp.arange(c))[None, :]  # [1, C]
     at = (slot, 0, start, 0)
     ks, vs = [], []
@@ -306,13 +306,52 @@ def prefill_layers(
         v_cache = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), at)
         ks.append(k_cache)
         vs.append(v_cache)
-        if use_kernel:
-            seen = cpu_kernels.chunk_attention(q[0], k_cache, v_cache, slot, start)  # [C, H*D]
-        else:
-            seen = chunk_attention(q[0], k_cache, v_cache, slot, start, cfg)  # [C, H*D]
+        seen = _chunk_seen(q[0], k_cache, v_cache, slot, start, cfg, use_kernel)  # [C, H*D]
         x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
+
+
+def _decode_writer(positions: jax.Array, active: jax.Array, context: int):
+    """Writes of one K or V row per decode row into its slot's cache at its position: inactive
+    rows write back what their slot already holds (see `decode_layers`)."""
+    r = positions.shape[0]
+    at = jnp.minimum(positions, context - 1)  # [R], in range for every row
+    rows = jnp.arange(r)  # [R]
+    keep = ~active[:, None, None]  # [R, 1, 1]
+
+    def write(cache: jax.Array, new: jax.Array) -> jax.Array:  # new [R, K, D] -> [B, K, S, D]
+        return cache.at[rows, :, at].set(jnp.where(keep, cache[rows, :, at], new.astype(cache.dtype)))
+
+    return write
+
+
+def _decode_seen(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, active: jax.Array, cfg: ModelConfig,
+    attend: int, kernels: bool, ragged: bool,
+) -> jax.Array:
+    """The decode rows' attention, q [R, H, D] -> [R, H * D], by the kernel `decode_layers` names."""
+    r = q.shape[0]
+    if kernels:
+        return cpu_kernels.decode_attention(q, k_cache, v_cache, positions)
+    if ragged:  # an inactive row reads no key (length 0)
+        return ragged_attention.decode_attention(q, k_cache, v_cache, jnp.where(active, positions + 1, 0))
+    return decode_attention(q, k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)
+
+
+def _chunk_kernel(kernels: bool, cfg: ModelConfig, dtype: jnp.dtype, cache_dtype: jnp.dtype) -> bool:
+    """Whether a chunk's attention goes to the CPU kernel (see `prefill_layers`)."""
+    return kernels and cpu_kernels.chunk_attention_applies(cfg.head_dim) and dtype == jnp.float32 and cache_dtype == jnp.float32
+
+
+def _chunk_seen(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slot: jax.Array, start: jax.Array, cfg: ModelConfig,
+    use_kernel: bool,
+) -> jax.Array:
+    """A chunk's attention over its slot's cache, q [C, H, D] -> [C, H * D]."""
+    if use_kernel:
+        return cpu_kernels.chunk_attention(q, k_cache, v_cache, slot, start)
+    return chunk_attention(q, k_cache, v_cache, slot, start, cfg)
 
 
 def decode_layers(
@@ -339,32 +378,69 @@ def decode_layers(
     as with the [B, S, K, D] layout, corrupted position 2 of inactive rows on XLA:CPU with this
     layout's scatter.) The caches keep all B slots; only the first R are read or written.
     """
-    r = x.shape[0]
-    at = jnp.minimum(positions, k_caches[0].shape[2] - 1)  # [R], in range for every row
-    rows = jnp.arange(r)  # [R]
-    pos = positions[:, None]  # [R, 1]
-    keep = ~active[:, None, None]  # [R, 1, 1]
-
-    def write(cache: jax.Array, new: jax.Array) -> jax.Array:  # new [R, K, D] -> [B, K, S, D]
-        return cache.at[rows, :, at].set(jnp.where(keep, cache[rows, :, at], new.astype(cache.dtype)))
-
     if ragged is None:
         ragged = ragged_attention.applies(cfg.head_dim, k_caches[0].shape[2])
+    write = _decode_writer(positions, active, k_caches[0].shape[2])
+    pos = positions[:, None]  # [R, 1]
     ks, vs = [], []
     for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
         q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [R, 1, H|K, D]
         k_cache, v_cache = write(k_cache, k[:, 0]), write(v_cache, v[:, 0])
         ks.append(k_cache)
         vs.append(v_cache)
-        if kernels:
-            seen = cpu_kernels.decode_attention(q[:, 0], k_cache, v_cache, positions)  # [R, H*D]
-        elif ragged:  # an inactive row reads no key (length 0)
-            seen = ragged_attention.decode_attention(q[:, 0], k_cache, v_cache, jnp.where(active, positions + 1, 0))
-        else:
-            seen = decode_attention(q[:, 0], k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)
+        seen = _decode_seen(q[:, 0], k_cache, v_cache, positions, active, cfg, attend, kernels, ragged)  # [R, H*D]
         x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[:, None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
+
+
+def mixed_layers(
+    layers: tuple[LayerWeights, ...],
+    k_caches: tuple[jax.Array, ...],
+    v_caches: tuple[jax.Array, ...],
+    x: jax.Array,
+    positions: jax.Array,
+    active: jax.Array,
+    chunk: jax.Array,
+    slot: jax.Array,
+    start: jax.Array,
+    cfg: ModelConfig,
+    attend: int,
+    kernels: bool = False,
+    ragged: bool | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """A decode step and a prompt chunk in one pass over the weights: `decode_layers` for x
+    [R, 1, E] (positions, active [R]) and `prefill_layers` for chunk [C, E] at positions
+    start..start+C-1 of `slot` (not one of the active rows) -> x [R, 1, E] and the caches (the
+    chunk's own hidden states are not returned: a chunk that rides along never samples).
+
+    Every projection takes the R + C rows together, so the weights are read once for both
+    (on the CPU, by the panel kernel, each row's result the same bits as alone); the writes and
+    the attention are each part's own, the decode rows' writes first (an inactive row writes back
+    what its slot holds, which must not undo the chunk's)."""
+    r, c = x.shape[0], chunk.shape[0]
+    if ragged is None:
+        ragged = ragged_attention.applies(cfg.head_dim, k_caches[0].shape[2])
+    write = _decode_writer(positions, active, k_caches[0].shape[2])
+    use_kernel = _chunk_kernel(kernels, cfg, chunk.dtype, k_caches[0].dtype)
+    h = jnp.concatenate([x[:, 0], chunk])[None]  # [1, R + C, E]: the decode rows, then the chunk's
+    pos = jnp.concatenate([positions, start + jnp.arange(c)])[None]  # [1, R + C]
+    at = (slot, 0, start, 0)
+    ks, vs = [], []
+    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
+        q, k, v = _qkv(rms_norm(h, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, R + C, H|K, D]
+        k_cache, v_cache = write(k_cache, k[0, :r]), write(v_cache, v[0, :r])
+        k_cache = jax.lax.dynamic_update_slice(k_cache, k[:, r:].swapaxes(1, 2).astype(k_cache.dtype), at)  # [1, K, C, D]
+        v_cache = jax.lax.dynamic_update_slice(v_cache, v[:, r:].swapaxes(1, 2).astype(v_cache.dtype), at)
+        ks.append(k_cache)
+        vs.append(v_cache)
+        seen = jnp.concatenate([
+            _decode_seen(q[0, :r], k_cache, v_cache, positions, active, cfg, attend, kernels, ragged),  # [R, H*D]
+            _chunk_seen(q[0, r:], k_cache, v_cache, slot, start, cfg, use_kernel),  # [C, H*D]
+        ])[None]
+        h = h + _project(seen, w.w_o, getattr(w.panels, "o", None))
+        h = h + _mlp(rms_norm(h, w.mlp_norm, cfg.rms_eps), w)
+    return h[0, :r, None], tuple(ks), tuple(vs)
 
 
 def prefill(
