@@ -476,10 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
              type=seconds, default=300.0)
     add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=timeout, default=30.0)
     add_flag(p, "--max-step-tokens", help="prompt tokens prefilled per engine step while other requests decode, over every "
-             "request still reading its prompt: a longer prompt is prefilled in chunks, with a decode step for the running "
-             "streams after each, so they keep flowing; with nothing decoding a prompt is read whole (0: always whole, which "
-             "stalls every stream for its length; default: 16 on CPU, 512 on an accelerator; below 16 the smallest prompt chunk "
-             "shape follows it, so its chunks are not padded to 16)", type=non_negative, default=None)
+             "request still reading its prompt: a longer prompt is prefilled in chunks, each with a decode step for the running "
+             "streams (on the CPU with its kernels, in the same pass over the weights), so they keep flowing; with nothing "
+             "decoding a prompt is read whole (0: always whole, which stalls every stream for its length; default: 8 on CPU, "
+             "512 on an accelerator; below 16 the smallest prompt chunk shape follows it, so its chunks are not padded to 16)", type=non_negative, default=None)
     add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model (jax.distributed; "
              "process 0 listens there, serves gRPC and schedules; the others follow its steps and serve health only)", default=None)
     add_flag(p, "--num-processes", help="processes in the group (with --coordinator)", type=positive, default=None)

@@ -84,10 +84,14 @@ MIN_ROWS = {"cpu": 1}
 ACCELERATOR_MIN_ROWS = 16
 LAYERS_PER_CALL = 5  # decode; prefill runs one layer per call
 PREFIX_BLOCK = 16  # positions per prefix-cache block (the unit of prefix matching)
-# The scheduler's default prefill budget per step while others decode (Model.default_step_tokens):
-# what the hardware reads in the time of a few decode steps, so that a decoding stream's gaps
-# stay within a few steps while a long prompt is read (docs/benchmarks.md, "Long prompts").
-STEP_TOKENS = {"cpu": 16}
+# The scheduler's default prefill budget per step while others decode (Model.default_step_tokens),
+# so that a decoding stream's gaps stay within a few steps while a long prompt is read
+# (docs/benchmarks.md, "Long prompts"). On the CPU a chunk rides along with the decode step
+# (`dispatch`), and 8 of its rows with a few decoding ones stay within one register block of the
+# panel kernel (12 rows), whose cost there is the weights' read: on the default model, a stream's
+# median gap while a 1,800-token prompt was read was 1.5x its steady gap (worst 3.9x), against
+# 2.1x (4.9x) with 16 a step, which read the prompt in 7 s instead of 10.
+STEP_TOKENS = {"cpu": 8}
 ACCELERATOR_STEP_TOKENS = 512
 # XLA:CPU hands matmuls with more than one row, batched attention products and reductions to
 # YNNPACK by default; its own emitters and Eigen were faster for the decode shapes measured here
@@ -128,11 +132,18 @@ def cpu_compiler_options() -> dict[str, str] | None:
     return CPU_COMPILER_OPTIONS
 
 
+def default_step_tokens() -> int:
+    """The default prefill budget per step on this backend (STEP_TOKENS)."""
+    return STEP_TOKENS.get(jax.default_backend(), ACCELERATOR_STEP_TOKENS)
+
+
 def smallest_chunk(step_tokens: int | None) -> int:
     """The smallest prompt bucket (`JaxModel.load`'s min_bucket) for a scheduler's per-step prompt
-    budget (`--max-step-tokens`; None or 0: the default): MIN_BUCKET, or for a budget below it the
-    power of two that holds one budget's chunk, so small chunks are not padded up to MIN_BUCKET
-    (each halving adds one chunk shape to warm-up)."""
+    budget (`--max-step-tokens`; None: this backend's default, `default_step_tokens()`; 0: no
+    budget): MIN_BUCKET, or for a budget below it the power of two that holds one budget's chunk,
+    so small chunks are not padded up to MIN_BUCKET (each halving adds one chunk shape to warm-up)."""
+    if step_tokens is None:
+        step_tokens = default_step_tokens()
     if not step_tokens or step_tokens >= MIN_BUCKET:
         return MIN_BUCKET
     return 1 << (step_tokens - 1).bit_length()
@@ -344,7 +355,7 @@ class JaxModel:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be >= 1, got {max_chunk}")
         self._prompt_buckets = length_buckets(min(s, max_chunk), min_bucket)
-        self.default_step_tokens = min(STEP_TOKENS.get(jax.default_backend(), ACCELERATOR_STEP_TOKENS), self._prompt_buckets[-1])
+        self.default_step_tokens = min(default_step_tokens(), self._prompt_buckets[-1])
         # The CPU attention kernel reads each row's live keys itself: one attend shape is enough.
         # For operators: "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>".
         self.kernel_state = cpu_kernel_state(kernels, dtype, kernel_build, 1 if plan is None else plan.size)
