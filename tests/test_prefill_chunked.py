@@ -187,6 +187,19 @@ def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_
     got, got_logprob = _greedy(model, prompt, 8, [100, 357, 612])
     assert got == want
     assert abs(got_logprob - want_logprob) < 1e-3
+    # its first 24 tokens in three chunks along with slot 0's decode steps, the rest in one call
+    assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (16,)  # the CPU's default budget, padded
+    fed = [model.prefill(0, (5, 6, 7), GREEDY, masked=False).token_id]
+    for lo in (0, 8, 16):
+        model.dispatch([DecodeInput(0, fed[-1], 2 + len(fed), False)], ChunkInput(1, prompt, lo, lo + 8, GREEDY))
+        fed.append(model.collect()[0].token_id)
+    first = model.prefill_chunk(1, prompt, 24, len(prompt), GREEDY, masked=False)
+    got = [first.token_id]
+    for step in range(7):
+        got.append(model.decode([DecodeInput(1, got[-1], len(prompt) + step, False)])[0].token_id)
+    model.release(0)
+    model.release(1)
+    assert got == want and abs(first.logprob - want_logprob) < 1e-3
     # a prompt sharing the first 600 tokens: 37 blocks of 16 from the pool, the rest computed
     other = prompt[:600] + tuple(int(t) for t in rng.integers(3, 49152, 90))
     want, want_logprob = _greedy(model, other, 8, None)
