@@ -67,7 +67,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
     """The model, split over `options.tensor_parallel` devices; in a process group, process 0's
     wrapped to publish its steps and the others' to follow them (engine.jax_backend.multihost)."""
     from engine.jax_backend.cpu_kernels import BuildOptions
-    from engine.jax_backend.jax_model import JaxModel, smallest_chunk
+    from engine.jax_backend.jax_model import JaxModel
 
     if options.compilation_cache:  # before anything compiles
         from engine.jax_backend import compilation_cache
@@ -84,7 +84,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
         max_batch_size=max_batch_size,
         max_context_length=options.max_context_length,
         max_chunk=options.max_prefill_chunk,
-        min_bucket=smallest_chunk(options.max_step_tokens),
+        min_bucket=None,  # as the budget needs (jax_model.smallest_chunk), once the backend has its devices
         fused_chunk_tokens=options.max_step_tokens,  # None: the model's default budget; 0: no budget, nothing to fuse
         prefix_cache_tokens=options.prefix_cache_tokens,
         dtype=options.dtype,

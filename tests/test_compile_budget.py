@@ -33,18 +33,18 @@ def _warm(**kw) -> tuple[JaxModel, list[str]]:
     return model, compiles
 
 
-def test_the_cpu_shape_of_the_defaults_compiles_27_shapes():
+def test_the_cpu_shape_of_the_defaults_compiles_30_shapes():
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
-    model, compiles = _warm(kernels=True, min_rows=1)
+    model, compiles = _warm(kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
     assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
-    assert model.buckets == (16, 32, 64, 128, 256)
-    # decode steps: 4 rows x 1 attend, alone and with a 16-token chunk along (the default budget's
-    # bucket); per prompt bucket: embed, one prefill layer, last position (5 x 3); the mask write;
-    # a prompt's head and sampling; the two prefix-pool copies
-    assert model.fused_chunk_tokens == 16
-    assert model.compilations() == 4 * 2 + 15 + 1 + 1 + 2 == 27
-    assert len([c for c in compiles if "backend_compile" in c]) <= 27 + 4  # + jnp's own small helpers
+    assert model.buckets == (8, 16, 32, 64, 128, 256)  # from the CPU's default budget, 8
+    # decode steps: 4 rows x 1 attend, alone and with an 8-token chunk along (the default budget);
+    # per prompt bucket: embed, one prefill layer, last position (6 x 3); the mask write; a
+    # prompt's head and sampling; the two prefix-pool copies
+    assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (8,)
+    assert model.compilations() == 4 * 2 + 18 + 1 + 1 + 2 == 30
+    assert len([c for c in compiles if "backend_compile" in c]) <= 30 + 4  # + jnp's own small helpers
 
 
 def test_the_plain_accelerator_shape_of_the_defaults_compiles_21_shapes():

@@ -433,7 +433,7 @@ class JaxModel:
         max_context_length: int | None = None,
         dtype: str | None = None,
         model_id: str | None = None,
-        min_bucket: int = MIN_BUCKET,
+        min_bucket: int | None = MIN_BUCKET,
         min_attend: int = MIN_ATTEND,
         kernels: bool = True,
         kernel_build: cpu_kernels.BuildOptions = cpu_kernels.BuildOptions(),
@@ -449,7 +449,9 @@ class JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
         Compile-time knobs (fewer shapes warm up faster; see the module docstring for figures):
-        `min_bucket` is the smallest prompt bucket, `min_attend` the smallest attended length of a
+        `min_bucket` is the smallest prompt bucket (None: as the scheduler's budget needs it,
+        `smallest_chunk(fused_chunk_tokens)`, with the backend's default budget when that is
+        None too; decided once the backend has its devices), `min_attend` the smallest attended length of a
         decode step (both then double up to the context; unused with the kernel), `min_rows` the
         smallest row bucket of a decode step (default: 1 on CPU, ACCELERATOR_MIN_ROWS elsewhere).
         `kernels`: use the CPU decode kernels where they apply (CPU backend,
@@ -505,6 +507,8 @@ class JaxModel:
             )
         if tensor_parallel > 1 and not jax.distributed.is_initialized():
             mesh.request_cpu_devices(tensor_parallel)  # (as load_sharded does) before the backend starts below
+        if min_bucket is None:  # (this asks for the backend: after the devices are set)
+            min_bucket = smallest_chunk(fused_chunk_tokens)
         dtype_ = jnp.dtype(dtype or default_dtype())
         settings = memory_plan.Settings(
             max_batch_size, context, max_chunk, prefix_cache_tokens, PREFIX_BLOCK, dtype_.itemsize,
