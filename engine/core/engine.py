@@ -11,7 +11,11 @@ Data flow, on the engine thread, once per iteration:
      tokens in all this iteration while other requests decode
      (chunked prefill: a long prompt is read over several iterations, each followed by a
      decode step, so running streams keep their pace; with nothing decoding, nobody waits, and
-     a prompt is read whole). The chunk that completes a prompt stores its whole blocks in the
+     a prompt is read whole). A chunk that does not complete its prompt goes with the decode
+     step of step 4 instead (`model.dispatch(inputs, chunk)`) when the model takes one along
+     (`Model.fused_chunk_tokens`): one pass over the weights for the step and the chunk, so the
+     running streams wait for one step, not a chunk and then a step (at most one chunk a step;
+     with no step to carry it, it is a `prefill_chunk` call). The chunk that completes a prompt stores its whole blocks in the
      prefix cache (`model.save_prefix`) and samples its first token -> `decide` -> events; a
      request that finishes there (a control token, or max_output_tokens = 1) releases its slot
      at once and never joins a decode step;

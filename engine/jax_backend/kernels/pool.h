@@ -57,11 +57,15 @@ class Pool {
     job_ = &fn;
     job_total_ = total;
     job_chunk_ = chunk;
-    job_chunks_ = chunks;
     done_.store(0, std::memory_order_relaxed);
     participants_.store(1, std::memory_order_relaxed);
-    uint64_t g = ++job_generation_;
-    job_gen_.store(g, std::memory_order_relaxed);
+    uint64_t g = ++job_generation_ & 0xffffffffu;
+    // The job's generation and chunk count in one word, published after its other fields: a
+    // worker still draining the previous job (its counter value says so) reads either that
+    // job's word, and finds no chunk left, or this one's, and a generation not its own; with two
+    // separate words it could pair the old generation with this job's count and run a chunk of
+    // this job as the old one's, counted twice, so that Run returned early while it still ran.
+    job_state_.store((g << 32) | static_cast<uint64_t>(chunks), std::memory_order_release);
     counter_.store(g << 32, std::memory_order_release);
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -101,13 +105,15 @@ class Pool {
   }
 
   // Take chunks of the current job until none is left. A value taken from the counter names its
-  // job (high 32 bits); a job cannot finish (nor its fields change) while one of its chunks is out.
+  // job (high 32 bits), checked against the job's word (job_state_); a job cannot finish (nor its
+  // fields change) while one of its chunks is out.
   void Drain(uint64_t caller_gen) {
     bool counted = caller_gen != 0;
     for (;;) {
       uint64_t v = counter_.fetch_add(1, std::memory_order_acq_rel);
       uint64_t g = v >> 32, i = v & 0xffffffffu;
-      if (g != job_gen_.load(std::memory_order_acquire) || static_cast<int64_t>(i) >= job_chunks_) return;
+      uint64_t state = job_state_.load(std::memory_order_acquire);
+      if (g != state >> 32 || i >= (state & 0xffffffffu)) return;
       if (!counted) {
         participants_.fetch_add(1, std::memory_order_relaxed);
         counted = true;
@@ -134,12 +140,12 @@ class Pool {
   std::condition_variable cv_;
   std::atomic<uint64_t> generation_{0};
   std::atomic<uint64_t> counter_{0};
-  std::atomic<uint64_t> job_gen_{0};
+  std::atomic<uint64_t> job_state_{0};  // generation << 32 | chunks of the current job
   std::atomic<int64_t> done_{0};
   std::atomic<int> participants_{0};
   uint64_t job_generation_ = 0;
   const std::function<void(int64_t, int64_t)>* job_ = nullptr;
-  int64_t job_total_ = 0, job_chunk_ = 1, job_chunks_ = 0;
+  int64_t job_total_ = 0, job_chunk_ = 1;
   std::vector<std::thread> workers_;
 };
 
