@@ -5,8 +5,9 @@ attention equals the full reference; a prompt prefilled in uneven chunks (includ
 that would run past the context) gives the same greedy ids as one whole-prompt call; nothing
 compiles after warm-up with chunks in the mix. The scheduler side (ScriptedModel): a long prompt
 is read in chunks of at most `max_step_tokens`, with a decode step of the running streams after
-each; chunked and whole prefill send the same events; a request cancelled mid-prefill frees its
-slot before the next step and sends nothing.
+each, while at least as many requests decode as wait; a burst of more waiting prompts than
+decoding streams is read whole; chunked and whole prefill send the same events; a request
+cancelled mid-prefill frees its slot before the next step and sends nothing.
 """
 
 from __future__ import annotations
@@ -288,31 +289,82 @@ class GatedChunks(ScriptedModel):
         return super().prefill_chunk(slot, prompt_token_ids, start, end, setup, masked)
 
 
-def test_with_nothing_decoding_a_prompt_is_read_whole_and_the_budget_binds_once_a_stream_decodes():
-    """Nobody waits on an idle engine, so the first long prompt is one call; from then on a
-    stream decodes, and the second long prompt gets chunks of the budget with a step between."""
-    model = GatedChunks(lambda start: True, vocab_size=1000, max_batch_size=3, max_context_length=256)  # the first call
+def test_with_nothing_decoding_prompts_are_read_whole_and_the_budget_binds_once_as_many_decode():
+    """Nobody waits on an idle engine, so the two long prompts that arrive together are read whole
+    in one iteration, with no step between them; a third long prompt that arrives while a stream
+    decodes (one waits, one decodes) gets chunks of the budget with a step between."""
+    model = GatedChunks(lambda start: True, vocab_size=1000, max_batch_size=3, max_context_length=256,
+                        step_delay_s=0.002)  # the first call; steps slow enough that the first still decodes
     engine = Engine(model, EngineConfig(max_step_tokens=16))
     engine.start()
     try:
-        gate_holder, first, second = Recorder(), Recorder(), Recorder()
+        gate_holder, first, second, third = Recorder(), Recorder(), Recorder(), Recorder()
         engine.submit(_request([7], 1), gate_holder)  # ends at its prefill: nothing decodes after it
         assert model.entered.wait(5)
-        engine.submit(_request([3] * 59 + [100], 40), first)
-        engine.submit(_request([4] * 49 + [200], 3), second)
+        engine.submit(_request([3] * 59 + [100], 150), first)
+        engine.submit(_request([4] * 49 + [200], 1), second)  # ends at its prefill, so its slot is free for the third
         model.gate.set()
-        assert first.done.wait(5) and second.done.wait(5)
+        assert first.started.wait(5) and second.done.wait(5)
+        engine.submit(_request([5] * 49 + [300], 3), third)
+        assert first.done.wait(5) and third.done.wait(5)
     finally:
         engine.stop()
-    assert first.tokens == list(range(101, 141)) and second.tokens == [201, 202, 203]
+    assert first.tokens == list(range(101, 251)) and second.tokens == [201] and third.tokens == [301, 302, 303]
     prefills = [c for c in model.calls if c[0] == "prefill"]
-    assert prefills[:2] == [("prefill", 0, 0, 1), ("prefill", 0, 0, 60)]  # the first long prompt whole
-    chunks = [c for c in prefills if c[1] == 1]
+    assert prefills[:3] == [("prefill", 0, 0, 1), ("prefill", 0, 0, 60), ("prefill", 1, 0, 50)]  # both whole
+    assert model.calls.index(prefills[2]) == model.calls.index(prefills[1]) + 1  # in one iteration
+    chunks = [c for c in prefills[3:] if c[1] == 1]
     assert [(c[2], c[3]) for c in chunks] == [(0, 16), (16, 32), (32, 48), (48, 50)]
     at = [model.calls.index(c) for c in chunks]
-    assert model.calls[at[0] - 1] == ("decode", (0,))  # the first chunk waited for the budget of the next step
     for a, b in zip(at[:-1], at[1:]):
         assert model.calls[a + 1 : b] == [("decode", (0,))]
+
+
+class GatedSteps(ScriptedModel):
+    """Holds the decode step that `holds(step number)` picks until the test opens the gate."""
+
+    def __init__(self, holds, **kw) -> None:
+        super().__init__(**kw)
+        self.holds = holds
+        self.steps = 0
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def dispatch(self, inputs, chunk=None):
+        self.steps += 1
+        if self.holds(self.steps) and not self.gate.is_set():
+            self.entered.set()
+            assert self.gate.wait(10)
+        return super().dispatch(inputs, chunk)
+
+
+@pytest.mark.parametrize("fused", [0, 16], ids=["chunk-calls", "chunks-along-with-steps"])
+def test_a_burst_of_prompts_beside_fewer_streams_is_read_whole_before_the_next_step(fused):
+    """One stream decodes; three long prompts arrive together (a burst: more wait than decode).
+    The budget would read them 16 tokens a step, one after another, while the stream runs to its
+    end; instead the iteration that admits them reads all three whole, and the next step carries
+    the four streams together."""
+    model = GatedSteps(lambda step: step == 2, vocab_size=1000, max_batch_size=4, max_context_length=256,
+                       fused_chunk_tokens=fused)
+    engine = Engine(model, EngineConfig(max_step_tokens=16))
+    engine.start()
+    try:
+        running, burst = Recorder(), [Recorder() for _ in range(3)]
+        engine.submit(_request([10], 30), running)
+        assert model.entered.wait(5)  # its second step is held: the burst arrives meanwhile
+        for i, sink in enumerate(burst):
+            engine.submit(_request([3 + i] * 63 + [100 * (i + 2)], 4), sink)
+        model.gate.set()
+        assert running.done.wait(5) and all(s.done.wait(5) for s in burst)
+    finally:
+        engine.stop()
+    prefills = [c for c in model.calls if c[0] == "prefill"]
+    assert prefills[1:] == [("prefill", slot, 0, 64) for slot in (1, 2, 3)]  # each whole
+    at = [model.calls.index(c) for c in prefills[1:]]
+    assert at == [at[0], at[0] + 1, at[0] + 2]  # no step between them
+    assert model.calls[at[-1] + 1][0] == "decode" and set(model.calls[at[-1] + 1][1]) >= {1, 2, 3}
+    assert [s.tokens for s in burst] == [list(range(100 * (i + 2) + 1, 100 * (i + 2) + 5)) for i in range(3)]
+    assert running.tokens == list(range(11, 41))
 
 
 @pytest.mark.parametrize("fused", [0, 8], ids=["chunk-calls", "chunks-along-with-steps"])

@@ -11,7 +11,13 @@ Data flow, on the engine thread, once per iteration:
      tokens in all this iteration while other requests decode
      (chunked prefill: a long prompt is read over several iterations, each followed by a
      decode step, so running streams keep their pace; with nothing decoding, nobody waits, and
-     a prompt is read whole). A chunk that does not complete its prompt goes with the decode
+     a prompt is read whole). The budget protects the streams that decode from the prompts
+     that wait, so it holds only while those that decode are at least as many: when, at the
+     start of an iteration, more requests wait for their first token than decode (a burst of
+     arrivals), that iteration reads every waiting prompt whole (TGI pauses its running
+     requests for waiting ones on a similar rule, its waiting_served_ratio). A burst of 32
+     short prompts is then read in one iteration, instead of trickling in at `step_tokens` a
+     step while the first requests run to their end. A chunk that does not complete its prompt goes with the decode
      step of step 4 instead (`model.dispatch(inputs, chunk)`) when the model takes one along
      (`Model.fused_chunk_tokens`): one pass over the weights for the step and the chunk, so the
      running streams wait for one step, not a chunk and then a step (at most one chunk a step;
@@ -254,7 +260,10 @@ class Engine:
                 if self._drop(aborts):
                     self._after_delivery()  # nothing to deliver, but a slot was freed: stats changed
                 budget = self.step_tokens or None  # None: no limit
-                for live in [live for live in self._active.values() if live.filling]:  # admission order
+                filling = [live for live in self._active.values() if live.filling]  # admission order
+                if budget is not None and len(filling) > len(self._active) - len(filling):
+                    budget = None  # more requests wait for a first token than decode: prompts first
+                for live in filling:
                     # the budget binds once a request decodes (one may start in this loop)
                     bound = budget is not None and any(not other.filling for other in self._active.values())
                     if bound and budget <= 0:
