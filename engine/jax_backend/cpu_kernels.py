@@ -197,6 +197,13 @@ def panel_matmul_isa(kernels: Kernels, avx512: bool = True) -> str:
     return "avx512" if kernels.library.TokenwirePanelMatmulIsa(int(avx512)) else "avx2"
 
 
+def int8_matmul_isa(kernels: Kernels, vnni: bool = True) -> str:
+    """Let `int8_matmul` use AVX-512 VNNI where the CPU has it (the default: activations quantized
+    to int8 blocks, integer dots), or keep it on the AVX2 float path; -> the path it now uses
+    (process-wide; tests run both)."""
+    return "avx512vnni" if kernels.library.TokenwireInt8MatmulIsa(int(vnni)) else "avx2"
+
+
 def set_threads(kernels: Kernels, threads: int) -> None:
     """How many threads each weight product (panel_matmul, int8_matmul) and each chunk attention runs on,
     the caller included; process-wide (the library's one pool, kernels/pool.h)."""
@@ -413,6 +420,7 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]
         library.TokenwireChunkAttentionIsa.argtypes = [ctypes.c_int]
         library.TokenwirePanelMatmulIsa.argtypes = [ctypes.c_int]
+        library.TokenwireInt8MatmulIsa.argtypes = [ctypes.c_int]
     except BaseException:
         os.close(fd)
         raise
@@ -491,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
         symbols = (
             "TokenwireDecodeAttention", "TokenwireChunkAttention", "TokenwireChunkAttentionIsa",
-            "TokenwireInt8Matmul", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa", "TokenwireSetThreads",
+            "TokenwireInt8Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
+            "TokenwireSetThreads",
         )
         for symbol in symbols:
             getattr(library, symbol)

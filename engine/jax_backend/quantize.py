@@ -1,5 +1,6 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
-int8 blocks with float32 scales; activations and the KV cache stay float32.
+int8 blocks with float32 scales; activations and the KV cache stay float32 (the kernel's AVX-512
+VNNI path takes each product's input as 16-bit blocks, to float rounding of the float path).
 
 Layout: a matrix used as x @ W ([in, out] in engine.model_store.checkpoint) is stored transposed,
 [out, in], as `Int8Matrix`: q [N, K] int8 and scale [N, K / 32] float32, W.T[n, j] =
@@ -9,8 +10,8 @@ embedding [V, E] is already [rows, in]; a tied head shares it (same object) when
 row, so the model holds those bytes once.
 
 Products: `matmul` sends up to DIRECT_ROWS rows (decode steps, short prompt chunks) to the C++
-kernel (engine.jax_backend.cpu_kernels.int8_matmul), which converts in registers as the bytes
-stream in; more rows (long prompt chunks) dequantize the matrix in XLA and run its float32 GEMM,
+kernel (engine.jax_backend.cpu_kernels.int8_matmul), which works on the bytes as they stream
+in (integer dots with AVX-512 VNNI, else a convert to float in registers); more rows (long prompt chunks) dequantize the matrix in XLA and run its float32 GEMM,
 where the convert costs little per row. XLA:CPU does not fuse that convert into the dot, so the
 kernel is needed for the few-row case (docs/benchmarks.md). CPU only: the engine refuses int8
 where the kernels are off (another backend, no compiler) and under tensor parallelism.
