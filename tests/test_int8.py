@@ -61,9 +61,10 @@ def int8_isa(request):
     cpu_kernels.int8_matmul_isa(kernels, True)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, quantize.DIRECT_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, quantize.DIRECT_ROWS, quantize.DIRECT_ROWS + 1])
 def test_an_int8_product_is_within_2e_2_of_float32(rows, int8_isa):
-    """Every path (one row, a few, and the many-row dequantize + GEMM) is its exact product to
+    """Every path (one row, a few, panels of 16 outputs from 8 rows with a tail of 11 outputs
+    and of rows past the 12-row tiles, and the many-row dequantize + GEMM) is its exact product to
     float rounding: the dequantized weights times x (the AVX2 path and the GEMM), or times x
     quantized to int16 blocks (VNNI, up to DIRECT_ROWS rows; within 1e-4 of the former too); and
     within the issue's 2e-2 relative error of the float32 product."""
