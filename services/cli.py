@@ -442,10 +442,13 @@ def build_parser() -> argparse.ArgumentParser:
             "with g++ into the cache and verified (off: plain JAX, and no second, panel-packed copy of the projection weights)",
             choices=["on", "off"], default="on",
         )
-        add_flag(p, "--weights", help="float32: the dtype's own weights; int8: weight-only int8 (blocks of 32 with a "
-                 "scale, float32 activations), CPU kernels only, one device; a model pulled from a GGUF (the default) is "
-                 "read from its own blocks (Q8_0, Q4_0 as they are; Q4_1 and others requantized), never as float32",
-                 choices=["float32", "int8"], default="float32")
+        add_flag(p, "--weights", help="auto (the default): int8 on the CPU with its kernels for a model that brings its GGUF "
+                 "(the pulled default model), float32 elsewhere (an accelerator, no kernels, tensor parallelism, another "
+                 "dtype, a checkpoint without model.gguf); float32: the dtype's own weights; int8: weight-only int8 (blocks "
+                 "of 32 with a scale; activations float32, or 16-bit blocks in the AVX-512 VNNI integer dots), CPU kernels "
+                 "only, one device; a model pulled from a GGUF is read from its own blocks (Q8_0, Q4_0 as they are; Q4_1 "
+                 "and others requantized), never as float32",
+                 choices=["auto", "float32", "int8"], default="auto")
         add_flag(p, "--cpu-threads", help="threads per CPU weight product (0 = the CPUs this process may use: "
                  "affinity and cgroup quota)", type=non_negative, default=0)
         add_flag(p, "--memory-limit-bytes", help="the memory check at load: weights + KV cache + prefix pool + the largest "

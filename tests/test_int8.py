@@ -257,6 +257,24 @@ def test_a_gguf_directory_serves_int8_from_its_blocks_in_the_float32_layout(tmp_
     assert got == want
 
 
+def test_auto_serves_int8_for_a_model_that_brings_its_gguf_and_float32_elsewhere(tmp_path, caplog):
+    """The servers' default, weights="auto": int8 on the CPU with its kernels when the directory
+    keeps model.gguf (a pulled model); float32 without the kernels, and for a checkpoint without
+    a GGUF (tiny-llama: safetensors only). The log says which and why."""
+    model_dir, _ = _gguf_dir(tmp_path, {name: T.Q8_0 for name in ALL_MATRICES})
+    kw = dict(max_batch_size=1, max_context_length=32, weights="auto")
+    with caplog.at_level("INFO", logger="engine.jax_backend.jax_model"):
+        assert JaxModel.load(model_dir, **kw).int8
+        assert not JaxModel.load(model_dir, kernels=False, **kw).int8
+        assert not JaxModel.load(ASSETS / "tiny-llama", **kw).int8
+    choices = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights auto")]
+    assert choices == [
+        "weights auto: int8 (the CPU kernels and the model's model.gguf)",
+        "weights auto: float32 (the CPU kernels are off)",
+        "weights auto: float32 (no model.gguf in the model directory)",
+    ]
+
+
 def test_a_q4_1_gguf_is_requantized_at_load_and_a_directory_without_one_is_quantized_from_float32(tmp_path):
     """Q4_1 matrices come back within half an int8 step of the file's values; removing model.gguf
     makes the loader quantize the float32 safetensors instead (the HF path), to the same layout."""

@@ -132,6 +132,34 @@ def cpu_compiler_options() -> dict[str, str] | None:
     return CPU_COMPILER_OPTIONS
 
 
+def auto_weights(
+    model_dir: Path, dtype: str | None, kernels: bool, kernel_build: cpu_kernels.BuildOptions, tensor_parallel: int
+) -> str:
+    """What `weights="auto"` (the servers' default) serves: "int8" on the CPU with its kernels, one
+    device and float32 activations, for a model that brings its own GGUF (a pulled model keeps it
+    as model.gguf: its Q8_0/Q4_0 blocks are served as they are). There int8 decodes one row 2.2x
+    faster than float32 and batches of 8-32 as fast, in 0.7x the memory, and passes the quality
+    gates (docs/benchmarks.md, issue 15). Elsewhere "float32": an accelerator, no kernels, tensor
+    parallelism, another dtype, or a checkpoint with no GGUF (its int8 would be our own
+    quantization of it, not gated on that model). Logs the choice and why."""
+    from engine.model_store.gguf_convert import GGUF_NAME  # (gguf_convert imports the gguf package: only here)
+
+    reasons = []
+    if jax.default_backend() != "cpu":
+        reasons.append(f"the {jax.default_backend()} backend")
+    elif not kernels or cpu_kernels.load(kernel_build) is None:
+        reasons.append("the CPU kernels are off")
+    if tensor_parallel > 1:
+        reasons.append("tensor parallelism")
+    if jnp.dtype(dtype or default_dtype()) != jnp.float32:
+        reasons.append(f"dtype {dtype}")
+    if not (model_dir / GGUF_NAME).is_file():
+        reasons.append(f"no {GGUF_NAME} in the model directory")
+    choice = "float32" if reasons else "int8"
+    log.info("weights auto: %s (%s)", choice, ", ".join(reasons) or f"the CPU kernels and the model's {GGUF_NAME}")
+    return choice
+
+
 def default_step_tokens() -> int:
     """The default prefill budget per step on this backend (STEP_TOKENS)."""
     return STEP_TOKENS.get(jax.default_backend(), ACCELERATOR_STEP_TOKENS)
@@ -468,8 +496,9 @@ class JaxModel:
         2 x layers x kv heads x head dim values, as a slot's position does); 0: none.
         `tensor_parallel`: the devices one model is split over (engine.jax_backend.mesh); a size
         the model's dimensions or the devices refuse raises mesh.TensorParallelError.
-        `weights`: "float32" (the dtype's own) or "int8" (engine.jax_backend.quantize: weight-only
-        int8 with float32 activations, CPU kernels only; ValueError elsewhere). `cpu_threads`:
+        `weights`: "float32" (the dtype's own), "int8" (engine.jax_backend.quantize: weight-only
+        int8 with float32 activations, CPU kernels only; ValueError elsewhere) or "auto"
+        (`auto_weights`: int8 where it runs and the model brings its GGUF). `cpu_threads`:
         threads per CPU weight product (default: the CPUs this process may use).
         `memory_limit_bytes`: the memory check's limit per device instead of what the device
         offers (engine.jax_backend.memory_plan); a configuration that cannot fit raises
@@ -484,8 +513,8 @@ class JaxModel:
         """
         model_dir = Path(model_dir)
         plan = None
-        if weights not in quantize.WEIGHTS:
-            raise ValueError(f"weights must be one of {', '.join(quantize.WEIGHTS)}, got {weights!r}")
+        if weights not in (*quantize.WEIGHTS, quantize.AUTO):
+            raise ValueError(f"weights must be one of {', '.join((*quantize.WEIGHTS, quantize.AUTO))}, got {weights!r}")
         if weights == "int8" and tensor_parallel > 1:
             raise ValueError("int8 weights run on one device: they cannot be combined with tensor parallelism")
         if weights == "int8" and jnp.dtype(dtype or default_dtype()) != jnp.float32:
@@ -509,6 +538,8 @@ class JaxModel:
             mesh.request_cpu_devices(tensor_parallel)  # (as load_sharded does) before the backend starts below
         if min_bucket is None:  # (this asks for the backend: after the devices are set)
             min_bucket = smallest_chunk(fused_chunk_tokens)
+        if weights == quantize.AUTO:  # (this asks for the backend too)
+            weights = auto_weights(model_dir, dtype, kernels, kernel_build, tensor_parallel)
         dtype_ = jnp.dtype(dtype or default_dtype())
         settings = memory_plan.Settings(
             max_batch_size, context, max_chunk, prefix_cache_tokens, PREFIX_BLOCK, dtype_.itemsize,

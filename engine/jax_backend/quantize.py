@@ -35,7 +35,8 @@ from engine.jax_backend import cpu_kernels
 
 BLOCK = cpu_kernels.INT8_BLOCK
 DIRECT_ROWS = 64  # up to this many rows, the C++ kernel; above it, dequantize + XLA's GEMM
-WEIGHTS = ("float32", "int8")  # what --weights accepts ("float32": the dtype's own weights)
+WEIGHTS = ("float32", "int8")  # the weights a model is served with ("float32": the dtype's own weights)
+AUTO = "auto"  # what --weights defaults to: int8 where it runs and the model brings its GGUF, else float32
 
 
 @jax.tree_util.register_dataclass
