@@ -263,12 +263,10 @@ class Engine:
                 filling = [live for live in self._active.values() if live.filling]  # admission order
                 if budget is not None and len(filling) > len(self._active) - len(filling):
                     budget = None  # more requests wait for a first token than decode: prompts first
-                for live in filling:
-                    # the budget binds once a request decodes (one may start in this loop)
-                    bound = budget is not None and any(not other.filling for other in self._active.values())
-                    if bound and budget <= 0:
+                for live in filling:  # (a budget left means that as many decode as wait: it binds)
+                    if budget is not None and budget <= 0:
                         break
-                    done = self._prefill(live, budget if bound else None)
+                    done = self._prefill(live, budget)
                     if budget is not None:
                         budget -= done
                     if not live.filling or live.slot not in self._active:  # a first token, or a cancel

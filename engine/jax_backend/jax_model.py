@@ -132,27 +132,19 @@ def cpu_compiler_options() -> dict[str, str] | None:
     return CPU_COMPILER_OPTIONS
 
 
-def auto_weights(
-    model_dir: Path, dtype: str | None, kernels: bool, kernel_build: cpu_kernels.BuildOptions, tensor_parallel: int
-) -> str:
-    """What `weights="auto"` (the servers' default) serves: "int8" on the CPU with its kernels, one
-    device and float32 activations, for a model that brings its own GGUF (a pulled model keeps it
-    as model.gguf: its Q8_0/Q4_0 blocks are served as they are). There int8 decodes one row 2.2x
+def auto_weights(model_dir: Path, kernels_on: bool) -> str:
+    """What `weights="auto"` (the servers' default) serves: "int8" where the CPU kernels run
+    (`kernels_on`: the CPU backend, one device, float32, a library loaded; as `cpu_kernel_state`
+    decides, and says why not) for a model that brings its own GGUF (a pulled model keeps it as
+    model.gguf: its Q8_0/Q4_0 blocks are served as they are). There int8 decodes one row 2.2x
     faster than float32 and batches of 8-32 as fast, in 0.7x the memory, and passes the quality
-    gates (docs/benchmarks.md, issue 15). Elsewhere "float32": an accelerator, no kernels, tensor
-    parallelism, another dtype, or a checkpoint with no GGUF (its int8 would be our own
-    quantization of it, not gated on that model). Logs the choice and why."""
+    gates (docs/benchmarks.md, issue 15). Elsewhere "float32", also for a checkpoint with no GGUF
+    (its int8 would be our own quantization of it, not gated on that model). Logs the choice."""
     from engine.model_store.gguf_convert import GGUF_NAME  # (gguf_convert imports the gguf package: only here)
 
     reasons = []
-    if jax.default_backend() != "cpu":
-        reasons.append(f"the {jax.default_backend()} backend")
-    elif not kernels or cpu_kernels.load(kernel_build) is None:
+    if not kernels_on:
         reasons.append("the CPU kernels are off")
-    if tensor_parallel > 1:
-        reasons.append("tensor parallelism")
-    if jnp.dtype(dtype or default_dtype()) != jnp.float32:
-        reasons.append(f"dtype {dtype}")
     if not (model_dir / GGUF_NAME).is_file():
         reasons.append(f"no {GGUF_NAME} in the model directory")
     choice = "float32" if reasons else "int8"
@@ -538,16 +530,17 @@ class JaxModel:
             mesh.request_cpu_devices(tensor_parallel)  # (as load_sharded does) before the backend starts below
         if min_bucket is None:  # (this asks for the backend: after the devices are set)
             min_bucket = smallest_chunk(fused_chunk_tokens)
-        if weights == quantize.AUTO:  # (this asks for the backend too)
-            weights = auto_weights(model_dir, dtype, kernels, kernel_build, tensor_parallel)
         dtype_ = jnp.dtype(dtype or default_dtype())
+        kernels_on = (  # as cpu_kernel_state will decide in __init__
+            kernels and tensor_parallel == 1 and jax.default_backend() == "cpu"
+            and dtype_ == jnp.float32 and cpu_kernels.load(kernel_build) is not None
+        )
+        if weights == quantize.AUTO:
+            weights = auto_weights(model_dir, kernels_on)
         settings = memory_plan.Settings(
             max_batch_size, context, max_chunk, prefix_cache_tokens, PREFIX_BLOCK, dtype_.itemsize,
             int8=weights == "int8",
-            panel_copies=(  # as cpu_kernel_state will decide in __init__
-                kernels and weights != "int8" and tensor_parallel == 1 and jax.default_backend() == "cpu"
-                and dtype_ == jnp.float32 and cpu_kernels.load(kernel_build) is not None
-            ),
+            panel_copies=kernels_on and weights != "int8",
             devices=tensor_parallel,
         )
         if memory_limit_bytes:
