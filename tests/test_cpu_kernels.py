@@ -45,16 +45,30 @@ def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
     return attention_config(heads, kv_heads, head_dim, context=64)
 
 
+ISAS = ["avx2"] + (["avx512"] if "avx512f" in cpu_kernels._cpu_flags() else [])
+
+
+@pytest.fixture(params=ISAS)
+def attention_isa(request):
+    """Each build of decode_attention's vector body this CPU can run (AVX-512 where it has it), then back."""
+    kernels = cpu_kernels.load()
+    assert cpu_kernels.decode_attention_isa(kernels, request.param == "avx512") == request.param
+    yield request.param
+    cpu_kernels.decode_attention_isa(kernels, True)
+
+
 @pytest.mark.parametrize(
     "rows, heads, kv_heads, head_dim, slots, context",
     [
         (1, 9, 3, 64, 4, 64),  # SmolLM2's heads, one row
         (5, 4, 4, 16, 8, 40),  # no grouping (G = 1), a context that is no power of two
-        (3, 8, 2, 12, 3, 17),  # a head dim that is no multiple of the vector width; every slot a row
+        (3, 8, 2, 12, 3, 17),  # a head dim that is no multiple of 8 (the plain loops); every slot a row
+        (2, 8, 1, 128, 2, 300),  # G = 8 (several P . V passes of heads), D = 128 (of column vectors)
+        (4, 6, 3, 80, 4, 33),  # D = 80: five AVX-512 vectors (passes of 4 and 1), ten AVX2 ones
         (32, 9, 3, 64, 32, 512),  # enough keys to split across the pool
     ],
 )
-def test_kernel_attention_equals_the_jax_reference(rows, heads, kv_heads, head_dim, slots, context):
+def test_kernel_attention_equals_the_jax_reference(attention_isa, rows, heads, kv_heads, head_dim, slots, context):
     rng = np.random.default_rng(rows * 1000 + context)
     cfg = _config(heads, kv_heads, head_dim)
     q = rng.standard_normal((rows, heads, head_dim), np.float32)
@@ -68,9 +82,6 @@ def test_kernel_attention_equals_the_jax_reference(rows, heads, kv_heads, head_d
     )
     assert got.shape == (rows, heads * head_dim)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
-
-
-ISAS = ["avx2"] + (["avx512"] if "avx512f" in cpu_kernels._cpu_flags() else [])
 
 
 @pytest.fixture(params=ISAS)
@@ -141,7 +152,7 @@ def test_panels_are_used_up_to_panel_rows_only():
     np.testing.assert_allclose(transformer._project(many, w, zeros), many @ w, rtol=1e-6)
 
 
-def test_keys_past_a_rows_position_are_never_read():
+def test_keys_past_a_rows_position_are_never_read(attention_isa):
     """Whatever the cache holds past position p (stale values from an earlier request), the row's
     output is the same: NaNs there would show up in the result if they were read."""
     rng = np.random.default_rng(7)

@@ -77,7 +77,7 @@ from engine.model_store.registry import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.cc", "chunk_attention.cc", "int8_matmul.cc", "panel_matmul.cc")
-HEADERS = ("pool.h", "chunk_attention_unit.h")  # included by the sources; hashed into the library name with them
+HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h")  # included by the sources; hashed into the library name with them
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
@@ -214,6 +214,12 @@ def chunk_attention_isa(kernels: Kernels, avx512: bool = True) -> str:
     """Let `chunk_attention` use AVX-512 where the CPU has it (the default), or cap it at AVX2;
     -> the instruction set it now uses, "avx512" or "avx2" (process-wide; tests run both)."""
     return "avx512" if kernels.library.TokenwireChunkAttentionIsa(int(avx512)) else "avx2"
+
+
+def decode_attention_isa(kernels: Kernels, avx512: bool = True) -> str:
+    """Let `decode_attention` use AVX-512 where the CPU has it (the default), or cap it at AVX2;
+    -> the instruction set it now uses, "avx512" or "avx2" (process-wide; tests run both)."""
+    return "avx512" if kernels.library.TokenwireDecodeAttentionIsa(int(avx512)) else "avx2"
 
 
 def last_threads(kernels: Kernels) -> int:
@@ -419,6 +425,7 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
         }
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]
         library.TokenwireChunkAttentionIsa.argtypes = [ctypes.c_int]
+        library.TokenwireDecodeAttentionIsa.argtypes = [ctypes.c_int]
         library.TokenwirePanelMatmulIsa.argtypes = [ctypes.c_int]
         library.TokenwireInt8MatmulIsa.argtypes = [ctypes.c_int]
     except BaseException:

@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "pool.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -49,7 +50,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kKeyBlock = 128;  // keys per online-softmax step (a multiple of every kKeys)
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+using tokenwire::vec::kNegInf;
 
 struct Shape {
   int64_t chunk, heads, kv_heads, group, context, dim;
@@ -61,85 +62,22 @@ struct Scratch {
   std::vector<int32_t> last;            // [R] each row's last visible key position
 };
 
-// Cephes' expf in both widths: x = n ln2 + r, |r| <= ln2 / 2, a degree-5 polynomial for e^r, and 2^n
-// built in the exponent bits (~1-2 ulp); lanes below -87 (masked scores, -inf) or NaN give exactly 0.
-#define TW_EXP_POLY(P)                                      \
-  P y = Set1(1.9875691500e-4f);                             \
-  y = Fma(y, r, Set1(1.3981999507e-3f));                    \
-  y = Fma(y, r, Set1(8.3334519073e-3f));                    \
-  y = Fma(y, r, Set1(4.1665795894e-2f));                    \
-  y = Fma(y, r, Set1(1.6666665459e-1f));                    \
-  y = Fma(y, r, Set1(5.0000001201e-1f));                    \
-  y = Fma(y, Mul(r, r), r);                                 \
-  y = Add(y, Set1(1.0f));
-
+// The body in both widths (vec.h); the micro-tile sizes fill each width's registers.
 namespace avx2 {
-#define TW_TARGET __attribute__((target("avx2,fma")))
-using Vec = __m256;
-constexpr int64_t kLanes = 8, kKeys = 4, kCols = 4, kTile = 8;
-TW_TARGET inline Vec Zero() { return _mm256_setzero_ps(); }
-TW_TARGET inline Vec Set1(float x) { return _mm256_set1_ps(x); }
-TW_TARGET inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
-TW_TARGET inline void Store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-TW_TARGET inline Vec Bcast(const float* p) { return _mm256_broadcast_ss(p); }
-TW_TARGET inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-TW_TARGET inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-TW_TARGET inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
-TW_TARGET inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-TW_TARGET inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-TW_TARGET inline Vec MaskPast(Vec x, const int32_t* last, int32_t key) {
-  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(last));
-  const __m256i seen = _mm256_cmpgt_epi32(_mm256_add_epi32(l, _mm256_set1_epi32(1)), _mm256_set1_epi32(key));
-  return _mm256_blendv_ps(_mm256_set1_ps(kNegInf), x, _mm256_castsi256_ps(seen));
-}
-TW_TARGET inline Vec Exp(Vec x) {
-  const Vec dead = _mm256_cmp_ps(x, Set1(-87.0f), _CMP_NGE_UQ);  // and NaN (-inf minus -inf)
-  x = _mm256_min_ps(Max(x, Set1(-87.0f)), Set1(88.0f));
-  const Vec n = _mm256_round_ps(Mul(x, Set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm256_fnmadd_ps(n, Set1(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
-  TW_EXP_POLY(Vec)
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(dead, Mul(y, _mm256_castsi256_ps(e)));
-}
+using namespace tokenwire::vec::avx2;
+#define TW_TARGET TW_AVX2
+constexpr int64_t kKeys = 4, kCols = 4, kTile = 8;
 #include "chunk_attention_unit.h"
 #undef TW_TARGET
 }  // namespace avx2
 
 namespace avx512 {
-#define TW_TARGET __attribute__((target("avx512f,avx2,fma")))
-using Vec = __m512;
-constexpr int64_t kLanes = 16, kKeys = 8, kCols = 8, kTile = 16;
-TW_TARGET inline Vec Zero() { return _mm512_setzero_ps(); }
-TW_TARGET inline Vec Set1(float x) { return _mm512_set1_ps(x); }
-TW_TARGET inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
-TW_TARGET inline void Store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-TW_TARGET inline Vec Bcast(const float* p) { return _mm512_set1_ps(*p); }
-TW_TARGET inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-TW_TARGET inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-TW_TARGET inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-TW_TARGET inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-TW_TARGET inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-TW_TARGET inline Vec MaskPast(Vec x, const int32_t* last, int32_t key) {
-  const __m512i l = _mm512_loadu_si512(last);
-  const __mmask16 seen = _mm512_cmpge_epi32_mask(l, _mm512_set1_epi32(key));
-  return _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), seen, x);
-}
-TW_TARGET inline Vec Exp(Vec x) {
-  const __mmask16 alive = _mm512_cmp_ps_mask(x, Set1(-87.0f), _CMP_GE_OQ);
-  x = _mm512_min_ps(Max(x, Set1(-87.0f)), Set1(88.0f));
-  const Vec n = _mm512_roundscale_ps(Mul(x, Set1(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  Vec r = _mm512_fnmadd_ps(n, Set1(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, Set1(-2.12194440e-4f), r);
-  TW_EXP_POLY(Vec)
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mov_ps(alive, Mul(y, _mm512_castsi512_ps(e)));
-}
+using namespace tokenwire::vec::avx512;
+#define TW_TARGET TW_AVX512
+constexpr int64_t kKeys = 8, kCols = 8, kTile = 16;
 #include "chunk_attention_unit.h"
 #undef TW_TARGET
 }  // namespace avx512
-
-#undef TW_EXP_POLY
 
 // 1: AVX-512 where the CPU has it; 0: AVX2 only (TokenwireChunkAttentionIsa).
 std::atomic<int> isa_cap{1};

@@ -1,10 +1,8 @@
 // The ISA-generic body of chunk_attention.cc: one work unit (a kv head and a tile of chunk
 // positions), written once and included there twice, for AVX2 and for AVX-512, each inside its own
-// namespace, which defines first: Vec (a vector of kLanes floats), kLanes, kKeys (keys per score
-// micro-tile), kCols (value columns per P . V micro-tile), TW_TARGET (the function attribute that
-// enables the ISA), and Zero, Load, Store, Fma, Bcast, Max, Sub, Add, Mul, Exp (e^x, exactly 0 below
-// -87) and MaskPast(x, last, key) (x in the lanes whose row's last visible position >= key, -inf
-// in the others). Deliberately no include guard.
+// namespace, which brings in that width's primitives (vec.h: Vec, kLanes, Load, Fma, Exp, MaskPast,
+// ...) and defines kKeys (keys per score micro-tile), kCols (value columns per P . V micro-tile),
+// kTile and TW_TARGET (the function attribute that enables the ISA). Deliberately no include guard.
 //
 // Layout: the unit's rows (row r = ci * G + g for chunk position c0 + ci and query head kv * G + g)
 // lie in vector lanes, padded to R, a multiple of kLanes. Queries are transposed once per unit to
