@@ -32,8 +32,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kern
 
 
 def _int8(w: np.ndarray) -> quantize.Int8Matrix:  # w [in, out], as x @ w
-    q, scale = quantize.quantize_rows(np.ascontiguousarray(w.T))
-    return quantize.Int8Matrix(jnp.asarray(q), jnp.asarray(scale))
+    return quantize.pack(*quantize.quantize_rows(np.ascontiguousarray(w.T)))
 
 
 def _activations_quantized(x: np.ndarray, m: quantize.Int8Matrix) -> np.ndarray:
@@ -45,9 +44,9 @@ def _activations_quantized(x: np.ndarray, m: quantize.Int8Matrix) -> np.ndarray:
     amax = np.abs(blocks).max(axis=-1)
     inverse = np.divide(np.float32(32767), amax, out=np.zeros_like(amax), where=amax > 0)
     xq = np.rint(blocks * inverse[..., None]).astype(np.int64)
-    q = np.asarray(m.q).reshape(-1, k // 32, 32).astype(np.int64)
-    dots = np.einsum("rbj,nbj->rnb", xq, q).astype(np.float64)
-    return np.einsum("rnb,nb,rb->rn", dots, np.asarray(m.scale, np.float64), amax.astype(np.float64) / 32767)
+    q, scale = (np.asarray(a) for a in m.rows())
+    dots = np.einsum("rbj,nbj->rnb", xq, q.reshape(-1, k // 32, 32).astype(np.int64)).astype(np.float64)
+    return np.einsum("rnb,nb,rb->rn", dots, scale.astype(np.float64), amax.astype(np.float64) / 32767)
 
 
 @pytest.fixture(params=["avx512vnni", "avx2"])
@@ -63,13 +62,13 @@ def int8_isa(request):
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, quantize.DIRECT_ROWS, quantize.DIRECT_ROWS + 1])
 def test_an_int8_product_is_within_2e_2_of_float32(rows, int8_isa):
-    """Every path (one row, a few, panels of 16 outputs from 8 rows with a tail of 11 outputs
-    and of rows past the 12-row tiles, and the many-row dequantize + GEMM) is its exact product to
+    """Every path (panels of 16 outputs with a tail of 11 outputs, one row, a few and rows past
+    the 12-row passes, and the many-row dequantize + GEMM) is its exact product to
     float rounding: the dequantized weights times x (the AVX2 path and the GEMM), or times x
     quantized to int16 blocks (VNNI, up to DIRECT_ROWS rows; within 1e-4 of the former too); and
     within the issue's 2e-2 relative error of the float32 product."""
     rng = np.random.default_rng(rows)
-    w = rng.standard_normal((96, 203)).astype(np.float32) * 0.05  # 203 outputs: a tail past the 4-output tiles
+    w = rng.standard_normal((96, 203)).astype(np.float32) * 0.05  # 203 outputs: a part-filled last panel
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     m = _int8(w)
@@ -91,7 +90,7 @@ def test_the_vnni_path_reads_weights_of_minus_128():
         pytest.skip("this CPU has no avx512vnni")
     q = np.full((8, 64), -128, np.int8)
     q[:, 1::2] = 127
-    m = quantize.Int8Matrix(jnp.asarray(q), jnp.full((8, 2), 0.5, jnp.float32))
+    m = quantize.pack(q, np.full((8, 2), 0.5, np.float32))
     x = np.linspace(-1.0, 1.0, 2 * 64, dtype=np.float32).reshape(2, 64)
     got = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), m))
     np.testing.assert_allclose(got, _activations_quantized(x, m), rtol=1e-5, atol=1e-5)
@@ -244,7 +243,7 @@ def test_a_gguf_directory_serves_int8_from_its_blocks_in_the_float32_layout(tmp_
     assert (model_dir / gguf_convert.GGUF_NAME).is_file()
     f32, int8 = weights_mod.load_checkpoint(model_dir, "float32").weights, weights_mod.load_int8(model_dir).weights
     embed = _raw(model_dir / gguf_convert.GGUF_NAME, "token_embd.weight")
-    np.testing.assert_array_equal(np.asarray(int8.embed.q), gguf_blocks.int8_rows(embed, quantize.quantize_rows).q)
+    np.testing.assert_array_equal(np.asarray(int8.embed.rows()[0]), gguf_blocks.int8_rows(embed, quantize.quantize_rows).q)
     assert int8.lm_head is int8.embed
     np.testing.assert_array_equal(np.asarray(quantize.dequantize(int8.embed)), np.asarray(f32.embed))
     for a, b in zip(f32.layers, int8.layers):
@@ -291,7 +290,7 @@ def test_a_q4_1_gguf_is_requantized_at_load_and_a_directory_without_one_is_quant
             for m in (getattr(b, field), getattr(c, field)):
                 got = np.asarray(quantize.dequantize(m)).reshape(n, k // 32, 32)
                 assert np.all(np.abs(got - want.reshape(n, k // 32, 32)) <= bound * (1 + 1e-5)), field
-            np.testing.assert_array_equal(np.asarray(getattr(b, field).q), np.asarray(getattr(c, field).q))
+            np.testing.assert_array_equal(np.asarray(getattr(b, field).pairs), np.asarray(getattr(c, field).pairs))
 
 
 @pytest.mark.real_model

@@ -90,6 +90,7 @@ PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
 # machine's arithmetic speed (docs/benchmarks.md).
 PANEL_ROWS = 64
 INT8_BLOCK = 32  # int8 weights: one float32 scale per 32 consecutive inputs of an output (Q8_0's blocks)
+INT8_PANEL = 16  # int8 weights: outputs per panel (kernels/int8_matmul.cc; engine.jax_backend.quantize.Int8Matrix)
 _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ON, OFF, NOT_APPLICABLE = "on", "off", "not applicable"  # what a state string starts with
 
@@ -158,16 +159,18 @@ def chunk_attention_applies(head_dim: int) -> bool:
     return head_dim % 8 == 0
 
 
-def int8_matmul(x: jax.Array, q: jax.Array, scale: jax.Array) -> jax.Array:
-    """x [..., K] f32 @ W.T, W [N, K] given as int8 blocks (engine.jax_backend.quantize): q [N, K]
-    int8, scale [N, K / INT8_BLOCK] f32 -> [..., N] f32; needs `load()` to have succeeded. The
+def int8_matmul(x: jax.Array, pairs: jax.Array, scale: jax.Array, n: int) -> jax.Array:
+    """x [..., K] f32 @ W.T, W [N, K] given as int8 blocks in panels of INT8_PANEL outputs
+    (engine.jax_backend.quantize.Int8Matrix): pairs [ceil(N / 16), K / 2, 16, 2] int8, scale
+    [ceil(N / 16), K / INT8_BLOCK, 16] f32 -> [..., N] f32; needs `load()` to have succeeded. The
     weights are read once per call however many rows x has (kernels/int8_matmul.cc)."""
-    n, k = q.shape
-    if x.shape[-1] != k or k % INT8_BLOCK:  # checked while tracing
-        raise ValueError(f"int8_matmul takes rows of {k} values (a multiple of {INT8_BLOCK}), got shape {x.shape}")
+    panels, half, width, two = pairs.shape
+    k = 2 * half
+    if x.shape[-1] != k or k % INT8_BLOCK or width != INT8_PANEL or two != 2 or panels != -(-n // INT8_PANEL):  # checked while tracing
+        raise ValueError(f"int8_matmul takes rows of {k} values (a multiple of {INT8_BLOCK}) and {n} outputs, got x {x.shape}, pairs {pairs.shape}")
     rows = x.size // k
     call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    return call(x.reshape(rows, k).astype(jnp.float32), q, scale).reshape(*x.shape[:-1], n)
+    return call(x.reshape(rows, k).astype(jnp.float32), pairs, scale).reshape(*x.shape[:-1], n)
 
 
 def pack_panels(w: jax.Array) -> jax.Array:

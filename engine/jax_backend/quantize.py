@@ -2,12 +2,17 @@
 int8 blocks with float32 scales; activations and the KV cache stay float32 (the kernel's AVX-512
 VNNI path takes each product's input as 16-bit blocks, to float rounding of the float path).
 
-Layout: a matrix used as x @ W ([in, out] in engine.model_store.checkpoint) is stored transposed,
-[out, in], as `Int8Matrix`: q [N, K] int8 and scale [N, K / 32] float32, W.T[n, j] =
+Blocks: a matrix used as x @ W ([in, out] in engine.model_store.checkpoint) is quantized
+transposed, [out, in]: q [N, K] int8 and scale [N, K / 32] float32, W.T[n, j] =
 q[n, j] * scale[n, j // 32]. That is llama.cpp's Q8_0 (blocks of 32 along the input with one
-scale; it keeps the scale in float16), symmetric, round to nearest: scale = max|block| / 127. The
-embedding [V, E] is already [rows, in]; a tied head shares it (same object) when it covers every
-row, so the model holds those bytes once.
+scale; it keeps the scale in float16), symmetric, round to nearest: scale = max|block| / 127.
+
+Layout: `Int8Matrix` holds those blocks regrouped once, at load, in panels of 16 outputs (`pack`):
+pairs [P, K / 2, 16, 2] (pairs[p, j, i] = q[16 p + i, 2 j : 2 j + 2]) and scale [P, K / 32, 16],
+P = ceil(N / 16), zero past N: the layout the C++ kernel reads with one load per pair of inputs of
+16 outputs (kernels/int8_matmul.cc says why). `rows()` gives q and scale back (the many-row path,
+the embedding's lookups, tests). The embedding [V, E] is already [rows, in]; a tied head shares it
+(same object) when it covers every row, so the model holds those bytes once.
 
 Products: `matmul` sends up to DIRECT_ROWS rows (decode steps, short prompt chunks) to the C++
 kernel (engine.jax_backend.cpu_kernels.int8_matmul), which works on the bytes as they stream
@@ -25,7 +30,7 @@ quantized as it is placed (`int8_place`). Either way the model never exists whol
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +39,7 @@ import numpy as np
 from engine.jax_backend import cpu_kernels
 
 BLOCK = cpu_kernels.INT8_BLOCK
+PANEL = cpu_kernels.INT8_PANEL
 DIRECT_ROWS = 64  # up to this many rows, the C++ kernel; above it, dequantize + XLA's GEMM
 WEIGHTS = ("float32", "int8")  # the weights a model is served with ("float32": the dtype's own weights)
 AUTO = "auto"  # what --weights defaults to: int8 where it runs and the model brings its GGUF, else float32
@@ -42,20 +48,40 @@ AUTO = "auto"  # what --weights defaults to: int8 where it runs and the model br
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Int8Matrix:
-    """A weight matrix as int8 blocks, stored [out, in] (module docstring)."""
+    """A weight matrix as int8 blocks of [out, in] rows, in panels of 16 outputs (module docstring)."""
 
-    q: jax.Array  # [N, K] int8
-    scale: jax.Array  # [N, K / BLOCK] float32
+    pairs: jax.Array  # [P, K / 2, PANEL, 2] int8
+    scale: jax.Array  # [P, K / BLOCK, PANEL] float32
+    n: int = field(metadata=dict(static=True))  # outputs (rows of q)
 
     @property
     def shape(self) -> tuple[int, int]:
         """The matrix's shape as x @ W sees it: [in, out] (the float32 weight's shape)."""
-        n, k = self.q.shape
-        return k, n
+        return 2 * self.pairs.shape[1], self.n
 
     @property
     def nbytes(self) -> int:
-        return self.q.nbytes + self.scale.nbytes
+        return self.pairs.nbytes + self.scale.nbytes
+
+    def rows(self) -> tuple[jax.Array, jax.Array]:
+        """(q [N, K] int8, scale [N, K / BLOCK] float32): the blocks as `quantize_rows` gives them."""
+        p, half, _, _ = self.pairs.shape
+        q = self.pairs.transpose(0, 2, 1, 3).reshape(p * PANEL, 2 * half)[: self.n]
+        return q, self.scale.transpose(0, 2, 1).reshape(p * PANEL, -1)[: self.n]
+
+
+def pack(q: np.ndarray, scale: np.ndarray) -> Int8Matrix:
+    """Blocks q [N, K] int8, scale [N, K / BLOCK] float32 (as `quantize_rows` gives them) -> an
+    Int8Matrix on the device, regrouped into panels of 16 outputs (module docstring)."""
+    n, k = q.shape
+    panels = -(-n // PANEL)
+    padded_q = np.zeros((panels * PANEL, k), np.int8)
+    padded_q[:n] = q
+    padded_scale = np.zeros((panels * PANEL, k // BLOCK), np.float32)
+    padded_scale[:n] = scale
+    pairs = padded_q.reshape(panels, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
+    scales = padded_scale.reshape(panels, PANEL, k // BLOCK).transpose(0, 2, 1)
+    return Int8Matrix(jnp.asarray(np.ascontiguousarray(pairs)), jnp.asarray(np.ascontiguousarray(scales)), n)
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -72,21 +98,24 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def dequantize(m: Int8Matrix) -> jax.Array:
     """The float32 matrix W.T [N, K] (tests; the many-row path)."""
-    n, k = m.q.shape
-    return (m.q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * m.scale[..., None]).reshape(n, k)
+    q, scale = m.rows()
+    n, k = q.shape
+    return (q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * scale[..., None]).reshape(n, k)
 
 
 def matmul(x: jax.Array, m: Int8Matrix) -> jax.Array:
     """x [..., in] @ W -> [..., out] float32 (module docstring for which path runs)."""
     rows = x.size // x.shape[-1]
     if rows <= DIRECT_ROWS:
-        return cpu_kernels.int8_matmul(x, m.q, m.scale)
+        return cpu_kernels.int8_matmul(x, m.pairs, m.scale, m.n)
     return jnp.matmul(x.astype(jnp.float32), dequantize(m).T)
 
 
 def embed(m: Int8Matrix, tokens: jax.Array) -> jax.Array:
     """Rows `tokens` of an int8 embedding [V, E] as float32: tokens [...] -> [..., E]."""
-    q, scale = m.q[tokens], m.scale[tokens]  # [..., E], [..., E / BLOCK]
+    panel, lane = tokens // PANEL, tokens % PANEL
+    q = m.pairs[panel, :, lane].reshape(*tokens.shape, -1)  # [..., E]
+    scale = m.scale[panel, :, lane]  # [..., E / BLOCK]
     e = q.shape[-1]
     return (q.reshape(*q.shape[:-1], e // BLOCK, BLOCK).astype(jnp.float32) * scale[..., None]).reshape(q.shape)
 
@@ -100,8 +129,7 @@ def int8_place(embedding_shape: tuple[int, int]):
         if array.ndim != 2:
             return jnp.asarray(array, jnp.float32)
         rows = array if array.shape == embedding_shape else np.ascontiguousarray(array.T)
-        q, scale = quantize_rows(rows)
-        return Int8Matrix(jnp.asarray(q), jnp.asarray(scale))
+        return pack(*quantize_rows(rows))
 
     return place
 
@@ -132,8 +160,7 @@ def gguf_weights(get, config, head_size: int):
             raise CheckpointError(f"{c.architecture}: tensor {name} has shape {tuple(v.shape)}, expected {(size,)}")
         return jnp.asarray(v, jnp.float32)
 
-    def place(q: np.ndarray, scale: np.ndarray) -> Int8Matrix:
-        return Int8Matrix(jnp.asarray(np.ascontiguousarray(q)), jnp.asarray(np.ascontiguousarray(scale)))
+    place = pack
 
     def by_kv_head(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [H * D, ...], k/v [K * D, ...] rows -> [K * (G + 2) * D, ...]: per kv head its G

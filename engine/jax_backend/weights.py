@@ -91,7 +91,7 @@ def load_int8(model_dir: str | Path) -> Checkpoint:
         return Checkpoint(cfg, weights, checkpoint.eos_token_ids(model_dir), head_size)
     ckpt = checkpoint.load_checkpoint(model_dir, quantize.int8_place((cfg.vocab_size, cfg.hidden_size)))
     w = ckpt.weights
-    if cfg.tie_word_embeddings and w.lm_head.q.shape == w.embed.q.shape:
+    if cfg.tie_word_embeddings and w.lm_head.shape == w.embed.shape:
         ckpt = replace(ckpt, weights=replace(w, lm_head=w.embed))
     return ckpt
 
