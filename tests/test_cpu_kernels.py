@@ -48,13 +48,22 @@ def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
 ISAS = ["avx2"] + (["avx512"] if "avx512f" in cpu_kernels._cpu_flags() else [])
 
 
-@pytest.fixture(params=ISAS)
-def attention_isa(request):
-    """Each build of decode_attention's vector body this CPU can run (AVX-512 where it has it), then back."""
-    kernels = cpu_kernels.load()
-    assert cpu_kernels.decode_attention_isa(kernels, request.param == "avx512") == request.param
-    yield request.param
-    cpu_kernels.decode_attention_isa(kernels, True)
+def _each_isa(set_isa):
+    """A fixture that runs a test under each build of a kernel (`set_isa`: cpu_kernels.*_isa) this CPU
+    can run, AVX2 and AVX-512 where it has it, then restores AVX-512."""
+
+    @pytest.fixture(params=ISAS)
+    def fixture(request):
+        kernels = cpu_kernels.load()
+        assert set_isa(kernels, request.param == "avx512") == request.param
+        yield request.param
+        set_isa(kernels, True)
+
+    return fixture
+
+
+attention_isa = _each_isa(cpu_kernels.decode_attention_isa)  # decode_attention's vector body
+panel_isa = _each_isa(cpu_kernels.panel_matmul_isa)  # panel_matmul's tile
 
 
 @pytest.mark.parametrize(
@@ -82,15 +91,6 @@ def test_kernel_attention_equals_the_jax_reference(attention_isa, rows, heads, k
     )
     assert got.shape == (rows, heads * head_dim)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
-
-
-@pytest.fixture(params=ISAS)
-def panel_isa(request):
-    """Each build of panel_matmul's tile this CPU can run (AVX-512 where it has it), then back."""
-    kernels = cpu_kernels.load()
-    assert cpu_kernels.panel_matmul_isa(kernels, request.param == "avx512") == request.param
-    yield request.param
-    cpu_kernels.panel_matmul_isa(kernels, True)
 
 
 @pytest.mark.parametrize(
