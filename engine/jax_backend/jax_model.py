@@ -854,9 +854,11 @@ class JaxModel:
         self._top_n[slot] = 0
 
     def _put(self, tree):
-        """Per-step host inputs onto the device (every device of the mesh, replicated, under
-        tensor parallelism)."""
-        return jax.device_put(tree) if self.plan is None else self.plan.put(tree)
+        """Per-step host inputs for the step: as they are on one device (the jitted call copies
+        numpy arrays itself, ~0.3 ms a step less host work than a device_put first, measured at
+        batch 1 on the CPU, where that work takes cores from the step), onto every device of the
+        mesh, replicated, under tensor parallelism."""
+        return tree if self.plan is None else self.plan.put(tree)
 
     def _prefill_through(self, x: jax.Array, slot: np.int32, start: np.int32, layers: int | None = None) -> jax.Array:
         """A prompt piece x [1, C, E] at `start` of `slot` through the first `layers` layers (None:
