@@ -5,6 +5,10 @@ process and through each service, in one run.
                                    [--paths engine,decode,text] [--client-procs N]
                                    [--text-workers N] [--real-model NAME|DIR] [--json PATH]
 
+With --real-model, each round also times benchmarks/decode.py's engine-only decode steps at the
+batch of the most streams (on the in-process model), and a last table gives each path's tok/s over
+that figure of the same round (issue 10's real-model target).
+
 The model is the scripted one (engine/core/scripted_model.py), unless --real-model: each decode step sleeps
 --step-ms (0 = free) and yields the token after the last, so what differs between the paths is
 the transport alone. Each of N streams asks for exactly M tokens (ignore_eos, max_output_tokens).
@@ -190,6 +194,21 @@ def real_model(model_dir: Path, max_batch_size: int, context: int):
     model = JaxModel.load(model_dir, max_batch_size=max_batch_size, max_context_length=context, weights="auto")
     model.warm_up()
     return model
+
+
+def measure_steps(model, batch: int, steps: int = 16, prompt_len: int = 64) -> float:
+    """benchmarks/decode.py's engine-only figure at `batch`, on the same in-process model: decode
+    steps alone (no scheduler, no prefill in the window) of `batch` slots prefilled with random
+    prompts of `prompt_len` tokens (decode.py's default), host one step behind as the engine runs
+    them (decode.Slots.pipelined); -> tok/s. The slots are released after."""
+    from benchmarks.decode import Slots
+
+    slots = Slots(model, batch, prompt_len)
+    try:
+        slots.pipelined(batch, 2)  # untimed
+        return batch / slots.pipelined(batch, steps)
+    finally:
+        slots.release()
 
 
 async def _engine_streams(engine: AsyncEngine, counts: Sequence[int]) -> list[StreamClock]:
@@ -457,6 +476,20 @@ def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps
                 print(f"| {_label(step)}, {n} | {path} | " + " | ".join(cells) + " |")
 
 
+def print_engine_only(results, engine_only: list[float], batch: int, streams, paths) -> None:
+    """--real-model: each path's tok/s over decode.py's engine-only steps of the same round."""
+    print(f"\nServed over decode.py's decode steps at batch {batch} in the same round "
+          f"({median_range(engine_only, _rate)} tok/s; median over rounds, range in brackets):\n")
+    print("| streams | " + " | ".join(PATHS[p] for p in paths) + " |")
+    print("|---" * (len(paths) + 1) + "|")
+    for n in streams:
+        cells = []
+        for path in paths:
+            ratios = [m.tok_s / e for m, e in zip(results[(REAL, n, path)], engine_only)]
+            cells.append(f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})")
+        print(f"| {n} | " + " | ".join(cells) + " |")
+
+
 def print_server_output(log_dir: Path) -> None:
     """What the servers wrote (at --log-level WARNING: only warnings and errors), to stderr."""
     for log in sorted(log_dir.glob("*.log")):
@@ -489,7 +522,8 @@ def main() -> None:
                         "give at least as many client processes")
     parser.add_argument("--real-model", default=None, metavar="NAME|DIR",
                         help="measure a real model (e.g. smollm2-135m-instruct, pulled if need be) instead of the "
-                        "scripted one; --step-ms is then unused, and the engine path runs the same JaxModel in process")
+                        "scripted one; --step-ms is then unused, the engine path runs the same JaxModel in process, and each "
+                        "round also times decode.py's decode steps alone at the batch of the most streams on it")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds one measurement may take")
     parser.add_argument("--json", type=Path, default=None, help="also write every measurement to this file as JSON")
     args = parser.parse_args()
@@ -512,6 +546,7 @@ def main() -> None:
     print(f"model: {kind}, max_batch_size {args.max_batch_size}; tokens per stream "
           f"{args.tokens}; client processes {procs}; paths {','.join(paths)}; rounds: {args.rounds}")
     results: dict[tuple[float, int, str], list[Measurement]] = {}
+    engine_only: list[float] = []  # --real-model: decode.py's engine-only tok/s, one per round
     with contextlib.ExitStack() as stack:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="transport-bench-")))
         stack.callback(print_server_output, log_dir)  # runs after the servers stop
@@ -551,7 +586,13 @@ def main() -> None:
                         print(f"round {r}: {_label(step)}, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
                               f"in {m.wall_s:.2f} s), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms, "
                               f"TTFT p50 {_ms(m.ttft_p50_s)} ms, p99 {_ms(m.ttft_p99_s)} ms", flush=True)
+                if step == REAL:  # decode.py's engine-only steps, in the same round
+                    batch = min(max(args.streams), args.max_batch_size)
+                    engine_only.append(measure_steps(real_model(args.model_dir, args.max_batch_size, context), batch))
+                    print(f"round {r}: decode.py's decode steps at batch {batch}: {engine_only[-1]:.0f} tok/s", flush=True)
     print_tables(results, args.step_ms, args.streams, paths)
+    if engine_only:
+        print_engine_only(results, engine_only, min(max(args.streams), args.max_batch_size), args.streams, paths)
     if args.json:
         rows = [dict(step_ms=step, streams=n, path=path, rounds=[dataclasses.asdict(m) for m in runs])
                 for (step, n, path), runs in results.items()]

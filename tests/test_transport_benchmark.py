@@ -53,3 +53,15 @@ def test_engine_and_decode_paths_count_every_token(tmp_path):
         pool.close()
         server.stop()
     assert server.process.returncode is not None
+
+
+def test_decode_py_steps_run_on_the_in_process_model_and_leave_its_slots_free():
+    """--real-model's engine-only figure (benchmarks/decode.py's decode steps, timed on the model the
+    engine path uses) is a rate, and it leaves the model's slots free: the engine path then runs
+    on the same model (a slot still held would refuse its prompt: "slot 0 is in use")."""
+    from engine.jax_backend.jax_model import JaxModel
+
+    model = JaxModel.load(TINY, max_batch_size=2, max_context_length=128, weights="float32")
+    assert transport.measure_steps(model, batch=2, steps=2, prompt_len=8) > 0
+    engine = transport.measure_engine(model, [3, 3], timeout_s=60)
+    assert engine.tokens == 6
