@@ -160,8 +160,6 @@ def gguf_weights(get, config, head_size: int):
             raise CheckpointError(f"{c.architecture}: tensor {name} has shape {tuple(v.shape)}, expected {(size,)}")
         return jnp.asarray(v, jnp.float32)
 
-    place = pack
-
     def by_kv_head(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [H * D, ...], k/v [K * D, ...] rows -> [K * (G + 2) * D, ...]: per kv head its G
         query heads, its key, its value (as checkpoint.load_weights lays out w_qkv's columns)."""
@@ -177,21 +175,21 @@ def gguf_weights(get, config, head_size: int):
         o, down = rows(a + "o_proj.weight", (E, H * D)), rows(p + "mlp.down_proj.weight", (E, F))
         return LayerWeights(
             attn_norm=vector(p + "input_layernorm.weight", E),
-            w_qkv=place(by_kv_head(q.q, k.q, v.q), by_kv_head(q.scale, k.scale, v.scale)),
-            w_o=place(o.q, o.scale),
+            w_qkv=pack(by_kv_head(q.q, k.q, v.q), by_kv_head(q.scale, k.scale, v.scale)),
+            w_o=pack(o.q, o.scale),
             mlp_norm=vector(p + "post_attention_layernorm.weight", E),
-            w_gate_up=place(interleave(gate.q, up.q), interleave(gate.scale, up.scale)),
-            w_down=place(down.q, down.scale),
+            w_gate_up=pack(interleave(gate.q, up.q), interleave(gate.scale, up.scale)),
+            w_down=pack(down.q, down.scale),
             b_qkv=None, q_norm=None, k_norm=None,
         )
 
     e = rows("model.embed_tokens.weight", (c.vocab_size, E))
-    embed = place(e.q, e.scale)
+    embed = pack(e.q, e.scale)
     if c.tie_word_embeddings:
-        head = embed if head_size == c.vocab_size else place(e.q[:head_size], e.scale[:head_size])
+        head = embed if head_size == c.vocab_size else pack(e.q[:head_size], e.scale[:head_size])
     else:
         h = rows("lm_head.weight", (c.vocab_size, E))
-        head = place(h.q[:head_size], h.scale[:head_size])
+        head = pack(h.q[:head_size], h.scale[:head_size])
     return Weights(
         embed=embed,
         layers=tuple(layer(f"model.layers.{i}.") for i in range(c.n_layers)),

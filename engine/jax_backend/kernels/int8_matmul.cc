@@ -148,49 +148,51 @@ TW_TARGET void Panels(const int8_t* pairs, const float* scale, const int16_t* xq
 // The AVX2 path: pair j of a panel (32 bytes) as four vectors of 8 floats, lanes (output 4v + l / 2,
 // input 2j + l % 2) for vector v; x's two inputs broadcast as [x0, x1] x 4. The lanes of an output's
 // two inputs are added at the end.
-void PanelRowAvx2(const int8_t* pairs, const float* scale, int64_t count, const float* x, int64_t k, float* y) {
-  const int64_t blocks = k / kBlock;
-  const __m256i spread = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);  // a scale per output -> per lane
-  __m256 acc[4];
-  for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256 part[4];
-    for (int v = 0; v < 4; ++v) part[v] = _mm256_setzero_ps();
-    for (int64_t p = b * kBlockPairs; p < (b + 1) * kBlockPairs; ++p) {
-      const int8_t* w = pairs + p * kPairBytes;
-      double both;
-      __builtin_memcpy(&both, x + 2 * p, sizeof(both));
-      const __m256 xv = _mm256_castpd_ps(_mm256_set1_pd(both));
-      for (int v = 0; v < 4; ++v) {
-        const __m256 wv =
-            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + 8 * v))));
-        part[v] = _mm256_fmadd_ps(wv, xv, part[v]);
-      }
-    }
-    for (int v = 0; v < 4; ++v) {
-      const __m256 s = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scale + b * kPanel + 4 * v)), spread);
-      acc[v] = _mm256_fmadd_ps(part[v], s, acc[v]);
-    }
-  }
+inline __m256 PairWeights(const int8_t* pair, int v) {  // vector v of a pair's 32 weights, as floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * v))));
+}
+
+inline __m256 PairInputs(const float* x, int64_t p) {  // inputs 2p and 2p + 1 of x, as [x0, x1] x 4
+  double both;
+  __builtin_memcpy(&both, x + 2 * p, sizeof(both));
+  return _mm256_castpd_ps(_mm256_set1_pd(both));
+}
+
+inline __m256 BlockScales(const float* scale, int64_t b, int v) {  // block b's scales of vector v's 4 outputs, per lane
+  const __m128 four = _mm_loadu_ps(scale + b * kPanel + 4 * v);
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+}
+
+inline void StoreOutputs(const __m256* acc, int64_t count, float* y) {  // y[i] = the sum of output i's two lanes
   alignas(32) float lanes[2 * kPanel];
   for (int v = 0; v < 4; ++v) _mm256_store_ps(lanes + 8 * v, acc[v]);
   for (int64_t i = 0; i < count; ++i) y[i] = lanes[2 * i] + lanes[2 * i + 1];
 }
 
-// Several rows on the AVX2 path: the panel dequantized once (scales applied) into `w` [K / 2][32]
-// floats in the same lanes, then two rows at a time against it, the panel's floats read from L1/L2.
+// One row: the weights converted in registers, each block's products scaled once.
+void PanelRowAvx2(const int8_t* pairs, const float* scale, int64_t count, const float* x, int64_t k, float* y) {
+  __m256 acc[4];
+  for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m256 part[4];
+    for (int v = 0; v < 4; ++v) part[v] = _mm256_setzero_ps();
+    for (int64_t p = b * kBlockPairs; p < (b + 1) * kBlockPairs; ++p) {
+      const __m256 xv = PairInputs(x, p);
+      for (int v = 0; v < 4; ++v) part[v] = _mm256_fmadd_ps(PairWeights(pairs + p * kPairBytes, v), xv, part[v]);
+    }
+    for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(part[v], BlockScales(scale, b, v), acc[v]);
+  }
+  StoreOutputs(acc, count, y);
+}
+
+// Several rows: the panel dequantized once (scales applied) into `w` [K / 2][32] floats in the same
+// lanes, then two rows at a time against it, the panel's floats read from L1/L2.
 void DequantizePanel(const int8_t* pairs, const float* scale, int64_t k, float* w) {
-  const __m256i spread = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
   for (int64_t b = 0; b < k / kBlock; ++b) {
     __m256 s[4];
-    for (int v = 0; v < 4; ++v)
-      s[v] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(scale + b * kPanel + 4 * v)), spread);
+    for (int v = 0; v < 4; ++v) s[v] = BlockScales(scale, b, v);
     for (int64_t p = b * kBlockPairs; p < (b + 1) * kBlockPairs; ++p) {
-      for (int v = 0; v < 4; ++v) {
-        const __m256 q = _mm256_cvtepi32_ps(
-            _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pairs + p * kPairBytes + 8 * v))));
-        _mm256_storeu_ps(w + p * kPairBytes + 8 * v, _mm256_mul_ps(q, s[v]));
-      }
+      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(w + p * kPairBytes + 8 * v, _mm256_mul_ps(PairWeights(pairs + p * kPairBytes, v), s[v]));
     }
   }
 }
@@ -202,17 +204,11 @@ void PanelRowsAvx2(const float* w, int64_t count, const float* x, int64_t k, flo
     for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t p = 0; p < k / 2; ++p) {
     for (int r = 0; r < MR; ++r) {
-      double both;
-      __builtin_memcpy(&both, x + r * k + 2 * p, sizeof(both));
-      const __m256 xv = _mm256_castpd_ps(_mm256_set1_pd(both));
+      const __m256 xv = PairInputs(x + r * k, p);
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(w + p * kPairBytes + 8 * v), xv, acc[r][v]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(32) float lanes[2 * kPanel];
-    for (int v = 0; v < 4; ++v) _mm256_store_ps(lanes + 8 * v, acc[r][v]);
-    for (int64_t i = 0; i < count; ++i) y[r * n + i] = lanes[2 * i] + lanes[2 * i + 1];
-  }
+  for (int r = 0; r < MR; ++r) StoreOutputs(acc[r], count, y + r * n);
 }
 
 std::atomic<int> isa_cap{1};  // 1: VNNI where the CPU has it; 0: the AVX2 float path only (tests run both)
