@@ -27,6 +27,12 @@ out (its gap is the time to first token). p50 and p99 (nearest rank) over the ga
 of a measurement, pooled; also in steps of --step-ms.
 TTFT: per stream, request sent -> first token received; p50 and p99 over the streams (in the
 per-round lines and in --json).
+CPU: for each measurement, the CPU seconds (user + system, every thread, from /proc) of each
+process on its path -- the text service, the decode service, its engine process, the client
+processes, or this process for the engine path -- per 1,000 tokens, and the share of the host's
+CPU time stolen by other guests meanwhile (benchmarks/cpu_use.py; Linux only). Wall-clock figures
+on a shared host move with its neighbours; CPU per token barely does, so it is what tells a
+change's cost apart from the host's noise.
 
 Rounds are interleaved (each round measures every configuration and path once), so a noisy
 neighbour hits all alike; ratios to in-process are taken within a round, and the tables give the
@@ -64,6 +70,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 import grpc  # noqa: E402
 
+from benchmarks import cpu_use  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.summary import median_range  # noqa: E402
 from engine.core.async_engine import AsyncEngine  # noqa: E402
@@ -154,6 +161,8 @@ class Measurement:
     itl_p99_s: float
     ttft_p50_s: float = float("nan")
     ttft_p99_s: float = float("nan")
+    cpu_s: dict[str, float] | None = None  # CPU seconds per group of processes (benchmarks/cpu_use.py)
+    steal_share: float = float("nan")  # the host's stolen share of its CPU time over the measurement
 
     @property
     def tok_s(self) -> float:
@@ -341,6 +350,9 @@ class ClientPool:
             raise StreamFailed(f"{path} at {target}:\n" + "\n".join(errors))
         return summarize([clock for _, clocks in answers for clock in clocks])
 
+    def pids(self) -> list[int]:
+        return [process.pid for _, process in self._workers]
+
     def close(self) -> None:
         for conn, _ in self._workers:
             with contextlib.suppress(OSError):
@@ -476,6 +488,43 @@ def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps
                 print(f"| {_label(step)}, {n} | {path} | " + " | ".join(cells) + " |")
 
 
+CPU_GROUPS = ("text service", "decode service", "engine process", "clients", "benchmark process")
+
+
+def cpu_groups(path: str, decoder: "ServerProcess | None", texts: Sequence["ServerProcess"], pool: "ClientPool"):
+    """The processes whose CPU a measurement of `path` counts, by group (benchmarks/cpu_use.py)."""
+    if path == "engine":
+        return {"benchmark process": cpu_use.this_process}
+    groups = {
+        "decode service": lambda: [decoder.process.pid],
+        "engine process": lambda: cpu_use.process_tree(decoder.process.pid)[1:],  # its children
+        "clients": pool.pids,
+    }
+    if path == "text":
+        groups["text service"] = lambda: [t.process.pid for t in texts]
+    return groups
+
+
+def print_cpu_table(results: dict[tuple[float, int, str], list[Measurement]], steps, streams, paths) -> None:
+    """CPU ms per 1,000 tokens by group of processes, and the host's steal share (medians)."""
+    rows = [(step, n, path, results[(step, n, path)]) for step in steps for n in streams for path in paths]
+    if not any(m.cpu_s for *_, runs in rows for m in runs):
+        return
+    print("\nCPU time per 1,000 tokens in ms, by process (median over rounds, range in brackets), and the "
+          "share of the host's CPU time stolen by other guests during the measurement:")
+    print("\n| step time, streams | path | " + " | ".join(CPU_GROUPS) + " | all | host steal |")
+    print("|---" * (len(CPU_GROUPS) + 4) + "|")
+    per_k = lambda seconds, m: seconds * 1e6 / m.tokens  # CPU ms per 1,000 tokens
+    for step, n, path, runs in rows:
+        cells = []
+        for group in CPU_GROUPS + ("all",):
+            values = [per_k(sum(m.cpu_s.values()) if group == "all" else m.cpu_s[group], m)
+                      for m in runs if m.cpu_s and (group == "all" or group in m.cpu_s)]
+            cells.append(median_range(values, lambda v: f"{v:.1f}") if values else "-")
+        cells.append(median_range([m.steal_share for m in runs], lambda v: f"{v:.0%}"))
+        print(f"| {_label(step)}, {n} | {path} | " + " | ".join(cells) + " |")
+
+
 def print_engine_only(results, engine_only: list[float], batch: int, streams, paths) -> None:
     """--real-model: each path's tok/s over decode.py's engine-only steps of the same round."""
     print(f"\nServed over decode.py's decode steps at batch {batch} in the same round "
@@ -496,6 +545,13 @@ def print_server_output(log_dir: Path) -> None:
         lines = log.read_text(errors="replace").splitlines()
         if lines:
             print(f"\n{log.stem} wrote {len(lines)} lines; the last ones:", *lines[-20:], sep="\n", file=sys.stderr)
+
+
+def _cpu_line(m: Measurement) -> str:
+    if not m.cpu_s:
+        return ""
+    parts = ", ".join(f"{group} {seconds * 1e6 / m.tokens:.1f}" for group, seconds in m.cpu_s.items())
+    return f"; CPU ms per 1k tokens: {parts}; host steal {m.steal_share:.0%}"
 
 
 def _floats(text: str) -> list[float]:
@@ -551,7 +607,9 @@ def main() -> None:
         log_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="transport-bench-")))
         stack.callback(print_server_output, log_dir)  # runs after the servers stop
         targets: dict[tuple[float, str], str] = {}
+        servers: dict[float, tuple[ServerProcess | None, list[ServerProcess]]] = {}  # step -> (decoder, texts)
         for step in args.step_ms:
+            decoder, texts = None, []
             if "decode" in paths or "text" in paths:
                 decoder = decode_server(args.model_dir, step, args.max_batch_size, max(args.streams), context, log_dir)
                 stack.callback(decoder.stop)
@@ -560,12 +618,22 @@ def main() -> None:
                 text = text_server(args.model_dir, decoder.target, log_dir)
                 stack.callback(text.stop)
                 targets[(step, "text")] = text.target
+                texts.append(text)
                 for _ in range(args.text_workers - 1):  # more text services on the same port
-                    stack.callback(text_server(args.model_dir, decoder.target, log_dir, int(text.target.rsplit(":", 1)[1])).stop)
+                    texts.append(text_server(args.model_dir, decoder.target, log_dir, int(text.target.rsplit(":", 1)[1])))
+                    stack.callback(texts[-1].stop)
+            servers[step] = (decoder, texts)
         pool = ClientPool(max(procs.values()))
         stack.callback(pool.close)
 
         def measure(step: float, n: int, path: str, m_counts: Sequence[int]) -> Measurement:
+            meter = cpu_use.CpuMeter(cpu_groups(path, *servers.get(step, (None, [])), pool))
+            meter.start()
+            m = measure_path(step, n, path, m_counts)
+            use = meter.stop()
+            return m if use is None else dataclasses.replace(m, cpu_s=dict(use.seconds), steal_share=use.steal_share)
+
+        def measure_path(step: float, n: int, path: str, m_counts: Sequence[int]) -> Measurement:
             if path == "engine":
                 if step == REAL:
                     return measure_engine(real_model(args.model_dir, args.max_batch_size, context), m_counts, args.timeout)
@@ -585,12 +653,13 @@ def main() -> None:
                         results.setdefault((step, n, path), []).append(m)
                         print(f"round {r}: {_label(step)}, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
                               f"in {m.wall_s:.2f} s), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms, "
-                              f"TTFT p50 {_ms(m.ttft_p50_s)} ms, p99 {_ms(m.ttft_p99_s)} ms", flush=True)
+                              f"TTFT p50 {_ms(m.ttft_p50_s)} ms, p99 {_ms(m.ttft_p99_s)} ms{_cpu_line(m)}", flush=True)
                 if step == REAL:  # decode.py's engine-only steps, in the same round
                     batch = min(max(args.streams), args.max_batch_size)
                     engine_only.append(measure_steps(real_model(args.model_dir, args.max_batch_size, context), batch))
                     print(f"round {r}: decode.py's decode steps at batch {batch}: {engine_only[-1]:.0f} tok/s", flush=True)
     print_tables(results, args.step_ms, args.streams, paths)
+    print_cpu_table(results, args.step_ms, args.streams, paths)
     if engine_only:
         print_engine_only(results, engine_only, min(max(args.streams), args.max_batch_size), args.streams, paths)
     if args.json:

@@ -4,11 +4,12 @@ short stream. No speed is asserted (the machine is shared and noisy)."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
 
-from benchmarks import transport
+from benchmarks import cpu_use, transport
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
@@ -45,8 +46,16 @@ def test_engine_and_decode_paths_count_every_token(tmp_path):
     server = transport.decode_server(TINY, 0.0, max_batch_size=4, max_queue_size=2, context=context, log_dir=tmp_path)
     pool = transport.ClientPool(1)
     try:
+        groups = transport.cpu_groups("decode", server, [], pool)
+        assert set(groups) == {"decode service", "engine process", "clients"}
+        assert groups["engine process"]()  # the decode server's child, the engine process, is counted
+        meter = cpu_use.CpuMeter(groups)
+        meter.start()
         decode = pool.measure("decode", server.target, counts, procs=1, timeout_s=20)
+        use = meter.stop()
         assert decode.tokens == 10 and decode.wall_s > 0 and not math.isnan(decode.itl_p50_s)
+        assert set(use.seconds) == set(groups) and all(s >= 0 for s in use.seconds.values())
+        assert 0.0 <= use.steal_share <= 1.0
         with pytest.raises(transport.StreamFailed, match="INVALID_ARGUMENT"):  # a failed stream fails the run
             pool.measure("decode", server.target, [70], procs=1, timeout_s=20)  # past the context of 64
     finally:
@@ -65,3 +74,31 @@ def test_decode_py_steps_run_on_the_in_process_model_and_leave_its_slots_free():
     assert transport.measure_steps(model, batch=2, steps=2, prompt_len=8) > 0
     engine = transport.measure_engine(model, [3, 3], timeout_s=60)
     assert engine.tokens == 6
+
+
+def test_cpu_use_counts_a_process_and_its_children():
+    """CPU seconds from /proc: a child that spins ~0.3 s of CPU is in its parent's tree and
+    shows at least most of that; a meter over it sees the same."""
+    import subprocess
+    import sys
+
+    spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass\ninput()"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"],
+                              stdin=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while len(cpu_use.process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tree = cpu_use.process_tree(parent.pid)
+        assert tree[0] == parent.pid and len(tree) == 2
+        child = tree[1]
+        meter = cpu_use.CpuMeter({"child": lambda: [child]})
+        meter.start()
+        while cpu_use.process_cpu_s(child) < 0.25 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        use = meter.stop()
+        assert cpu_use.process_cpu_s(child) >= 0.25
+        assert use.seconds["child"] > 0.0 and 0.0 <= use.steal_share <= 1.0
+    finally:
+        parent.communicate(b"\n", timeout=20)
+    assert cpu_use.process_cpu_s(child) == 0.0  # gone: nothing to count
