@@ -168,6 +168,10 @@ class Measurement:
     def tok_s(self) -> float:
         return self.tokens / self.wall_s
 
+    def cpu_per_k(self) -> dict[str, float]:
+        """CPU ms per 1,000 tokens by group of processes ({} when not measured)."""
+        return {group: seconds * 1e6 / self.tokens for group, seconds in (self.cpu_s or {}).items()}
+
 
 def percentile(ordered: Sequence[float], q: float) -> float:
     """Nearest rank; NaN for no values."""
@@ -491,7 +495,7 @@ def print_tables(results: dict[tuple[float, int, str], list[Measurement]], steps
 CPU_GROUPS = ("text service", "decode service", "engine process", "clients", "benchmark process")
 
 
-def cpu_groups(path: str, decoder: "ServerProcess | None", texts: Sequence["ServerProcess"], pool: "ClientPool"):
+def cpu_groups(path: str, decoder: ServerProcess | None, texts: Sequence[ServerProcess], pool: ClientPool):
     """The processes whose CPU a measurement of `path` counts, by group (benchmarks/cpu_use.py)."""
     if path == "engine":
         return {"benchmark process": cpu_use.this_process}
@@ -514,12 +518,11 @@ def print_cpu_table(results: dict[tuple[float, int, str], list[Measurement]], st
           "share of the host's CPU time stolen by other guests during the measurement:")
     print("\n| step time, streams | path | " + " | ".join(CPU_GROUPS) + " | all | host steal |")
     print("|---" * (len(CPU_GROUPS) + 4) + "|")
-    per_k = lambda seconds, m: seconds * 1e6 / m.tokens  # CPU ms per 1,000 tokens
     for step, n, path, runs in rows:
+        per_k = [m.cpu_per_k() for m in runs]
         cells = []
         for group in CPU_GROUPS + ("all",):
-            values = [per_k(sum(m.cpu_s.values()) if group == "all" else m.cpu_s[group], m)
-                      for m in runs if m.cpu_s and (group == "all" or group in m.cpu_s)]
+            values = [sum(p.values()) if group == "all" else p[group] for p in per_k if p and (group == "all" or group in p)]
             cells.append(median_range(values, lambda v: f"{v:.1f}") if values else "-")
         cells.append(median_range([m.steal_share for m in runs], lambda v: f"{v:.0%}"))
         print(f"| {_label(step)}, {n} | {path} | " + " | ".join(cells) + " |")
@@ -550,7 +553,7 @@ def print_server_output(log_dir: Path) -> None:
 def _cpu_line(m: Measurement) -> str:
     if not m.cpu_s:
         return ""
-    parts = ", ".join(f"{group} {seconds * 1e6 / m.tokens:.1f}" for group, seconds in m.cpu_s.items())
+    parts = ", ".join(f"{group} {ms:.1f}" for group, ms in m.cpu_per_k().items())
     return f"; CPU ms per 1k tokens: {parts}; host steal {m.steal_share:.0%}"
 
 

@@ -78,7 +78,7 @@ def test_decode_py_steps_run_on_the_in_process_model_and_leave_its_slots_free():
 
 def test_cpu_use_counts_a_process_and_its_children():
     """CPU seconds from /proc: a child that spins ~0.3 s of CPU is in its parent's tree and
-    shows at least most of that; a meter over it sees the same."""
+    shows at least most of that; a meter over it counts CPU for it."""
     import subprocess
     import sys
 
