@@ -124,6 +124,7 @@ class StreamClock:
         self.finished_at: float | None = None
         self.first_at: float | None = None  # the first token received
         self.tokens = 0
+        self.messages = 0  # messages that carried at least one token
         self.gaps: list[float] = []
         self.finish: tuple[str, int] | None = None  # (reason name, usage.completion_tokens)
         self._last: float | None = None
@@ -140,6 +141,7 @@ class StreamClock:
                 self.first_at = now
             self.gaps.extend([0.0] * (tokens - 1))
             self.tokens += tokens
+            self.messages += 1
             self._last = now
         if finish is not None:
             self.finish, self.finished_at = finish, now
@@ -163,6 +165,7 @@ class Measurement:
     ttft_p99_s: float = float("nan")
     cpu_s: dict[str, float] | None = None  # CPU seconds per group of processes (benchmarks/cpu_use.py)
     steal_share: float = float("nan")  # the host's stolen share of its CPU time over the measurement
+    messages: int = 0  # messages with tokens, all streams (tokens / messages: how much was coalesced)
 
     @property
     def tok_s(self) -> float:
@@ -186,7 +189,7 @@ def summarize(clocks: Sequence[StreamClock]) -> Measurement:
     wall = max(c.finished_at for c in clocks) - min(c.sent for c in clocks)
     return Measurement(
         sum(c.tokens for c in clocks), wall, percentile(gaps, 0.50), percentile(gaps, 0.99),
-        percentile(ttfts, 0.50), percentile(ttfts, 0.99),
+        percentile(ttfts, 0.50), percentile(ttfts, 0.99), messages=sum(c.messages for c in clocks),
     )
 
 
@@ -655,7 +658,7 @@ def main() -> None:
                         m = measure(step, n, path, counts[n])
                         results.setdefault((step, n, path), []).append(m)
                         print(f"round {r}: {_label(step)}, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
-                              f"in {m.wall_s:.2f} s), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms, "
+                              f"in {m.wall_s:.2f} s, {m.tokens / max(1, m.messages):.1f} a message), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms, "
                               f"TTFT p50 {_ms(m.ttft_p50_s)} ms, p99 {_ms(m.ttft_p99_s)} ms{_cpu_line(m)}", flush=True)
                 if step == REAL:  # decode.py's engine-only steps, in the same round
                     batch = min(max(args.streams), args.max_batch_size)

@@ -20,6 +20,7 @@ from services.decode_stream import DecodeStreamSession
 from services.errors import ServiceError, grpc_errors
 from services.metrics import Metrics
 from services.replicas import REPLICA_ID_KEY
+from services.sent_together import sent_together
 
 
 def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
@@ -49,11 +50,16 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
 
     @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context):
+        async with contextlib.aclosing(sent_together(self._decode(request))) as responses:
+            async for response in responses:
+                yield response
+
+    async def _decode(self, request: decode_pb2.DecodeRequest):
         with self.admission.admit(), self.metrics.track(request.request_id, len(request.prompt_token_ids)) as tracker:
             request.request_id = tracker.request_id = validation.request_id_of(request.request_id)
             engine_request = validation.decode_request(request, self.info)
             async with contextlib.aclosing(self.engine.stream(engine_request)) as steps:
-                async for events in steps:  # one response per engine step for this request
+                async for events in steps:  # one response per engine step for this request (or several: coalesced)
                     response = decode_pb2.DecodeResponse()
                     add_events_pb(events, response.events)
                     tracker.decode_response(response)

@@ -41,6 +41,7 @@ from services.admission import Admission
 from services.decode_events import event_to_pb
 from services.errors import grpc_errors
 from services.metrics import Metrics
+from services.sent_together import sent_together
 from tokenizer_svc import generation
 from tokenizer_svc.chat import ChatMessage
 from tokenizer_svc.generation import (
@@ -322,7 +323,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
 
     @grpc_errors
     async def Generate(self, request, context):
-        async with contextlib.aclosing(self._served(request, context)) as responses:
+        async with contextlib.aclosing(sent_together(self._served(request, context))) as responses:
             async for response in responses:
                 yield response
 
