@@ -229,7 +229,8 @@ class RequestTracker:
         m.requests.labels(self.reason).inc()
         m.prompt_tokens.inc(self.prompt_tokens)
         level = logging.WARNING if self.reason == "error" else logging.INFO
-        request_log.log(level, "%s", self.log_line())
+        if request_log.isEnabledFor(level):  # (the line is built only when it is written)
+            request_log.log(level, "%s", self.log_line())
         return False  # never swallow the exception
 
     def _fail(self, error: BaseException | None) -> None:
