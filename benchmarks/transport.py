@@ -27,6 +27,8 @@ out (its gap is the time to first token). p50 and p99 (nearest rank) over the ga
 of a measurement, pooled; also in steps of --step-ms.
 TTFT: per stream, request sent -> first token received; p50 and p99 over the streams (in the
 per-round lines and in --json).
+Tokens a message (per-round lines): all tokens / the messages that carried any, all streams: how
+much the servers coalesced (1.0 on the engine path: one list per engine step).
 CPU: for each measurement, the CPU seconds (user + system, every thread, from /proc) of each
 process on its path -- the text service, the decode service, its engine process, the client
 processes, or this process for the engine path -- per 1,000 tokens, and the share of the host's
@@ -658,7 +660,8 @@ def main() -> None:
                         m = measure(step, n, path, counts[n])
                         results.setdefault((step, n, path), []).append(m)
                         print(f"round {r}: {_label(step)}, {n} streams, {path}: {m.tok_s:.0f} tok/s ({m.tokens} tokens "
-                              f"in {m.wall_s:.2f} s, {m.tokens / max(1, m.messages):.1f} a message), ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms, "
+                              f"in {m.wall_s:.2f} s, {m.tokens / max(1, m.messages):.1f} a message), "
+                              f"ITL p50 {_ms(m.itl_p50_s)} ms, p99 {_ms(m.itl_p99_s)} ms, "
                               f"TTFT p50 {_ms(m.ttft_p50_s)} ms, p99 {_ms(m.ttft_p99_s)} ms{_cpu_line(m)}", flush=True)
                 if step == REAL:  # decode.py's engine-only steps, in the same round
                     batch = min(max(args.streams), args.max_batch_size)
