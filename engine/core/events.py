@@ -20,7 +20,7 @@ class Usage:
     completion_tokens: int  # always equals the number of Token events sent
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Token:
     id: int
     logprob: float | None = None

@@ -55,7 +55,7 @@ class ModelInfo:
         return tuple(ids)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     token_id: int
     logprob: float  # log-probability under the model's own distribution (before temperature and cuts)
@@ -71,7 +71,7 @@ class SlotSetup:
     masked_token_ids: frozenset[int]  # ids that must not be sampled while a step says `masked`
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DecodeInput:
     """One active slot's input to a decode step."""
 

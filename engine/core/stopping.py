@@ -47,11 +47,15 @@ def resolve(
     return StopRule(control, cap, min(stopping.min_output_tokens, cap))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Decision:
     emit: bool
     finish: FinishReason | None = None
     stop_token_id: int | None = None
+
+
+_EMIT = Decision(emit=True)  # the common decision, made once (it is immutable)
+_EMIT_LAST = Decision(emit=True, finish=FinishReason.LENGTH)
 
 
 def decide(token_id: int, emitted: int, rule: StopRule) -> Decision:
@@ -59,5 +63,5 @@ def decide(token_id: int, emitted: int, rule: StopRule) -> Decision:
     if token_id in rule.control_token_ids:
         return Decision(emit=False, finish=FinishReason.STOP, stop_token_id=token_id)
     if emitted + 1 >= rule.max_output_tokens:
-        return Decision(emit=True, finish=FinishReason.LENGTH)
-    return Decision(emit=True)
+        return _EMIT_LAST
+    return _EMIT
