@@ -15,7 +15,7 @@ Measured on a 2-vCPU Xeon (bare grpc.aio, 32 streams woken together each 2 ms, 5
 per response before it is sent): the client spent 62.8 us of CPU and 6.2 context switches a
 message when each handler sent as soon as it was ready, and 38.5 us and 1.3 with no work between
 the sends. Through the text service (docs/benchmarks.md, Transport) the benchmark's clients
-spent 49-56 us a message with this, against 86-98 without.
+spent 49-56 us a message with this, against 74-98 without.
 """
 
 from __future__ import annotations
