@@ -78,7 +78,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.cc", "chunk_attention.cc", "int8_matmul.cc", "panel_matmul.cc")
 HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h")  # included by the sources; hashed into the library name with them
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
 INT8_TARGET = "tokenwire_int8_matmul"
@@ -89,7 +89,7 @@ PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
 # XLA's time at 2-48 rows, 0.81x at 64, 0.94x at 96 and the same at 128, where both reach the
 # machine's arithmetic speed (docs/benchmarks.md).
 PANEL_ROWS = 64
-INT8_BLOCK = 32  # int8 weights: one float32 scale per 32 consecutive inputs of an output (Q8_0's blocks)
+INT8_BLOCK = 32  # int8 weights: one float16 scale per 32 consecutive inputs of an output (Q8_0's blocks)
 INT8_PANEL = 16  # int8 weights: outputs per panel (kernels/int8_matmul.cc; engine.jax_backend.quantize.Int8Matrix)
 _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 ON, OFF, NOT_APPLICABLE = "on", "off", "not applicable"  # what a state string starts with
@@ -162,7 +162,7 @@ def chunk_attention_applies(head_dim: int) -> bool:
 def int8_matmul(x: jax.Array, pairs: jax.Array, scale: jax.Array, n: int) -> jax.Array:
     """x [..., K] f32 @ W.T, W [N, K] given as int8 blocks in panels of INT8_PANEL outputs
     (engine.jax_backend.quantize.Int8Matrix): pairs [ceil(N / 16), K / 2, 16, 2] int8, scale
-    [ceil(N / 16), K / INT8_BLOCK, 16] f32 -> [..., N] f32; needs `load()` to have succeeded. The
+    [ceil(N / 16), K / INT8_BLOCK, 16] f16 -> [..., N] f32; needs `load()` to have succeeded. The
     weights are read once per call however many rows x has (kernels/int8_matmul.cc)."""
     panels, half, width, two = pairs.shape
     k = 2 * half
@@ -467,8 +467,8 @@ def _not_applicable() -> str | None:
         return f"the backend is {jax.default_backend()}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"{platform.machine()} is not x86-64"
-    if not {"avx2", "fma"} <= _cpu_flags():
-        return "the CPU lacks AVX2 or FMA"
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        return "the CPU lacks AVX2, FMA or F16C"
     return None
 
 

@@ -9,7 +9,7 @@ stated limit), and `check` raises MemoryPlanError when the plan's total exceeds 
 What is counted, per device (1/N of the sharded parts under tensor parallelism over N):
 - weights: exactly the arrays the loader places (engine.model_store.checkpoint's layout: fused
   qkv and gate_up, the head's V' columns as a separate array even when tied), in the serving
-  dtype or as int8 blocks with float32 scales (engine.jax_backend.quantize; a tied head that
+  dtype or as int8 blocks with float16 scales (engine.jax_backend.quantize; a tied head that
   covers every row shares the embedding), plus the panel-packed copies of the projections and the head that the
   CPU kernel of products of a few rows reads when the CPU kernels are on (each output count
   rounded up to whole panels of 32) (tests/test_memory_plan.py checks these
@@ -124,7 +124,7 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
     matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
     vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
     if s.int8:
-        per = lambda size: size + size // INT8_BLOCK * 4  # noqa: E731  int8 values + a float32 scale per block
+        per = lambda size: size + size // INT8_BLOCK * 2  # noqa: E731  int8 values + a float16 scale per block
         head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(head_size * e)
         layer = sum(per(m) for m in matrices) + vectors * 4
         return cfg.n_layers * layer + per(cfg.vocab_size * e) + e * 4 + head

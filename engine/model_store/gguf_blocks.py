@@ -38,13 +38,13 @@ class Int8Rows:
     [out, in]): W[n, j] = q[n, j] * scale[n, j // 32]."""
 
     q: np.ndarray  # [N, K] int8
-    scale: np.ndarray  # [N, K / 32] float32
+    scale: np.ndarray  # [N, K / 32] float16 (the GGUF's own for Q8_0 and Q4_0)
 
 
 def _q8_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
-    """Q8_0 blocks (f16 d, 32 int8) -> the same integers and d widened to float32: exact."""
+    """Q8_0 blocks (f16 d, 32 int8) -> the same integers and the same d: exact."""
     blocks = data.reshape(n, k // INT8_BLOCK, 2 + INT8_BLOCK)  # uint8
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K / 32]
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0]  # [N, K / 32]
     q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
     return Int8Rows(q, scale)
 
@@ -53,7 +53,7 @@ def _q4_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
     """Q4_0 blocks (f16 d, 16 bytes: element i in the low nibble of byte i, element 16 + i in its
     high nibble; w = d * (nibble - 8)) -> q = nibble - 8 in [-8, 7], scale = d: exact."""
     blocks = data.reshape(n, k // INT8_BLOCK, 2 + INT8_BLOCK // 2)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    scale = blocks[..., :2].copy().view(np.float16)[..., 0]
     packed = blocks[..., 2:]  # [N, K / 32, 16]
     nibbles = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # [N, K / 32, 32]
     q = (nibbles.astype(np.int8) - np.int8(8)).reshape(n, k)
@@ -80,7 +80,7 @@ def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
     if t.tensor_type in _EXACT_INT8:
         return _EXACT_INT8[t.tensor_type](data, n, k)
     q = np.empty((n, k), np.int8)
-    scale = np.empty((n, k // INT8_BLOCK), np.float32)
+    scale = np.empty((n, k // INT8_BLOCK), np.float16)
     for start in range(0, n, _ROWS_PER_CHUNK):
         stop = min(n, start + _ROWS_PER_CHUNK)
         try:

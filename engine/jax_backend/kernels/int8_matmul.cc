@@ -1,13 +1,14 @@
 // tokenwire_int8_matmul: y[R, N] = x[R, K] @ W.T in float32, W [N, K] ([out, in]) held as int8
 // blocks in panels of 16 outputs:
 //
-//   x [R, K] f32, pairs [P, K / 2, 16, 2] s8, scale [P, K / 32, 16] f32 -> y [R, N] f32
+//   x [R, K] f32, pairs [P, K / 2, 16, 2] s8, scale [P, K / 32, 16] f16 -> y [R, N] f32
 //
 // W[16 p + i, 2 j + t] = pairs[p, j, i, t] * scale[p, (2 j) / 32, i] (P = ceil(N / 16); outputs past
-// N are zero). The blocks are llama.cpp's Q8_0 (32 inputs of one output with one scale, here a
-// float32 one); the layout is regrouped once, at load (engine.jax_backend.quantize.Int8Matrix), so
-// that one 32-byte load holds the same two inputs of 16 outputs. Weight-only int8 for decode steps
-// and short prompt chunks on the CPU.
+// N are zero). The blocks are llama.cpp's Q8_0 (32 inputs of one output with one float16 scale:
+// 34 bytes a block, so a step reads the bytes Q8_0 reads; a float32 scale made it 36); the layout
+// is regrouped once, at load (engine.jax_backend.quantize.Int8Matrix), so that one 32-byte load
+// holds the same two inputs of 16 outputs. Weight-only int8 for decode steps and short prompt
+// chunks on the CPU.
 //
 // Why: decode at small batch is bound by the weight bytes read per token; int8 reads a quarter of
 // float32's. XLA:CPU does not fuse an int8-to-float convert into a dot ("dequantize, then dot" ran
@@ -53,7 +54,7 @@ constexpr int64_t kPairBytes = 2 * kPanel;    // one pair of inputs of the 16 ou
 constexpr int64_t kBlockPairs = kBlock / 2;   // pairs per block
 
 namespace vnni {
-#define TW_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma")))
+#define TW_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")))
 // How far ahead of the pair being read (in bytes of the panel stream, about one panel of K = 576)
 // the tile prefetches, a line every two pairs. The panels of a thread's range are one contiguous
 // stream, but the hardware prefetcher alone kept too few lines in flight: a batch-1 step's 121
@@ -80,7 +81,7 @@ TW_TARGET void QuantizeRow(const float* x, int64_t k, int16_t* xq, float* sx) {
 // y[r * n + i] for the panel's `count` outputs i and MR rows r; S independent int32 sums per row
 // (each taking every S-th pair of a block), added at the block's end.
 template <int MR, int S>
-TW_TARGET void PanelTile(const int8_t* pairs, const float* scale, int64_t count, const int16_t* xq, const float* sx,
+TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, int64_t count, const int16_t* xq, const float* sx,
                          int64_t k, float* y, int64_t n) {
   static_assert(kBlockPairs % S == 0, "S must divide a block's pairs");
   const int64_t blocks = k / kBlock;
@@ -103,7 +104,7 @@ TW_TARGET void PanelTile(const int8_t* pairs, const float* scale, int64_t count,
         }
       }
     }
-    const __m512 ws = _mm512_loadu_ps(scale + b * kPanel);  // the 16 outputs' scales of block b
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * kPanel)));  // block b's 16 scales
     for (int r = 0; r < MR; ++r) {
       __m512i d = dot[r][0];
       for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
@@ -114,12 +115,12 @@ TW_TARGET void PanelTile(const int8_t* pairs, const float* scale, int64_t count,
 }
 
 // Panels [begin, end) for every row: kRows rows a pass, then the rest.
-TW_TARGET void Panels(const int8_t* pairs, const float* scale, const int16_t* xq, const float* sx, int64_t rows,
+TW_TARGET void Panels(const int8_t* pairs, const uint16_t* scale, const int16_t* xq, const float* sx, int64_t rows,
                       int64_t k, int64_t begin, int64_t end, float* y, int64_t n) {
   const int64_t blocks = k / kBlock;
   for (int64_t p = begin; p < end; ++p) {
     const int8_t* pp = pairs + p * k * kPanel;
-    const float* ps = scale + p * blocks * kPanel;
+    const uint16_t* ps = scale + p * blocks * kPanel;
     const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
     int64_t r = 0;
     for (; r + kRows <= rows; r += kRows) PanelTile<kRows, 1>(pp, ps, count, xq + r * k, sx + r * blocks, k, y + r * n + o, n);
@@ -158,8 +159,8 @@ inline __m256 PairInputs(const float* x, int64_t p) {  // inputs 2p and 2p + 1 o
   return _mm256_castpd_ps(_mm256_set1_pd(both));
 }
 
-inline __m256 BlockScales(const float* scale, int64_t b, int v) {  // block b's scales of vector v's 4 outputs, per lane
-  const __m128 four = _mm_loadu_ps(scale + b * kPanel + 4 * v);
+inline __m256 BlockScales(const uint16_t* scale, int64_t b, int v) {  // block b's scales of vector v's 4 outputs, per lane
+  const __m128 four = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + b * kPanel + 4 * v)));
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
 }
 
@@ -170,7 +171,7 @@ inline void StoreOutputs(const __m256* acc, int64_t count, float* y) {  // y[i] 
 }
 
 // One row: the weights converted in registers, each block's products scaled once.
-void PanelRowAvx2(const int8_t* pairs, const float* scale, int64_t count, const float* x, int64_t k, float* y) {
+void PanelRowAvx2(const int8_t* pairs, const uint16_t* scale, int64_t count, const float* x, int64_t k, float* y) {
   __m256 acc[4];
   for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -187,7 +188,7 @@ void PanelRowAvx2(const int8_t* pairs, const float* scale, int64_t count, const 
 
 // Several rows: the panel dequantized once (scales applied) into `w` [K / 2][32] floats in the same
 // lanes, then two rows at a time against it, the panel's floats read from L1/L2.
-void DequantizePanel(const int8_t* pairs, const float* scale, int64_t k, float* w) {
+void DequantizePanel(const int8_t* pairs, const uint16_t* scale, int64_t k, float* w) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
     __m256 s[4];
     for (int v = 0; v < 4; ++v) s[v] = BlockScales(scale, b, v);
@@ -217,7 +218,7 @@ bool UseVnni() {
          __builtin_cpu_supports("avx512bw");
 }
 
-ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F32> scale,
+ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
                       ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = pairs.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 4 || sd.size() != 3 || yd.size() != 2 || yd[0] != xd[0] ||
@@ -230,7 +231,7 @@ ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::
   const int64_t rows = xd[0], k = xd[1], n = yd[1], panels = pd[0];
   const float* xp = x.typed_data();
   const int8_t* qp = pairs.typed_data();
-  const float* sp = scale.typed_data();
+  const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.typed_data());  // IEEE half bits
   float* yp = y->typed_data();
   const int64_t blocks = k / kBlock;
   // Pool::Run cuts its range into multiples of 8: a panel is a step of 8.
@@ -253,7 +254,7 @@ ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::
     for (int64_t p = begin / 8; p < end / 8; ++p) {
       const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
       const int8_t* pp = qp + p * k * kPanel;
-      const float* ps = sp + p * blocks * kPanel;
+      const uint16_t* ps = sp + p * blocks * kPanel;
       if (rows == 1) {
         PanelRowAvx2(pp, ps, count, xp, k, yp + o);
         continue;
@@ -274,7 +275,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Caps the ISA the kernel may use (0: the AVX2 float path; 1: AVX-512 VNNI where the CPU has it)
