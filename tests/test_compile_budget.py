@@ -35,7 +35,7 @@ def _warm(**kw) -> tuple[JaxModel, list[str]]:
 
 def test_the_cpu_shape_of_the_defaults_compiles_30_shapes():
     if cpu_kernels.load() is None:
-        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
+        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA/F16C)")
     model, compiles = _warm(kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
     assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
     assert model.buckets == (8, 16, 32, 64, 128, 256)  # from the CPU's default budget, 8

@@ -37,7 +37,7 @@ from support.attention_config import attention_config
 from engine.model_store.registry import default_cache_dir
 
 pytestmark = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)"
+    cpu_kernels.load() is None, reason="the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA/F16C)"
 )
 
 

@@ -41,7 +41,7 @@ def on_the_cpu():
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_logits_and_greedy_ids_match_transformers(name, kernels):
     if kernels and cpu_kernels.load() is None:
-        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
+        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA/F16C)")
     ckpt = load_checkpoint(ASSETS / name, dtype="float32")
     cfg = ckpt.config
     weights = ckpt.weights

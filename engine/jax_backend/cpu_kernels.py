@@ -44,7 +44,7 @@ The first library loaded registers its handlers with XLA for the CPU platform, o
 (every library of one name is the same code). The engine asks for `status()` when it builds a
 model on the CPU backend; `state` says `on: ...`, `off: ...` (they would apply here but cannot be
 loaded: logged at WARNING, with the reason) or `not applicable: ...` (GPU, not x86-64, a CPU
-without AVX2 and FMA: logged at INFO). Off or not applicable, the engine runs plain JAX. Nothing
+without AVX2, FMA and F16C: logged at INFO). Off or not applicable, the engine runs plain JAX. Nothing
 here runs on the GPU path.
 
 Shapes: R rows in a step, H query heads, K kv heads, D head dim, B cache slots, S cache positions.

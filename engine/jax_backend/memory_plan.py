@@ -47,7 +47,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS
+import numpy as np
+
+from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS, SCALE as INT8_SCALE
 from engine.jax_backend.cpu_kernels import PANEL
 from engine.model_store.checkpoint import ModelConfig
 
@@ -124,7 +126,7 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
     matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
     vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
     if s.int8:
-        per = lambda size: size + size // INT8_BLOCK * 2  # noqa: E731  int8 values + a float16 scale per block
+        per = lambda size: size + size // INT8_BLOCK * np.dtype(INT8_SCALE).itemsize  # noqa: E731  int8 values + a scale per block
         head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(head_size * e)
         layer = sum(per(m) for m in matrices) + vectors * 4
         return cfg.n_layers * layer + per(cfg.vocab_size * e) + e * 4 + head

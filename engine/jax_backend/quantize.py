@@ -42,6 +42,7 @@ from engine.jax_backend import cpu_kernels
 
 BLOCK = cpu_kernels.INT8_BLOCK
 PANEL = cpu_kernels.INT8_PANEL
+SCALE = np.float16  # the blocks' scale, as Q8_0 keeps it (module docstring; kernels/int8_matmul.cc reads f16)
 DIRECT_ROWS = 64  # up to this many rows, the C++ kernel; above it, dequantize + XLA's GEMM
 WEIGHTS = ("float32", "int8")  # the weights a model is served with ("float32": the dtype's own weights)
 AUTO = "auto"  # what --weights defaults to: int8 where it runs and the model brings its GGUF, else float32
@@ -80,7 +81,7 @@ def pack(q: np.ndarray, scale: np.ndarray) -> Int8Matrix:
     panels = -(-n // PANEL)
     padded_q = np.zeros((panels * PANEL, k), np.int8)
     padded_q[:n] = q
-    padded_scale = np.zeros((panels * PANEL, k // BLOCK), np.float16)
+    padded_scale = np.zeros((panels * PANEL, k // BLOCK), SCALE)
     padded_scale[:n] = scale
     pairs = padded_q.reshape(panels, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
     scales = padded_scale.reshape(panels, PANEL, k // BLOCK).transpose(0, 2, 1)
@@ -93,18 +94,22 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if k % BLOCK:
         raise ValueError(f"int8 weights need every input dimension to be a multiple of {BLOCK}, got {k}")
     blocks = np.asarray(w, np.float32).reshape(n, k // BLOCK, BLOCK)
-    scale = (np.abs(blocks).max(axis=-1) / 127.0).astype(np.float16)  # [N, K / BLOCK]
+    scale = (np.abs(blocks).max(axis=-1) / 127.0).astype(SCALE)  # [N, K / BLOCK]
     wide = scale.astype(np.float32)  # the value the kernels multiply by
     safe = np.where(wide > 0, wide, 1.0)
     q = np.clip(np.rint(blocks / safe[..., None]), -127, 127).astype(np.int8)
     return q.reshape(n, k), scale
 
 
+def _blocks_to_float(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """q [..., K] int8 and scale [..., K / BLOCK] -> the values [..., K] as float32."""
+    blocks = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK).astype(jnp.float32)
+    return (blocks * scale.astype(jnp.float32)[..., None]).reshape(q.shape)
+
+
 def dequantize(m: Int8Matrix) -> jax.Array:
     """The float32 matrix W.T [N, K] (tests; the many-row path)."""
-    q, scale = m.rows()
-    n, k = q.shape
-    return (q.reshape(n, k // BLOCK, BLOCK).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).reshape(n, k)
+    return _blocks_to_float(*m.rows())
 
 
 def matmul(x: jax.Array, m: Int8Matrix) -> jax.Array:
@@ -119,9 +124,7 @@ def embed(m: Int8Matrix, tokens: jax.Array) -> jax.Array:
     """Rows `tokens` of an int8 embedding [V, E] as float32: tokens [...] -> [..., E]."""
     panel, lane = tokens // PANEL, tokens % PANEL
     q = m.pairs[panel, :, lane].reshape(*tokens.shape, -1)  # [..., E]
-    scale = m.scale[panel, :, lane]  # [..., E / BLOCK]
-    e = q.shape[-1]
-    return (q.reshape(*q.shape[:-1], e // BLOCK, BLOCK).astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).reshape(q.shape)
+    return _blocks_to_float(q, m.scale[panel, :, lane])  # scale [..., E / BLOCK]
 
 
 def int8_place(embedding_shape: tuple[int, int]):

@@ -30,7 +30,7 @@
 //   among them); 16 bits give the float path's products to float rounding. Up to 12 rows a pass
 //   over a panel; with fewer than 4 rows each row keeps several independent int32 sums, so that the
 //   multiply-add chains overlap.
-// * AVX2/FMA elsewhere (and when tests cap the ISA): the same panels converted to float, in
+// * AVX2/FMA/F16C elsewhere (and when tests cap the ISA): the same panels converted to float, in
 //   registers for one row, for several once per panel into a buffer that every row then reads.
 // Either way the weights are read once per call, and the panels are split over pool.h's threads.
 
