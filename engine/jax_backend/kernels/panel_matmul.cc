@@ -38,14 +38,18 @@ namespace avx512 {
 #define TW_TARGET __attribute__((target("avx512f,avx2,fma")))
 constexpr int kMaxRows = 12;  // 24 accumulators + 2 weight vectors + a broadcast: 27 of 32 registers
 
-// y[r, 0..cols) = x[r, :] . panel for MR rows (x rows xs apart, y rows ys apart).
+// y[r, 0..cols) = x[r, :] . panel for MR rows (x rows xs apart, y rows ys apart). With `next`
+// (on a pass over a panel already in L2), one cache line an input of what follows it is fetched
+// into L2 along the way: the next panel's first half on the second pass, its second on the third.
 template <int MR>
-TW_TARGET void Tile(const float* panel, const float* x, int64_t xs, int64_t k, float* y, int64_t ys, int64_t cols) {
+TW_TARGET void Tile(const float* panel, const float* x, int64_t xs, int64_t k, float* y, int64_t ys, int64_t cols,
+                    const float* next) {
   __m512 a[MR][2];
   for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t e = 0; e < k; ++e) {
     _mm_prefetch(reinterpret_cast<const char*>(panel + (e + kAhead) * kPanel), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(panel + (e + kAhead) * kPanel + 16), _MM_HINT_T0);
+    if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + e * 16), _MM_HINT_T1);
     const __m512 w0 = _mm512_loadu_ps(panel + e * kPanel), w1 = _mm512_loadu_ps(panel + e * kPanel + 16);
     for (int r = 0; r < MR; ++r) {
       const __m512 b = _mm512_set1_ps(x[r * xs + e]);
@@ -91,12 +95,20 @@ TW_TARGET void Tile(const float* panel, const float* x, int64_t xs, int64_t k, f
 
 // All rows of x through one panel, in the fewest blocks of at most MaxRows, as even as can be
 // (16 rows: 8 + 8, not 12 + 4, whose second pass would have few products per weight load).
+// With three passes or more (over 24 rows), the second and third fetch `next` (the panel this
+// thread does next, or null) into L2. Why: the first pass streams the panel from memory and the
+// others find it in L2, so memory sat idle for two thirds of a 32-row product's time, and the
+// first pass over each panel waited for it; spread over the two passes, the fetch asks about
+// what memory gives. With two passes (13-24 rows) the same fetch measured no faster, so they
+// do without (docs/benchmarks.md, "The next panel fetched ahead").
 template <int MaxRows, template <int> class TileOf>
-void Panel(const float* panel, const float* x, int64_t rows, int64_t k, float* y, int64_t n, int64_t cols) {
+void Panel(const float* panel, const float* x, int64_t rows, int64_t k, float* y, int64_t n, int64_t cols,
+           const float* next) {
   const int64_t blocks = (rows + MaxRows - 1) / MaxRows;
   for (int64_t b = 0, r = 0; b < blocks; ++b) {
     const int64_t m = (rows - r) / (blocks - b);
-    TileOf<MaxRows>::Run(static_cast<int>(m), panel, x + r * k, k, y + r * n, n, cols);
+    const float* ahead = next != nullptr && blocks >= 3 && (b == 1 || b == 2) ? next + (b - 1) * k * 16 : nullptr;
+    TileOf<MaxRows>::Run(static_cast<int>(m), panel, x + r * k, k, y + r * n, n, cols, ahead);
     r += m;
   }
 }
@@ -105,30 +117,33 @@ void Panel(const float* panel, const float* x, int64_t rows, int64_t k, float* y
 template <int MaxRows>
 struct Avx512Tiles {
   template <int MR>
-  static void Call(const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols) {
-    avx512::Tile<MR>(p, x, k, k, y, n, cols);
+  static void Call(const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols, const float* next) {
+    avx512::Tile<MR>(p, x, k, k, y, n, cols, next);
   }
-  static void Run(int m, const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols) {
+  static void Run(int m, const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols,
+                  const float* next) {
     switch (m) {
-      case 1: return Call<1>(p, x, k, y, n, cols);
-      case 2: return Call<2>(p, x, k, y, n, cols);
-      case 3: return Call<3>(p, x, k, y, n, cols);
-      case 4: return Call<4>(p, x, k, y, n, cols);
-      case 5: return Call<5>(p, x, k, y, n, cols);
-      case 6: return Call<6>(p, x, k, y, n, cols);
-      case 7: return Call<7>(p, x, k, y, n, cols);
-      case 8: return Call<8>(p, x, k, y, n, cols);
-      case 9: return Call<9>(p, x, k, y, n, cols);
-      case 10: return Call<10>(p, x, k, y, n, cols);
-      case 11: return Call<11>(p, x, k, y, n, cols);
-      default: return Call<12>(p, x, k, y, n, cols);
+      case 1: return Call<1>(p, x, k, y, n, cols, next);
+      case 2: return Call<2>(p, x, k, y, n, cols, next);
+      case 3: return Call<3>(p, x, k, y, n, cols, next);
+      case 4: return Call<4>(p, x, k, y, n, cols, next);
+      case 5: return Call<5>(p, x, k, y, n, cols, next);
+      case 6: return Call<6>(p, x, k, y, n, cols, next);
+      case 7: return Call<7>(p, x, k, y, n, cols, next);
+      case 8: return Call<8>(p, x, k, y, n, cols, next);
+      case 9: return Call<9>(p, x, k, y, n, cols, next);
+      case 10: return Call<10>(p, x, k, y, n, cols, next);
+      case 11: return Call<11>(p, x, k, y, n, cols, next);
+      default: return Call<12>(p, x, k, y, n, cols, next);
     }
   }
 };
 
 template <int MaxRows>
 struct Avx2Tiles {
-  static void Run(int m, const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols) {
+  // `next` unused: at 3 rows a pass the AVX2 tile is bound by its multiply-adds, not by memory.
+  static void Run(int m, const float* p, const float* x, int64_t k, float* y, int64_t n, int64_t cols,
+                  const float* /*next*/) {
     switch (m) {
       case 1: return avx2::Tile<1>(p, x, k, k, y, n, cols);
       case 2: return avx2::Tile<2>(p, x, k, k, y, n, cols);
@@ -159,10 +174,11 @@ ffi::Error PanelMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> p, ffi::Re
     for (int64_t j = begin / 8; j < end / 8; ++j) {
       const float* panel = pp + j * k * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - j * kPanel);
+      const float* next = j + 1 < end / 8 ? panel + k * kPanel : nullptr;
       if (wide) {
-        Panel<avx512::kMaxRows, Avx512Tiles>(panel, xp, rows, k, yp + j * kPanel, n, cols);
+        Panel<avx512::kMaxRows, Avx512Tiles>(panel, xp, rows, k, yp + j * kPanel, n, cols, next);
       } else {
-        Panel<avx2::kMaxRows, Avx2Tiles>(panel, xp, rows, k, yp + j * kPanel, n, cols);
+        Panel<avx2::kMaxRows, Avx2Tiles>(panel, xp, rows, k, yp + j * kPanel, n, cols, next);
       }
     }
   });
