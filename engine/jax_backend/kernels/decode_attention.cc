@@ -36,6 +36,12 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMinKeysPerHelper = 2048;  // below this per extra thread, stay on the caller
+// Bytes of keys (and of values) ahead that a unit fetches while it works on the ones before,
+// never past its live length. Left to the hardware prefetcher alone, SmolLM2's 30 layers at 32
+// rows read their caches at 12.8, 14.3 and 17.0 GB/s at 128, 256 and 448 live keys on a Sapphire
+// Rapids Xeon (2 vCPUs); with this at 14.9, 18.1 and 19.5 (medians of four interleaved runs; 8 KiB
+// measured the same within the noise). A whole 32-row int8 step at 192 keys: 1.026x.
+constexpr int64_t kAheadBytes = 4096;
 
 struct Shape {
   int64_t rows, heads, kv_heads, group, context, dim, cache_slots;

@@ -26,14 +26,28 @@ TW_TARGET inline Vec Scores(const float* q, const float* const* k, int64_t dv) {
   return HSums(part);
 }
 
+// Fetch the cache lines of rows [from, to) of a [n, d] array into L1, those before n only.
+TW_TARGET inline void FetchRows(const float* rows, int64_t d, int64_t from, int64_t to, int64_t n) {
+  if (from >= n) return;
+  const char* line = reinterpret_cast<const char*>(rows + from * d);
+  const char* end = reinterpret_cast<const char*>(rows + std::min(to, n) * d);
+  for (; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+}
+
 // o[g][cols] = sum_{a < n} p[g][a] * v[a][cols] for NG heads (p rows np apart, o rows d apart) and
-// NC vectors of columns (v and o point at the first column; v rows are d apart).
+// NC vectors of columns (v and o point at the first column; v rows are d apart). The rows `ahead`
+// keys on are fetched along the way (the columns this pass reads; none past n).
 template <int NG, int NC>
-TW_TARGET inline void Values(const float* p, int64_t np, const float* v, int64_t d, int64_t n, float* o) {
+TW_TARGET inline void Values(const float* p, int64_t np, const float* v, int64_t d, int64_t n, float* o, int64_t ahead) {
   Vec acc[NG][NC];
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < NC; ++j) acc[g][j] = Zero();
   for (int64_t a = 0; a < n; ++a) {
+    if (a + ahead < n) {
+      constexpr int kVecsPerLine = 64 / static_cast<int>(sizeof(float) * kLanes);  // 1 (AVX-512) or 2 (AVX2)
+      for (int j = 0; j < NC; j += kVecsPerLine)
+        _mm_prefetch(reinterpret_cast<const char*>(v + (a + ahead) * d + j * kLanes), _MM_HINT_T0);
+    }
     Vec x[NC];
     for (int j = 0; j < NC; ++j) x[j] = Load(v + a * d + j * kLanes);
     for (int g = 0; g < NG; ++g) {
@@ -46,13 +60,14 @@ TW_TARGET inline void Values(const float* p, int64_t np, const float* v, int64_t
 }
 
 template <int NG>
-TW_TARGET void ValuesOf(int64_t nc, const float* p, int64_t np, const float* v, int64_t d, int64_t n, float* o) {
+TW_TARGET void ValuesOf(int64_t nc, const float* p, int64_t np, const float* v, int64_t d, int64_t n, float* o,
+                        int64_t ahead) {
   static_assert(kValueVecs == 4, "the cases below go up to 4 column vectors");
   switch (nc) {
-    case 4: return Values<NG, 4>(p, np, v, d, n, o);
-    case 3: return Values<NG, 3>(p, np, v, d, n, o);
-    case 2: return Values<NG, 2>(p, np, v, d, n, o);
-    default: return Values<NG, 1>(p, np, v, d, n, o);
+    case 4: return Values<NG, 4>(p, np, v, d, n, o, ahead);
+    case 3: return Values<NG, 3>(p, np, v, d, n, o, ahead);
+    case 2: return Values<NG, 2>(p, np, v, d, n, o, ahead);
+    default: return Values<NG, 1>(p, np, v, d, n, o, ahead);
   }
 }
 
@@ -62,13 +77,16 @@ TW_TARGET void Unit(const float* qh, const float* keys, const float* values, int
   const int64_t dv = d / kLanes, np = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(static_cast<size_t>(g_count * np));
   const Vec scale = Set1(1.0f / std::sqrt(static_cast<float>(d)));
+  const int64_t ahead = std::max<int64_t>(1, kAheadBytes / (d * static_cast<int64_t>(sizeof(float))));  // rows
   // Scores, kLanes keys at a time; a group running past n repeats key n - 1 (so nothing past it is
-  // read), and those lanes are set to -inf below.
+  // read), and those lanes are set to -inf below. The keys `ahead` rows on are fetched meanwhile.
   for (int64_t a0 = 0; a0 < n; a0 += kLanes) {
+    FetchRows(keys, d, a0 + ahead, a0 + ahead + kLanes, n);
     const float* k[kLanes];
     for (int i = 0; i < kLanes; ++i) k[i] = keys + std::min<int64_t>(a0 + i, n - 1) * d;
     for (int64_t g = 0; g < g_count; ++g) Store(&scores[g * np + a0], Mul(Scores(qh + g * d, k, dv), scale));
   }
+  FetchRows(values, d, 0, ahead, n);  // the first values, while the softmax runs
   // Softmax of each head's scores, normalised in place (the padding lanes: e^-inf = 0).
   for (int64_t g = 0; g < g_count; ++g) {
     float* p = &scores[g * np];
@@ -94,11 +112,11 @@ TW_TARGET void Unit(const float* qh, const float* keys, const float* values, int
       const float* v = values + c * kLanes;
       float* o = oh + g0 * d + c * kLanes;
       if (ng >= 3) {
-        ValuesOf<3>(nc, p, np, v, d, n, o);
+        ValuesOf<3>(nc, p, np, v, d, n, o, ahead);
       } else if (ng == 2) {
-        ValuesOf<2>(nc, p, np, v, d, n, o);
+        ValuesOf<2>(nc, p, np, v, d, n, o, ahead);
       } else {
-        ValuesOf<1>(nc, p, np, v, d, n, o);
+        ValuesOf<1>(nc, p, np, v, d, n, o, ahead);
       }
     }
   }
