@@ -205,11 +205,13 @@ def scripted_model(model_dir: Path, step_ms: float, max_batch_size: int, context
 
 @functools.cache
 def real_model(model_dir: Path, max_batch_size: int, context: int):
-    """The JaxModel the decode server runs for --real-model (same settings, its default weights
-    too), loaded and warmed up once, so no measurement includes a compile."""
+    """The JaxModel the decode server runs for --real-model (same settings: its default weights,
+    and the smallest prompt piece its step budget asks for, as services.cli loads it), loaded and
+    warmed up once, so no measurement includes a compile."""
     from engine.jax_backend.jax_model import JaxModel
 
-    model = JaxModel.load(model_dir, max_batch_size=max_batch_size, max_context_length=context, weights="auto")
+    model = JaxModel.load(model_dir, max_batch_size=max_batch_size, max_context_length=context, weights="auto",
+                          min_bucket=None)
     model.warm_up()
     return model
 

@@ -26,7 +26,7 @@ from safetensors.numpy import load_file, save_file
 from engine.jax_backend import cpu_kernels, transformer
 from engine.jax_backend.weights import load_checkpoint
 from engine.jax_backend import jax_model
-from engine.jax_backend.jax_model import JaxModel, length_buckets
+from engine.jax_backend.jax_model import JaxModel, length_buckets, prompt_pieces
 from engine.core.model import DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import SamplingParams
 from support.compile_watch import compile_events
@@ -115,6 +115,32 @@ def test_buckets_are_powers_of_two_then_the_context():
     assert length_buckets(64, 64) == (64,)
     assert length_buckets(32, 128) == (32,)
     assert length_buckets(8, 1) == (1, 2, 4, 8) and length_buckets(6, 1) == (1, 2, 4, 6)
+
+
+@pytest.mark.parametrize("context", [2048, 40])
+def test_prompt_pieces_cover_the_prompt_in_compiled_sizes_with_no_more_rows_than_a_greedy_split(context):
+    buckets = length_buckets(min(512, context), 8)
+    for start, end in [(0, n) for n in range(1, context)] + [(5, 33), (16, 39), (8, 9)]:
+        if end > context - 1:
+            continue
+        pieces = prompt_pieces(start, end, buckets, context)
+        assert pieces[0][1] - pieces[0][0] >= 1
+        assert all(size in buckets and 0 <= lo and lo + size <= context and lo < hi <= lo + size
+                   for lo, hi, size in pieces), pieces
+        assert [hi for _, hi, _ in pieces][-1] == end
+        # each piece's real tokens start where the previous ended (or earlier, near the context's end)
+        ends = [start] + [hi for _, hi, _ in pieces[:-1]]
+        assert all(lo <= prev and hi > prev for (lo, hi, _), prev in zip(pieces, ends)), pieces
+        greedy, rest = 0, end - start  # largest bucket filled, then the smallest that holds the rest
+        while rest > 0:
+            size = max([b for b in buckets if b <= rest], default=buckets[0])
+            greedy, rest = greedy + size, rest - size
+        assert sum(size for _, _, size in pieces) <= greedy, (start, end, pieces)
+    if context == 2048:  # one call where it costs no more rows; the greedy split where it would
+        assert [p[2] for p in prompt_pieces(0, 10, buckets, context)] == [16]
+        assert [p[2] for p in prompt_pieces(0, 20, buckets, context)] == [16, 8]
+        assert [p[2] for p in prompt_pieces(0, 511, buckets, context)] == [512]
+        assert [p[2] for p in prompt_pieces(0, 600, buckets, context)] == [512, 64, 16, 8]
 
 
 def test_bucket_ladders(model):
