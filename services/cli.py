@@ -480,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--stall-timeout", help="readiness goes NOT_SERVING when the engine makes no progress this many seconds with work pending", type=timeout, default=30.0)
     add_flag(p, "--max-step-tokens", help="prompt tokens prefilled per engine step while other requests decode, over every "
              "request still reading its prompt: a longer prompt is prefilled in chunks, each with a decode step for the running "
-             "streams (on the CPU with its kernels, in the same pass over the weights), so they keep flowing; when more requests "
+             "streams (on the CPU with its kernels, in the same pass over the weights), so they keep flowing, and its rest in one "
+             "call once less than two budgets are left (a short prompt is one call, not a chunk and a call); when more requests "
              "wait for their first token than decode (nothing decoding, or a burst of arrivals) the waiting prompts are read "
              "whole (0: always whole, which stalls every stream for its length; default: 8 on CPU, "
              "512 on an accelerator; below 16 the smallest prompt chunk shape follows it, so its chunks are not padded to 16)", type=non_negative, default=None)

@@ -4,8 +4,9 @@ The model side (JaxModel on the tiny checkpoints, and once on the real model): b
 attention equals the full reference; a prompt prefilled in uneven chunks (including a last piece
 that would run past the context) gives the same greedy ids as one whole-prompt call; nothing
 compiles after warm-up with chunks in the mix. The scheduler side (ScriptedModel): a long prompt
-is read in chunks of at most `max_step_tokens`, with a decode step of the running streams after
-each, while at least as many requests decode as wait; a burst of more waiting prompts than
+is read in chunks of `max_step_tokens`, with a decode step of the running streams after each,
+while at least as many requests decode as wait, and its rest in one call once less than two
+budgets are left (a short prompt beside running streams: one call, not a chunk and a call); a burst of more waiting prompts than
 decoding streams is read whole; chunked and whole prefill send the same events; a request
 cancelled mid-prefill frees its slot before the next step and sends nothing.
 """
@@ -240,19 +241,39 @@ def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_pre
         running, long = Recorder(), Recorder()
         engine.submit(_request([10], 60), running)
         assert running.started.wait(5)
-        long_prompt = [3] * 99 + [500]  # 100 tokens: chunks of 16, the last of 4
+        long_prompt = [3] * 99 + [500]  # 100 tokens: chunks of 16, the last 20 in one (less than two budgets left)
         engine.submit(_request(long_prompt, 3), long)
         assert long.done.wait(5) and running.done.wait(5)
     finally:
         engine.stop()
     chunks = [c for c in model.calls if c[0] == "prefill" and c[1] == 1]
-    assert [(c[2], c[3]) for c in chunks] == [(i, min(i + 16, 100)) for i in range(0, 100, 16)]
+    assert [(c[2], c[3]) for c in chunks] == [(i, i + 16) for i in range(0, 80, 16)] + [(80, 100)]
     at = [model.calls.index(c) for c in chunks]
     for a, b in zip(at[:-1], at[1:]):  # between any two chunks, one decode step of the running stream
         assert model.calls[a + 1 : b] == [("decode", (0,))]
     assert long.tokens == [501, 502, 503]  # its first token comes from the last chunk
     assert running.tokens == list(range(11, 71))
     assert model.fused_chunks == (len(chunks) - 1 if fused else 0)
+
+
+@pytest.mark.parametrize("fused", [0, 8], ids=["chunk-calls", "chunks-along-with-steps"])
+def test_a_short_prompt_beside_running_streams_is_one_call_not_a_chunk_and_a_call(fused):
+    """10 tokens against a budget of 8, while a stream decodes: read whole in one iteration (its
+    first token a step sooner), where a chunk of 8 would leave 2 for a call of their own a step on."""
+    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002, fused_chunk_tokens=fused)
+    engine = Engine(model, EngineConfig(max_step_tokens=8))
+    engine.start()
+    try:
+        running, short = Recorder(), Recorder()
+        engine.submit(_request([10], 40), running)
+        assert running.started.wait(5)
+        engine.submit(_request([3] * 9 + [600], 2), short)
+        assert short.done.wait(5) and running.done.wait(5)
+    finally:
+        engine.stop()
+    assert [c for c in model.calls if c[0] == "prefill" and c[1] == 1] == [("prefill", 1, 0, 10)]
+    assert model.fused_chunks == 0
+    assert short.tokens == [601, 602] and running.tokens == list(range(11, 51))
 
 
 @pytest.mark.parametrize("fused", [0, 64], ids=["chunk-calls", "chunks-along-with-steps"])
@@ -314,7 +335,7 @@ def test_with_nothing_decoding_prompts_are_read_whole_and_the_budget_binds_once_
     assert prefills[:3] == [("prefill", 0, 0, 1), ("prefill", 0, 0, 60), ("prefill", 1, 0, 50)]  # both whole
     assert model.calls.index(prefills[2]) == model.calls.index(prefills[1]) + 1  # in one iteration
     chunks = [c for c in prefills[3:] if c[1] == 1]
-    assert [(c[2], c[3]) for c in chunks] == [(0, 16), (16, 32), (32, 48), (48, 50)]
+    assert [(c[2], c[3]) for c in chunks] == [(0, 16), (16, 32), (32, 50)]  # the last 18: less than two budgets
     at = [model.calls.index(c) for c in chunks]
     for a, b in zip(at[:-1], at[1:]):
         assert model.calls[a + 1 : b] == [("decode", (0,))]

@@ -17,7 +17,11 @@ Data flow, on the engine thread, once per iteration:
      arrivals), that iteration reads every waiting prompt whole (TGI pauses its running
      requests for waiting ones on a similar rule, its waiting_served_ratio). A burst of 32
      short prompts is then read in one iteration, instead of trickling in at `step_tokens` a
-     step while the first requests run to their end. A chunk that does not complete its prompt goes with the decode
+     step while the first requests run to their end. A prompt with less than two budgets left
+     (the iteration's remaining budget plus one) is read to its end in that iteration, in one
+     call: a short prompt beside running streams gets its first token a step sooner, rather than
+     a chunk now and a small last call a step later (an iteration thus reads under twice the
+     budget). A chunk that does not complete its prompt goes with the decode
      step of step 4 instead (`model.dispatch(inputs, chunk)`) when the model takes one along
      (`Model.fused_chunk_tokens`): one pass over the weights for the step and the chunk, so the
      running streams wait for one step, not a chunk and then a step (at most one chunk a step;
@@ -78,7 +82,8 @@ class EngineConfig:
     max_queue_size: int = 64
     # prompt tokens prefilled per scheduler iteration while requests are decoding, over all
     # requests still reading their prompt; a longer prompt is prefilled in chunks over several
-    # iterations, a decode step of the running requests after each. When no request decodes,
+    # iterations, a decode step of the running requests after each, and its rest in one call once
+    # less than two budgets are left. When no request decodes,
     # prompts are prefilled whole. 0: every admitted prompt whole in its admission iteration.
     # None: the model's `default_step_tokens` (what its hardware reads in a few decode steps' time).
     max_step_tokens: int | None = None
@@ -266,7 +271,11 @@ class Engine:
                 for live in filling:  # (a budget left means that as many decode as wait: it binds)
                     if budget is not None and budget <= 0:
                         break
-                    done = self._prefill(live, budget)
+                    # A prompt whose rest this budget would leave less than a whole budget short
+                    # of its end is read to its end now, in one call: its last piece would
+                    # otherwise wait a step for a call of its own (an iteration reads < 2x the budget).
+                    rest = len(live.request.prompt_token_ids) - live.prefilled
+                    done = self._prefill(live, None if budget is not None and rest < budget + self.step_tokens else budget)
                     if budget is not None:
                         budget -= done
                     if not live.filling or live.slot not in self._active:  # a first token, or a cancel
