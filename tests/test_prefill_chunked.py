@@ -229,23 +229,30 @@ def _request(prompt, n) -> Request:
     return Request("r", tuple(prompt), stopping=StoppingCriteria(n))
 
 
+def _beside_a_running_stream(fused: int, budget: int, running_n: int, prompt: list[int], n: int):
+    """A stream of `running_n` tokens decoding, then `prompt` (n tokens) submitted beside it, with a
+    step budget of `budget`; -> the model (its calls), and both recorders once both are done."""
+    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002, fused_chunk_tokens=fused)
+    engine = Engine(model, EngineConfig(max_step_tokens=budget))
+    engine.start()
+    try:
+        running, other = Recorder(), Recorder()
+        engine.submit(_request([10], running_n), running)
+        assert running.started.wait(5)
+        engine.submit(_request(prompt, n), other)
+        assert other.done.wait(5) and running.done.wait(5)
+    finally:
+        engine.stop()
+    return model, running, other
+
+
 @pytest.mark.parametrize("fused", [0, 16], ids=["chunk-calls", "chunks-along-with-steps"])
 def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_prefilled(fused):
     """Between any two chunks, one decode step of the running stream. With a model that takes a
     chunk along with a step, every chunk but the last goes with the step after it (one pass over
     the weights); the last, which samples the first token, is a call of its own."""
-    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002, fused_chunk_tokens=fused)
-    engine = Engine(model, EngineConfig(max_step_tokens=16))
-    engine.start()
-    try:
-        running, long = Recorder(), Recorder()
-        engine.submit(_request([10], 60), running)
-        assert running.started.wait(5)
-        long_prompt = [3] * 99 + [500]  # 100 tokens: chunks of 16, the last 20 in one (less than two budgets left)
-        engine.submit(_request(long_prompt, 3), long)
-        assert long.done.wait(5) and running.done.wait(5)
-    finally:
-        engine.stop()
+    long_prompt = [3] * 99 + [500]  # 100 tokens: chunks of 16, the last 20 in one (less than two budgets left)
+    model, running, long = _beside_a_running_stream(fused, 16, 60, long_prompt, 3)
     chunks = [c for c in model.calls if c[0] == "prefill" and c[1] == 1]
     assert [(c[2], c[3]) for c in chunks] == [(i, i + 16) for i in range(0, 80, 16)] + [(80, 100)]
     at = [model.calls.index(c) for c in chunks]
@@ -260,17 +267,7 @@ def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_pre
 def test_a_short_prompt_beside_running_streams_is_one_call_not_a_chunk_and_a_call(fused):
     """10 tokens against a budget of 8, while a stream decodes: read whole in one iteration (its
     first token a step sooner), where a chunk of 8 would leave 2 for a call of their own a step on."""
-    model = ScriptedModel(vocab_size=1000, max_batch_size=2, max_context_length=256, step_delay_s=0.002, fused_chunk_tokens=fused)
-    engine = Engine(model, EngineConfig(max_step_tokens=8))
-    engine.start()
-    try:
-        running, short = Recorder(), Recorder()
-        engine.submit(_request([10], 40), running)
-        assert running.started.wait(5)
-        engine.submit(_request([3] * 9 + [600], 2), short)
-        assert short.done.wait(5) and running.done.wait(5)
-    finally:
-        engine.stop()
+    model, running, short = _beside_a_running_stream(fused, 8, 40, [3] * 9 + [600], 2)
     assert [c for c in model.calls if c[0] == "prefill" and c[1] == 1] == [("prefill", 1, 0, 10)]
     assert model.fused_chunks == 0
     assert short.tokens == [601, 602] and running.tokens == list(range(11, 51))
