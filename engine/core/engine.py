@@ -17,9 +17,8 @@ Data flow, on the engine thread, once per iteration:
      arrivals), that iteration reads every waiting prompt whole (TGI pauses its running
      requests for waiting ones on a similar rule, its waiting_served_ratio). A burst of 32
      short prompts is then read in one iteration, instead of trickling in at `step_tokens` a
-     step while the first requests run to their end. A prompt with less than two budgets left
-     (the iteration's remaining budget plus one) is read to its end in that iteration, in one
-     call: a short prompt beside running streams gets its first token a step sooner, rather than
+     step while the first requests run to their end. A prompt whose rest is under the
+     iteration's remaining budget plus one more budget is read to its end in that iteration: a short prompt beside running streams gets its first token a step sooner, rather than
      a chunk now and a small last call a step later (an iteration thus reads under twice the
      budget). A chunk that does not complete its prompt goes with the decode
      step of step 4 instead (`model.dispatch(inputs, chunk)`) when the model takes one along
