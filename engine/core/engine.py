@@ -18,8 +18,9 @@ Data flow, on the engine thread, once per iteration:
      requests for waiting ones on a similar rule, its waiting_served_ratio). A burst of 32
      short prompts is then read in one iteration, instead of trickling in at `step_tokens` a
      step while the first requests run to their end. A prompt whose rest is under the
-     iteration's remaining budget plus one more budget is read to its end in that iteration: a short prompt beside running streams gets its first token a step sooner, rather than
-     a chunk now and a small last call a step later (an iteration thus reads under twice the
+     iteration's remaining budget plus one more budget is read to its end in that iteration:
+     a short prompt beside running streams gets its first token a step sooner, rather than a
+     chunk now and a small last call a step later (an iteration thus reads under twice the
      budget). A chunk that does not complete its prompt goes with the decode
      step of step 4 instead (`model.dispatch(inputs, chunk)`) when the model takes one along
      (`Model.fused_chunk_tokens`): one pass over the weights for the step and the chunk, so the
