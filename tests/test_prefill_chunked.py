@@ -6,8 +6,8 @@ that would run past the context) gives the same greedy ids as one whole-prompt c
 compiles after warm-up with chunks in the mix. The scheduler side (ScriptedModel): a long prompt
 is read in chunks of `max_step_tokens`, with a decode step of the running streams after each,
 while at least as many requests decode as wait, and its rest in one call once less than two
-budgets are left (a short prompt beside running streams: one call, not a chunk and a call); a burst of more waiting prompts than
-decoding streams is read whole; chunked and whole prefill send the same events; a request
+budgets are left (a short prompt beside running streams: one call, not a chunk and a call); a
+burst of more waiting prompts than decoding streams is read whole; chunked and whole prefill send the same events; a request
 cancelled mid-prefill frees its slot before the next step and sends nothing.
 """
 

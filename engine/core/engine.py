@@ -271,11 +271,7 @@ class Engine:
                 for live in filling:  # (a budget left means that as many decode as wait: it binds)
                     if budget is not None and budget <= 0:
                         break
-                    # A prompt whose rest this budget would leave less than a whole budget short
-                    # of its end is read to its end now, in one call: its last piece would
-                    # otherwise wait a step for a call of its own (an iteration reads < 2x the budget).
-                    rest = len(live.request.prompt_token_ids) - live.prefilled
-                    done = self._prefill(live, None if budget is not None and rest < budget + self.step_tokens else budget)
+                    done = self._prefill(live, budget)
                     if budget is not None:
                         budget -= done
                     if not live.filling or live.slot not in self._active:  # a first token, or a cancel
@@ -329,17 +325,22 @@ class Engine:
         self.model.release(live.slot)
 
     def _prefill(self, live: _Live, budget: int | None) -> int:
-        """Prefill the next chunk of `live`'s prompt, at most `budget` tokens (None: the rest);
-        the chunk that ends the prompt samples its first token. A chunk that does not end the
-        prompt, under a budget (others decode), goes with the next decode step when the model
-        takes one along (`Model.fused_chunk_tokens`): one pass over the weights for both, so the
-        streams decoding beside a long prompt wait for one step, not a chunk and a step.
+        """Prefill the next chunk of `live`'s prompt, at most `budget` tokens (None: the rest),
+        or the rest when that is under `budget` plus one more budget (after any cached prefix):
+        its last piece would otherwise wait a step for a call of its own, so an iteration reads
+        under twice the budget. The chunk that ends the prompt samples its first token. A chunk
+        that does not end the prompt, under a budget (others decode), goes with the next decode
+        step when the model takes one along (`Model.fused_chunk_tokens`): one pass over the
+        weights for both, so the streams decoding beside a long prompt wait for one step, not a
+        chunk and a step.
         -> tokens prefilled."""
         prompt = live.request.prompt_token_ids
         setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
         if live.prefilled == 0 and self._prefix is not None:
             self._load_prefix(live, setup)
         start = live.prefilled
+        if budget is not None and len(prompt) - start < budget + self.step_tokens:
+            budget = None  # less than two budgets left: to its end now, in one call
         end = len(prompt) if budget is None else min(len(prompt), start + budget)
         masked = live.rule.masks_control_tokens(0)
         sample: Sample | None = None

@@ -5,8 +5,9 @@ KV cache (L buffers of [B, K, S, D]) and each slot's banned-id row [B, V']. `pre
 writes positions [start, end) of a prompt into a slot (the scheduler's chunked prefill; `prefill`
 is the whole prompt as one chunk) as calls of the compiled chunk sizes (powers of two from
 `min_bucket` up to `max_chunk`, 512): each piece the largest size it fills, the last the smallest
-that holds the rest, or the rest as one call where that pads no more (`prompt_pieces`); each call attends, blocked and causal, only to the slot's keys up to its
-end (transformer.chunk_attention), so a prompt's cost grows with its length, not with the
+that holds the rest, or the rest as one call where that pads no more (`prompt_pieces`); each
+call attends, blocked and causal, only to the slot's keys up to its end
+(transformer.chunk_attention), so a prompt's cost grows with its length, not with the
 context; the chunk that ends the prompt samples its first token. `decode` runs one token for the first R slots, R being the smallest row bucket above the
 highest active slot (the scheduler fills the lowest free slot first, so live slots sit low), and
 attends over the smallest attend bucket that covers every active position; on the CPU (float32)
