@@ -11,15 +11,18 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import gguf
 import jax
 import jax.numpy as jnp
 import pytest
+from support import tiny_gguf
 
 from engine.jax_backend import memory_plan, quantize, sampling, transformer
 from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
 from engine.jax_backend.memory_plan import MemoryLimit, MemoryPlanError, Settings
 from engine.jax_backend.weights import load_checkpoint, load_int8, packed_head, with_panels
 from engine.model_store.checkpoint import ModelConfig
+from engine.model_store.gguf_convert import convert_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "tests" / "assets"
@@ -61,6 +64,21 @@ def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
     assert plan.weights == quantize.weight_bytes(ckpt.weights)
     assert plan.kv_cache == sum(a.nbytes for a in cache.k + cache.v) + s.max_batch_size * ckpt.tokenizer_size  # + bool rows
     assert plan.prefix_pool == sum(a.nbytes for a in pool.k + pool.v)
+
+
+def test_int8_blocks_with_offsets_are_counted_from_the_gguf(tmp_path):
+    """A GGUF whose matrices are all Q4_1 (each block a scale and an offset): the plan that the
+    loader builds from the file (int8_offsets) equals the bytes placed; one with Q8_0 matrices
+    only has no offsets, and its plan equals those bytes too."""
+    from engine.jax_backend.jax_model import int8_offsets
+
+    for qtype, offsets in ((gguf.GGMLQuantizationType.Q4_1, True), (gguf.GGMLQuantizationType.Q8_0, False)):
+        tiny_gguf.write(tmp_path / f"{qtype.name}.gguf", {name: qtype for name in tiny_gguf.MATRICES})
+        d = convert_gguf(tmp_path / f"{qtype.name}.gguf", tmp_path / qtype.name)
+        assert int8_offsets(d) == offsets
+        ckpt = load_int8(d)
+        plan = memory_plan.plan(ckpt.config, ckpt.tokenizer_size, settings(int8=True, int8_offsets=offsets))
+        assert plan.weights == quantize.weight_bytes(ckpt.weights), qtype.name
 
 
 @pytest.mark.parametrize("name, batch, context", [("tiny-llama", 4, 32), ("tiny-qwen3", 8, 256)])

@@ -82,6 +82,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno",
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
 INT8_TARGET = "tokenwire_int8_matmul"
+INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
 PANEL_TARGET = "tokenwire_panel_matmul"
 PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
 # Most rows a product goes to panel_matmul with; XLA's GEMM above. Measured on the default model's
@@ -159,18 +160,24 @@ def chunk_attention_applies(head_dim: int) -> bool:
     return head_dim % 8 == 0
 
 
-def int8_matmul(x: jax.Array, pairs: jax.Array, scale: jax.Array, n: int) -> jax.Array:
+def int8_matmul(x: jax.Array, pairs: jax.Array, scale: jax.Array, n: int, offset: jax.Array | None = None) -> jax.Array:
     """x [..., K] f32 @ W.T, W [N, K] given as int8 blocks in panels of INT8_PANEL outputs
     (engine.jax_backend.quantize.Int8Matrix): pairs [ceil(N / 16), K / 2, 16, 2] int8, scale
-    [ceil(N / 16), K / INT8_BLOCK, 16] f16 -> [..., N] f32; needs `load()` to have succeeded. The
+    [ceil(N / 16), K / INT8_BLOCK, 16] f16 and optionally offset (a value added to every weight of
+    a block) in scale's shape and dtype -> [..., N] f32; needs `load()` to have succeeded. The
     weights are read once per call however many rows x has (kernels/int8_matmul.cc)."""
     panels, half, width, two = pairs.shape
     k = 2 * half
     if x.shape[-1] != k or k % INT8_BLOCK or width != INT8_PANEL or two != 2 or panels != -(-n // INT8_PANEL):  # checked while tracing
         raise ValueError(f"int8_matmul takes rows of {k} values (a multiple of {INT8_BLOCK}) and {n} outputs, got x {x.shape}, pairs {pairs.shape}")
     rows = x.size // k
-    call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    return call(x.reshape(rows, k).astype(jnp.float32), pairs, scale).reshape(*x.shape[:-1], n)
+    if offset is None:
+        call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+        return call(x.reshape(rows, k).astype(jnp.float32), pairs, scale).reshape(*x.shape[:-1], n)
+    if offset.shape != scale.shape:
+        raise ValueError(f"int8_matmul takes an offset of scale's shape {scale.shape}, got {offset.shape}")
+    call = jax.ffi.ffi_call(INT8_OFFSET_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    return call(x.reshape(rows, k).astype(jnp.float32), pairs, scale, offset.astype(scale.dtype)).reshape(*x.shape[:-1], n)
 
 
 def pack_panels(w: jax.Array) -> jax.Array:
@@ -202,7 +209,7 @@ def panel_matmul_isa(kernels: Kernels, avx512: bool = True) -> str:
 
 def int8_matmul_isa(kernels: Kernels, vnni: bool = True) -> str:
     """Let `int8_matmul` use AVX-512 VNNI where the CPU has it (the default: activations quantized
-    to int8 blocks, integer dots), or keep it on the AVX2 float path; -> the path it now uses
+    to int16 blocks, integer dots), or keep it on the AVX2 float path; -> the path it now uses
     (process-wide; tests run both)."""
     return "avx512vnni" if kernels.library.TokenwireInt8MatmulIsa(int(vnni)) else "avx2"
 
@@ -423,7 +430,7 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
         library = ctypes.CDLL(f"/proc/self/fd/{fd}")
         handlers = {
             ATTENTION_TARGET: library.TokenwireDecodeAttention, CHUNK_TARGET: library.TokenwireChunkAttention,
-            INT8_TARGET: library.TokenwireInt8Matmul,
+            INT8_TARGET: library.TokenwireInt8Matmul, INT8_OFFSET_TARGET: library.TokenwireInt8MatmulOffset,
             PANEL_TARGET: library.TokenwirePanelMatmul,
         }
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]
@@ -509,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
         symbols = (
             "TokenwireDecodeAttention", "TokenwireChunkAttention", "TokenwireChunkAttentionIsa",
-            "TokenwireInt8Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
+            "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
             "TokenwireSetThreads",
         )
         for symbol in symbols:

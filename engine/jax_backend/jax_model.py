@@ -137,8 +137,8 @@ def auto_weights(model_dir: Path, kernels_on: bool) -> str:
     """What `weights="auto"` (the servers' default) serves: "int8" where the CPU kernels run
     (`kernels_on`: the CPU backend, one device, float32, a library loaded; as `cpu_kernel_state`
     decides, and says why not) for a model that brings its own GGUF (a pulled model keeps it as
-    model.gguf: its Q8_0/Q4_0 blocks are served as they are). There int8 decodes one row 2.2x
-    faster than float32 and batches of 8-32 as fast, in 0.7x the memory, and passes the quality
+    model.gguf, whose Q8_0, Q4_0/1 and Q5_0/1 blocks are served as the file has them: the values
+    float32 holds). There int8 decodes faster than float32 in less memory and passes the quality
     gates (docs/benchmarks.md, issue 15). Elsewhere "float32", also for a checkpoint with no GGUF
     (its int8 would be our own quantization of it, not gated on that model). Logs the choice."""
     from engine.model_store.gguf_convert import GGUF_NAME  # (gguf_convert imports the gguf package: only here)
@@ -151,6 +151,15 @@ def auto_weights(model_dir: Path, kernels_on: bool) -> str:
     choice = "float32" if reasons else "int8"
     log.info("weights auto: %s (%s)", choice, ", ".join(reasons) or f"the CPU kernels and the model's {GGUF_NAME}")
     return choice
+
+
+def int8_offsets(model_dir: Path) -> bool:
+    """Whether `--weights int8` of this directory holds block offsets (its model.gguf has Q4_1 or
+    Q5_1 matrices: engine.model_store.gguf_blocks), for the memory check."""
+    from engine.model_store import gguf_blocks, gguf_convert  # (the gguf package: only here)
+
+    path = model_dir / gguf_convert.GGUF_NAME
+    return path.is_file() and gguf_blocks.has_offsets(path)
 
 
 def default_step_tokens() -> int:
@@ -579,6 +588,7 @@ class JaxModel:
         settings = memory_plan.Settings(
             max_batch_size, context, max_chunk, prefix_cache_tokens, PREFIX_BLOCK, dtype_.itemsize,
             int8=weights == "int8",
+            int8_offsets=weights == "int8" and int8_offsets(model_dir),
             panel_copies=kernels_on and weights != "int8",
             devices=tensor_parallel,
         )

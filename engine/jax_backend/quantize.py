@@ -1,6 +1,7 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
-int8 blocks with float16 scales; activations and the KV cache stay float32 (the kernel's AVX-512
-VNNI path takes each product's input as 16-bit blocks, to float rounding of the float path).
+int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_1 or Q5_1, a float16
+offset each); activations and the KV cache stay float32 (the kernel's AVX-512 VNNI path takes
+each product's input as 16-bit blocks, to float rounding of the float path).
 
 Blocks: a matrix used as x @ W ([in, out] in engine.model_store.checkpoint) is quantized
 transposed, [out, in]: q [N, K] int8 and scale [N, K / 32] float16, W.T[n, j] =
@@ -9,9 +10,16 @@ float16 scale: 34 bytes a block), symmetric, round to nearest: scale = max|block
 to float16 before the block is divided by it. A float32 scale made a block 36 bytes, and a
 batch-1 step reads every byte: 151 MB a step for the default model against Q8_0's 145 MB.
 
+Offsets: llama.cpp's Q4_1 and Q5_1 store w = d * q + m with q unsigned, which no symmetric block
+holds exactly. An Int8Matrix may therefore carry an offset per block, W.T[n, j] = q[n, j] *
+scale[n, j // 32] + offset[n, j // 32], and the kernel adds offset times the sum of the block's
+inputs. The default model arrives as Q4_1: with the offsets its int8 weights are exactly the
+values its float32 load holds (they were requantized before, and greedy ids drifted from
+float32's after a near-tie), for 2 more bytes a block (36, the bytes of Q8_0 plus m).
+
 Layout: `Int8Matrix` holds those blocks regrouped once, at load, in panels of 16 outputs (`pack`):
-pairs [P, K / 2, 16, 2] (pairs[p, j, i] = q[16 p + i, 2 j : 2 j + 2]) and scale [P, K / 32, 16],
-P = ceil(N / 16), zero past N: the layout the C++ kernel reads with one load per pair of inputs of
+pairs [P, K / 2, 16, 2] (pairs[p, j, i] = q[16 p + i, 2 j : 2 j + 2]), scale [P, K / 32, 16] and
+offset (or None) in scale's layout, P = ceil(N / 16), zero past N: the layout the C++ kernel reads with one load per pair of inputs of
 16 outputs (kernels/int8_matmul.cc says why). `rows()` gives q and scale back (the many-row path,
 the embedding's lookups, tests). The embedding [V, E] is already [rows, in]; a tied head shares it
 (same object) when it covers every row, so the model holds those bytes once.
@@ -24,10 +32,12 @@ kernel is needed for the few-row case (docs/benchmarks.md). CPU only: the engine
 where the kernels are off (another backend, no compiler) and under tensor parallelism.
 
 Where the blocks come from (engine.jax_backend.weights.load_int8): a directory converted from a
-GGUF keeps it as `model.gguf`, and its matrices are read from there (`gguf_weights`): Q8_0 and
-Q4_0 blocks are taken as they are (the same integers and scales: no float32 round trip); Q4_1
-and other types are requantized a chunk of rows at a time (engine.model_store.gguf_blocks). Otherwise the float32 checkpoint is read on the host one tensor at a time and
-quantized as it is placed (`int8_place`). Either way the model never exists whole in float32.
+GGUF keeps it as `model.gguf`, and its matrices are read from there (`gguf_weights`): Q8_0,
+Q4_0, Q4_1, Q5_0 and Q5_1 blocks are taken as they are (the same integers, scales and offsets:
+no float32 round trip); other types are requantized a chunk of rows at a time
+(engine.model_store.gguf_blocks). Otherwise the float32 checkpoint is read on the host one
+tensor at a time and quantized as it is placed (`int8_place`, symmetric, no offsets). Either way
+the model never exists whole in float32.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ class Int8Matrix:
     pairs: jax.Array  # [P, K / 2, PANEL, 2] int8
     scale: jax.Array  # [P, K / BLOCK, PANEL] float16
     n: int = field(metadata=dict(static=True))  # outputs (rows of q)
+    offset: jax.Array | None = None  # [P, K / BLOCK, PANEL] float16, or None: no offsets (module docstring)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,28 +75,44 @@ class Int8Matrix:
 
     @property
     def nbytes(self) -> int:
-        return self.pairs.nbytes + self.scale.nbytes
+        return self.pairs.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
 
     def rows(self) -> tuple[jax.Array, jax.Array]:
         """(q [N, K] int8, scale [N, K / BLOCK] float16): the blocks as `quantize_rows` gives them."""
         p, half, _, _ = self.pairs.shape
         q = self.pairs.transpose(0, 2, 1, 3).reshape(p * PANEL, 2 * half)[: self.n]
-        return q, self.scale.transpose(0, 2, 1).reshape(p * PANEL, -1)[: self.n]
+        return q, _unpanel(self.scale, self.n)
+
+    def offsets(self) -> jax.Array | None:
+        """offset [N, K / BLOCK] float16 in the layout of `rows()`'s scale, or None."""
+        return None if self.offset is None else _unpanel(self.offset, self.n)
 
 
-def pack(q: np.ndarray, scale: np.ndarray) -> Int8Matrix:
-    """Blocks q [N, K] int8, scale [N, K / BLOCK] (as `quantize_rows` gives them, or a GGUF's
-    Q8_0 / Q4_0 scales; held as float16, which they are in the file) -> an Int8Matrix on the
-    device, regrouped into panels of 16 outputs (module docstring)."""
+def _unpanel(per_block: jax.Array, n: int) -> jax.Array:
+    """[P, K / BLOCK, PANEL] -> [N, K / BLOCK]."""
+    p, blocks, _ = per_block.shape
+    return per_block.transpose(0, 2, 1).reshape(p * PANEL, blocks)[:n]
+
+
+def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> Int8Matrix:
+    """Blocks q [N, K] int8, scale [N, K / BLOCK] and optionally offset [N, K / BLOCK] (as
+    `quantize_rows` gives them, or a GGUF's own, engine.model_store.gguf_blocks; held as float16,
+    which they are in the file) -> an Int8Matrix on the device, regrouped into panels of 16
+    outputs (module docstring)."""
     n, k = q.shape
     panels = -(-n // PANEL)
     padded_q = np.zeros((panels * PANEL, k), np.int8)
     padded_q[:n] = q
-    padded_scale = np.zeros((panels * PANEL, k // BLOCK), SCALE)
-    padded_scale[:n] = scale
     pairs = padded_q.reshape(panels, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
-    scales = padded_scale.reshape(panels, PANEL, k // BLOCK).transpose(0, 2, 1)
-    return Int8Matrix(jnp.asarray(np.ascontiguousarray(pairs)), jnp.asarray(np.ascontiguousarray(scales)), n)
+
+    def per_block(values: np.ndarray) -> jax.Array:  # [N, K / BLOCK] -> [P, K / BLOCK, PANEL] float16
+        padded = np.zeros((panels * PANEL, k // BLOCK), SCALE)
+        padded[:n] = values
+        return jnp.asarray(np.ascontiguousarray(padded.reshape(panels, PANEL, k // BLOCK).transpose(0, 2, 1)))
+
+    return Int8Matrix(
+        jnp.asarray(np.ascontiguousarray(pairs)), per_block(scale), n, None if offset is None else per_block(offset)
+    )
 
 
 def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -101,22 +128,25 @@ def quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q.reshape(n, k), scale
 
 
-def _blocks_to_float(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """q [..., K] int8 and scale [..., K / BLOCK] -> the values [..., K] as float32."""
+def _blocks_to_float(q: jax.Array, scale: jax.Array, offset: jax.Array | None = None) -> jax.Array:
+    """q [..., K] int8, scale and offset (or None) [..., K / BLOCK] -> the values [..., K] as float32."""
     blocks = q.reshape(*q.shape[:-1], q.shape[-1] // BLOCK, BLOCK).astype(jnp.float32)
-    return (blocks * scale.astype(jnp.float32)[..., None]).reshape(q.shape)
+    values = blocks * scale.astype(jnp.float32)[..., None]
+    if offset is not None:
+        values = values + offset.astype(jnp.float32)[..., None]
+    return values.reshape(q.shape)
 
 
 def dequantize(m: Int8Matrix) -> jax.Array:
     """The float32 matrix W.T [N, K] (tests; the many-row path)."""
-    return _blocks_to_float(*m.rows())
+    return _blocks_to_float(*m.rows(), m.offsets())
 
 
 def matmul(x: jax.Array, m: Int8Matrix) -> jax.Array:
     """x [..., in] @ W -> [..., out] float32 (module docstring for which path runs)."""
     rows = x.size // x.shape[-1]
     if rows <= DIRECT_ROWS:
-        return cpu_kernels.int8_matmul(x, m.pairs, m.scale, m.n)
+        return cpu_kernels.int8_matmul(x, m.pairs, m.scale, m.n, m.offset)
     return jnp.matmul(x.astype(jnp.float32), dequantize(m).T)
 
 
@@ -124,7 +154,8 @@ def embed(m: Int8Matrix, tokens: jax.Array) -> jax.Array:
     """Rows `tokens` of an int8 embedding [V, E] as float32: tokens [...] -> [..., E]."""
     panel, lane = tokens // PANEL, tokens % PANEL
     q = m.pairs[panel, :, lane].reshape(*tokens.shape, -1)  # [..., E]
-    return _blocks_to_float(q, m.scale[panel, :, lane])  # scale [..., E / BLOCK]
+    offset = None if m.offset is None else m.offset[panel, :, lane]
+    return _blocks_to_float(q, m.scale[panel, :, lane], offset)  # scale, offset [..., E / BLOCK]
 
 
 def int8_place(embedding_shape: tuple[int, int]):
@@ -146,7 +177,8 @@ def gguf_weights(get, config, head_size: int):
     (the fused q/k/v rows per kv head, gate and up rows interleaved), built from `get`
     (engine.model_store.gguf_blocks.int8_tensor_reader: a matrix as Int8Rows [out, in], a vector
     as float32), each matrix placed on the device as it is read. Rows are whole blocks, so the
-    fusions move q and scale rows together and quantize nothing again. Llama-architecture GGUFs
+    fusions move q, scale and offset rows together and quantize nothing again (a fused matrix
+    whose parts differ in type gets zero offsets for the parts without). Llama-architecture GGUFs
     only: no q/k/v bias, no q/k norm."""
     from engine.model_store.checkpoint import CheckpointError, LayerWeights, Weights
 
@@ -174,6 +206,16 @@ def gguf_weights(get, config, head_size: int):
         parts = [q.reshape(K, g, D, *rest), k.reshape(K, 1, D, *rest), v.reshape(K, 1, D, *rest)]
         return np.concatenate(parts, axis=1).reshape(K * (g + 2) * D, *rest)
 
+    def fused(join, *parts) -> Int8Matrix:
+        """One Int8Matrix of `parts` (Int8Rows) whose rows `join` combines."""
+        offsets = None
+        if any(r.offset is not None for r in parts):
+            offsets = join(*(np.zeros_like(r.scale) if r.offset is None else r.offset for r in parts))
+        return pack(join(*(r.q for r in parts)), join(*(r.scale for r in parts)), offsets)
+
+    def first(r, count: int) -> Int8Matrix:  # the first `count` rows of r
+        return pack(r.q[:count], r.scale[:count], None if r.offset is None else r.offset[:count])
+
     def layer(p: str) -> LayerWeights:
         a = p + "self_attn."
         q, k, v = rows(a + "q_proj.weight", (H * D, E)), rows(a + "k_proj.weight", (K * D, E)), rows(a + "v_proj.weight", (K * D, E))
@@ -182,21 +224,20 @@ def gguf_weights(get, config, head_size: int):
         o, down = rows(a + "o_proj.weight", (E, H * D)), rows(p + "mlp.down_proj.weight", (E, F))
         return LayerWeights(
             attn_norm=vector(p + "input_layernorm.weight", E),
-            w_qkv=pack(by_kv_head(q.q, k.q, v.q), by_kv_head(q.scale, k.scale, v.scale)),
-            w_o=pack(o.q, o.scale),
+            w_qkv=fused(by_kv_head, q, k, v),
+            w_o=first(o, E),
             mlp_norm=vector(p + "post_attention_layernorm.weight", E),
-            w_gate_up=pack(interleave(gate.q, up.q), interleave(gate.scale, up.scale)),
-            w_down=pack(down.q, down.scale),
+            w_gate_up=fused(interleave, gate, up),
+            w_down=first(down, E),
             b_qkv=None, q_norm=None, k_norm=None,
         )
 
     e = rows("model.embed_tokens.weight", (c.vocab_size, E))
-    embed = pack(e.q, e.scale)
+    embed = first(e, c.vocab_size)
     if c.tie_word_embeddings:
-        head = embed if head_size == c.vocab_size else pack(e.q[:head_size], e.scale[:head_size])
+        head = embed if head_size == c.vocab_size else first(e, head_size)
     else:
-        h = rows("lm_head.weight", (c.vocab_size, E))
-        head = pack(h.q[:head_size], h.scale[:head_size])
+        head = first(rows("lm_head.weight", (c.vocab_size, E)), head_size)
     return Weights(
         embed=embed,
         layers=tuple(layer(f"model.layers.{i}.") for i in range(c.n_layers)),

@@ -1,12 +1,16 @@
 """A llama GGUF's matrices as int8 blocks, for `--weights int8`, read without a float32 copy.
 
 `engine.model_store.gguf_convert` keeps the GGUF a directory was converted from as `model.gguf`;
-`engine.jax_backend.weights.load_int8` reads its matrices through `int8_tensor_reader`: Q8_0 and
-Q4_0 blocks map onto int8 blocks exactly (the same integers and scales), any other type (Q4_1,
-K-quants, F16, F32) is dequantized a chunk of rows at a time and requantized by the caller's
-function. The file is memory-mapped, so only the tensor being read, and for a requantized one
-only a chunk of it in float32, is in memory. No JAX here (the model store's rule): the caller
-places the blocks.
+`engine.jax_backend.weights.load_int8` reads its matrices through `int8_tensor_reader`. The
+llama.cpp types whose blocks are 32 small integers with a float16 scale map onto int8 blocks
+exactly, with no float32 round trip: Q8_0, Q4_0 and Q5_0 (w = d * q) as the integers and d; Q4_1
+and Q5_1 (w = d * q + m, q unsigned) as the integers, d and the block's offset m (an Int8Rows
+with `offset`; the kernel adds m times the sum of the block's inputs). So the weights served
+are the file's own values, the ones a float32 load of the same file holds. Any other type
+(K-quants, F16, F32, ...) is dequantized a chunk of rows at a time and requantized by the
+caller's function. The file is memory-mapped, so only the tensor being read, and for a
+requantized one only a chunk of it in float32, is in memory. No JAX here (the model store's
+rule): the caller places the blocks.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from engine.model_store.gguf_convert import (
 )
 
 
-INT8_BLOCK = 32  # the blocks of Q8_0, Q4_0 and Q4_1, and of engine.jax_backend.quantize.Int8Matrix
+INT8_BLOCK = 32  # the blocks of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, and of engine.jax_backend.quantize.Int8Matrix
 _ROWS_PER_CHUNK = 4096  # a requantized tensor is dequantized this many rows at a time
 Requantize = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # [N, K] f32 -> (q int8, scale f32)
 
@@ -35,41 +39,79 @@ Requantize = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]  # [N, K] f32
 @dataclass(frozen=True)
 class Int8Rows:
     """A GGUF matrix as int8 blocks along its input, row n being output n (GGUF's own order, HF's
-    [out, in]): W[n, j] = q[n, j] * scale[n, j // 32]."""
+    [out, in]): W[n, j] = q[n, j] * scale[n, j // 32] (+ offset[n, j // 32] where there is one)."""
 
     q: np.ndarray  # [N, K] int8
-    scale: np.ndarray  # [N, K / 32] float16 (the GGUF's own for Q8_0 and Q4_0)
+    scale: np.ndarray  # [N, K / 32] float16 (the GGUF's own d for the exact types)
+    offset: np.ndarray | None = None  # [N, K / 32] float16: Q4_1's and Q5_1's m; None: no offset
+
+
+def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 stored at bytes at..at+1 of every block: [..., bytes] uint8 -> [...] float16."""
+    return blocks[..., at : at + 2].copy().view(np.float16)[..., 0]
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """16 bytes a block -> 32 values 0..15: element i in the low nibble of byte i, element 16 + i
+    in its high nibble (ggml's Q4/Q5 order)."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5's 4 bytes a block (a little-endian uint32, bit i for element i) -> 32 values 0 or 16."""
+    bits = np.unpackbits(qh, axis=-1, bitorder="little")  # [..., 32], bit i of the uint32 at i
+    return bits * np.uint8(16)
 
 
 def _q8_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
-    """Q8_0 blocks (f16 d, 32 int8) -> the same integers and the same d: exact."""
+    """Q8_0 blocks (f16 d, 32 int8) -> the same integers and the same d."""
     blocks = data.reshape(n, k // INT8_BLOCK, 2 + INT8_BLOCK)  # uint8
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0]  # [N, K / 32]
-    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
-    return Int8Rows(q, scale)
+    return Int8Rows(blocks[..., 2:].copy().view(np.int8).reshape(n, k), _halves(blocks, 0))
 
 
 def _q4_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
-    """Q4_0 blocks (f16 d, 16 bytes: element i in the low nibble of byte i, element 16 + i in its
-    high nibble; w = d * (nibble - 8)) -> q = nibble - 8 in [-8, 7], scale = d: exact."""
+    """Q4_0 blocks (f16 d, 16 bytes of nibbles; w = d * (nibble - 8)) -> q = nibble - 8 in [-8, 7], d."""
     blocks = data.reshape(n, k // INT8_BLOCK, 2 + INT8_BLOCK // 2)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0]
-    packed = blocks[..., 2:]  # [N, K / 32, 16]
-    nibbles = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # [N, K / 32, 32]
-    q = (nibbles.astype(np.int8) - np.int8(8)).reshape(n, k)
-    return Int8Rows(q, scale)
+    q = _nibbles(blocks[..., 2:]).astype(np.int8) - np.int8(8)
+    return Int8Rows(q.reshape(n, k), _halves(blocks, 0))
 
 
-_EXACT_INT8 = {gguf.GGMLQuantizationType.Q8_0: _q8_0_rows, gguf.GGMLQuantizationType.Q4_0: _q4_0_rows}
+def _q4_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
+    """Q4_1 blocks (f16 d, f16 m, 16 bytes of nibbles; w = d * nibble + m) -> q = nibble in
+    [0, 15], d, offset m."""
+    blocks = data.reshape(n, k // INT8_BLOCK, 4 + INT8_BLOCK // 2)
+    q = _nibbles(blocks[..., 4:]).astype(np.int8)
+    return Int8Rows(q.reshape(n, k), _halves(blocks, 0), _halves(blocks, 2))
+
+
+def _q5_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
+    """Q5_0 blocks (f16 d, 4 bytes of fifth bits, 16 of nibbles; w = d * (q5 - 16)) -> q = q5 - 16
+    in [-16, 15], d."""
+    blocks = data.reshape(n, k // INT8_BLOCK, 6 + INT8_BLOCK // 2)
+    q5 = _nibbles(blocks[..., 6:]) | _fifth_bits(blocks[..., 2:6])
+    return Int8Rows((q5.astype(np.int8) - np.int8(16)).reshape(n, k), _halves(blocks, 0))
+
+
+def _q5_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
+    """Q5_1 blocks (f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles; w = d * q5 + m) -> q = q5
+    in [0, 31], d, offset m."""
+    blocks = data.reshape(n, k // INT8_BLOCK, 8 + INT8_BLOCK // 2)
+    q5 = _nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8])
+    return Int8Rows(q5.astype(np.int8).reshape(n, k), _halves(blocks, 0), _halves(blocks, 2))
+
+
+_T = gguf.GGMLQuantizationType
+EXACT_INT8 = {_T.Q8_0: _q8_0_rows, _T.Q4_0: _q4_0_rows, _T.Q4_1: _q4_1_rows, _T.Q5_0: _q5_0_rows, _T.Q5_1: _q5_1_rows}
+WITH_OFFSET = frozenset({_T.Q4_1, _T.Q5_1})  # the exact types whose blocks carry an offset m
 
 
 def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
     """A GGUF matrix as int8 blocks without the whole tensor ever in float32 (nor the model).
 
-    Q8_0 and Q4_0 map onto int8 blocks exactly (same integers, same scales). Any other type that
-    `gguf` can dequantize (Q4_1, K-quants, F16, F32, ...) is dequantized _ROWS_PER_CHUNK rows at a
-    time and each chunk handed to `requantize` (blocks of 32 along the input, symmetric), so a
-    Q4_1 weight w = d * nibble + m comes back within half a step, max|block| / 254, of w.
+    The EXACT_INT8 types map onto int8 blocks exactly (same integers, same scales, Q4_1's and
+    Q5_1's offsets). Any other type that `gguf` can dequantize (K-quants, F16, F32, ...) is
+    dequantized _ROWS_PER_CHUNK rows at a time and each chunk handed to `requantize` (blocks of
+    32 along the input, symmetric), so a weight comes back within half a step, max|block| / 254.
     """
     if len(t.shape) != 2:
         raise GGUFConversionError(f"tensor {t.name!r} has {len(t.shape)} dims, expected a matrix")
@@ -77,8 +119,8 @@ def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
     if k % INT8_BLOCK:
         raise GGUFConversionError(f"tensor {t.name!r}: int8 blocks need rows of a multiple of {INT8_BLOCK}, got {k}")
     data = np.asarray(t.data)
-    if t.tensor_type in _EXACT_INT8:
-        return _EXACT_INT8[t.tensor_type](data, n, k)
+    if t.tensor_type in EXACT_INT8:
+        return EXACT_INT8[t.tensor_type](data, n, k)
     q = np.empty((n, k), np.int8)
     scale = np.empty((n, k // INT8_BLOCK), np.float16)
     for start in range(0, n, _ROWS_PER_CHUNK):
@@ -89,6 +131,12 @@ def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
             raise GGUFConversionError(f"tensor {t.name!r} has unsupported type {t.tensor_type.name}") from e
         q[start:stop], scale[start:stop] = requantize(np.asarray(rows, np.float32).reshape(stop - start, k))
     return Int8Rows(q, scale)
+
+
+def has_offsets(gguf_path: Path | str) -> bool:
+    """Whether any matrix of the GGUF is of a type whose int8 blocks carry offsets (Q4_1, Q5_1);
+    reads the header only (the memory check at load counts their bytes)."""
+    return any(len(t.shape) == 2 and t.tensor_type in WITH_OFFSET for t in gguf.GGUFReader(gguf_path, "r").tensors)
 
 
 def int8_tensor_reader(gguf_path: Path | str, requantize: Requantize) -> Callable[[str], np.ndarray | Int8Rows]:
@@ -108,8 +156,8 @@ def int8_tensor_reader(gguf_path: Path | str, requantize: Requantize) -> Callabl
         rows = int8_rows(t, requantize)
         heads = {"self_attn.q_proj.weight": hp.num_attention_heads, "self_attn.k_proj.weight": hp.num_key_value_heads}
         for suffix, n_heads in heads.items():
-            if name.endswith(suffix):  # a row permutation: whole rows, blocks and scales move together
-                rows = Int8Rows(unpermute_rope_rows(rows.q, n_heads), unpermute_rope_rows(rows.scale, n_heads))
+            if name.endswith(suffix):  # a row permutation: whole rows, blocks, scales and offsets move together
+                rows = Int8Rows(*(None if a is None else unpermute_rope_rows(a, n_heads) for a in (rows.q, rows.scale, rows.offset)))
         return rows
 
     return get

@@ -5,7 +5,7 @@ package (memory-mapped, no torch) -> writes `model.safetensors` (float32), `conf
 `generation_config.json`, `tokenizer.json` and `tokenizer_config.json`, and keeps the GGUF
 itself as `model.gguf` -> the JAX model and the tokenizer service load that directory like any
 HF checkpoint; with `--weights int8` the JAX model reads its matrices from `model.gguf` instead
-(engine.model_store.gguf_blocks: Q8_0 and Q4_0 blocks as they are, other types requantized),
+(engine.model_store.gguf_blocks: Q8_0, Q4_0/1 and Q5_0/1 blocks as they are, other types requantized),
 so a quantized model is never expanded to float32 to be served as int8.
 
 What must hold for the output to equal the original HF checkpoint:

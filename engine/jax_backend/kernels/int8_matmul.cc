@@ -2,13 +2,16 @@
 // blocks in panels of 16 outputs:
 //
 //   x [R, K] f32, pairs [P, K / 2, 16, 2] s8, scale [P, K / 32, 16] f16 -> y [R, N] f32
+//   (tokenwire_int8_matmul_offset: also offset [P, K / 32, 16] f16)
 //
-// W[16 p + i, 2 j + t] = pairs[p, j, i, t] * scale[p, (2 j) / 32, i] (P = ceil(N / 16); outputs past
-// N are zero). The blocks are llama.cpp's Q8_0 (32 inputs of one output with one float16 scale:
+// W[16 p + i, 2 j + t] = pairs[p, j, i, t] * scale[p, (2 j) / 32, i] (+ offset[p, (2 j) / 32, i])
+// (P = ceil(N / 16); outputs past N are zero). The blocks are llama.cpp's Q8_0 (32 inputs of one output with one float16 scale:
 // 34 bytes a block, so a step reads the bytes Q8_0 reads; a float32 scale made it 36); the layout
 // is regrouped once, at load (engine.jax_backend.quantize.Int8Matrix), so that one 32-byte load
 // holds the same two inputs of 16 outputs. Weight-only int8 for decode steps and short prompt
-// chunks on the CPU.
+// chunks on the CPU. The offsets are llama.cpp's Q4_1 / Q5_1 block minimum m (w = d * q + m): a
+// block's products gain m times the sum of the row's inputs over the block, one multiply-add per
+// block and row, so those files are served as the values they hold rather than requantized.
 //
 // Why: decode at small batch is bound by the weight bytes read per token; int8 reads a quarter of
 // float32's. XLA:CPU does not fuse an int8-to-float convert into a dot ("dequantize, then dot" ran
@@ -63,9 +66,10 @@ namespace vnni {
 constexpr int64_t kAheadBytes = 8192;
 constexpr int kRows = 12;  // rows per pass: 12 int32 + 12 float accumulators, a weight vector, a broadcast
 
-// One row of K floats -> K int16 and K / 32 scales: xq = round(x / scale), scale = max |x| over the
-// block / 32767 (0 for an all-zero block). 16 bits keep x to ~1.5e-5 of its block's largest value.
-TW_TARGET void QuantizeRow(const float* x, int64_t k, int16_t* xq, float* sx) {
+// One row of K floats -> K int16, K / 32 scales and K / 32 sums: xq = round(x / scale), scale =
+// max |x| over the block / 32767 (0 for an all-zero block), sum = scale * the block's xq summed (the
+// quantized inputs' own sum, for the offsets). 16 bits keep x to ~1.5e-5 of its block's largest value.
+TW_TARGET void QuantizeRow(const float* x, int64_t k, int16_t* xq, float* sx, float* xsum) {
   for (int64_t b = 0, j = 0; j < k; ++b, j += kBlock) {
     const __m512 v0 = _mm512_loadu_ps(x + j), v1 = _mm512_loadu_ps(x + j + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -75,14 +79,16 @@ TW_TARGET void QuantizeRow(const float* x, int64_t k, int16_t* xq, float* sx) {
     const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + j), _mm512_cvtsepi32_epi16(i0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + j + 16), _mm512_cvtsepi32_epi16(i1));
+    xsum[b] = sx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));  // exact: |sum| < 2^21
   }
 }
 
 // y[r * n + i] for the panel's `count` outputs i and MR rows r; S independent int32 sums per row
-// (each taking every S-th pair of a block), added at the block's end.
-template <int MR, int S>
-TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, int64_t count, const int16_t* xq, const float* sx,
-                         int64_t k, float* y, int64_t n) {
+// (each taking every S-th pair of a block), added at the block's end. With kOffset, each block
+// also adds offset * xsum (the row's inputs summed over the block).
+template <int MR, int S, bool kOffset>
+TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, int64_t count,
+                         const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
   static_assert(kBlockPairs % S == 0, "S must divide a block's pairs");
   const int64_t blocks = k / kBlock;
   const __mmask16 outputs = count >= kPanel ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
@@ -110,36 +116,45 @@ TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, int64_t cou
       for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_set1_ps(sx[r * blocks + b])), acc[r]);
     }
+    if constexpr (kOffset) {
+      const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + b * kPanel)));
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
+    }
   }
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
 }
 
 // Panels [begin, end) for every row: kRows rows a pass, then the rest.
-TW_TARGET void Panels(const int8_t* pairs, const uint16_t* scale, const int16_t* xq, const float* sx, int64_t rows,
-                      int64_t k, int64_t begin, int64_t end, float* y, int64_t n) {
+template <bool kOffset>
+TW_TARGET void Panels(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, const int16_t* xq,
+                      const float* sx, const float* xsum, int64_t rows, int64_t k, int64_t begin, int64_t end, float* y,
+                      int64_t n) {
   const int64_t blocks = k / kBlock;
   for (int64_t p = begin; p < end; ++p) {
     const int8_t* pp = pairs + p * k * kPanel;
     const uint16_t* ps = scale + p * blocks * kPanel;
+    const uint16_t* pm = kOffset ? offset + p * blocks * kPanel : nullptr;
     const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
     int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows) PanelTile<kRows, 1>(pp, ps, count, xq + r * k, sx + r * blocks, k, y + r * n + o, n);
+    for (; r + kRows <= rows; r += kRows)
+      PanelTile<kRows, 1, kOffset>(pp, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
     const int16_t* xr = xq + r * k;
     const float* sr = sx + r * blocks;
+    const float* mr = xsum + r * blocks;
     float* yr = y + r * n + o;
     switch (rows - r) {
       case 0: break;
-      case 1: PanelTile<1, 4>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 2: PanelTile<2, 2>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 3: PanelTile<3, 2>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 4: PanelTile<4, 1>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 5: PanelTile<5, 1>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 6: PanelTile<6, 1>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 7: PanelTile<7, 1>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 8: PanelTile<8, 1>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 9: PanelTile<9, 1>(pp, ps, count, xr, sr, k, yr, n); break;
-      case 10: PanelTile<10, 1>(pp, ps, count, xr, sr, k, yr, n); break;
-      default: PanelTile<11, 1>(pp, ps, count, xr, sr, k, yr, n); break;
+      case 1: PanelTile<1, 4, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 2: PanelTile<2, 2, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 3: PanelTile<3, 2, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 4: PanelTile<4, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 5: PanelTile<5, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 6: PanelTile<6, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 7: PanelTile<7, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 8: PanelTile<8, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 9: PanelTile<9, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 10: PanelTile<10, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      default: PanelTile<11, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
     }
   }
 }
@@ -164,14 +179,21 @@ inline __m256 BlockScales(const uint16_t* scale, int64_t b, int v) {  // block b
   return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
 }
 
+inline __m256 BlockOffsets(const uint16_t* offset, int64_t b, int v) {  // block b's offsets of vector v's 4 outputs, per lane
+  return BlockScales(offset, b, v);
+}
+
 inline void StoreOutputs(const __m256* acc, int64_t count, float* y) {  // y[i] = the sum of output i's two lanes
   alignas(32) float lanes[2 * kPanel];
   for (int v = 0; v < 4; ++v) _mm256_store_ps(lanes + 8 * v, acc[v]);
   for (int64_t i = 0; i < count; ++i) y[i] = lanes[2 * i] + lanes[2 * i + 1];
 }
 
-// One row: the weights converted in registers, each block's products scaled once.
-void PanelRowAvx2(const int8_t* pairs, const uint16_t* scale, int64_t count, const float* x, int64_t k, float* y) {
+// One row: the weights converted in registers, each block's products scaled once. An offset adds
+// offset * (the block's inputs summed) to the even lane of each output (its two lanes are added at
+// the end).
+void PanelRowAvx2(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, int64_t count, const float* x,
+                  int64_t k, float* y) {
   __m256 acc[4];
   for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
   for (int64_t b = 0; b < k / kBlock; ++b) {
@@ -182,18 +204,28 @@ void PanelRowAvx2(const int8_t* pairs, const uint16_t* scale, int64_t count, con
       for (int v = 0; v < 4; ++v) part[v] = _mm256_fmadd_ps(PairWeights(pairs + p * kPairBytes, v), xv, part[v]);
     }
     for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(part[v], BlockScales(scale, b, v), acc[v]);
+    if (offset != nullptr) {
+      float sum = 0.0f;
+      for (int64_t j = b * kBlock; j < (b + 1) * kBlock; ++j) sum += x[j];
+      const __m256 even = _mm256_setr_ps(sum, 0.0f, sum, 0.0f, sum, 0.0f, sum, 0.0f);
+      for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(BlockOffsets(offset, b, v), even, acc[v]);
+    }
   }
   StoreOutputs(acc, count, y);
 }
 
-// Several rows: the panel dequantized once (scales applied) into `w` [K / 2][32] floats in the same
-// lanes, then two rows at a time against it, the panel's floats read from L1/L2.
-void DequantizePanel(const int8_t* pairs, const uint16_t* scale, int64_t k, float* w) {
+// Several rows: the panel dequantized once (scales and offsets applied) into `w` [K / 2][32] floats
+// in the same lanes, then two rows at a time against it, the panel's floats read from L1/L2.
+void DequantizePanel(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, int64_t k, float* w) {
   for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 s[4];
-    for (int v = 0; v < 4; ++v) s[v] = BlockScales(scale, b, v);
+    __m256 s[4], m[4];
+    for (int v = 0; v < 4; ++v) {
+      s[v] = BlockScales(scale, b, v);
+      m[v] = offset != nullptr ? BlockOffsets(offset, b, v) : _mm256_setzero_ps();
+    }
     for (int64_t p = b * kBlockPairs; p < (b + 1) * kBlockPairs; ++p) {
-      for (int v = 0; v < 4; ++v) _mm256_storeu_ps(w + p * kPairBytes + 8 * v, _mm256_mul_ps(PairWeights(pairs + p * kPairBytes, v), s[v]));
+      for (int v = 0; v < 4; ++v)
+        _mm256_storeu_ps(w + p * kPairBytes + 8 * v, _mm256_fmadd_ps(PairWeights(pairs + p * kPairBytes, v), s[v], m[v]));
     }
   }
 }
@@ -218,15 +250,16 @@ bool UseVnni() {
          __builtin_cpu_supports("avx512bw");
 }
 
-ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
-                      ffi::ResultBuffer<ffi::F32> y) {
+// The product for both handlers: `offset` is null for blocks without offsets, else in scale's layout.
+ffi::Error Product(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale, const uint16_t* offset,
+                   ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = pairs.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || pd.size() != 4 || sd.size() != 3 || yd.size() != 2 || yd[0] != xd[0] ||
       xd[1] % kBlock != 0 || pd[1] * 2 != xd[1] || pd[2] != kPanel || pd[3] != 2 || sd[0] != pd[0] ||
       sd[1] != xd[1] / kBlock || sd[2] != kPanel || pd[0] != (yd[1] + kPanel - 1) / kPanel) {
     return ffi::Error::InvalidArgument(
         "tokenwire_int8_matmul: expected x [R, K] (K a multiple of 32), pairs [ceil(N / 16), K / 2, 16, 2], "
-        "scale [ceil(N / 16), K / 32, 16], y [R, N]");
+        "scale (and offset) [ceil(N / 16), K / 32, 16], y [R, N]");
   }
   const int64_t rows = xd[0], k = xd[1], n = yd[1], panels = pd[0];
   const float* xp = x.typed_data();
@@ -238,14 +271,20 @@ ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::
   if (UseVnni()) {
     // x quantized once, on the calling thread, before the panels are split
     thread_local std::vector<int16_t> x16;
-    thread_local std::vector<float> sx;
+    thread_local std::vector<float> sx, xsum;
     x16.resize(rows * k);
     sx.resize(rows * blocks);
-    for (int64_t r = 0; r < rows; ++r) vnni::QuantizeRow(xp + r * k, k, x16.data() + r * k, sx.data() + r * blocks);
+    xsum.resize(rows * blocks);
+    for (int64_t r = 0; r < rows; ++r)
+      vnni::QuantizeRow(xp + r * k, k, x16.data() + r * k, sx.data() + r * blocks, xsum.data() + r * blocks);
     const int16_t* xq = x16.data();
-    const float* xs = sx.data();
+    const float *xs = sx.data(), *xm = xsum.data();
     tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
-      vnni::Panels(qp, sp, xq, xs, rows, k, begin / 8, end / 8, yp, n);
+      if (offset != nullptr) {
+        vnni::Panels<true>(qp, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+      } else {
+        vnni::Panels<false>(qp, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+      }
     });
     return ffi::Error::Success();
   }
@@ -255,12 +294,13 @@ ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::
       const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
       const int8_t* pp = qp + p * k * kPanel;
       const uint16_t* ps = sp + p * blocks * kPanel;
+      const uint16_t* pm = offset != nullptr ? offset + p * blocks * kPanel : nullptr;
       if (rows == 1) {
-        PanelRowAvx2(pp, ps, count, xp, k, yp + o);
+        PanelRowAvx2(pp, ps, pm, count, xp, k, yp + o);
         continue;
       }
       w.resize(k * kPanel);
-      DequantizePanel(pp, ps, k, w.data());
+      DequantizePanel(pp, ps, pm, k, w.data());
       int64_t r = 0;
       for (; r + 2 <= rows; r += 2) PanelRowsAvx2<2>(w.data(), count, xp + r * k, k, yp + r * n + o, n);
       if (r < rows) PanelRowsAvx2<1>(w.data(), count, xp + r * k, k, yp + r * n + o, n);
@@ -269,12 +309,34 @@ ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return Product(x, pairs, scale, nullptr, y);
+}
+
+ffi::Error Int8MatmulOffset(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
+                            ffi::Buffer<ffi::F16> offset, ffi::ResultBuffer<ffi::F32> y) {
+  const auto sd = scale.dimensions(), md = offset.dimensions();
+  if (md.size() != sd.size() || !std::equal(md.begin(), md.end(), sd.begin())) {
+    return ffi::Error::InvalidArgument("tokenwire_int8_matmul_offset: offset must have scale's shape [ceil(N / 16), K / 32, 16]");
+  }
+  return Product(x, pairs, scale, reinterpret_cast<const uint16_t*>(offset.typed_data()), y);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt8Matmul, Int8Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt8MatmulOffset, Int8MatmulOffset,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
