@@ -14,14 +14,15 @@ An optional extra, never part of CI. What it does, each step skipped when its ou
 2. makes F32 and Q8_0 GGUFs of the model from the GGUF our pull kept (`model.gguf`; for the
    default model a Q4_1 file): every matrix dequantized to float32 (the values our float32 serves)
    and, for Q8_0, quantized by the `gguf` package (bit-exact with llama.cpp's own quantizer); the
-   metadata is copied;
+   metadata is copied. llama.cpp also runs that file itself (Q4_1): the bytes our int8 reads for
+   it, since int8 keeps a GGUF's 4-bit blocks in 4 bits (engine.jax_backend.quantize);
 3. starts one `tokenwire decode-server` per (weights, threads): `--weights float32|int8` with
    `--cpu-threads N` and the process pinned to N CPUs (taskset), so that XLA's own threads are
    held to N too;
 4. runs `--rounds` rounds; in each, every configuration at every batch size, in turn: ours
    through gRPC (B concurrent `Decode` streams, random 64-token prompts, greedy, EOS ignored,
-   128 new tokens each), and `llama-batched-bench` (-npp 64 -ntg 128 -npl B -t N) for F32 and Q8_0
-   at each thread count.
+   128 new tokens each), and `llama-batched-bench` (-npp 64 -ntg 128 -npl B -t N) for F32, Q8_0
+   and the model's own file at each thread count.
 
 Figures, medians over the rounds with the range:
 - ours "incl. prefill": B x 128 / (last token - requests sent); "decode only": tokens that arrive
@@ -172,6 +173,19 @@ def make_ggufs(source: Path, out: Path) -> dict[str, Path]:
         os.replace(str(path) + ".partial", path)
         print(f"wrote {path} ({path.stat().st_size >> 20} MiB)", flush=True)
     return paths
+
+
+def file_type(path: Path) -> str:
+    """The type most of a GGUF's matrix elements have (e.g. "Q4_1")."""
+    import collections
+
+    import gguf
+
+    counts: collections.Counter = collections.Counter()
+    for t in gguf.GGUFReader(path).tensors:
+        if len(t.shape) == 2:
+            counts[t.tensor_type.name] += int(t.n_elements)
+    return counts.most_common(1)[0][0]
 
 
 def llama_batched_bench(bin_dir: Path, gguf_path: Path, batch: int, threads: int) -> dict[str, float]:
@@ -415,6 +429,9 @@ def main() -> None:
         sys.exit(f"{model_dir} has no {GGUF_NAME}: pull the model again (tokenwire pull) or convert it from a GGUF")
     bin_dir = build_llamacpp(args.llama_dir, args.jobs)
     ggufs = make_ggufs(model_dir / GGUF_NAME, args.llama_dir / "models" / model_dir.name)
+    own = file_type(model_dir / GGUF_NAME)
+    if own not in ggufs:  # the model's own file (the default model's: Q4_1), as llama.cpp serves it
+        ggufs[own] = model_dir / GGUF_NAME
     print(describe("jax", "grpcio"), flush=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
 
@@ -438,6 +455,8 @@ def main() -> None:
 
 
 def speed(args, servers: list[Server], bin_dir: Path, ggufs: dict[str, Path], batches: list[int], thread_counts: list[int]) -> None:
+    """Interleaved rounds of every server and every llama.cpp file (F32, Q8_0 and the model's own),
+    at each batch size; the table and the ratios of medians."""
     results = Results()
     llama_threads = thread_counts[0]
     for s in servers:  # one untimed request each (the servers compiled every shape at warm-up)
@@ -467,6 +486,7 @@ def speed(args, servers: list[Server], bin_dir: Path, ggufs: dict[str, Path], ba
     first = _threads(llama_threads)
     pairs = [(f"ours float32, {first}", f"llama.cpp F32, {first}"),
              (f"ours int8, {first}", f"llama.cpp Q8_0, {first}"),
+             *((f"ours int8, {first}", f"llama.cpp {kind}, {first}") for kind in ggufs if kind not in ("F32", "Q8_0")),
              (f"ours int8, {first}", f"ours float32, {first}")]
     for t in thread_counts[1:]:
         pairs.append((f"ours float32, {_threads(t)}", f"llama.cpp F32, {_threads(t)}"))

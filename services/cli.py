@@ -444,11 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
         )
         add_flag(p, "--weights", help="auto (the default): int8 on the CPU with its kernels for a model that brings its GGUF "
                  "(the pulled default model), float32 elsewhere (an accelerator, no kernels, tensor parallelism, another "
-                 "dtype, a checkpoint without model.gguf); float32: the dtype's own weights; int8: weight-only int8 (blocks "
-                 "of 32 with a scale; activations float32, or 16-bit blocks in the AVX-512 VNNI integer dots), CPU kernels "
-                 "only, one device; a model pulled from a GGUF is read from its own blocks (Q8_0, Q4_0, Q5_0 as they are; "
-                 "Q4_1, Q5_1 with their block offsets: the file's values, as float32 serves them; other types "
-                 "requantized), never as float32",
+                 "dtype, a checkpoint without model.gguf); float32: the dtype's own weights; int8: weight-only integer "
+                 "blocks of 32 with a scale (8 bits; activations float32, or 16-bit blocks in the AVX-512 VNNI integer dots), "
+                 "CPU kernels only, one device; a model pulled from a GGUF is read from its own blocks, never as float32: "
+                 "Q8_0, Q5_0 and Q5_1 in 8 bits, Q4_0 and Q4_1 in 4 bits, with block offsets where the type has them "
+                 "(the file's values, as float32 serves them); other types requantized to 8 bits",
                  choices=["auto", "float32", "int8"], default="auto")
         add_flag(p, "--cpu-threads", help="threads per CPU weight product (0 = the CPUs this process may use: "
                  "affinity and cgroup quota)", type=non_negative, default=0)

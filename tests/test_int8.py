@@ -88,18 +88,22 @@ def test_an_int8_product_is_within_2e_2_of_float32(rows, int8_isa):
     assert np.linalg.norm(got - x @ w) / np.linalg.norm(x @ w) <= 2e-2
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, quantize.DIRECT_ROWS + 1])
-def test_blocks_with_offsets_give_their_exact_product(rows, int8_isa):
-    """Blocks w = scale * q + offset with q in 0..15 (a GGUF's Q4_1): every path (one row, the
-    VNNI row counts, the AVX2 several-row dequantized panel, the many-row GEMM) gives the product
-    of exactly those values, to float rounding, with the offsets' share worked out separately."""
+def test_blocks_with_offsets_give_their_exact_product(rows, bits, int8_isa):
+    """Blocks w = scale * q + offset with q in 0..15 (a GGUF's Q4_1), held in 8 or in 4 bits:
+    every path (one row, the VNNI row counts, the AVX2 several-row dequantized panel, the
+    many-row GEMM) gives the product of exactly those values, to float rounding, with the
+    offsets' share worked out separately."""
     rng = np.random.default_rng(rows)
     n, k = 203, 96
     q = rng.integers(0, 16, (n, k)).astype(np.int8)
     scale = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float16)
     offset = (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
     offset[0, 0] = 0.0  # a block without one
-    m = quantize.pack(q, scale, offset)
+    m = quantize.pack(q, scale, offset, bits)
+    assert m.bits == bits and m.shape == (k, n) and m.packed.nbytes == -(-n // 16) * 16 * k * bits // 8
+    np.testing.assert_array_equal(np.asarray(m.rows()[0]), q)
     values = np.asarray(quantize.dequantize(m))
     want = q.reshape(n, k // 32, 32) * scale[..., None].astype(np.float32) + offset[..., None].astype(np.float32)
     np.testing.assert_array_equal(values, want.reshape(n, k))
@@ -113,10 +117,32 @@ def test_blocks_with_offsets_give_their_exact_product(rows, int8_isa):
     np.testing.assert_allclose(got - without, share, rtol=1e-4, atol=1e-4)
 
 
-def test_an_offset_of_another_shape_is_refused():
+def test_an_offset_of_another_shape_and_4_bits_without_one_are_refused():
     m = quantize.pack(np.zeros((16, 64), np.int8), np.ones((16, 2), np.float16), np.zeros((16, 2), np.float16))
     with pytest.raises(ValueError, match="offset of scale's shape"):
-        cpu_kernels.int8_matmul(jnp.ones((1, 64)), m.pairs, m.scale, m.n, m.offset[:, :1])
+        cpu_kernels.int8_matmul(jnp.ones((1, 64)), m.packed, m.scale, m.n, m.offset[:, :1])
+    four = quantize.pack(np.zeros((16, 64), np.int8), np.ones((16, 2), np.float16), np.zeros((16, 2), np.float16), 4)
+    with pytest.raises(ValueError, match="4-bit blocks with an offset"):
+        cpu_kernels.int8_matmul(jnp.ones((1, 64)), four.packed, four.scale, four.n)
+    with pytest.raises(ValueError, match="0..15, with an offset"):
+        quantize.pack(np.full((16, 64), 16, np.int8), np.ones((16, 2), np.float16), np.zeros((16, 2), np.float16), 4)
+    with pytest.raises(ValueError, match="0..15, with an offset"):
+        quantize.pack(np.zeros((16, 64), np.int8), np.ones((16, 2), np.float16), None, 4)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_embedding_rows_are_the_blocks_values(bits):
+    """An embedding's looked-up rows (quantize.embed, as the model reads them) equal the
+    dequantized matrix's rows, in 8 and in 4 bits, a part-filled last panel included."""
+    rng = np.random.default_rng(bits)
+    n, k = 37, 64
+    q = rng.integers(0, 16, (n, k)).astype(np.int8)
+    scale = (rng.random((n, k // 32)) + 0.5).astype(np.float16)
+    offset = (rng.random((n, k // 32)) - 0.5).astype(np.float16)
+    m = quantize.pack(q, scale, offset, bits)
+    tokens = jnp.asarray([[0, 5, 36], [17, 16, 1]])
+    got = np.asarray(jax.jit(quantize.embed)(m, tokens))
+    np.testing.assert_array_equal(got, np.asarray(quantize.dequantize(m))[np.asarray(tokens)])
 
 
 def test_the_vnni_path_reads_weights_of_minus_128():
@@ -239,21 +265,22 @@ def test_q8_0_blocks_are_read_as_they_are_with_no_float_round_trip(tmp_path):
     np.testing.assert_array_equal(deq.reshape(64, 96), gguf.quants.dequantize(t.data, T.Q8_0))
 
 
-# each exact type: (the range of its integers, whether its blocks carry an offset)
-EXACT = {T.Q4_0: ((-8, 7), False), T.Q4_1: ((0, 15), True), T.Q5_0: ((-16, 15), False), T.Q5_1: ((0, 31), True)}
+# each exact type: (the range of its integers, whether its blocks carry an offset, their bits)
+EXACT = {T.Q4_0: ((0, 15), True, 4), T.Q4_1: ((0, 15), True, 4), T.Q5_0: ((-16, 15), False, 8), T.Q5_1: ((0, 31), True, 8)}
 
 
 @pytest.mark.parametrize("qtype", sorted(EXACT, key=lambda t: t.name), ids=lambda t: t.name)
 def test_the_4_and_5_bit_types_map_onto_int8_blocks_exactly(tmp_path, qtype):
-    """Q4_0 / Q5_0 (d * (q - 8 or 16)) and Q4_1 / Q5_1 (d * q + m) are their integers, d and m as
-    the file has them: scale * q (+ offset) is gguf's own dequantization, bit for bit, with the
-    integers spanning their type's range."""
-    (low, high), has_offset = EXACT[qtype]
+    """Q4_0 (d * (q - 8): q with offset -8 d), Q5_0 (d * (q - 16)) and Q4_1 / Q5_1 (d * q + m)
+    are their integers, d and m as the file has them, 4-bit ones held in 4 bits: scale * q (+
+    offset) is gguf's own dequantization, bit for bit, with the integers spanning their type's
+    range."""
+    (low, high), has_offset, bits = EXACT[qtype]
     tiny_gguf.write(tmp_path / "t.gguf", {"model.layers.{i}.mlp.up_proj.weight": qtype})
     t = _raw(tmp_path / "t.gguf", "blk.0.ffn_up.weight")  # [96, 64]: 2 blocks a row
     rows = gguf_blocks.int8_rows(t, quantize.quantize_rows)
     assert (rows.q.min(), rows.q.max()) == (low, high)
-    assert (rows.offset is not None) == has_offset and rows.scale.dtype == np.float16
+    assert (rows.offset is not None) == has_offset and rows.scale.dtype == np.float16 and rows.bits == bits
     got = rows.q.reshape(96, 2, 32).astype(np.float32) * rows.scale[..., None].astype(np.float32)
     if has_offset:
         got = got + rows.offset[..., None].astype(np.float32)

@@ -66,19 +66,30 @@ def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
     assert plan.prefix_pool == sum(a.nbytes for a in pool.k + pool.v)
 
 
-def test_int8_blocks_with_offsets_are_counted_from_the_gguf(tmp_path):
-    """A GGUF whose matrices are all Q4_1 (each block a scale and an offset): the plan that the
-    loader builds from the file (int8_offsets) equals the bytes placed; one with Q8_0 matrices
-    only has no offsets, and its plan equals those bytes too."""
-    from engine.jax_backend.jax_model import int8_offsets
+def test_int8_blocks_of_every_format_are_counted_from_the_gguf(tmp_path):
+    """A GGUF with 4-bit matrices (Q4_1: 4 bits, a scale and an offset; Q4_0), a fused q/k/v whose
+    v is Q8_0 (held in 8 bits with offsets), a Q5_0 (8 bits, no offset) and an F16 (requantized)
+    one: the plan the loader builds from the file's header (jax_model.int8_layout) equals the
+    bytes placed, and so does one of Q8_0 matrices only."""
+    from engine.jax_backend.jax_model import int8_layout
 
-    for qtype, offsets in ((gguf.GGMLQuantizationType.Q4_1, True), (gguf.GGMLQuantizationType.Q8_0, False)):
-        tiny_gguf.write(tmp_path / f"{qtype.name}.gguf", {name: qtype for name in tiny_gguf.MATRICES})
-        d = convert_gguf(tmp_path / f"{qtype.name}.gguf", tmp_path / qtype.name)
-        assert int8_offsets(d) == offsets
+    T = gguf.GGMLQuantizationType
+    mixed = {name: T.Q4_1 for name in tiny_gguf.MATRICES}
+    mixed.update({
+        "model.embed_tokens.weight": T.Q8_0, "model.layers.{i}.self_attn.v_proj.weight": T.Q8_0,
+        "model.layers.{i}.mlp.down_proj.weight": T.Q5_0, "model.layers.{i}.self_attn.o_proj.weight": T.F16,
+        "model.layers.{i}.mlp.up_proj.weight": T.Q4_0,
+    })
+    for name, types in (("mixed", mixed), ("q8_0", {name: T.Q8_0 for name in tiny_gguf.MATRICES})):
+        tiny_gguf.write(tmp_path / f"{name}.gguf", types)
+        d = convert_gguf(tmp_path / f"{name}.gguf", tmp_path / name)
         ckpt = load_int8(d)
-        plan = memory_plan.plan(ckpt.config, ckpt.tokenizer_size, settings(int8=True, int8_offsets=offsets))
-        assert plan.weights == quantize.weight_bytes(ckpt.weights), qtype.name
+        layout = int8_layout(d, ckpt.config)
+        plan = memory_plan.plan(ckpt.config, ckpt.tokenizer_size, settings(int8=True, int8_layout=layout))
+        assert plan.weights == quantize.weight_bytes(ckpt.weights), name
+        layer = ckpt.weights.layers[0]
+        held = [(m.bits, m.offset is not None) for m in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
+        assert held == ([(8, True), (8, False), (4, True), (8, False)] if name == "mixed" else [(8, False)] * 4)
 
 
 @pytest.mark.parametrize("name, batch, context", [("tiny-llama", 4, 32), ("tiny-qwen3", 8, 256)])

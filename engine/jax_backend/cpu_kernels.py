@@ -6,7 +6,7 @@ keys in place; and the weight products of a few rows (decode steps, short prompt
 XLA:CPU streams from memory well below the bandwidth a step needs, run as `panel_matmul` here
 over a copy of each projection packed in panels of 32 outputs (`pack_panels`; the copies are made
 by engine.jax_backend.weights.with_panels), up to PANEL_ROWS rows.
-`int8_matmul` is the product of `--weights int8` (engine.jax_backend.quantize) for 1-64 rows.
+`int8_matmul` is the product of `--weights int8` (engine.jax_backend.quantize: blocks of 8 or 4 bits) for 1-64 rows.
 `chunk_attention` is a prefill chunk's attention over its slot's cached keys: plain JAX runs it as
 small blocked products far below the machine's GEMM speed, and near the end of a long prompt it is
 a large part of a 16-token chunk, whose cost is what the streams decoding beside a chunked prefill
@@ -83,6 +83,7 @@ ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
 INT8_TARGET = "tokenwire_int8_matmul"
 INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
+INT4_TARGET = "tokenwire_int4_matmul"
 PANEL_TARGET = "tokenwire_panel_matmul"
 PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
 # Most rows a product goes to panel_matmul with; XLA's GEMM above. Measured on the default model's
@@ -160,24 +161,27 @@ def chunk_attention_applies(head_dim: int) -> bool:
     return head_dim % 8 == 0
 
 
-def int8_matmul(x: jax.Array, pairs: jax.Array, scale: jax.Array, n: int, offset: jax.Array | None = None) -> jax.Array:
-    """x [..., K] f32 @ W.T, W [N, K] given as int8 blocks in panels of INT8_PANEL outputs
-    (engine.jax_backend.quantize.Int8Matrix): pairs [ceil(N / 16), K / 2, 16, 2] int8, scale
+def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, n: int, offset: jax.Array | None = None) -> jax.Array:
+    """x [..., K] f32 @ W.T, W [N, K] given as integer blocks in panels of INT8_PANEL outputs
+    (engine.jax_backend.quantize.Int8Matrix): packed [ceil(N / 16), K / 2, 16, 2] int8 (8 bits)
+    or [ceil(N / 16), K / 4, 16, 2] uint8 (4 bits, two inputs a byte: it needs the offset), scale
     [ceil(N / 16), K / INT8_BLOCK, 16] f16 and optionally offset (a value added to every weight of
     a block) in scale's shape and dtype -> [..., N] f32; needs `load()` to have succeeded. The
     weights are read once per call however many rows x has (kernels/int8_matmul.cc)."""
-    panels, half, width, two = pairs.shape
-    k = 2 * half
+    four = packed.dtype == jnp.uint8
+    panels, groups, width, two = packed.shape
+    k = groups * (4 if four else 2)
     if x.shape[-1] != k or k % INT8_BLOCK or width != INT8_PANEL or two != 2 or panels != -(-n // INT8_PANEL):  # checked while tracing
-        raise ValueError(f"int8_matmul takes rows of {k} values (a multiple of {INT8_BLOCK}) and {n} outputs, got x {x.shape}, pairs {pairs.shape}")
-    rows = x.size // k
-    if offset is None:
-        call = jax.ffi.ffi_call(INT8_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-        return call(x.reshape(rows, k).astype(jnp.float32), pairs, scale).reshape(*x.shape[:-1], n)
-    if offset.shape != scale.shape:
+        raise ValueError(f"int8_matmul takes rows of {k} values (a multiple of {INT8_BLOCK}) and {n} outputs, got x {x.shape}, packed {packed.shape}")
+    if offset is not None and offset.shape != scale.shape:
         raise ValueError(f"int8_matmul takes an offset of scale's shape {scale.shape}, got {offset.shape}")
-    call = jax.ffi.ffi_call(INT8_OFFSET_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    return call(x.reshape(rows, k).astype(jnp.float32), pairs, scale, offset.astype(scale.dtype)).reshape(*x.shape[:-1], n)
+    if four and offset is None:
+        raise ValueError("int8_matmul takes 4-bit blocks with an offset")
+    rows = x.size // k
+    target = INT4_TARGET if four else INT8_TARGET if offset is None else INT8_OFFSET_TARGET
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32))
+    operands = (x.reshape(rows, k).astype(jnp.float32), packed, scale) + (() if offset is None else (offset.astype(scale.dtype),))
+    return call(*operands).reshape(*x.shape[:-1], n)
 
 
 def pack_panels(w: jax.Array) -> jax.Array:
@@ -431,6 +435,7 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
         handlers = {
             ATTENTION_TARGET: library.TokenwireDecodeAttention, CHUNK_TARGET: library.TokenwireChunkAttention,
             INT8_TARGET: library.TokenwireInt8Matmul, INT8_OFFSET_TARGET: library.TokenwireInt8MatmulOffset,
+            INT4_TARGET: library.TokenwireInt4Matmul,
             PANEL_TARGET: library.TokenwirePanelMatmul,
         }
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]
@@ -516,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
         symbols = (
             "TokenwireDecodeAttention", "TokenwireChunkAttention", "TokenwireChunkAttentionIsa",
-            "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
+            "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt4Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
             "TokenwireSetThreads",
         )
         for symbol in symbols:

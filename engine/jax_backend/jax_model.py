@@ -153,13 +153,14 @@ def auto_weights(model_dir: Path, kernels_on: bool) -> str:
     return choice
 
 
-def int8_offsets(model_dir: Path) -> bool:
-    """Whether `--weights int8` of this directory holds block offsets (its model.gguf has Q4_1 or
-    Q5_1 matrices: engine.model_store.gguf_blocks), for the memory check."""
+def int8_layout(model_dir: Path, cfg) -> quantize.Int8Layout | None:
+    """The formats `--weights int8` holds this directory's matrices in, for the memory check:
+    from its model.gguf's header (engine.model_store.gguf_blocks), or None (no GGUF: 8 bits and a
+    scale everywhere)."""
     from engine.model_store import gguf_blocks, gguf_convert  # (the gguf package: only here)
 
     path = model_dir / gguf_convert.GGUF_NAME
-    return path.is_file() and gguf_blocks.has_offsets(path)
+    return quantize.gguf_layout(gguf_blocks.block_formats(path), cfg) if path.is_file() else None
 
 
 def default_step_tokens() -> int:
@@ -588,7 +589,7 @@ class JaxModel:
         settings = memory_plan.Settings(
             max_batch_size, context, max_chunk, prefix_cache_tokens, PREFIX_BLOCK, dtype_.itemsize,
             int8=weights == "int8",
-            int8_offsets=weights == "int8" and int8_offsets(model_dir),
+            int8_layout=int8_layout(model_dir, cfg) if weights == "int8" else None,
             panel_copies=kernels_on and weights != "int8",
             devices=tensor_parallel,
         )

@@ -10,9 +10,8 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
 - weights: exactly the arrays the loader places (engine.model_store.checkpoint's layout: fused
   qkv and gate_up, the head's V' columns as a separate array even when tied), in the serving
   dtype or as int8 blocks with float16 scales in panels of 16 outputs (engine.jax_backend.quantize; a tied head that
-  covers every row shares the embedding; with `int8_offsets`, a GGUF with Q4_1 or Q5_1 matrices,
-  a float16 offset per block is counted for every matrix: an upper bound, exact when every
-  matrix has them), plus the panel-packed copies of the projections and the head that the
+  covers every row shares the embedding; with `int8_layout`, the formats of a GGUF's blocks, each
+  matrix's bits and offsets as it is held), plus the panel-packed copies of the projections and the head that the
   CPU kernel of products of a few rows reads when the CPU kernels are on (each output count
   rounded up to whole panels of 32) (tests/test_memory_plan.py checks these
   figures against the loaded arrays);
@@ -51,7 +50,8 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS, PANEL as INT8_PANEL, SCALE as INT8_SCALE
+from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS, PANEL as INT8_PANEL, Int8Layout
+from engine.model_store.gguf_blocks import SYMMETRIC, BlockFormat
 from engine.jax_backend.cpu_kernels import PANEL
 from engine.model_store.checkpoint import ModelConfig
 
@@ -79,7 +79,7 @@ class Settings:
     prefix_block: int  # positions per prefix-pool block (jax_model.PREFIX_BLOCK)
     dtype_bytes: int  # the serving dtype: 4 float32, 2 bfloat16 (activations and cache)
     int8: bool = False  # weight-only int8 (activations and cache float32)
-    int8_offsets: bool = False  # int8 blocks with offsets (read from a GGUF's Q4_1 / Q5_1 matrices)
+    int8_layout: Int8Layout | None = None  # int8 from a GGUF: each matrix's format; None: 8 bits and a scale
     panel_copies: bool = False  # the CPU kernels' panel-packed copies of the projections
     devices: int = 1  # tensor parallelism: the devices the model is split over
 
@@ -129,14 +129,17 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
     matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
     vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
     if s.int8:
-        per_block = np.dtype(INT8_SCALE).itemsize * (2 if s.int8_offsets else 1)  # a scale (and an offset)
+        layout = s.int8_layout or Int8Layout(((SYMMETRIC,) * 4,) * cfg.n_layers, SYMMETRIC, SYMMETRIC)
 
-        def per(inputs: int, outputs: int) -> int:  # int8 values + what each block adds, outputs in whole panels
-            return -(-outputs // INT8_PANEL) * INT8_PANEL * (inputs + inputs // INT8_BLOCK * per_block)
+        def per(f: BlockFormat, inputs: int, outputs: int) -> int:  # its blocks, outputs in whole panels
+            return -(-outputs // INT8_PANEL) * INT8_PANEL * inputs // INT8_BLOCK * f.block_bytes
 
-        head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(e, head_size)
-        layer = per(e, qkv) + per(h * d, e) + per(e, 2 * f) + per(f, e) + vectors * 4
-        return cfg.n_layers * layer + per(e, cfg.vocab_size) + e * 4 + head
+        head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(layout.head, e, head_size)
+        layers = sum(
+            per(fq, e, qkv) + per(fo, h * d, e) + per(fg, e, 2 * f) + per(fd, f, e) + vectors * 4
+            for fq, fo, fg, fd in layout.layers
+        )
+        return layers + per(layout.embed, e, cfg.vocab_size) + e * 4 + head
     panels = [k * -(-n // PANEL) * PANEL for k, n in ((e, qkv), (h * d, e), (e, 2 * f), (f, e))] if s.panel_copies else []
     layer = (sum(matrices) + sum(panels) + vectors) * s.dtype_bytes
     head_panels = e * -(-head_size // PANEL) * PANEL if s.panel_copies else 0

@@ -1,7 +1,8 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
 int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_1 or Q5_1, a float16
-offset each); activations and the KV cache stay float32 (the kernel's AVX-512 VNNI path takes
-each product's input as 16-bit blocks, to float rounding of the float path).
+offset each; a GGUF's 4-bit blocks stay 4-bit); activations and the KV cache stay float32 (the
+kernel's AVX-512 VNNI path takes each product's input as 16-bit blocks, to float rounding of the
+float path).
 
 Blocks: a matrix used as x @ W ([in, out] in engine.model_store.checkpoint) is quantized
 transposed, [out, in]: q [N, K] int8 and scale [N, K / 32] float16, W.T[n, j] =
@@ -17,10 +18,20 @@ inputs. The default model arrives as Q4_1: with the offsets its int8 weights are
 values its float32 load holds (they were requantized before, and greedy ids drifted from
 float32's after a near-tie), for 2 more bytes a block (36, the bytes of Q8_0 plus m).
 
+4-bit blocks: a GGUF's Q4_0 and Q4_1 matrices hold 4-bit integers, and widening them to 8 bits
+made a decode step read 1.8x the bytes the file holds. They are therefore kept as 4-bit blocks
+(`bits` 4: two inputs a byte, always with an offset; Q4_0's d * (q - 8) is q with offset -8 d,
+exact in float16), 20 bytes a block as in the file, and the kernel unpacks them as they stream
+in. A batch-1 step of the default model reads 0.56x the bytes of its 8-bit form (and of Q8_0):
+int8 here means weights of at most 8 bits, as the file has them. A fused matrix whose parts
+differ (a Q4_1 q with a Q8_0 v) is held in 8 bits.
+
 Layout: `Int8Matrix` holds those blocks regrouped once, at load, in panels of 16 outputs (`pack`):
-pairs [P, K / 2, 16, 2] (pairs[p, j, i] = q[16 p + i, 2 j : 2 j + 2]), scale [P, K / 32, 16] and
-offset (or None) in scale's layout, P = ceil(N / 16), zero past N: the layout the C++ kernel reads with one load per pair of inputs of
-16 outputs (kernels/int8_matmul.cc says why). `rows()` gives q and scale back (the many-row path,
+packed [P, K / 2, 16, 2] int8 (8 bits: packed[p, j, i] = q[16 p + i, 2 j : 2 j + 2]) or
+[P, K / 4, 16, 2] uint8 (4 bits: packed[p, g, i, t] = q[16 p + i, 4 g + t] | q[16 p + i, 4 g + 2
++ t] << 4), scale [P, K / 32, 16] and offset (or None) in scale's layout, P = ceil(N / 16), zero
+past N: the layout the C++ kernel reads with one load per pair (or two pairs) of inputs of 16
+outputs (kernels/int8_matmul.cc says why). `rows()` gives q and scale back (the many-row path,
 the embedding's lookups, tests). The embedding [V, E] is already [rows, in]; a tied head shares it
 (same object) when it covers every row, so the model holds those bytes once.
 
@@ -49,6 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import cpu_kernels
+from engine.model_store.gguf_blocks import BlockFormat, fused_format
 
 BLOCK = cpu_kernels.INT8_BLOCK
 PANEL = cpu_kernels.INT8_PANEL
@@ -61,27 +73,33 @@ AUTO = "auto"  # what --weights defaults to: int8 where it runs and the model br
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Int8Matrix:
-    """A weight matrix as int8 blocks of [out, in] rows, in panels of 16 outputs (module docstring)."""
+    """A weight matrix as integer blocks of [out, in] rows, in panels of 16 outputs (module docstring)."""
 
-    pairs: jax.Array  # [P, K / 2, PANEL, 2] int8
+    packed: jax.Array  # [P, K / 2, PANEL, 2] int8 (bits 8) or [P, K / 4, PANEL, 2] uint8 (bits 4)
     scale: jax.Array  # [P, K / BLOCK, PANEL] float16
     n: int = field(metadata=dict(static=True))  # outputs (rows of q)
     offset: jax.Array | None = None  # [P, K / BLOCK, PANEL] float16, or None: no offsets (module docstring)
+    bits: int = field(default=8, metadata=dict(static=True))  # 8, or 4 (always with an offset)
 
     @property
     def shape(self) -> tuple[int, int]:
         """The matrix's shape as x @ W sees it: [in, out] (the float32 weight's shape)."""
-        return 2 * self.pairs.shape[1], self.n
+        return self.packed.shape[1] * (16 // self.bits), self.n
 
     @property
     def nbytes(self) -> int:
-        return self.pairs.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
+        return self.packed.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
 
     def rows(self) -> tuple[jax.Array, jax.Array]:
-        """(q [N, K] int8, scale [N, K / BLOCK] float16): the blocks as `quantize_rows` gives them."""
-        p, half, _, _ = self.pairs.shape
-        q = self.pairs.transpose(0, 2, 1, 3).reshape(p * PANEL, 2 * half)[: self.n]
-        return q, _unpanel(self.scale, self.n)
+        """(q [N, K] int8 (0..15 for 4 bits), scale [N, K / BLOCK] float16): the blocks as
+        `quantize_rows` (or engine.model_store.gguf_blocks) gives them."""
+        p, groups, _, _ = self.packed.shape
+        if self.bits == 4:  # [P, K / 4, 16, 2] -> [P, 16, K / 4, 2 (low, high nibbles), 2]
+            quads = self.packed.transpose(0, 2, 1, 3)
+            q = jnp.stack([quads & 0x0F, quads >> 4], axis=-2).astype(jnp.int8)
+        else:
+            q = self.packed.transpose(0, 2, 1, 3)
+        return q.reshape(p * PANEL, self.shape[0])[: self.n], _unpanel(self.scale, self.n)
 
     def offsets(self) -> jax.Array | None:
         """offset [N, K / BLOCK] float16 in the layout of `rows()`'s scale, or None."""
@@ -94,16 +112,25 @@ def _unpanel(per_block: jax.Array, n: int) -> jax.Array:
     return per_block.transpose(0, 2, 1).reshape(p * PANEL, blocks)[:n]
 
 
-def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> Int8Matrix:
+def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None, bits: int = 8) -> Int8Matrix:
     """Blocks q [N, K] int8, scale [N, K / BLOCK] and optionally offset [N, K / BLOCK] (as
     `quantize_rows` gives them, or a GGUF's own, engine.model_store.gguf_blocks; held as float16,
     which they are in the file) -> an Int8Matrix on the device, regrouped into panels of 16
-    outputs (module docstring)."""
+    outputs (module docstring). `bits` 4 packs q, which must lie in 0..15, two to a byte, and
+    needs an offset."""
     n, k = q.shape
+    if bits not in (8, 4):
+        raise ValueError(f"blocks of 8 or 4 bits, not {bits}")
+    if bits == 4 and (offset is None or q.min(initial=0) < 0 or q.max(initial=0) > 15):
+        raise ValueError("4-bit blocks hold 0..15, with an offset")
     panels = -(-n // PANEL)
     padded_q = np.zeros((panels * PANEL, k), np.int8)
     padded_q[:n] = q
-    pairs = padded_q.reshape(panels, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
+    if bits == 4:  # [P, 16, K / 4, 2 (low, high), 2] -> one byte per (group, output, t)
+        nibbles = padded_q.view(np.uint8).reshape(panels, PANEL, k // 4, 2, 2)
+        packed = (nibbles[:, :, :, 0] | nibbles[:, :, :, 1] << 4).transpose(0, 2, 1, 3)
+    else:
+        packed = padded_q.reshape(panels, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
 
     def per_block(values: np.ndarray) -> jax.Array:  # [N, K / BLOCK] -> [P, K / BLOCK, PANEL] float16
         padded = np.zeros((panels * PANEL, k // BLOCK), SCALE)
@@ -111,7 +138,7 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None) -> 
         return jnp.asarray(np.ascontiguousarray(padded.reshape(panels, PANEL, k // BLOCK).transpose(0, 2, 1)))
 
     return Int8Matrix(
-        jnp.asarray(np.ascontiguousarray(pairs)), per_block(scale), n, None if offset is None else per_block(offset)
+        jnp.asarray(np.ascontiguousarray(packed)), per_block(scale), n, None if offset is None else per_block(offset), bits
     )
 
 
@@ -146,14 +173,17 @@ def matmul(x: jax.Array, m: Int8Matrix) -> jax.Array:
     """x [..., in] @ W -> [..., out] float32 (module docstring for which path runs)."""
     rows = x.size // x.shape[-1]
     if rows <= DIRECT_ROWS:
-        return cpu_kernels.int8_matmul(x, m.pairs, m.scale, m.n, m.offset)
+        return cpu_kernels.int8_matmul(x, m.packed, m.scale, m.n, m.offset)
     return jnp.matmul(x.astype(jnp.float32), dequantize(m).T)
 
 
 def embed(m: Int8Matrix, tokens: jax.Array) -> jax.Array:
     """Rows `tokens` of an int8 embedding [V, E] as float32: tokens [...] -> [..., E]."""
     panel, lane = tokens // PANEL, tokens % PANEL
-    q = m.pairs[panel, :, lane].reshape(*tokens.shape, -1)  # [..., E]
+    q = m.packed[panel, :, lane]  # [..., E / 2, 2] int8, or [..., E / 4, 2] uint8 (4 bits)
+    if m.bits == 4:
+        q = jnp.stack([q & 0x0F, q >> 4], axis=-2).astype(jnp.int8)  # [..., E / 4, 2, 2]
+    q = q.reshape(*tokens.shape, -1)  # [..., E]
     offset = None if m.offset is None else m.offset[panel, :, lane]
     return _blocks_to_float(q, m.scale[panel, :, lane], offset)  # scale, offset [..., E / BLOCK]
 
@@ -207,14 +237,14 @@ def gguf_weights(get, config, head_size: int):
         return np.concatenate(parts, axis=1).reshape(K * (g + 2) * D, *rest)
 
     def fused(join, *parts) -> Int8Matrix:
-        """One Int8Matrix of `parts` (Int8Rows) whose rows `join` combines."""
-        offsets = None
-        if any(r.offset is not None for r in parts):
-            offsets = join(*(np.zeros_like(r.scale) if r.offset is None else r.offset for r in parts))
-        return pack(join(*(r.q for r in parts)), join(*(r.scale for r in parts)), offsets)
+        """One Int8Matrix of `parts` (Int8Rows) whose rows `join` combines: 4 bits when every
+        part has 4, else 8 (module docstring); offsets when any part has them."""
+        f = fused_format(*(r.format for r in parts))
+        offsets = join(*(np.zeros_like(r.scale) if r.offset is None else r.offset for r in parts)) if f.offset else None
+        return pack(join(*(r.q for r in parts)), join(*(r.scale for r in parts)), offsets, f.bits)
 
     def first(r, count: int) -> Int8Matrix:  # the first `count` rows of r
-        return pack(r.q[:count], r.scale[:count], None if r.offset is None else r.offset[:count])
+        return fused(lambda a: a[:count], r)
 
     def layer(p: str) -> LayerWeights:
         a = p + "self_attn."
@@ -244,6 +274,33 @@ def gguf_weights(get, config, head_size: int):
         final_norm=vector("model.norm.weight", E),
         lm_head=head,
     )
+
+
+@dataclass(frozen=True)
+class Int8Layout:
+    """The block format of every matrix `gguf_weights` places: per layer (w_qkv, w_o, w_gate_up,
+    w_down), the embedding and the head (the memory check at load counts their bytes)."""
+
+    layers: tuple[tuple[BlockFormat, BlockFormat, BlockFormat, BlockFormat], ...]
+    embed: BlockFormat
+    head: BlockFormat
+
+
+def gguf_layout(formats: dict[str, BlockFormat], config) -> Int8Layout:
+    """`gguf_weights`' formats from the GGUF's (engine.model_store.gguf_blocks.block_formats),
+    with its fusions."""
+    def layer(p: str) -> tuple[BlockFormat, BlockFormat, BlockFormat, BlockFormat]:
+        a = p + "self_attn."
+        return (
+            fused_format(formats[a + "q_proj.weight"], formats[a + "k_proj.weight"], formats[a + "v_proj.weight"]),
+            formats[a + "o_proj.weight"],
+            fused_format(formats[p + "mlp.gate_proj.weight"], formats[p + "mlp.up_proj.weight"]),
+            formats[p + "mlp.down_proj.weight"],
+        )
+
+    embed = formats["model.embed_tokens.weight"]
+    head = embed if config.tie_word_embeddings else formats["lm_head.weight"]
+    return Int8Layout(tuple(layer(f"model.layers.{i}.") for i in range(config.n_layers)), embed, head)
 
 
 def weight_bytes(tree) -> int:

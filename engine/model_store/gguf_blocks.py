@@ -3,9 +3,10 @@
 `engine.model_store.gguf_convert` keeps the GGUF a directory was converted from as `model.gguf`;
 `engine.jax_backend.weights.load_int8` reads its matrices through `int8_tensor_reader`. The
 llama.cpp types whose blocks are 32 small integers with a float16 scale map onto int8 blocks
-exactly, with no float32 round trip: Q8_0, Q4_0 and Q5_0 (w = d * q) as the integers and d; Q4_1
-and Q5_1 (w = d * q + m, q unsigned) as the integers, d and the block's offset m (an Int8Rows
-with `offset`; the kernel adds m times the sum of the block's inputs). So the weights served
+exactly, with no float32 round trip: Q8_0 and Q5_0 (w = d * q) as the integers and d; Q4_1 and
+Q5_1 (w = d * q + m, q unsigned) as the integers, d and the block's offset m (an Int8Rows with
+`offset`; the kernel adds m times the sum of the block's inputs); Q4_0 (w = d * (q - 8)) as its
+unsigned q with offset -8 d. Q4_0 and Q4_1 stay 4-bit (`bits` 4: engine.jax_backend.quantize). So the weights served
 are the file's own values, the ones a float32 load of the same file holds. Any other type
 (K-quants, F16, F32, ...) is dequantized a chunk of rows at a time and requantized by the
 caller's function. The file is memory-mapped, so only the tensor being read, and for a
@@ -41,9 +42,36 @@ class Int8Rows:
     """A GGUF matrix as int8 blocks along its input, row n being output n (GGUF's own order, HF's
     [out, in]): W[n, j] = q[n, j] * scale[n, j // 32] (+ offset[n, j // 32] where there is one)."""
 
-    q: np.ndarray  # [N, K] int8
+    q: np.ndarray  # [N, K] int8 (0..15 when bits is 4)
     scale: np.ndarray  # [N, K / 32] float16 (the GGUF's own d for the exact types)
-    offset: np.ndarray | None = None  # [N, K / 32] float16: Q4_1's and Q5_1's m; None: no offset
+    offset: np.ndarray | None = None  # [N, K / 32] float16: Q4_1's and Q5_1's m, Q4_0's -8 d; None: no offset
+    bits: int = 8  # 4: q fits 4 bits (Q4_0, Q4_1), and is held so; 8 otherwise
+
+    @property
+    def format(self) -> "BlockFormat":
+        return BlockFormat(self.bits, self.offset is not None)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """How a matrix's blocks of 32 are held: integers of `bits`, a float16 scale, and a float16
+    offset when `offset` (engine.jax_backend.quantize)."""
+
+    bits: int = 8
+    offset: bool = False
+
+    @property
+    def block_bytes(self) -> int:
+        return INT8_BLOCK * self.bits // 8 + 2 + (2 if self.offset else 0)
+
+
+SYMMETRIC = BlockFormat()  # 8 bits, a scale: Q8_0, Q5_0, and every requantized type
+
+
+def fused_format(*formats: BlockFormat) -> BlockFormat:
+    """The format of a matrix fused from parts (q/k/v, gate/up): 4 bits only when every part has
+    them, an offset when any has one."""
+    return BlockFormat(4 if all(f.bits == 4 for f in formats) else 8, any(f.offset for f in formats))
 
 
 def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -70,10 +98,15 @@ def _q8_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
 
 
 def _q4_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
-    """Q4_0 blocks (f16 d, 16 bytes of nibbles; w = d * (nibble - 8)) -> q = nibble - 8 in [-8, 7], d."""
+    """Q4_0 blocks (f16 d, 16 bytes of nibbles; w = d * (nibble - 8)) -> q = nibble in [0, 15], d,
+    offset -8 d (exact: a power-of-two multiple of a float16 short of its largest values)."""
     blocks = data.reshape(n, k // INT8_BLOCK, 2 + INT8_BLOCK // 2)
-    q = _nibbles(blocks[..., 2:]).astype(np.int8) - np.int8(8)
-    return Int8Rows(q.reshape(n, k), _halves(blocks, 0))
+    q, d = _nibbles(blocks[..., 2:]).astype(np.int8).reshape(n, k), _halves(blocks, 0)
+    with np.errstate(over="ignore"):
+        offset = d * np.float16(-8)
+    if not np.isfinite(offset).all():  # |d| > 8190: weights past +-65,000, in no model seen
+        raise GGUFConversionError("a Q4_0 block scale too large for its offset (-8 d) in float16")
+    return Int8Rows(q, d, offset, bits=4)
 
 
 def _q4_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
@@ -81,7 +114,7 @@ def _q4_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
     [0, 15], d, offset m."""
     blocks = data.reshape(n, k // INT8_BLOCK, 4 + INT8_BLOCK // 2)
     q = _nibbles(blocks[..., 4:]).astype(np.int8)
-    return Int8Rows(q.reshape(n, k), _halves(blocks, 0), _halves(blocks, 2))
+    return Int8Rows(q.reshape(n, k), _halves(blocks, 0), _halves(blocks, 2), bits=4)
 
 
 def _q5_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
@@ -102,7 +135,8 @@ def _q5_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
 
 _T = gguf.GGMLQuantizationType
 EXACT_INT8 = {_T.Q8_0: _q8_0_rows, _T.Q4_0: _q4_0_rows, _T.Q4_1: _q4_1_rows, _T.Q5_0: _q5_0_rows, _T.Q5_1: _q5_1_rows}
-WITH_OFFSET = frozenset({_T.Q4_1, _T.Q5_1})  # the exact types whose blocks carry an offset m
+WITH_OFFSET = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_1})  # the exact types whose blocks carry an offset
+FOUR_BITS = frozenset({_T.Q4_0, _T.Q4_1})  # the exact types held in 4 bits
 
 
 def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
@@ -133,10 +167,17 @@ def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
     return Int8Rows(q, scale)
 
 
-def has_offsets(gguf_path: Path | str) -> bool:
-    """Whether any matrix of the GGUF is of a type whose int8 blocks carry offsets (Q4_1, Q5_1);
-    reads the header only (the memory check at load counts their bytes)."""
-    return any(len(t.shape) == 2 and t.tensor_type in WITH_OFFSET for t in gguf.GGUFReader(gguf_path, "r").tensors)
+def block_formats(gguf_path: Path | str) -> dict[str, BlockFormat]:
+    """HF matrix name -> the format `int8_tensor_reader` gives it, from the GGUF's header alone
+    (the memory check at load counts the bytes before anything is read)."""
+    formats = {}
+    for t in gguf.GGUFReader(gguf_path, "r").tensors:
+        if len(t.shape) == 2:
+            exact = t.tensor_type in EXACT_INT8
+            formats[hf_tensor_name(t.name)] = BlockFormat(
+                4 if t.tensor_type in FOUR_BITS else 8, exact and t.tensor_type in WITH_OFFSET
+            )
+    return formats
 
 
 def int8_tensor_reader(gguf_path: Path | str, requantize: Requantize) -> Callable[[str], np.ndarray | Int8Rows]:
@@ -157,7 +198,8 @@ def int8_tensor_reader(gguf_path: Path | str, requantize: Requantize) -> Callabl
         heads = {"self_attn.q_proj.weight": hp.num_attention_heads, "self_attn.k_proj.weight": hp.num_key_value_heads}
         for suffix, n_heads in heads.items():
             if name.endswith(suffix):  # a row permutation: whole rows, blocks, scales and offsets move together
-                rows = Int8Rows(*(None if a is None else unpermute_rope_rows(a, n_heads) for a in (rows.q, rows.scale, rows.offset)))
+                moved = (None if a is None else unpermute_rope_rows(a, n_heads) for a in (rows.q, rows.scale, rows.offset))
+                rows = Int8Rows(*moved, bits=rows.bits)
         return rows
 
     return get

@@ -5,7 +5,18 @@
 //   (tokenwire_int8_matmul_offset: also offset [P, K / 32, 16] f16)
 //
 // W[16 p + i, 2 j + t] = pairs[p, j, i, t] * scale[p, (2 j) / 32, i] (+ offset[p, (2 j) / 32, i])
-// (P = ceil(N / 16); outputs past N are zero). The blocks are llama.cpp's Q8_0 (32 inputs of one output with one float16 scale:
+// (P = ceil(N / 16); outputs past N are zero).
+//
+// tokenwire_int4_matmul: the same product over 4-bit blocks, as llama.cpp's Q4_0 and Q4_1 hold
+// them (w = d * q + m, q in 0..15; Q4_0's m is -8 d), always with the offset:
+//
+//   x [R, K] f32, quads [P, K / 4, 16, 2] u8, scale and offset [P, K / 32, 16] f16 -> y [R, N] f32
+//
+// quads[p, g, i, t] = q[16 p + i, 4 g + t] | q[16 p + i, 4 g + 2 + t] << 4: the low nibbles of a
+// 32-byte group are one pair of inputs of the 16 outputs, the high nibbles the next pair, so one
+// load, two masks and two widenings give what two loads of the int8 layout give, from half the
+// bytes. A block is 20 bytes (Q4_1's own size): a decode step of the default model reads 0.56x
+// what its int8 form reads. The blocks are llama.cpp's Q8_0 (32 inputs of one output with one float16 scale:
 // 34 bytes a block, so a step reads the bytes Q8_0 reads; a float32 scale made it 36); the layout
 // is regrouped once, at load (engine.jax_backend.quantize.Int8Matrix), so that one 32-byte load
 // holds the same two inputs of 16 outputs. Weight-only int8 for decode steps and short prompt
@@ -36,6 +47,7 @@
 // * AVX2/FMA/F16C elsewhere (and when tests cap the ISA): the same panels converted to float, in
 //   registers for one row, for several once per panel into a buffer that every row then reads.
 // Either way the weights are read once per call, and the panels are split over pool.h's threads.
+// The AVX2 path takes 4-bit panels unpacked to the int8 layout, a panel at a time, into a buffer.
 
 #include <immintrin.h>
 
@@ -55,6 +67,7 @@ constexpr int64_t kBlock = 32;
 constexpr int kPanel = 16;                    // outputs per panel
 constexpr int64_t kPairBytes = 2 * kPanel;    // one pair of inputs of the 16 outputs
 constexpr int64_t kBlockPairs = kBlock / 2;   // pairs per block
+constexpr int64_t kBlockQuads = kBlock / 4;   // 4-bit: groups of two pairs (32 bytes) per block
 
 namespace vnni {
 #define TW_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")))
@@ -158,6 +171,83 @@ TW_TARGET void Panels(const int8_t* pairs, const uint16_t* scale, const uint16_t
     }
   }
 }
+// The 4-bit tile: PanelTile's sums over groups of two pairs, each group's 32 bytes unpacked once
+// for the MR rows (always with offsets: module comment). The prefetch runs the same time ahead as
+// the int8 tile's, half the bytes.
+template <int MR, int S>
+TW_TARGET void PanelTile4(const uint8_t* quads, const uint16_t* scale, const uint16_t* offset, int64_t count,
+                          const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
+  static_assert(kBlockQuads % S == 0, "S must divide a block's groups");
+  const int64_t blocks = k / kBlock;
+  const __mmask16 outputs = count >= kPanel ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[MR][S];
+    for (int r = 0; r < MR; ++r)
+      for (int t = 0; t < S; ++t) dot[r][t] = _mm512_setzero_si512();
+    for (int64_t g = b * kBlockQuads; g < (b + 1) * kBlockQuads; g += S) {
+      for (int t = 0; t < S; ++t) {
+        const uint8_t* group = quads + (g + t) * kPairBytes;
+        if (kAheadBytes > 0 && (g + t) % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(group + kAheadBytes / 2), _MM_HINT_T0);
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group));
+        const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));                          // inputs 4g, 4g + 1
+        const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));   // inputs 4g + 2, 4g + 3
+        for (int r = 0; r < MR; ++r) {
+          int32_t first, second;
+          __builtin_memcpy(&first, xq + r * k + 4 * (g + t), sizeof(first));
+          __builtin_memcpy(&second, xq + r * k + 4 * (g + t) + 2, sizeof(second));
+          dot[r][t] = _mm512_dpwssd_epi32(dot[r][t], w0, _mm512_set1_epi32(first));
+          dot[r][t] = _mm512_dpwssd_epi32(dot[r][t], w1, _mm512_set1_epi32(second));
+        }
+      }
+    }
+    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * kPanel)));
+    const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + b * kPanel)));
+    for (int r = 0; r < MR; ++r) {
+      __m512i d = dot[r][0];
+      for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_set1_ps(sx[r * blocks + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
+}
+
+// Panels4 [begin, end) for every row, as Panels.
+TW_TARGET void Panels4(const uint8_t* quads, const uint16_t* scale, const uint16_t* offset, const int16_t* xq,
+                       const float* sx, const float* xsum, int64_t rows, int64_t k, int64_t begin, int64_t end, float* y,
+                       int64_t n) {
+  const int64_t blocks = k / kBlock;
+  for (int64_t p = begin; p < end; ++p) {
+    const uint8_t* pq = quads + p * k * kPanel / 2;
+    const uint16_t* ps = scale + p * blocks * kPanel;
+    const uint16_t* pm = offset + p * blocks * kPanel;
+    const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
+    int64_t r = 0;
+    for (; r + kRows <= rows; r += kRows)
+      PanelTile4<kRows, 1>(pq, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
+    const int16_t* xr = xq + r * k;
+    const float* sr = sx + r * blocks;
+    const float* mr = xsum + r * blocks;
+    float* yr = y + r * n + o;
+    switch (rows - r) {
+      case 0: break;
+      case 1: PanelTile4<1, 4>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 2: PanelTile4<2, 2>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 3: PanelTile4<3, 2>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 4: PanelTile4<4, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 5: PanelTile4<5, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 6: PanelTile4<6, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 7: PanelTile4<7, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 8: PanelTile4<8, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 9: PanelTile4<9, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 10: PanelTile4<10, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      default: PanelTile4<11, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+    }
+  }
+}
 #undef TW_TARGET
 }  // namespace vnni
 
@@ -230,6 +320,18 @@ void DequantizePanel(const int8_t* pairs, const uint16_t* scale, const uint16_t*
   }
 }
 
+// A 4-bit panel (K / 4 groups of 32 bytes) as the int8 layout (K / 2 pairs of 32 bytes): group g's
+// low nibbles are pair 2 g, its high nibbles pair 2 g + 1 (module comment).
+void UnpackPanel4(const uint8_t* quads, int64_t k, int8_t* pairs) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t g = 0; g < k / 4; ++g) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + g * kPairBytes));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 2 * g * kPairBytes), _mm256_and_si256(v, low));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (2 * g + 1) * kPairBytes),
+                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+  }
+}
+
 template <int MR>
 void PanelRowsAvx2(const float* w, int64_t count, const float* x, int64_t k, float* y, int64_t n) {
   __m256 acc[MR][4];
@@ -250,20 +352,23 @@ bool UseVnni() {
          __builtin_cpu_supports("avx512bw");
 }
 
-// The product for both handlers: `offset` is null for blocks without offsets, else in scale's layout.
-ffi::Error Product(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale, const uint16_t* offset,
-                   ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), pd = pairs.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+// The product for every handler: `packed` holds int8 pairs (bits 8) or 4-bit groups (bits 4, with
+// an offset), `offset` is null for blocks without offsets, else in scale's layout.
+ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const int64_t> pd, int bits,
+                   ffi::Buffer<ffi::F16> scale, const uint16_t* offset, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
+  const int64_t inputs_per_row = bits == 4 ? 4 : 2;  // inputs per 32-byte row of a panel
   if (xd.size() != 2 || pd.size() != 4 || sd.size() != 3 || yd.size() != 2 || yd[0] != xd[0] ||
-      xd[1] % kBlock != 0 || pd[1] * 2 != xd[1] || pd[2] != kPanel || pd[3] != 2 || sd[0] != pd[0] ||
+      xd[1] % kBlock != 0 || pd[1] * inputs_per_row != xd[1] || pd[2] != kPanel || pd[3] != 2 || sd[0] != pd[0] ||
       sd[1] != xd[1] / kBlock || sd[2] != kPanel || pd[0] != (yd[1] + kPanel - 1) / kPanel) {
     return ffi::Error::InvalidArgument(
-        "tokenwire_int8_matmul: expected x [R, K] (K a multiple of 32), pairs [ceil(N / 16), K / 2, 16, 2], "
-        "scale (and offset) [ceil(N / 16), K / 32, 16], y [R, N]");
+        "tokenwire_int8_matmul: expected x [R, K] (K a multiple of 32), pairs [ceil(N / 16), K / 2, 16, 2] "
+        "(int4: quads [ceil(N / 16), K / 4, 16, 2]), scale (and offset) [ceil(N / 16), K / 32, 16], y [R, N]");
   }
   const int64_t rows = xd[0], k = xd[1], n = yd[1], panels = pd[0];
   const float* xp = x.typed_data();
-  const int8_t* qp = pairs.typed_data();
+  const int8_t* qp = static_cast<const int8_t*>(packed);
+  const uint8_t* quads = static_cast<const uint8_t*>(packed);
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.typed_data());  // IEEE half bits
   float* yp = y->typed_data();
   const int64_t blocks = k / kBlock;
@@ -280,7 +385,9 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buf
     const int16_t* xq = x16.data();
     const float *xs = sx.data(), *xm = xsum.data();
     tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
-      if (offset != nullptr) {
+      if (bits == 4) {
+        vnni::Panels4(quads, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+      } else if (offset != nullptr) {
         vnni::Panels<true>(qp, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
       } else {
         vnni::Panels<false>(qp, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
@@ -290,9 +397,15 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buf
   }
   tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> w;
+    thread_local std::vector<int8_t> unpacked;
     for (int64_t p = begin / 8; p < end / 8; ++p) {
       const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
       const int8_t* pp = qp + p * k * kPanel;
+      if (bits == 4) {
+        unpacked.resize(k * kPanel);
+        UnpackPanel4(quads + p * k * kPanel / 2, k, unpacked.data());
+        pp = unpacked.data();
+      }
       const uint16_t* ps = sp + p * blocks * kPanel;
       const uint16_t* pm = offset != nullptr ? offset + p * blocks * kPanel : nullptr;
       if (rows == 1) {
@@ -309,18 +422,30 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buf
   return ffi::Error::Success();
 }
 
+bool SameShape(ffi::Buffer<ffi::F16> a, ffi::Buffer<ffi::F16> b) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  return ad.size() == bd.size() && std::equal(ad.begin(), ad.end(), bd.begin());
+}
+
 ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
                       ffi::ResultBuffer<ffi::F32> y) {
-  return Product(x, pairs, scale, nullptr, y);
+  return Product(x, pairs.typed_data(), pairs.dimensions(), 8, scale, nullptr, y);
 }
 
 ffi::Error Int8MatmulOffset(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
                             ffi::Buffer<ffi::F16> offset, ffi::ResultBuffer<ffi::F32> y) {
-  const auto sd = scale.dimensions(), md = offset.dimensions();
-  if (md.size() != sd.size() || !std::equal(md.begin(), md.end(), sd.begin())) {
+  if (!SameShape(scale, offset)) {
     return ffi::Error::InvalidArgument("tokenwire_int8_matmul_offset: offset must have scale's shape [ceil(N / 16), K / 32, 16]");
   }
-  return Product(x, pairs, scale, reinterpret_cast<const uint16_t*>(offset.typed_data()), y);
+  return Product(x, pairs.typed_data(), pairs.dimensions(), 8, scale, reinterpret_cast<const uint16_t*>(offset.typed_data()), y);
+}
+
+ffi::Error Int4Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> quads, ffi::Buffer<ffi::F16> scale,
+                      ffi::Buffer<ffi::F16> offset, ffi::ResultBuffer<ffi::F32> y) {
+  if (!SameShape(scale, offset)) {
+    return ffi::Error::InvalidArgument("tokenwire_int4_matmul: offset must have scale's shape [ceil(N / 16), K / 32, 16]");
+  }
+  return Product(x, quads.typed_data(), quads.dimensions(), 4, scale, reinterpret_cast<const uint16_t*>(offset.typed_data()), y);
 }
 
 }  // namespace
@@ -336,6 +461,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt8MatmulOffset, Int8MatmulOffset,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt4Matmul, Int4Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
