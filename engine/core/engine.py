@@ -113,9 +113,13 @@ class EngineStats:
     prefix: PrefixStats = PrefixStats()
 
 
-@dataclass
+@dataclass(slots=True)
 class _Live:
-    """A request that holds a slot. Freed (dropped from the table) the step it ends."""
+    """A request that holds a slot. Freed (dropped from the table) the step it ends.
+
+    `filling` is read for every request on every iteration, so it is kept as a field, set with
+    `prefilled` by `fill_to` alone (a property recomputing it was ~10% of the loop's own time at
+    64 requests)."""
 
     ticket: int
     request: Request
@@ -125,10 +129,11 @@ class _Live:
     emitted: int = 0
     prefilled: int = 0  # prompt positions in the cache; the request decodes once all are
     steps: int = 0  # decode steps dispatched for it (read or in flight)
+    filling: bool = True  # prefilled < the prompt's length (a prompt has at least one id)
 
-    @property
-    def filling(self) -> bool:
-        return self.prefilled < len(self.request.prompt_token_ids)
+    def fill_to(self, positions: int) -> None:
+        self.prefilled = positions
+        self.filling = positions < len(self.request.prompt_token_ids)
 
 
 def admit(request: Request, info: ModelInfo) -> tuple[Request, StopRule]:
@@ -350,7 +355,7 @@ class Engine:
             sample = self.model.prefill(live.slot, prompt, setup, masked)
         else:
             sample = self.model.prefill_chunk(live.slot, prompt, start, end, setup, masked)
-        live.prefilled = end
+        live.fill_to(end)
         if sample is not None:
             self._read_at = time.perf_counter()
             self._read_in_flight = bool(self._in_flight)
@@ -375,7 +380,7 @@ class Engine:
         blocks = self._prefix.match(prompt, (len(prompt) - 1) // self._prefix.block_tokens)
         if blocks:
             self.model.load_prefix(live.slot, blocks, setup)
-            live.prefilled = len(blocks) * self._prefix.block_tokens
+            live.fill_to(len(blocks) * self._prefix.block_tokens)
         s = self._prefix_stats
         self._prefix_stats = dataclasses.replace(
             s, queried_tokens=s.queried_tokens + len(prompt), hit_tokens=s.hit_tokens + live.prefilled
@@ -444,8 +449,10 @@ class Engine:
         events: list[Event] = []
         if decision.emit:
             live.emitted += 1
-            logprobs = live.request.return_logprobs
-            events.append(Token(sample.token_id, sample.logprob if logprobs else None, sample.top_logprobs if logprobs else ()))
+            if live.request.return_logprobs:
+                events.append(Token(sample.token_id, sample.logprob, sample.top_logprobs))
+            else:
+                events.append(Token(sample.token_id))
         if decision.finish is not None:
             usage = Usage(len(live.request.prompt_token_ids), live.emitted)
             events.append(Finished(decision.finish, usage, decision.stop_token_id))

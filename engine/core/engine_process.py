@@ -60,19 +60,22 @@ class ModelLoadFailed(Exception):
     """The child could not load or warm up the model; the message says why (the child logged it)."""
 
 
-# -- events across the pipe: tuples, about 10x cheaper to pickle than the dataclasses ---------
+# -- events across the pipe: ints and tuples, about 10x cheaper to pickle than the dataclasses --
+# A token without log-probabilities (the common case) is its id; one with them (id, logprob, top);
+# a Finished (reason, prompt_tokens, completion_tokens, stop_token_id).
 
-def _encode(events: list[Event]) -> list[tuple]:
+def _encode(events: list[Event]) -> list[int | tuple]:
     return [
-        (e.id, e.logprob, e.top_logprobs) if isinstance(e, Token)
+        (e.id if e.logprob is None and not e.top_logprobs else (e.id, e.logprob, e.top_logprobs)) if type(e) is Token
         else (e.reason.value, e.usage.prompt_tokens, e.usage.completion_tokens, e.stop_token_id)
         for e in events
     ]
 
 
-def _decode(items: list[tuple]) -> list[Event]:
+def _decode(items: list[int | tuple]) -> list[Event]:
     return [
-        Token(*item) if len(item) == 3 else Finished(FinishReason(item[0]), Usage(item[1], item[2]), item[3])
+        Token(item) if type(item) is int
+        else Token(*item) if len(item) == 3 else Finished(FinishReason(item[0]), Usage(item[1], item[2]), item[3])
         for item in items
     ]
 
@@ -87,22 +90,25 @@ class _Outbox:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self.stats: Callable[[], EngineStats] | None = None  # the engine's, set once it exists
-        self._cond = threading.Condition()
+        # One lock: taken bare (C-level) by the engine's per-request calls, through the Condition
+        # by the sender's wait and the wakes.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._deliveries: list[tuple] = []  # (key, events) or (key, (error class name, message))
         self._steps: list[float] = []
         self._ready = False  # something was delivered since the last send
         self._closed = False
 
     def events(self, key: int, events: list[Event]) -> None:
-        with self._cond:  # encoded by the sender, while the engine thread waits for the model
+        with self._lock:  # encoded by the sender, while the engine thread waits for the model
             self._deliveries.append((key, events))
 
     def fail(self, key: int, error: BaseException) -> None:
-        with self._cond:
+        with self._lock:
             self._deliveries.append((key, (type(error).__name__, str(error))))
 
     def step(self, seconds: float) -> None:
-        with self._cond:
+        with self._lock:
             self._steps.append(seconds)
 
     def flush(self) -> None:
@@ -395,7 +401,7 @@ class EngineProcess:
                 sink = self._sinks.get(key)
                 if sink is None:
                     continue  # aborted: nothing more is delivered for it
-                if isinstance(payload, tuple) or len(payload[-1]) == 4:  # a failure, or Finished
+                if isinstance(payload, tuple) or type(payload[-1]) is tuple and len(payload[-1]) == 4:  # a failure, or Finished
                     del self._sinks[key]
                 if isinstance(payload, tuple):
                     sink.fail(_FAILURES.get(payload[0], EngineStopped)(payload[1]))
