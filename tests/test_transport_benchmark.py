@@ -102,3 +102,22 @@ def test_cpu_use_counts_a_process_and_its_children():
     finally:
         parent.communicate(b"\n", timeout=20)
     assert cpu_use.process_cpu_s(child) == 0.0  # gone: nothing to count
+
+
+def test_grpc_floor_streams_every_id_and_prices_both_ends():
+    """benchmarks/grpc_floor.py's bare server and clients, tiny: every stream gets all its ids,
+    in messages of the asked size, and both ends' CPU is read (a tick of /proc's clock is 10 ms,
+    more than this run costs, so no figure is asserted)."""
+    from benchmarks import grpc_floor
+
+    ctx = grpc_floor.multiprocessing.get_context("spawn")
+    port = grpc_floor._free_port()
+    server = ctx.Process(target=grpc_floor._serve, args=(port, 10, 5), daemon=True)
+    server.start()
+    try:
+        time.sleep(1.0)
+        m = grpc_floor.measure(server.pid, port, 4)
+    finally:
+        server.kill()
+    assert m["tokens"] == 4 * 10 and m["per_message"] == 5.0 and m["tok_s"] > 0
+    assert m["server_us"] >= 0 and m["clients_us"] >= 0
