@@ -51,7 +51,7 @@ from tokenizer_svc.generation import (
     generate_text,
     prepare_request,
 )
-from tokenizer_svc.tokenizer import TextTokenizer
+from tokenizer_svc.tokenizer import INLINE_CHARS, TextTokenizer
 
 log = logging.getLogger("tokenwire.text")
 
@@ -66,8 +66,9 @@ T = TypeVar("T")
 # 1024 characters encode in ~0.3 ms and 1024 ids decode in ~0.4 ms, while a hand-off to a thread
 # costs ~0.05 ms of latency and two event-loop wake-ups. Below the threshold the hand-off would be
 # a large share of the work, and the stall it would spare the other streams is under half a
-# millisecond; above it the stall grows with the input (1 Mi characters: 0.4-2 s).
-INLINE_MAX = 1024
+# millisecond; above it the stall grows with the input (1 Mi characters: 0.4-2 s). The tokenizer
+# encodes texts of this size holding the GIL (tokenizer_svc.tokenizer.INLINE_CHARS).
+INLINE_MAX = INLINE_CHARS
 # Above this many, the work goes to a pool of one thread fewer than the cores (at least one),
 # whose threads run at a lower CPU priority (nice +10, Linux): the tokenizer's Rust work runs on
 # the calling thread, and without these a few large requests take every core from the event loop.

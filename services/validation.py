@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import uuid
+import random
 
 from engine.core.model import ModelInfo
 from engine.core.request import MAX_TOP_LOGPROBS, Request, SamplingParams, StoppingCriteria
@@ -63,11 +63,14 @@ def id_count(field: str, ids, limit: int) -> int:
 
 
 def request_id_of(given: str) -> str:
+    """The request's id, checked, or a new one: 128 random bits in hex, from `random` (ids need to
+    be unique, not secret; `uuid4` reads os.urandom, a call that releases the GIL, and on the text
+    service's event loop it then waited to take it back: 23 us a request there, against 3 alone)."""
     if len(given) > MAX_REQUEST_ID_LENGTH:
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters (got {len(given)})")
     if given and not given.isprintable():
         raise InvalidArgument("request_id", "must be printable text")
-    return given or uuid.uuid4().hex
+    return given or f"{random.getrandbits(128):032x}"
 
 
 def _unit_interval(field: str, value: float, *, zero_ok: bool = True) -> None:

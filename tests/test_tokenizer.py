@@ -62,6 +62,22 @@ def test_special_token_text_encodes_to_its_id():
     assert load("gpt2").encode("a<|endoftext|>") == [64, 50256]
 
 
+@pytest.mark.parametrize("name", ["qwen3", "sp-bpe"])
+def test_short_and_long_texts_take_their_own_entry_points_to_the_same_ids(name):
+    """Up to INLINE_CHARS characters `encode` holds the GIL (plain encode), above them it goes
+    through the batch entry point: each gives what the other would, post-processor included."""
+    from tokenizer_svc.tokenizer import INLINE_CHARS
+
+    tok = load(name)
+    raw = tok._tokenizer
+    line = "Hello <|im_start|>, world: 12345 \u00e9\u4e2d! "
+    for text in (line, (line * (INLINE_CHARS // len(line) + 2))[: INLINE_CHARS + 7]):
+        for special in (False, True):
+            want = raw.encode_batch_fast([text], add_special_tokens=special)[0].ids
+            assert raw.encode(text, add_special_tokens=special).ids == want
+            assert tok.encode(text, add_special_tokens=special) == want
+
+
 def test_add_special_tokens_runs_the_post_processor():
     tok = load("sp-bpe")
     assert tok.encode("hello", add_special_tokens=True) == [1, *tok.encode("hello")]
