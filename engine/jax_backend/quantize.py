@@ -1,6 +1,6 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
-int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_1 or Q5_1, a float16
-offset each; a GGUF's 4-bit blocks stay 4-bit); activations and the KV cache stay float32 (the
+int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_0, Q4_1 or Q5_1, a
+float16 offset each; a GGUF's 4-bit blocks stay 4-bit); activations and the KV cache stay float32 (the
 kernel's AVX-512 VNNI path takes each product's input as 16-bit blocks, to float rounding of the
 float path).
 
@@ -93,7 +93,7 @@ class Int8Matrix:
     def rows(self) -> tuple[jax.Array, jax.Array]:
         """(q [N, K] int8 (0..15 for 4 bits), scale [N, K / BLOCK] float16): the blocks as
         `quantize_rows` (or engine.model_store.gguf_blocks) gives them."""
-        p, groups, _, _ = self.packed.shape
+        p = self.packed.shape[0]
         if self.bits == 4:  # [P, K / 4, 16, 2] -> [P, 16, K / 4, 2 (low, high nibbles), 2]
             quads = self.packed.transpose(0, 2, 1, 3)
             q = jnp.stack([quads & 0x0F, quads >> 4], axis=-2).astype(jnp.int8)

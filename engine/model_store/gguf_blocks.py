@@ -6,10 +6,10 @@ llama.cpp types whose blocks are 32 small integers with a float16 scale map onto
 exactly, with no float32 round trip: Q8_0 and Q5_0 (w = d * q) as the integers and d; Q4_1 and
 Q5_1 (w = d * q + m, q unsigned) as the integers, d and the block's offset m (an Int8Rows with
 `offset`; the kernel adds m times the sum of the block's inputs); Q4_0 (w = d * (q - 8)) as its
-unsigned q with offset -8 d. Q4_0 and Q4_1 stay 4-bit (`bits` 4: engine.jax_backend.quantize). So the weights served
-are the file's own values, the ones a float32 load of the same file holds. Any other type
-(K-quants, F16, F32, ...) is dequantized a chunk of rows at a time and requantized by the
-caller's function. The file is memory-mapped, so only the tensor being read, and for a
+unsigned q with offset -8 d. Q4_0 and Q4_1 stay 4-bit (`bits` 4: engine.jax_backend.quantize).
+So the weights served are the file's own values, the ones a float32 load of the same file holds.
+Any other type (K-quants, F16, F32, ...) is dequantized a chunk of rows at a time and requantized
+by the caller's function. The file is memory-mapped, so only the tensor being read, and for a
 requantized one only a chunk of it in float32, is in memory. No JAX here (the model store's
 rule): the caller places the blocks.
 """

@@ -5,7 +5,14 @@
 //   (tokenwire_int8_matmul_offset: also offset [P, K / 32, 16] f16)
 //
 // W[16 p + i, 2 j + t] = pairs[p, j, i, t] * scale[p, (2 j) / 32, i] (+ offset[p, (2 j) / 32, i])
-// (P = ceil(N / 16); outputs past N are zero).
+// (P = ceil(N / 16); outputs past N are zero). The blocks are llama.cpp's Q8_0 (32 inputs of one
+// output with one float16 scale: 34 bytes a block, so a step reads the bytes Q8_0 reads; a float32
+// scale made it 36); the layout is regrouped once, at load (engine.jax_backend.quantize.Int8Matrix),
+// so that one 32-byte load holds the same two inputs of 16 outputs. Weight-only int8 for decode
+// steps and short prompt chunks on the CPU. The offsets are llama.cpp's Q4_1 / Q5_1 block minimum
+// m (w = d * q + m): a block's products gain m times the sum of the row's inputs over the block,
+// one multiply-add per block and row, so those files are served as the values they hold rather
+// than requantized.
 //
 // tokenwire_int4_matmul: the same product over 4-bit blocks, as llama.cpp's Q4_0 and Q4_1 hold
 // them (w = d * q + m, q in 0..15; Q4_0's m is -8 d), always with the offset:
@@ -15,14 +22,8 @@
 // quads[p, g, i, t] = q[16 p + i, 4 g + t] | q[16 p + i, 4 g + 2 + t] << 4: the low nibbles of a
 // 32-byte group are one pair of inputs of the 16 outputs, the high nibbles the next pair, so one
 // load, two masks and two widenings give what two loads of the int8 layout give, from half the
-// bytes. A block is 20 bytes (Q4_1's own size): a decode step of the default model reads 0.56x
-// what its int8 form reads. The blocks are llama.cpp's Q8_0 (32 inputs of one output with one float16 scale:
-// 34 bytes a block, so a step reads the bytes Q8_0 reads; a float32 scale made it 36); the layout
-// is regrouped once, at load (engine.jax_backend.quantize.Int8Matrix), so that one 32-byte load
-// holds the same two inputs of 16 outputs. Weight-only int8 for decode steps and short prompt
-// chunks on the CPU. The offsets are llama.cpp's Q4_1 / Q5_1 block minimum m (w = d * q + m): a
-// block's products gain m times the sum of the row's inputs over the block, one multiply-add per
-// block and row, so those files are served as the values they hold rather than requantized.
+// bytes. A block is 20 bytes, Q4_1's own size: a decode step of the default model reads 0.56x what
+// its int8 form reads.
 //
 // Why: decode at small batch is bound by the weight bytes read per token; int8 reads a quarter of
 // float32's. XLA:CPU does not fuse an int8-to-float convert into a dot ("dequantize, then dot" ran
