@@ -118,8 +118,7 @@ class _Live:
     """A request that holds a slot. Freed (dropped from the table) the step it ends.
 
     `filling` is read for every request on every iteration, so it is kept as a field, set with
-    `prefilled` by `fill_to` alone (a property recomputing it was ~10% of the loop's own time at
-    64 requests)."""
+    `prefilled` by `fill_to` alone (a property recomputing it stood out in the loop's profile)."""
 
     ticket: int
     request: Request
