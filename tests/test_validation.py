@@ -53,3 +53,12 @@ async def test_edge_values_are_accepted(decoder):
     ok = req(prompt=[5] * 60, sampling={"top_p": 1.0, "min_p": 0.0, "top_k": 10**6}, stopping={"max_output_tokens": 4})
     responses = [r async for r in decoder.Decode(ok)]
     assert responses[-1].events[-1].finished.usage.completion_tokens == 4
+
+
+def test_a_missing_request_id_gets_a_fresh_one_and_a_given_one_is_kept():
+    """Generated ids (128 random bits in hex) differ from request to request; a given id stays."""
+    from services.validation import request_id_of
+
+    made = {request_id_of("") for _ in range(1000)}
+    assert len(made) == 1000 and all(len(i) == 32 and int(i, 16) >= 0 for i in made)
+    assert request_id_of("mine-1") == "mine-1"

@@ -45,20 +45,15 @@ _NO_TEMPLATE = "this tokenizer has no chat template (tokenizer_config.json or ch
 INLINE_CHARS = 1024
 
 
-def _ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """`text`'s ids: up to INLINE_CHARS characters through plain `encode`, which holds the GIL;
-    longer through the batch entry point (a batch of one), which releases it while the Rust code
-    works, so a large input encoded on a thread does not stall the event loop. Same ids either way."""
+def _encoding(tokenizer: Tokenizer, text: str, add_special_tokens: bool = False, offsets: bool = False):
+    """`text`'s Encoding: up to INLINE_CHARS characters through plain `encode`, which holds the
+    GIL; longer through the batch entry point (a batch of one), which releases it while the Rust
+    code works, so a large input encoded on a thread does not stall the event loop. Same ids either
+    way; `offsets`: the long path computes them too (plain `encode` always does)."""
     if len(text) <= INLINE_CHARS:
-        return tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-    return tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
-
-
-def _encoding(tokenizer: Tokenizer, text: str):
-    """`text`'s Encoding (ids and offsets), no post-processor; the GIL as `_ids` decides."""
-    if len(text) <= INLINE_CHARS:
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    batch = tokenizer.encode_batch if offsets else tokenizer.encode_batch_fast
+    return batch([text], add_special_tokens=add_special_tokens)[0]
 
 
 def _token_content(value: object) -> str | None:
@@ -125,8 +120,8 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special-token text in `text` (e.g. "<|im_start|>") becomes its id, as in HF.
         `add_special_tokens` runs the tokenizer's post-processor (e.g. a BOS prefix).
-        Held or released GIL by the text's size (`_ids`)."""
-        return _ids(self._tokenizer, text, add_special_tokens)
+        The GIL held or released by the text's size (`_encoding`)."""
+        return _encoding(self._tokenizer, text, add_special_tokens).ids
 
     def decode(self, token_ids: Sequence[int], keep_special_tokens: bool = False) -> str:
         """The reference text of `token_ids`; InvalidArgument for an id outside [0, vocab_size)."""
@@ -160,7 +155,7 @@ class TextTokenizer:
                 raise ChatTemplateError("a chat message holds text the tokenizer normalizes into a special token")
         text = self.render_chat(shielded, add_generation_prompt)
         if not restore:
-            return _ids(self._tokenizer, text, add_special_tokens=False)
+            return _encoding(self._tokenizer, text).ids
         return self._get_chat_encoder().encode(text, restore)
 
     def prepare_chat_encoding(self) -> None:
@@ -237,7 +232,7 @@ class _ChatEncoder:
     def encode(self, text: str, restore: Mapping[int, str]) -> list[int]:
         if not self._usable:
             raise ChatTemplateError("this tokenizer cannot encode special-token text in chat messages as plain text")
-        found = _encoding(self._tokenizer, text)
+        found = _encoding(self._tokenizer, text, offsets=True)
         pieces: list[str] = []
         structure = 0
         pos = 0
@@ -249,7 +244,7 @@ class _ChatEncoder:
         pieces.append(text[pos:].translate(restore))
         if any(self._marker in piece for piece in pieces[::2]):
             raise ChatTemplateError("a chat message holds this process's stand-in marker")
-        ids = _ids(self._plain, "".join(pieces), add_special_tokens=False)
+        ids = _encoding(self._plain, "".join(pieces)).ids
         from_template = sum(1 for i in ids if i in self._special_of)
         from_text = sum(1 for i in ids if i in self._special_ids and i != self._unk_id)
         if from_template != structure or from_text:

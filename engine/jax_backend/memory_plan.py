@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS, PANEL as INT8_PANEL, Int8Layout
+from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS, LAYER_MATRICES, PANEL as INT8_PANEL, Int8Layout
 from engine.model_store.gguf_blocks import SYMMETRIC, BlockFormat
 from engine.jax_backend.cpu_kernels import PANEL
 from engine.model_store.checkpoint import ModelConfig
@@ -129,15 +129,16 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
     matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
     vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
     if s.int8:
-        layout = s.int8_layout or Int8Layout(((SYMMETRIC,) * 4,) * cfg.n_layers, SYMMETRIC, SYMMETRIC)
+        layout = s.int8_layout or Int8Layout(((SYMMETRIC,) * len(LAYER_MATRICES),) * cfg.n_layers, SYMMETRIC, SYMMETRIC)
+        dims = {"w_qkv": (e, qkv), "w_o": (h * d, e), "w_gate_up": (e, 2 * f), "w_down": (f, e)}  # [in, out]
 
-        def per(f: BlockFormat, inputs: int, outputs: int) -> int:  # its blocks, outputs in whole panels
-            return -(-outputs // INT8_PANEL) * INT8_PANEL * inputs // INT8_BLOCK * f.block_bytes
+        def per(fmt: BlockFormat, inputs: int, outputs: int) -> int:  # its blocks, outputs in whole panels
+            return -(-outputs // INT8_PANEL) * INT8_PANEL * inputs // INT8_BLOCK * fmt.block_bytes
 
         head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(layout.head, e, head_size)
         layers = sum(
-            per(fq, e, qkv) + per(fo, h * d, e) + per(fg, e, 2 * f) + per(fd, f, e) + vectors * 4
-            for fq, fo, fg, fd in layout.layers
+            sum(per(fmt, *dims[field]) for (field, _), fmt in zip(LAYER_MATRICES, formats, strict=True)) + vectors * 4
+            for formats in layout.layers
         )
         return layers + per(layout.embed, e, cfg.vocab_size) + e * 4 + head
     panels = [k * -(-n // PANEL) * PANEL for k, n in ((e, qkv), (h * d, e), (e, 2 * f), (f, e))] if s.panel_copies else []

@@ -202,6 +202,16 @@ def int8_place(embedding_shape: tuple[int, int]):
     return place
 
 
+# The projections a layer holds, in LayerWeights' order, and the HF matrices each is fused from:
+# `gguf_weights` places them and `gguf_layout` gives their formats, so the two cannot disagree.
+LAYER_MATRICES = (
+    ("w_qkv", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    ("w_o", ("self_attn.o_proj.weight",)),
+    ("w_gate_up", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    ("w_down", ("mlp.down_proj.weight",)),
+)
+
+
 def gguf_weights(get, config, head_size: int):
     """engine.model_store.checkpoint.Weights in the layout `int8_place` gives a float32 checkpoint
     (the fused q/k/v rows per kv head, gate and up rows interleaved), built from `get`
@@ -246,19 +256,24 @@ def gguf_weights(get, config, head_size: int):
     def first(r, count: int) -> Int8Matrix:  # the first `count` rows of r
         return fused(lambda a: a[:count], r)
 
+    shapes = {  # [out, in] of each HF matrix of a layer
+        "self_attn.q_proj.weight": (H * D, E), "self_attn.k_proj.weight": (K * D, E), "self_attn.v_proj.weight": (K * D, E),
+        "self_attn.o_proj.weight": (E, H * D), "mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E),
+        "mlp.down_proj.weight": (E, F),
+    }
+    joins = {
+        "w_qkv": by_kv_head,
+        "w_o": lambda x: x,
+        "w_gate_up": lambda x, y: np.stack([x, y], axis=1).reshape(2 * F, -1),  # rows 2f, 2f + 1: feature f's gate, up
+        "w_down": lambda x: x,
+    }
+
     def layer(p: str) -> LayerWeights:
-        a = p + "self_attn."
-        q, k, v = rows(a + "q_proj.weight", (H * D, E)), rows(a + "k_proj.weight", (K * D, E)), rows(a + "v_proj.weight", (K * D, E))
-        gate, up = rows(p + "mlp.gate_proj.weight", (F, E)), rows(p + "mlp.up_proj.weight", (F, E))
-        interleave = lambda x, y: np.stack([x, y], axis=1).reshape(2 * F, -1)  # rows 2f, 2f + 1: feature f's gate, up
-        o, down = rows(a + "o_proj.weight", (E, H * D)), rows(p + "mlp.down_proj.weight", (E, F))
+        matrices = {field: fused(joins[field], *(rows(p + n, shapes[n]) for n in names)) for field, names in LAYER_MATRICES}
         return LayerWeights(
             attn_norm=vector(p + "input_layernorm.weight", E),
-            w_qkv=fused(by_kv_head, q, k, v),
-            w_o=first(o, E),
             mlp_norm=vector(p + "post_attention_layernorm.weight", E),
-            w_gate_up=fused(interleave, gate, up),
-            w_down=first(down, E),
+            **matrices,
             b_qkv=None, q_norm=None, k_norm=None,
         )
 
@@ -281,7 +296,7 @@ class Int8Layout:
     """The block format of every matrix `gguf_weights` places: per layer (w_qkv, w_o, w_gate_up,
     w_down), the embedding and the head (the memory check at load counts their bytes)."""
 
-    layers: tuple[tuple[BlockFormat, BlockFormat, BlockFormat, BlockFormat], ...]
+    layers: tuple[tuple[BlockFormat, ...], ...]  # per layer, LAYER_MATRICES' order
     embed: BlockFormat
     head: BlockFormat
 
@@ -289,14 +304,8 @@ class Int8Layout:
 def gguf_layout(formats: dict[str, BlockFormat], config) -> Int8Layout:
     """`gguf_weights`' formats from the GGUF's (engine.model_store.gguf_blocks.block_formats),
     with its fusions."""
-    def layer(p: str) -> tuple[BlockFormat, BlockFormat, BlockFormat, BlockFormat]:
-        a = p + "self_attn."
-        return (
-            fused_format(formats[a + "q_proj.weight"], formats[a + "k_proj.weight"], formats[a + "v_proj.weight"]),
-            formats[a + "o_proj.weight"],
-            fused_format(formats[p + "mlp.gate_proj.weight"], formats[p + "mlp.up_proj.weight"]),
-            formats[p + "mlp.down_proj.weight"],
-        )
+    def layer(p: str) -> tuple[BlockFormat, ...]:
+        return tuple(fused_format(*(formats[p + n] for n in names)) for _, names in LAYER_MATRICES)
 
     embed = formats["model.embed_tokens.weight"]
     head = embed if config.tie_word_embeddings else formats["lm_head.weight"]

@@ -173,10 +173,7 @@ def block_formats(gguf_path: Path | str) -> dict[str, BlockFormat]:
     formats = {}
     for t in gguf.GGUFReader(gguf_path, "r").tensors:
         if len(t.shape) == 2:
-            exact = t.tensor_type in EXACT_INT8
-            formats[hf_tensor_name(t.name)] = BlockFormat(
-                4 if t.tensor_type in FOUR_BITS else 8, exact and t.tensor_type in WITH_OFFSET
-            )
+            formats[hf_tensor_name(t.name)] = BlockFormat(4 if t.tensor_type in FOUR_BITS else 8, t.tensor_type in WITH_OFFSET)
     return formats
 
 
