@@ -22,8 +22,7 @@
 // quads[p, g, i, t] = q[16 p + i, 4 g + t] | q[16 p + i, 4 g + 2 + t] << 4: the low nibbles of a
 // 32-byte group are one pair of inputs of the 16 outputs, the high nibbles the next pair, so one
 // load, two masks and two widenings give what two loads of the int8 layout give, from half the
-// bytes. A block is 20 bytes, Q4_1's own size: a decode step of the default model reads 0.56x what
-// its int8 form reads.
+// bytes. A block is 20 bytes, Q4_1's own size, 0.56x an 8-bit block with its offset.
 //
 // Why: decode at small batch is bound by the weight bytes read per token; int8 reads a quarter of
 // float32's. XLA:CPU does not fuse an int8-to-float convert into a dot ("dequantize, then dot" ran
