@@ -67,7 +67,7 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
 
     @grpc_errors
     async def DecodeStream(self, request_iterator, context):
-        """Many requests over one stream (services.decode_stream; the proto's invariants 10-14).
+        """Many requests over one stream (services.decode_stream; the proto's invariants 10-15 and 17).
         Refused as a whole (UNAVAILABLE) only while the model loads or the engine is down;
         while draining it stays open for its live requests and refuses new starts one by one.
         Its headers (with this replica's id) go at once: they commit the call for the client's

@@ -9,7 +9,10 @@ DecodeStreamResponse: per live request, its new events, or its error. So a step 
 64 requests is one message, and a client that is behind gets several steps in one. The tokens of requests started with packed_tokens (the text service's)
 travel as two integer arrays for the whole response (invariant 15).
 
-What holds (the proto's invariants 10-14):
+A DecodeStreamBatch (invariant 17) is read as its actions one after another: a client that
+starts many requests at once sends them in one message, and this loop reads it with one wake-up.
+
+What holds (the proto's invariants 10-14 and 17):
   * Items are tagged with the `_Live` object, not the key: a key cancelled and started again
     never receives the old request's events.
   * Each request ends once: at its Finished or its error, its record leaves `live`, its metrics
@@ -94,17 +97,27 @@ class DecodeStreamSession:
     async def _read(self, actions: AsyncIterator[decode_pb2.DecodeStreamRequest]) -> None:
         try:
             async for action in actions:
-                kind = action.WhichOneof("action")
-                if kind == "start":
-                    self._start(action.start)
-                elif kind == "cancel":
-                    live = self.live.get(action.cancel.key)
-                    if live is not None:
-                        self.engine.engine.abort(live.ticket)
-                        self._end(live, asyncio.CancelledError())
+                if action.WhichOneof("action") == "batch":  # invariant 17: in order, one by one
+                    for inner in action.batch.actions:
+                        if inner.WhichOneof("action") == "batch":
+                            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "batch.actions: a batch inside a batch")
+                        self._act(inner)
+                else:
+                    self._act(action)
         finally:
             self.client_closed = True
             self.queue.put(_CLOSED)  # wakes the writer, which ends once nothing is live
+
+    def _act(self, action: decode_pb2.DecodeStreamRequest) -> None:
+        """One start or cancel (anything else, an unset action, does nothing)."""
+        kind = action.WhichOneof("action")
+        if kind == "start":
+            self._start(action.start)
+        elif kind == "cancel":
+            live = self.live.get(action.cancel.key)
+            if live is not None:
+                self.engine.engine.abort(live.ticket)
+                self._end(live, asyncio.CancelledError())
 
     def _start(self, start: decode_pb2.DecodeStreamStart) -> None:
         if start.key in self.live:

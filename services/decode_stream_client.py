@@ -3,7 +3,9 @@ decode replica, on a channel that gRPC balances (services.replicas).
 
 Data flow: `decode(request, timeout)` takes a fresh key, puts the request on the least-loaded
 stream of the pool (opening one if there is none), writes a start and reads its key's entries
-from a queue. Each stream is a blocking call read by its own thread (`_Stream._read`), which
+from a queue. gRPC's thread writes the starts and cancels; those that queue while it writes one
+message go in the next as one DecodeStreamBatch (`_requests`), so a burst of requests costs the
+text service's threads and the decoder's loop a few messages, not one each. Each stream is a blocking call read by its own thread (`_Stream._read`), which
 hands what it reads to the event loop through a mailbox: one wake-up of the loop for everything
 read since the last one. So when the loop is busy (sending to clients), the thread reads ahead
 and the next wake-up carries several steps; every request then gets them as one list, and the
@@ -70,6 +72,37 @@ MAX_ATTEMPTS = 3
 _IDENTIFY_S = 5.0  # how long the pool waits for a new stream's headers before leaving it be
 
 
+# A batch of actions (invariant 17) is closed at this many bytes, well under gRPC's default 4 MiB
+# limit on a received message: one long prompt is at most a few hundred kB.
+BATCH_BYTES = 1 << 20
+
+
+def _requests(actions: queue.SimpleQueue):
+    """A call's request iterator, on gRPC's thread: each next() waits for an action, then takes
+    every other one already queued and yields them as one DecodeStreamBatch (a single action as
+    itself). gRPC asks for the next message once the last is written, so the starts of a burst
+    queue up meanwhile and go together, without waiting for any action not yet queued."""
+    while (first := actions.get()) is not _END:
+        batch, size = [first], first.ByteSize()
+        ended = False
+        while size < BATCH_BYTES:
+            try:
+                action = actions.get_nowait()
+            except queue.Empty:
+                break
+            if action is _END:
+                ended = True
+                break
+            batch.append(action)
+            size += action.ByteSize()
+        if len(batch) == 1:
+            yield first
+        else:
+            yield decode_pb2.DecodeStreamRequest(batch=decode_pb2.DecodeStreamBatch(actions=batch))
+        if ended:
+            return
+
+
 @dataclass(frozen=True)
 class _Identified:
     """Posted by a reader thread: the replica the stream landed on (its headers' id)."""
@@ -83,7 +116,7 @@ class _Stream:
 
     def __init__(self, stub: decode_pb2_grpc.DecoderStub, deliver) -> None:
         self.actions: queue.SimpleQueue = queue.SimpleQueue()
-        self.call = stub.DecodeStream(iter(self.actions.get, _END))
+        self.call = stub.DecodeStream(_requests(self.actions))
         self.replica: str | None = None  # its replica's id, once its headers came
         self.address: str | None = None  # its replica's address (from the census), for metrics
         self.identified = asyncio.Event()  # headers came, or the call ended first

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import queue
 from pathlib import Path
 from typing import Callable
 
@@ -23,6 +24,7 @@ from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
+from services import decode_stream_client
 from services.decode_server import DecodeServer, start_decode_server
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
@@ -171,7 +173,7 @@ async def test_a_reader_that_stops_reading_holds_only_its_own_output_and_slows_n
         await server.stop(None)
 
 
-# -- DecodeStream: many requests over one RPC (the proto's invariants 10-14) ------------------
+# -- DecodeStream: many requests over one RPC (the proto's invariants 10-15 and 17) ----------
 
 
 def start(key: int, prompt_last: int, n: int, **stopping) -> decode_pb2.DecodeStreamRequest:
@@ -333,6 +335,61 @@ async def test_a_key_in_use_and_a_malformed_action_fail_the_rpc_as_invalid_argum
     # the failed RPC aborted its 900-token request (899 decode steps) soon after it began: within
     # a third of its steps, counted from the server's start (each test has its own server)
     await steps_until_freed(server.engine.stats, lambda: decode_steps(server), 0, at_most=300)
+
+
+def batch(*actions: decode_pb2.DecodeStreamRequest) -> decode_pb2.DecodeStreamRequest:
+    return decode_pb2.DecodeStreamRequest(batch=decode_pb2.DecodeStreamBatch(actions=actions))
+
+
+async def test_a_batch_is_its_actions_applied_in_order(stream_server):
+    """Invariant 17: one message with a start, another start, a cancel of the first and a new start
+    on its key is exactly those four actions in that order: key 1 gets only the later request's
+    events, key 2 its own, and the cancelled request's slot is freed."""
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    await call.write(batch(start(1, 100, 900), start(2, 200, 5), cancel(1), start(1, 300, 4)))
+    events, errors, _ = await read_until_done(call, {1, 2})
+    assert errors == {}
+    assert [e.token.id for e in events[1] if e.HasField("token")] == [301, 302, 303, 304]
+    assert [e.token.id for e in events[2] if e.HasField("token")] == [201, 202, 203, 204, 205]
+    assert events[1][-1].finished.usage.completion_tokens == 4
+    await until(lambda: server.engine.stats().slots_in_use == 0, "every slot is free, the cancelled one's too")
+    await call.done_writing()
+    assert await within(call.code()) == grpc.StatusCode.OK
+
+
+async def test_a_batch_inside_a_batch_fails_the_rpc_as_invalid_argument(stream_server):
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    await call.write(batch(start(1, 100, 900), batch(start(2, 200, 5))))
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        while True:
+            await within(call.read())
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "batch.actions" in error.value.details()
+    # the failed RPC aborted the request its batch had started (899 decode steps) within a third of them
+    await steps_until_freed(server.engine.stats, lambda: decode_steps(server), 0, at_most=300)
+
+
+def test_the_text_services_upstream_sends_what_is_queued_together_in_order(monkeypatch):
+    """`_requests` (the DecodeStream request iterator on gRPC's thread): every action queued when
+    gRPC asks for the next message goes in one batch, in order; a lone action goes as itself; a
+    batch closes at BATCH_BYTES; the end of writes ends the iterator after what came before it."""
+    actions: queue.SimpleQueue = queue.SimpleQueue()
+    messages = decode_stream_client._requests(actions)
+    burst = [start(1, 100, 5), start(2, 200, 5), cancel(1), start(3, 300, 5)]
+    for action in burst:
+        actions.put(action)
+    assert next(messages) == batch(*burst)
+    actions.put(cancel(3))
+    assert next(messages) == cancel(3)
+    monkeypatch.setattr(decode_stream_client, "BATCH_BYTES", 2 * start(4, 400, 5).ByteSize())
+    for action in (start(4, 400, 5), start(5, 500, 5), start(6, 600, 5), cancel(4)):
+        actions.put(action)
+    actions.put(decode_stream_client._END)
+    actions.put(cancel(9))  # after the end: never read (read, the test would see it, not hang)
+    assert next(messages) == batch(start(4, 400, 5), start(5, 500, 5))
+    assert next(messages) == batch(start(6, 600, 5), cancel(4))
+    assert next(messages, None) is None
 
 
 async def test_draining_refuses_new_starts_and_lets_live_ones_finish(stream_server):

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/decode/v1/decode.proto\x12\x13tokenwire.decode.v1\"\xdc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.tokenwire.decode.v1.SamplingParams\x12\x37\n\x08stopping\x18\x04 \x01(\x0b\x32%.tokenwire.decode.v1.StoppingCriteria\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x8f\x01\n\x10StoppingCriteria\x12\x1e\n\x11max_output_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x19\n\x11min_output_tokens\x18\x04 \x01(\rB\x14\n\x12_max_output_tokens\"B\n\x0e\x44\x65\x63odeResponse\x12\x30\n\x06\x65vents\x18\x01 \x03(\x0b\x32 .tokenwire.decode.v1.DecodeEvent\"v\n\x0b\x44\x65\x63odeEvent\x12+\n\x05token\x18\x01 \x01(\x0b\x32\x1a.tokenwire.decode.v1.TokenH\x00\x12\x31\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1d.tokenwire.decode.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"l\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.tokenwire.decode.v1.TopLogprobB\n\n\x08_logprob\")\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x96\x01\n\x08\x46inished\x12\x31\n\x06reason\x18\x01 \x01(\x0e\x32!.tokenwire.decode.v1.FinishReason\x12)\n\x05usage\x18\x02 \x01(\x0b\x32\x1a.tokenwire.decode.v1.Usage\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\x93\x01\n\x13\x44\x65\x63odeStreamRequest\x12\x37\n\x05start\x18\x01 \x01(\x0b\x32&.tokenwire.decode.v1.DecodeStreamStartH\x00\x12\x39\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\'.tokenwire.decode.v1.DecodeStreamCancelH\x00\x42\x08\n\x06\x61\x63tion\"l\n\x11\x44\x65\x63odeStreamStart\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".tokenwire.decode.v1.DecodeRequest\x12\x15\n\rpacked_tokens\x18\x03 \x01(\x08\"!\n\x12\x44\x65\x63odeStreamCancel\x12\x0b\n\x03key\x18\x01 \x01(\x04\"s\n\x14\x44\x65\x63odeStreamResponse\x12\x34\n\x08requests\x18\x01 \x03(\x0b\x32\".tokenwire.decode.v1.RequestEvents\x12\x12\n\ntoken_keys\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x80\x01\n\rRequestEvents\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x30\n\x06\x65vents\x18\x02 \x03(\x0b\x32 .tokenwire.decode.v1.DecodeEvent\x12\x30\n\x05\x65rror\x18\x03 \x01(\x0b\x32!.tokenwire.decode.v1.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa1\x02\n\x07\x44\x65\x63oder\x12S\n\x06\x44\x65\x63ode\x12\".tokenwire.decode.v1.DecodeRequest\x1a#.tokenwire.decode.v1.DecodeResponse0\x01\x12X\n\x0cGetModelInfo\x12(.tokenwire.decode.v1.GetModelInfoRequest\x1a\x1e.tokenwire.decode.v1.ModelInfo\x12g\n\x0c\x44\x65\x63odeStream\x12(.tokenwire.decode.v1.DecodeStreamRequest\x1a).tokenwire.decode.v1.DecodeStreamResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dprotos/decode/v1/decode.proto\x12\x13tokenwire.decode.v1\"\xdc\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.tokenwire.decode.v1.SamplingParams\x12\x37\n\x08stopping\x18\x04 \x01(\x0b\x32%.tokenwire.decode.v1.StoppingCriteria\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x8f\x01\n\x10StoppingCriteria\x12\x1e\n\x11max_output_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x02 \x03(\r\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x12\x19\n\x11min_output_tokens\x18\x04 \x01(\rB\x14\n\x12_max_output_tokens\"B\n\x0e\x44\x65\x63odeResponse\x12\x30\n\x06\x65vents\x18\x01 \x03(\x0b\x32 .tokenwire.decode.v1.DecodeEvent\"v\n\x0b\x44\x65\x63odeEvent\x12+\n\x05token\x18\x01 \x01(\x0b\x32\x1a.tokenwire.decode.v1.TokenH\x00\x12\x31\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1d.tokenwire.decode.v1.FinishedH\x00\x42\x07\n\x05\x65vent\"l\n\x05Token\x12\n\n\x02id\x18\x01 \x01(\r\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.tokenwire.decode.v1.TopLogprobB\n\n\x08_logprob\")\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\x96\x01\n\x08\x46inished\x12\x31\n\x06reason\x18\x01 \x01(\x0e\x32!.tokenwire.decode.v1.FinishReason\x12)\n\x05usage\x18\x02 \x01(\x0b\x32\x1a.tokenwire.decode.v1.Usage\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x42\x10\n\x0e_stop_token_id\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xcc\x01\n\x13\x44\x65\x63odeStreamRequest\x12\x37\n\x05start\x18\x01 \x01(\x0b\x32&.tokenwire.decode.v1.DecodeStreamStartH\x00\x12\x39\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\'.tokenwire.decode.v1.DecodeStreamCancelH\x00\x12\x37\n\x05\x62\x61tch\x18\x03 \x01(\x0b\x32&.tokenwire.decode.v1.DecodeStreamBatchH\x00\x42\x08\n\x06\x61\x63tion\"N\n\x11\x44\x65\x63odeStreamBatch\x12\x39\n\x07\x61\x63tions\x18\x01 \x03(\x0b\x32(.tokenwire.decode.v1.DecodeStreamRequest\"l\n\x11\x44\x65\x63odeStreamStart\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x33\n\x07request\x18\x02 \x01(\x0b\x32\".tokenwire.decode.v1.DecodeRequest\x12\x15\n\rpacked_tokens\x18\x03 \x01(\x08\"!\n\x12\x44\x65\x63odeStreamCancel\x12\x0b\n\x03key\x18\x01 \x01(\x04\"s\n\x14\x44\x65\x63odeStreamResponse\x12\x34\n\x08requests\x18\x01 \x03(\x0b\x32\".tokenwire.decode.v1.RequestEvents\x12\x12\n\ntoken_keys\x18\x02 \x03(\x04\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\"\x80\x01\n\rRequestEvents\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\x30\n\x06\x65vents\x18\x02 \x03(\x0b\x32 .tokenwire.decode.v1.DecodeEvent\x12\x30\n\x05\x65rror\x18\x03 \x01(\x0b\x32!.tokenwire.decode.v1.RequestError\"-\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"|\n\tModelInfo\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1a\n\x12max_context_length\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r*_\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\xa1\x02\n\x07\x44\x65\x63oder\x12S\n\x06\x44\x65\x63ode\x12\".tokenwire.decode.v1.DecodeRequest\x1a#.tokenwire.decode.v1.DecodeResponse0\x01\x12X\n\x0cGetModelInfo\x12(.tokenwire.decode.v1.GetModelInfoRequest\x1a\x1e.tokenwire.decode.v1.ModelInfo\x12g\n\x0c\x44\x65\x63odeStream\x12(.tokenwire.decode.v1.DecodeStreamRequest\x1a).tokenwire.decode.v1.DecodeStreamResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.decode.v1.decode_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1827
-  _globals['_FINISHREASON']._serialized_end=1922
+  _globals['_FINISHREASON']._serialized_start=1964
+  _globals['_FINISHREASON']._serialized_end=2059
   _globals['_DECODEREQUEST']._serialized_start=55
   _globals['_DECODEREQUEST']._serialized_end=275
   _globals['_SAMPLINGPARAMS']._serialized_start=277
@@ -52,21 +52,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_start=1029
   _globals['_USAGE']._serialized_end=1086
   _globals['_DECODESTREAMREQUEST']._serialized_start=1089
-  _globals['_DECODESTREAMREQUEST']._serialized_end=1236
-  _globals['_DECODESTREAMSTART']._serialized_start=1238
-  _globals['_DECODESTREAMSTART']._serialized_end=1346
-  _globals['_DECODESTREAMCANCEL']._serialized_start=1348
-  _globals['_DECODESTREAMCANCEL']._serialized_end=1381
-  _globals['_DECODESTREAMRESPONSE']._serialized_start=1383
-  _globals['_DECODESTREAMRESPONSE']._serialized_end=1498
-  _globals['_REQUESTEVENTS']._serialized_start=1501
-  _globals['_REQUESTEVENTS']._serialized_end=1629
-  _globals['_REQUESTERROR']._serialized_start=1631
-  _globals['_REQUESTERROR']._serialized_end=1676
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1678
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1699
-  _globals['_MODELINFO']._serialized_start=1701
-  _globals['_MODELINFO']._serialized_end=1825
-  _globals['_DECODER']._serialized_start=1925
-  _globals['_DECODER']._serialized_end=2214
+  _globals['_DECODESTREAMREQUEST']._serialized_end=1293
+  _globals['_DECODESTREAMBATCH']._serialized_start=1295
+  _globals['_DECODESTREAMBATCH']._serialized_end=1373
+  _globals['_DECODESTREAMSTART']._serialized_start=1375
+  _globals['_DECODESTREAMSTART']._serialized_end=1483
+  _globals['_DECODESTREAMCANCEL']._serialized_start=1485
+  _globals['_DECODESTREAMCANCEL']._serialized_end=1518
+  _globals['_DECODESTREAMRESPONSE']._serialized_start=1520
+  _globals['_DECODESTREAMRESPONSE']._serialized_end=1635
+  _globals['_REQUESTEVENTS']._serialized_start=1638
+  _globals['_REQUESTEVENTS']._serialized_end=1766
+  _globals['_REQUESTERROR']._serialized_start=1768
+  _globals['_REQUESTERROR']._serialized_end=1813
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1815
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1836
+  _globals['_MODELINFO']._serialized_start=1838
+  _globals['_MODELINFO']._serialized_end=1962
+  _globals['_DECODER']._serialized_start=2062
+  _globals['_DECODER']._serialized_end=2351
 # @@protoc_insertion_point(module_scope)

@@ -109,12 +109,20 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeStreamRequest(_message.Message):
-    __slots__ = ("start", "cancel")
+    __slots__ = ("start", "cancel", "batch")
     START_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     start: DecodeStreamStart
     cancel: DecodeStreamCancel
-    def __init__(self, start: _Optional[_Union[DecodeStreamStart, _Mapping]] = ..., cancel: _Optional[_Union[DecodeStreamCancel, _Mapping]] = ...) -> None: ...
+    batch: DecodeStreamBatch
+    def __init__(self, start: _Optional[_Union[DecodeStreamStart, _Mapping]] = ..., cancel: _Optional[_Union[DecodeStreamCancel, _Mapping]] = ..., batch: _Optional[_Union[DecodeStreamBatch, _Mapping]] = ...) -> None: ...
+
+class DecodeStreamBatch(_message.Message):
+    __slots__ = ("actions",)
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    actions: _containers.RepeatedCompositeFieldContainer[DecodeStreamRequest]
+    def __init__(self, actions: _Optional[_Iterable[_Union[DecodeStreamRequest, _Mapping]]] = ...) -> None: ...
 
 class DecodeStreamStart(_message.Message):
     __slots__ = ("key", "request", "packed_tokens")

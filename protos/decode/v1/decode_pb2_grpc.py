@@ -97,6 +97,8 @@ class DecoderServicer:
         its Finished (or its error). Within a response, a key's packed tokens come before its
         RequestEvents, so 10 holds with each response read as: for each i, token_ids[i] as a
         Token event of token_keys[i]; then the entries of `requests`.
+        17. A DecodeStreamBatch is its actions applied in order, exactly as if each had come in a
+        message of its own; a batch inside a batch fails the whole RPC with INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
