@@ -19,7 +19,7 @@ from services.decode_events import add_events_pb
 from services.decode_stream import DecodeStreamSession
 from services.errors import ServiceError, grpc_errors
 from services.metrics import Metrics
-from services.replicas import REPLICA_ID_KEY
+from services.replicas import BATCH_KEY, REPLICA_ID_KEY
 from services.sent_together import sent_together
 
 
@@ -71,8 +71,8 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
         Refused as a whole (UNAVAILABLE) only while the model loads or the engine is down;
         while draining it stays open for its live requests and refuses new starts one by one.
         Its headers (with this replica's id) go at once: they commit the call for the client's
-        retry policy (services.replicas) and tell it where the stream landed."""
-        await context.send_initial_metadata(((REPLICA_ID_KEY, self.replica_id),))
+        retry policy (services.replicas), tell it where the stream landed, and that batches are read."""
+        await context.send_initial_metadata(((REPLICA_ID_KEY, self.replica_id), (BATCH_KEY, "1")))
         if self.engine is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, self.admission.closed_reason or "the model is still loading")
         session = DecodeStreamSession(self.engine, self.info, self.admission, self.metrics)

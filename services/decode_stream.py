@@ -109,7 +109,8 @@ class DecodeStreamSession:
             self.queue.put(_CLOSED)  # wakes the writer, which ends once nothing is live
 
     def _act(self, action: decode_pb2.DecodeStreamRequest) -> None:
-        """One start or cancel (anything else, an unset action, does nothing)."""
+        """One start or cancel. An action unset, or one this server does not know (a later
+        client's), fails the RPC rather than leave a request that never starts."""
         kind = action.WhichOneof("action")
         if kind == "start":
             self._start(action.start)
@@ -118,6 +119,8 @@ class DecodeStreamSession:
             if live is not None:
                 self.engine.engine.abort(live.ticket)
                 self._end(live, asyncio.CancelledError())
+        else:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "action: not set, or not one this server knows")
 
     def _start(self, start: decode_pb2.DecodeStreamStart) -> None:
         if start.key in self.live:

@@ -50,7 +50,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import AsyncGenerator, Sequence
+from typing import AsyncGenerator, Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -61,7 +61,7 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.decode_events import event_from_pb
 from services.errors import ServiceError
 from services.metrics import Metrics
-from services.replicas import REPLICA_ID_KEY
+from services.replicas import BATCH_KEY, REPLICA_ID_KEY
 
 log = logging.getLogger("tokenwire.text")
 
@@ -77,15 +77,16 @@ _IDENTIFY_S = 5.0  # how long the pool waits for a new stream's headers before l
 BATCH_BYTES = 1 << 20
 
 
-def _requests(actions: queue.SimpleQueue):
+def _requests(actions: queue.SimpleQueue, batches: Callable[[], bool]):
     """A call's request iterator, on gRPC's thread: each next() waits for an action, then takes
     every other one already queued and yields them as one DecodeStreamBatch (a single action as
     itself). gRPC asks for the next message once the last is written, so the starts of a burst
-    queue up meanwhile and go together, without waiting for any action not yet queued."""
+    queue up meanwhile and go together, without waiting for any action not yet queued. Until
+    `batches()` (the server's headers said it reads batches), every action goes alone."""
     while (first := actions.get()) is not _END:
         batch, size = [first], first.ByteSize()
         ended = False
-        while size < BATCH_BYTES:
+        while size < BATCH_BYTES and batches():
             try:
                 action = actions.get_nowait()
             except queue.Empty:
@@ -116,7 +117,8 @@ class _Stream:
 
     def __init__(self, stub: decode_pb2_grpc.DecoderStub, deliver) -> None:
         self.actions: queue.SimpleQueue = queue.SimpleQueue()
-        self.call = stub.DecodeStream(_requests(self.actions))
+        self.batches = False  # its server reads DecodeStreamBatch (its headers say so)
+        self.call = stub.DecodeStream(_requests(self.actions, lambda: self.batches))
         self.replica: str | None = None  # its replica's id, once its headers came
         self.address: str | None = None  # its replica's address (from the census), for metrics
         self.identified = asyncio.Event()  # headers came, or the call ended first
@@ -150,8 +152,9 @@ class _Stream:
         """The reader thread: the replica's id, every response into the mailbox, then the end."""
         failure = ServiceError(grpc.StatusCode.UNAVAILABLE, "the decode stream ended")
         try:
-            metadata = self.call.initial_metadata()  # blocks until the headers (or the call's end)
-            replica = dict(metadata or ()).get(REPLICA_ID_KEY)
+            metadata = dict(self.call.initial_metadata() or ())  # blocks until the headers (or the call's end)
+            self.batches = metadata.get(BATCH_KEY) == "1"
+            replica = metadata.get(REPLICA_ID_KEY)
             if replica is not None:  # (none when the call failed first)
                 self._post(_Identified(replica))
             for response in self.call:

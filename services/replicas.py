@@ -47,6 +47,9 @@ log = logging.getLogger("tokenwire.text")
 # Initial metadata a decode server sends on GetModelInfo and DecodeStream: an id of this server
 # process, so that the text service can tell which replica a stream landed on.
 REPLICA_ID_KEY = "tokenwire-replica-id"
+# Initial metadata a decode server sends on DecodeStream when it reads DecodeStreamBatch
+# (invariant 17): a server from before it would take a batch for an unknown action and drop it.
+BATCH_KEY = "tokenwire-decode-stream-batch"
 
 # Reconnect quickly after a replica restarts (gRPC's default backoff grows to 120 s).
 RECONNECT_OPTIONS = [

@@ -375,7 +375,7 @@ def test_the_text_services_upstream_sends_what_is_queued_together_in_order(monke
     gRPC asks for the next message goes in one batch, in order; a lone action goes as itself; a
     batch closes at BATCH_BYTES; the end of writes ends the iterator after what came before it."""
     actions: queue.SimpleQueue = queue.SimpleQueue()
-    messages = decode_stream_client._requests(actions)
+    messages = decode_stream_client._requests(actions, lambda: True)
     burst = [start(1, 100, 5), start(2, 200, 5), cancel(1), start(3, 300, 5)]
     for action in burst:
         actions.put(action)
@@ -390,6 +390,38 @@ def test_the_text_services_upstream_sends_what_is_queued_together_in_order(monke
     assert next(messages) == batch(start(4, 400, 5), start(5, 500, 5))
     assert next(messages) == batch(start(6, 600, 5), cancel(4))
     assert next(messages, None) is None
+
+
+def test_the_upstream_sends_no_batch_to_a_server_that_has_not_said_it_reads_them():
+    actions: queue.SimpleQueue = queue.SimpleQueue()
+    messages = decode_stream_client._requests(actions, lambda: False)
+    for action in (start(1, 100, 5), start(2, 200, 5), decode_stream_client._END):
+        actions.put(action)
+    assert list(messages) == [start(1, 100, 5), start(2, 200, 5)]
+
+
+async def test_a_decode_stream_says_it_reads_batches_and_the_text_services_stream_sees_it(stream_server):
+    """The decode server's DecodeStream headers carry BATCH_KEY; the text service's `_Stream`
+    (its reader thread, over a blocking channel) reads them and from then on batches."""
+    server, _ = stream_server
+    got: list = []
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stream = decode_stream_client._Stream(decode_pb2_grpc.DecoderStub(channel), lambda s, items: got.extend(items))
+        await until(lambda: any(type(item) is decode_stream_client._Identified for item in got), "the stream's headers")
+        assert stream.batches
+        stream.close()
+
+
+async def test_an_action_that_is_not_set_fails_the_rpc_as_invalid_argument(stream_server):
+    """An unset action (and so one from a later contract this server does not know) is refused,
+    not dropped: a dropped start would leave its request waiting forever."""
+    server, stub = stream_server
+    call = stub.DecodeStream()
+    await call.write(decode_pb2.DecodeStreamRequest())
+    with pytest.raises(grpc.aio.AioRpcError) as error:
+        while True:
+            await within(call.read())
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "action" in error.value.details()
 
 
 async def test_draining_refuses_new_starts_and_lets_live_ones_finish(stream_server):

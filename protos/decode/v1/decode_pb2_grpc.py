@@ -98,7 +98,10 @@ class DecoderServicer:
         RequestEvents, so 10 holds with each response read as: for each i, token_ids[i] as a
         Token event of token_keys[i]; then the entries of `requests`.
         17. A DecodeStreamBatch is its actions applied in order, exactly as if each had come in a
-        message of its own; a batch inside a batch fails the whole RPC with INVALID_ARGUMENT.
+        message of its own; a batch inside a batch fails the whole RPC with INVALID_ARGUMENT,
+        as does an action that is not set. A server that reads batches sends
+        `tokenwire-decode-stream-batch: 1` in the call's initial metadata; a client sends a batch
+        only after seeing it (a server from before batches takes one for an unknown action).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
