@@ -5,9 +5,9 @@ Data flow: `decode(request, timeout)` takes a fresh key, puts the request on the
 stream of the pool (opening one if there is none), writes a start and reads its key's entries
 from a queue. gRPC's thread writes the starts and cancels; those that queue while it writes one
 message go in the next as one DecodeStreamBatch (`_requests`), so a burst of requests costs the
-text service's threads and the decoder's loop a few messages, not one each. Each stream is a blocking call read by its own thread (`_Stream._read`), which
-hands what it reads to the event loop through a mailbox: one wake-up of the loop for everything
-read since the last one. So when the loop is busy (sending to clients), the thread reads ahead
+text service's threads and the decoder's loop a few messages, not one each. Each stream is a
+blocking call read by its own thread (`_Stream._read`), which hands what it reads to the event
+loop through a mailbox: one wake-up of the loop for everything read since the last one. So when the loop is busy (sending to clients), the thread reads ahead
 and the next wake-up carries several steps; every request then gets them as one list, and the
 text service sends its client one message for them. A grpc.aio reader could not do this: each
 read is a round trip through the event loop, so a busy loop reads one step per turn and sends
@@ -72,8 +72,8 @@ MAX_ATTEMPTS = 3
 _IDENTIFY_S = 5.0  # how long the pool waits for a new stream's headers before leaving it be
 
 
-# A batch of actions (invariant 17) is closed at this many bytes, well under gRPC's default 4 MiB
-# limit on a received message: one long prompt is at most a few hundred kB.
+# A batch of actions (invariant 17) takes no more once it holds this many bytes, so it stays well
+# under gRPC's default 4 MiB limit on a received message (one long prompt: a few hundred kB).
 BATCH_BYTES = 1 << 20
 
 
