@@ -7,11 +7,12 @@ from a queue. gRPC's thread writes the starts and cancels; those that queue whil
 message go in the next as one DecodeStreamBatch (`_requests`), so a burst of requests costs the
 text service's threads and the decoder's loop a few messages, not one each. Each stream is a
 blocking call read by its own thread (`_Stream._read`), which hands what it reads to the event
-loop through a mailbox: one wake-up of the loop for everything read since the last one. So when the loop is busy (sending to clients), the thread reads ahead
-and the next wake-up carries several steps; every request then gets them as one list, and the
-text service sends its client one message for them. A grpc.aio reader could not do this: each
-read is a round trip through the event loop, so a busy loop reads one step per turn and sends
-one message per token. The per-request `Decode` RPC stays in the contract for other clients.
+loop through a mailbox: one wake-up of the loop for everything read since the last one. So when
+the loop is busy (sending to clients), the thread reads ahead and the next wake-up carries
+several steps; every request then gets them as one list, and the text service sends its client
+one message for them. A grpc.aio reader could not do this: each read is a round trip through the
+event loop, so a busy loop reads one step per turn and sends one message per token. The
+per-request `Decode` RPC stays in the contract for other clients.
 
 The pool. gRPC picks a replica per call, so one shared call would keep every request on one
 replica. The pool holds one DecodeStream per ready replica: each is opened on the balanced
