@@ -124,7 +124,9 @@ def _free_port() -> int:
 def measure(server_pid: int, port: int, streams: int) -> dict[str, float]:
     ctx = multiprocessing.get_context("spawn")
     go, results = ctx.Event(), ctx.Queue()
-    clients = [ctx.Process(target=_client, args=(port, streams // CLIENTS, go, results)) for _ in range(CLIENTS)]
+    procs = min(CLIENTS, streams)  # (fewer streams than client processes: one stream each)
+    shares = [streams // procs + (w < streams % procs) for w in range(procs)]
+    clients = [ctx.Process(target=_client, args=(port, share, go, results)) for share in shares]
     for c in clients:
         c.start()
     time.sleep(1.0)  # connected and waiting

@@ -117,7 +117,9 @@ def test_grpc_floor_streams_every_id_and_prices_both_ends():
     try:
         time.sleep(1.0)
         m = grpc_floor.measure(server.pid, port, 4)
+        one = grpc_floor.measure(server.pid, port, 1)  # fewer streams than client processes
     finally:
         server.kill()
     assert m["tokens"] == 4 * 10 and m["per_message"] == 5.0 and m["tok_s"] > 0
     assert m["server_us"] >= 0 and m["clients_us"] >= 0
+    assert one["tokens"] == 10 and one["per_message"] == 5.0
