@@ -137,40 +137,6 @@ TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, const uint1
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
 }
 
-// Panels [begin, end) for every row: kRows rows a pass, then the rest.
-template <bool kOffset>
-TW_TARGET void Panels(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, const int16_t* xq,
-                      const float* sx, const float* xsum, int64_t rows, int64_t k, int64_t begin, int64_t end, float* y,
-                      int64_t n) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t p = begin; p < end; ++p) {
-    const int8_t* pp = pairs + p * k * kPanel;
-    const uint16_t* ps = scale + p * blocks * kPanel;
-    const uint16_t* pm = kOffset ? offset + p * blocks * kPanel : nullptr;
-    const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
-    int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows)
-      PanelTile<kRows, 1, kOffset>(pp, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
-    const int16_t* xr = xq + r * k;
-    const float* sr = sx + r * blocks;
-    const float* mr = xsum + r * blocks;
-    float* yr = y + r * n + o;
-    switch (rows - r) {
-      case 0: break;
-      case 1: PanelTile<1, 4, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 2: PanelTile<2, 2, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 3: PanelTile<3, 2, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 4: PanelTile<4, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 5: PanelTile<5, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 6: PanelTile<6, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 7: PanelTile<7, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 8: PanelTile<8, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 9: PanelTile<9, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 10: PanelTile<10, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      default: PanelTile<11, 1, kOffset>(pp, ps, pm, count, xr, sr, mr, k, yr, n); break;
-    }
-  }
-}
 // The 4-bit tile: PanelTile's sums over groups of two pairs, each group's 32 bytes unpacked once
 // for the MR rows (always with offsets: module comment). The prefetch runs the same time ahead as
 // the int8 tile's, half the bytes.
@@ -215,36 +181,63 @@ TW_TARGET void PanelTile4(const uint8_t* quads, const uint16_t* scale, const uin
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
 }
 
-// Panels4 [begin, end) for every row, as Panels.
-TW_TARGET void Panels4(const uint8_t* quads, const uint16_t* scale, const uint16_t* offset, const int16_t* xq,
-                       const float* sx, const float* xsum, int64_t rows, int64_t k, int64_t begin, int64_t end, float* y,
-                       int64_t n) {
+// The two tiles behind one row dispatch (Panels): the weights' type, a panel's bytes per input,
+// whether blocks carry offsets, and the tile for MR rows with S sums each.
+template <bool kOffsets>
+struct Int8Tiles {
+  using Weights = int8_t;
+  static constexpr int64_t kBytesPerInput = kPanel;
+  static constexpr bool kOffset = kOffsets;
+  template <int MR, int S>
+  TW_TARGET static void Tile(const Weights* w, const uint16_t* scale, const uint16_t* offset, int64_t count,
+                             const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
+    PanelTile<MR, S, kOffsets>(w, scale, offset, count, xq, sx, xsum, k, y, n);
+  }
+};
+
+struct Int4Tiles {  // always with offsets (module comment)
+  using Weights = uint8_t;
+  static constexpr int64_t kBytesPerInput = kPanel / 2;
+  static constexpr bool kOffset = true;
+  template <int MR, int S>
+  TW_TARGET static void Tile(const Weights* w, const uint16_t* scale, const uint16_t* offset, int64_t count,
+                             const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
+    PanelTile4<MR, S>(w, scale, offset, count, xq, sx, xsum, k, y, n);
+  }
+};
+
+// Panels [begin, end) for every row: kRows rows a pass, then the rest (one or two rows take more
+// independent sums: a lone row's dot products would otherwise wait on each other).
+template <class T>
+TW_TARGET void Panels(const typename T::Weights* weights, const uint16_t* scale, const uint16_t* offset, const int16_t* xq,
+                      const float* sx, const float* xsum, int64_t rows, int64_t k, int64_t begin, int64_t end, float* y,
+                      int64_t n) {
   const int64_t blocks = k / kBlock;
   for (int64_t p = begin; p < end; ++p) {
-    const uint8_t* pq = quads + p * k * kPanel / 2;
+    const typename T::Weights* pw = weights + p * k * T::kBytesPerInput;
     const uint16_t* ps = scale + p * blocks * kPanel;
-    const uint16_t* pm = offset + p * blocks * kPanel;
+    const uint16_t* pm = T::kOffset ? offset + p * blocks * kPanel : nullptr;
     const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
     int64_t r = 0;
     for (; r + kRows <= rows; r += kRows)
-      PanelTile4<kRows, 1>(pq, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
+      T::template Tile<kRows, 1>(pw, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
     const int16_t* xr = xq + r * k;
     const float* sr = sx + r * blocks;
     const float* mr = xsum + r * blocks;
     float* yr = y + r * n + o;
     switch (rows - r) {
       case 0: break;
-      case 1: PanelTile4<1, 4>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 2: PanelTile4<2, 2>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 3: PanelTile4<3, 2>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 4: PanelTile4<4, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 5: PanelTile4<5, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 6: PanelTile4<6, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 7: PanelTile4<7, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 8: PanelTile4<8, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 9: PanelTile4<9, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 10: PanelTile4<10, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      default: PanelTile4<11, 1>(pq, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 1: T::template Tile<1, 4>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 2: T::template Tile<2, 2>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 3: T::template Tile<3, 2>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 4: T::template Tile<4, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 5: T::template Tile<5, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 6: T::template Tile<6, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 7: T::template Tile<7, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 8: T::template Tile<8, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 9: T::template Tile<9, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 10: T::template Tile<10, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      default: T::template Tile<11, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
     }
   }
 }
@@ -386,11 +379,11 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const 
     const float *xs = sx.data(), *xm = xsum.data();
     tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
       if (bits == 4) {
-        vnni::Panels4(quads, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+        vnni::Panels<vnni::Int4Tiles>(quads, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
       } else if (offset != nullptr) {
-        vnni::Panels<true>(qp, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+        vnni::Panels<vnni::Int8Tiles<true>>(qp, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
       } else {
-        vnni::Panels<false>(qp, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+        vnni::Panels<vnni::Int8Tiles<false>>(qp, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
       }
     });
     return ffi::Error::Success();
