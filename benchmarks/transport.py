@@ -676,7 +676,10 @@ def main() -> None:
     if args.json:
         rows = [dict(step_ms=step, streams=n, path=path, rounds=[dataclasses.asdict(m) for m in runs])
                 for (step, n, path), runs in results.items()]
-        args.json.write_text(json.dumps({"machine": describe("grpcio", "protobuf"), "results": rows}, indent=1))
+        document = {"machine": describe("grpcio", "protobuf"), "results": rows}
+        if engine_only:  # --real-model: decode.py's engine-only tok/s at this batch, one per round
+            document["engine_only"] = {"batch": min(max(args.streams), args.max_batch_size), "tok_s": engine_only}
+        args.json.write_text(json.dumps(document, indent=1))
     print("\nload average after: %.2f %.2f %.2f" % os.getloadavg())
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import report
+from benchmarks.gpu_check import phases, report
 from benchmarks.gpu_check.plan import GPU, LLAMA3_8B, LLAMA32_1B, PROFILES, Plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,6 +61,29 @@ def test_targets_say_met_or_by_how_much_they_are_missed():
     assert served["status"] == "missed by 25%" and "the decode service alone serves 1.00x" in served["where"]
 
 
+def test_a_failed_batch_1_profile_says_why_and_the_stack_is_set_against_decode_steps_alone():
+    assert report.where_text({"error": "ModelUsageError: a position past the context"}) == (
+        "not profiled (ModelUsageError: a position past the context)")
+    assert report.where_text({"step": {"s": 0.002, "bytes": 10**9}}) == "step 2.00 ms (500 GB/s)"
+    stack = _results(tpot_s=0.0068, floor_s=0.0034, text_vs_engine=0.9)["stack"]
+    assert report.engine_only_lines(stack) == []  # a scripted stack has no decode.py steps
+    stack["engine_only"] = {"batch": 64, "tok_s": [2000.0, 4000.0, 2500.0]}  # median 2500
+    # the engine path's 1,000 tok/s and the text path's 900 over the median of decode.py's steps
+    assert report.engine_only_lines(stack)[-1].endswith(
+        "at batch 64 (2500 tok/s, no prefill in the window): decode 0.40x, engine 0.40x, text 0.36x")
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_the_decode_speed_context_holds_every_step_slot_0_takes(name):
+    """Slot 0 is in every step: per batch size one untimed and rounds x steps timed, then the
+    batch-1 profile's 5 single steps and 5 runs of 8 lagged ones. The first H200 run's context
+    left room for 2, and the profile failed with a position past the context."""
+    plan = PROFILES[name]
+    taken = len(plan.batches) * (1 + plan.rounds * plan.steps) + 5 * (1 + 8)
+    assert phases.decode_context(plan) >= plan.prompt_len + taken + 1
+    assert phases.decode_context(plan) % 64 == 0
+
+
 def test_device_tests_stopped_at_their_limit_are_counted_from_the_log_and_fail_the_check(tmp_path):
     log = ("tests/test_a.py::test_x PASSED [ 10%]\ntests/test_a.py::test_y[p-1] FAILED [ 20%]\n"
            "tests/test_b.py::test_z SKIPPED (no kernels) [ 30%]\n")
@@ -104,4 +127,6 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert [t.get("ratio", -1) > 0 for t in summary["targets"]] == [True, True]
     table = (tmp_path / "gpu-check.md").read_text()
     assert "| model | batch | tok/s | TPOT ms | HBM floor ms | MBU |" in table and "| 2 | text |" in table
+    assert phases["stack"]["engine_only"]["batch"] == 2 and len(phases["stack"]["engine_only"]["tok_s"]) == 1
+    assert "Over decode.py's decode steps alone at batch 2 (" in table
     assert "| int8 |" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table

@@ -185,10 +185,19 @@ def speed(plan: Plan, index: int) -> dict:
     return result
 
 
+PROFILE_REPEATS, PROFILE_LAGGED = 5, 8  # step_profile: best of 5 single steps, and of 5 runs of 8 lagged steps
+
+
+def decode_context(plan: Plan) -> int:
+    """The decode model's context: slot 0 takes part in every step _decode_speed runs (an untimed
+    one and the timed ones per batch size, then step_profile's), rounded up to a multiple of 64."""
+    steps = len(plan.batches) * (1 + plan.rounds * plan.steps) + PROFILE_REPEATS * (1 + PROFILE_LAGGED)
+    return -(-(plan.prompt_len + steps + 1) // 64) * 64
+
+
 def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
     batches = plan.batches
-    needed = plan.prompt_len + len(batches) * (1 + plan.rounds * plan.steps) + 2  # + a profiled step
-    context = -(-needed // 64) * 64
+    context = decode_context(plan)
     model, _ = random_model(  # one attend bucket (the context) and one prompt bucket: few compiles
         shape, plan.dtype, weights, max_batch_size=max(batches), max_context_length=context, min_attend=context,
         min_bucket=plan.prompt_len, max_chunk=plan.prompt_len,
@@ -229,14 +238,14 @@ def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
     }
 
 
-def step_profile(model: JaxModel, slots: Slots, repeats: int = 5) -> dict:
+def step_profile(model: JaxModel, slots: Slots, repeats: int = PROFILE_REPEATS) -> dict:
     """Where batch 1's step time goes, best of `repeats`: the step (one executable: embed, every
     layer, head and sampling) read before the next is dispatched, and 8 steps with the host one
     behind, as the engine runs them; the gap between the two is host time the lag hides. Both
     read the weights once a step (`bytes`)."""
     try:
         read = min(slots.step(1) for _ in range(repeats))
-        behind = min(slots.pipelined(1, 8) for _ in range(repeats))
+        behind = min(slots.pipelined(1, PROFILE_LAGGED) for _ in range(repeats))
         weights = weight_bytes(model)
         return {"step, read at once": {"s": read, "bytes": weights}, "step, host one behind": {"s": behind, "bytes": weights}}
     except Exception as error:  # a diagnostic must not cost the measurements

@@ -65,6 +65,29 @@ def stack_rows(stack: dict) -> list[dict]:
     return rows
 
 
+def where_text(where: dict | str) -> str:
+    """A missed target's `where`: the batch-1 step's pieces (time and GB/s each), or why the
+    profile failed, or the served target's sentence."""
+    if isinstance(where, dict) and "error" in where:
+        return f"not profiled ({where['error']})"
+    if isinstance(where, dict):
+        return ", ".join(f"{k} {v['s'] * 1e3:.2f} ms ({v['bytes'] / max(v['s'], 1e-9) / 1e9:.3g} GB/s)"
+                         for k, v in where.items() if isinstance(v, dict))
+    return where
+
+
+def engine_only_lines(stack: dict) -> list[str]:
+    """The stack's streams over decode.py's decode steps alone at the same batch (same rounds):
+    what prefill, first tokens and the scheduler cost before any transport."""
+    only = stack.get("engine_only")
+    if not only:
+        return []
+    steps = _median(only["tok_s"])
+    served = ", ".join(f"{r['path']} {r['tok_s'] / steps:.2f}x" for r in stack_rows(stack) if r["streams"] == only["batch"])
+    return ["", f"Over decode.py's decode steps alone at batch {only['batch']} ({steps:.0f} tok/s, no prefill in "
+                f"the window): {served}"]
+
+
 def targets(plan: Plan, results: dict) -> list[dict]:
     out = []
     speed = results.get("speed-0", {})
@@ -182,11 +205,7 @@ def markdown(summary: dict) -> str:
     out += [f"| {t['name']} | {t.get('measured', '-')} | {t['status']} |" for t in summary["targets"]]
     for t in summary["targets"]:
         if "where" in t:
-            where = t["where"]
-            if isinstance(where, dict):
-                where = ", ".join(f"{k} {v['s'] * 1e3:.2f} ms ({v['bytes'] / max(v['s'], 1e-9) / 1e9:.3g} GB/s)"
-                                  for k, v in where.items() if isinstance(v, dict))
-            out.append(f"\nWhere the time went ({t['name']}): {where}")
+            out.append(f"\nWhere the time went ({t['name']}): {where_text(t['where'])}")
     decode_rows = [(r["shape"], r) for name, r in sorted(phases.items()) if name.startswith("speed-") and "decode" in r]
     if decode_rows:
         out += ["", "| model | batch | tok/s | TPOT ms | HBM floor ms | MBU |", "|---|---|---|---|---|---|"]
@@ -211,6 +230,7 @@ def markdown(summary: dict) -> str:
         for r in rows:
             out.append(f"| {r['streams']} | {r['path']} | {r['tok_s']:.0f} | {r['vs_engine']:.2f} | "
                        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} |")
+        out += engine_only_lines(phases["stack"])
     out += ["", "| also | status |", "|---|---|",
             f"| int8 | {_int8_line(phases)} |",
             f"| tensor parallelism | {_tp_line(phases)} |"]
