@@ -6,9 +6,9 @@ The configurations are the decode-server's defaults (8 slots, prompt chunks up t
 cache) on tiny-llama, whose context is 256 (the default model's 2048 adds 3 prompt buckets, and 3
 attend buckets where there are several): once as the CPU runs them (the attention kernel: one
 attend shape; rows from 1), and once with neither attention kernel, rows from 16 and no
-chunk along with a decode step, as an accelerator without the Pallas kernel runs them (attend
-buckets from 128). A GPU with the Pallas
-kernel (engine.jax_backend.ragged_attention) has one attend shape: 1 + 15 + 4 = 20 there. Each
+chunk along with a decode step and one packed prefill size, as an accelerator without the Pallas
+kernel runs them (attend buckets from 128). A GPU with the Pallas
+kernel (engine.jax_backend.ragged_attention) has one attend shape: 1 + 15 + 4 + 3 = 23 there. Each
 count is written out, not computed from the model, so it reads as the budget it is.
 """
 
@@ -33,7 +33,7 @@ def _warm(**kw) -> tuple[JaxModel, list[str]]:
     return model, compiles
 
 
-def test_the_cpu_shape_of_the_defaults_compiles_30_shapes():
+def test_the_cpu_shape_of_the_defaults_compiles_45_shapes():
     if cpu_kernels.load() is None:
         pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA/F16C)")
     model, compiles = _warm(kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
@@ -43,14 +43,20 @@ def test_the_cpu_shape_of_the_defaults_compiles_30_shapes():
     # per prompt bucket: embed, one prefill layer, last position (6 x 3); the mask write; a
     # prompt's head and sampling; the two prefix-pool copies
     assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (8,)
-    assert model.compilations() == 4 * 2 + 18 + 1 + 1 + 2 == 30
-    assert len([c for c in compiles if "backend_compile" in c]) <= 30 + 4  # + jnp's own small helpers
+    # packed prefill: a layer and the last positions per packed size (every prompt bucket), and the
+    # samples per row bucket from 2 (3)
+    assert model.packed_prefill_sizes == model.buckets and model.packed_prefill_rows == (2, 4, 8)
+    assert model.compilations() == 4 * 2 + 18 + 1 + 1 + 2 + 6 * 2 + 3 == 45
+    assert len([c for c in compiles if "backend_compile" in c]) <= 45 + 4  # + jnp's own small helpers
 
 
-def test_the_plain_accelerator_shape_of_the_defaults_compiles_21_shapes():
-    model, compiles = _warm(kernels=False, min_rows=16, fused_chunk_tokens=0)  # an accelerator's default: no chunk along
+def test_the_plain_accelerator_shape_of_the_defaults_compiles_24_shapes():
+    # an accelerator's defaults: no chunk along, rows from 16, one packed size (the largest, 256)
+    model, compiles = _warm(kernels=False, min_rows=16, fused_chunk_tokens=0, min_packed=256)
     assert model.row_buckets == (8,)  # the batch itself: no bucket below 16 rows
     assert model.attend_buckets == (128, 256)
-    # decode steps: 1 row bucket x 2 attend; 5 prompt buckets x 3; mask; prompt sampling; 2 copies
-    assert model.compilations() == 2 + 15 + 1 + 1 + 2 == 21
-    assert len([c for c in compiles if "backend_compile" in c]) <= 21 + 4
+    assert model.packed_prefill_sizes == (256,) and model.packed_prefill_rows == (8,)
+    # decode steps: 1 row bucket x 2 attend; 5 prompt buckets x 3; mask; prompt sampling; 2 copies;
+    # a packed layer, its last positions and its samples
+    assert model.compilations() == 2 + 15 + 1 + 1 + 2 + 3 == 24
+    assert len([c for c in compiles if "backend_compile" in c]) <= 24 + 4

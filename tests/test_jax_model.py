@@ -211,7 +211,9 @@ def test_nothing_compiles_after_warm_up(model):
     assert along == (1 if model.kernels else 0)  # (on by default with the CPU kernels only)
     layers = rows * attend * (1 + along) + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
     small = prompts + prompts + 1 + 1  # embed and last of a prompt; write_mask; a prompt's head and sampling
-    assert before == layers + small
+    packed = model.packed_prefill_sizes  # a packed prefill: one layer and the last positions per size
+    assert packed == tuple(t for t in model.buckets if t <= 256) and model.packed_prefill_rows == model.row_buckets[1:]
+    assert before == layers + small + 2 * len(packed) + len(model.packed_prefill_rows)  # and its samples per rows
     with compile_events() as compiles:
         drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
         drive(model, [Plan(3, _prompt(9, 1), 30, SamplingParams(temperature=0.7, top_k=3, seed=3))])  # rows 4

@@ -27,6 +27,7 @@ from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from support.backend import require_cpu
 from support.compile_watch import compile_events
+from support.gated_steps import GatedSteps
 from support.recording_sink import Recorder
 from engine.jax_backend import transformer
 from engine.jax_backend.jax_model import JaxModel
@@ -248,6 +249,98 @@ def _beside_a_running_stream(fused: int, budget: int, running_n: int, prompt: li
     finally:
         engine.stop()
     return model, running, other
+
+
+@pytest.mark.parametrize("fused", [0, 16], ids=["chunk-calls", "chunks-along-with-steps"])
+def test_a_decoding_stream_keeps_getting_tokens_while_a_long_prompt_is_chunk_prefilled(fused):
+    """Between any two chunks, one decode step of the running stream. With a model that takes a
+    chunk along with a step, every chunk but the last goes with the step after it (one pass over
+    the weights); the last, which samples the first token, is a call of its own."""
+    long_prompt = [3] * 99 + [500]  # 100 tokens: chunks of 16, the last 20 in one (less than two budgets left)
+    model, running, long = _beside_a_running_stream(fused, 16, 60, long_prompt, 3)
+    chunks = [c for c in model.calls if c[0] == "prefill" and c[1] == 1]
+    assert [(c[2], c[3]) for c in chunks] == [(i, i + 16) for i in range(0, 80, 16)] + [(80, 100)]
+    at = [model.calls.index(c) for c in chunks]
+    for a, b in zip(at[:-1], at[1:]):  # between any two chunks, one decode step of the running stream
+        assert model.calls[a + 1 : b] == [("decode", (0,))]
+    assert long.tokens == [501, 502, 503]  # its first token comes from the last chunk
+    assert running.tokens == list(range(11, 71))
+    assert model.fused_chunks == (len(chunks) - 1 if fused else 0)
+
+
+@pytest.mark.parametrize("fused", [0, 8], ids=["chunk-calls", "chunks-along-with-steps"])
+def test_a_short_prompt_beside_running_streams_is_one_call_not_a_chunk_and_a_call(fused):
+    """10 tokens against a budget of 8, while a stream decodes: read whole in one iteration (its
+    first token a step sooner), where a chunk of 8 would leave 2 for a call of their own a step on."""
+    model, running, short = _beside_a_running_stream(fused, 8, 40, [3] * 9 + [600], 2)
+    assert [c for c in model.calls if c[0] == "prefill" and c[1] == 1] == [("prefill", 1, 0, 10)]
+    assert model.fused_chunks == 0
+    assert short.tokens == [601, 602] and running.tokens == list(range(11, 51))
+
+
+@pytest.mark.parametrize("fused", [0, 64], ids=["chunk-calls", "chunks-along-with-steps"])
+@pytest.mark.parametrize("max_step_tokens", [0, 1, 5, 64])
+def test_chunked_and_whole_prefill_send_the_same_events(max_step_tokens, fused):
+    model = ScriptedModel(vocab_size=1000, max_batch_size=3, max_context_length=128, fused_chunk_tokens=fused)
+    engine = Engine(model, EngineConfig(max_step_tokens=max_step_tokens))
+    engine.start()
+    try:
+        sinks = [Recorder() for _ in range(4)]
+        for i, sink in enumerate(sinks):
+            engine.submit(_request(list(range(1, 20 * i + 3)) + [100 * i + 2], 5 + i), sink)
+        assert all(s.done.wait(5) for s in sinks)
+    finally:
+        engine.stop()
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == list(range(100 * i + 3, 100 * i + 3 + 5 + i))
+        assert sink.batches[-1][-1].usage.prompt_tokens == 20 * i + 3
+
+
+class GatedChunks(ScriptedModel):
+    """Holds every prefill chunk that `holds(start)` picks until the test opens the gate."""
+
+    def __init__(self, holds, **kw) -> None:
+        super().__init__(**kw)
+        self.holds = holds
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def prefill_chunk(self, slot, prompt_token_ids, start, end, setup, masked):
+        if self.holds(start) and not self.gate.is_set():
+            self.entered.set()
+            assert self.gate.wait(10)
+        return super().prefill_chunk(slot, prompt_token_ids, start, end, setup, masked)
+
+
+def test_with_nothing_decoding_prompts_are_read_whole_and_the_budget_binds_once_as_many_decode():
+    """Nobody waits on an idle engine, so the two long prompts that arrive together are read whole
+    in one iteration, with no step between them; a third long prompt that arrives while a stream
+    decodes (one waits, one decodes) gets chunks of the budget with a step between."""
+    model = GatedChunks(lambda start: True, vocab_size=1000, max_batch_size=3, max_context_length=256,
+                        step_delay_s=0.002)  # the first call; steps slow enough that the first still decodes
+    engine = Engine(model, EngineConfig(max_step_tokens=16))
+    engine.start()
+    try:
+        gate_holder, first, second, third = Recorder(), Recorder(), Recorder(), Recorder()
+        engine.submit(_request([7], 1), gate_holder)  # ends at its prefill: nothing decodes after it
+        assert model.entered.wait(5)
+        engine.submit(_request([3] * 59 + [100], 150), first)
+        engine.submit(_request([4] * 49 + [200], 1), second)  # ends at its prefill, so its slot is free for the third
+        model.gate.set()
+        assert first.started.wait(5) and second.done.wait(5)
+        engine.submit(_request([5] * 49 + [300], 3), third)
+        assert first.done.wait(5) and third.done.wait(5)
+    finally:
+        engine.stop()
+    assert first.tokens == list(range(101, 251)) and second.tokens == [201] and third.tokens == [301, 302, 303]
+    prefills = [c for c in model.calls if c[0] == "prefill"]
+    assert prefills[:3] == [("prefill", 0, 0, 1), ("prefill", 0, 0, 60), ("prefill", 1, 0, 50)]  # both whole
+    assert model.calls.index(prefills[2]) == model.calls.index(prefills[1]) + 1  # in one iteration
+    chunks = [c for c in prefills[3:] if c[1] == 1]
+    assert [(c[2], c[3]) for c in chunks] == [(0, 16), (16, 32), (32, 50)]  # the last 18: less than two budgets
+    at = [model.calls.index(c) for c in chunks]
+    for a, b in zip(at[:-1], at[1:]):
+        assert model.calls[a + 1 : b] == [("decode", (0,))]
 
 
 @pytest.mark.parametrize("fused", [0, 16], ids=["chunk-calls", "chunks-along-with-steps"])

@@ -17,7 +17,11 @@ Data flow, on the engine thread, once per iteration:
      arrivals), that iteration reads every waiting prompt whole (TGI pauses its running
      requests for waiting ones on a similar rule, its waiting_served_ratio). A burst of 32
      short prompts is then read in one iteration, instead of trickling in at `step_tokens` a
-     step while the first requests run to their end. A prompt whose rest is under the
+     step while the first requests run to their end. In such an iteration (and with no budget
+     at all) the prompts not yet started and with no cached prefix go, in admission order, as
+     many as fit in the model's `packed_prefill_tokens`, into one `model.prefill_packed` call
+     (at least two; `_prefill_packed`): one pass over the weights and one read of the samples
+     for all of them, where an accelerator's fixed cost a call would otherwise be paid a prompt. A prompt whose rest is under the
      iteration's remaining budget plus one more budget is read to its end in that iteration:
      a short prompt beside running streams gets its first token a step sooner, rather than a
      chunk now and a small last call a step later (an iteration thus reads under twice the
@@ -59,7 +63,7 @@ from typing import Callable, Protocol
 
 from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
-from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, PromptInput, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixCache
 from engine.core.request import Request
 from engine.core.stopping import StopRule, decide, resolve
@@ -129,6 +133,7 @@ class _Live:
     prefilled: int = 0  # prompt positions in the cache; the request decodes once all are
     steps: int = 0  # decode steps dispatched for it (read or in flight)
     filling: bool = True  # prefilled < the prompt's length (a prompt has at least one id)
+    looked_up: bool = False  # its prompt was matched against the prefix cache (once per request)
 
     def fill_to(self, positions: int) -> None:
         self.prefilled = positions
@@ -272,6 +277,9 @@ class Engine:
                 filling = [live for live in self._active.values() if live.filling]  # admission order
                 if budget is not None and len(filling) > len(self._active) - len(filling):
                     budget = None  # more requests wait for a first token than decode: prompts first
+                if budget is None and len(filling) > 1 and self.model.packed_prefill_tokens:
+                    packed = self._prefill_packed(filling)
+                    filling = [live for live in filling if live not in packed]
                 for live in filling:  # (a budget left means that as many decode as wait: it binds)
                     if budget is not None and budget <= 0:
                         break
@@ -340,7 +348,7 @@ class Engine:
         -> tokens prefilled."""
         prompt = live.request.prompt_token_ids
         setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
-        if live.prefilled == 0 and self._prefix is not None:
+        if not live.looked_up and self._prefix is not None:
             self._load_prefix(live, setup)
         start = live.prefilled
         if budget is not None and len(prompt) - start < budget + self.step_tokens:
@@ -371,10 +379,54 @@ class Engine:
             self._advance(live, sample)
         return end - start
 
+    def _prefill_packed(self, filling: list[_Live]) -> list[_Live]:
+        """Read whole, in one `model.prefill_packed` call, the prompts of an iteration that reads
+        every prompt whole: those not started, with no cached prefix, in admission order while
+        they fit in `packed_prefill_tokens` (at least two, else none: one prompt is a plain
+        `prefill`). Each then goes on as after `_prefill` of its whole prompt (prefix saved, a
+        cancel honoured, its first token decided), and the iteration's deliveries go out once.
+        -> the requests read."""
+        group: list[tuple[_Live, SlotSetup]] = []
+        tokens = 0
+        for live in filling:
+            prompt = live.request.prompt_token_ids
+            if live.prefilled or tokens + len(prompt) > self.model.packed_prefill_tokens:
+                break  # (the prefix lookup below only for a prompt that fits, so none is looked up twice)
+            setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
+            if self._prefix is not None and not live.looked_up:
+                self._load_prefix(live, setup)
+                if live.prefilled:  # a cached prefix: the rest of its prompt is a prefill_chunk
+                    continue
+            group.append((live, setup))
+            tokens += len(prompt)
+        if len(group) < 2:
+            return []
+        samples = self.model.prefill_packed([
+            PromptInput(live.slot, live.request.prompt_token_ids, setup, live.rule.masks_control_tokens(0))
+            for live, setup in group
+        ])
+        self._read_at = time.perf_counter()
+        self._read_in_flight = bool(self._in_flight)
+        for (live, _), sample in zip(group, samples, strict=True):
+            live.fill_to(len(live.request.prompt_token_ids))
+            if self._prefix is not None:
+                self._save_prefix(live)
+            with self._cond:  # aborted while prefilling: free the slot, send nothing
+                aborted = live.ticket in self._aborts
+                self._aborts.discard(live.ticket)
+            if aborted:
+                self._release(live)
+            else:
+                self._advance(live, sample)
+        self._after_delivery()
+        self._progressed()
+        return [live for live, _ in group]
+
     def _load_prefix(self, live: _Live, setup: SlotSetup) -> None:
         """Start `live` from the longest cached prefix of its prompt, if any (whole blocks, and
         at least one prompt token left to compute: its last chunk samples the first token)."""
         assert self._prefix is not None
+        live.looked_up = True
         prompt = live.request.prompt_token_ids
         blocks = self._prefix.match(prompt, (len(prompt) - 1) // self._prefix.block_tokens)
         if blocks:

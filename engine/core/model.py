@@ -12,6 +12,7 @@ A model that offers a prefix pool (`prefix_pool.blocks > 0`) also copies whole b
 slot's prompt KV into it (`save_prefix`) and back into a new slot (`load_prefix`), so a prompt
 that starts like an earlier one skips computing that start (engine.core.prefix_cache decides what
 the pool holds).
+Several whole prompts that are read in the same iteration may go in one call (`prefill_packed`).
 A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
 """
@@ -95,6 +96,17 @@ class ChunkInput:
     setup: SlotSetup
 
 
+@dataclass(frozen=True)
+class PromptInput:
+    """One whole prompt of a packed prefill (`prefill_packed`): taken into the free `slot` with
+    `setup`, as `prefill` takes it."""
+
+    slot: int
+    prompt_token_ids: tuple[int, ...]
+    setup: SlotSetup
+    masked: bool  # mask the slot's masked ids when sampling its first token
+
+
 class Model(Protocol):
     info: ModelInfo
     prefix_pool: PrefixPool  # blocks == 0: the model keeps no prefix KV
@@ -103,6 +115,9 @@ class Model(Protocol):
     default_step_tokens: int
     # the longest chunk `dispatch` takes along with a step (0: none; every chunk is `prefill_chunk`)
     fused_chunk_tokens: int
+    # the most prompt tokens, all prompts together, one `prefill_packed` call takes (0: none; each
+    # prompt is its own `prefill`)
+    packed_prefill_tokens: int
 
     def warm_up(self) -> None:
         """Compile every shape the model will use; nothing compiles after this."""
@@ -120,6 +135,12 @@ class Model(Protocol):
         returns the first output token (position len(prompt)), exactly as `prefill` of the whole
         prompt would; earlier chunks return None, and the slot must not decode until its last.
         `prefill(slot, p, setup, masked)` is `prefill_chunk(slot, p, 0, len(p), setup, masked)`."""
+
+    def prefill_packed(self, prompts: Sequence[PromptInput]) -> list[Sample]:
+        """Several whole prompts (into distinct free slots, at most `packed_prefill_tokens` in all)
+        in one call, one pass over the weights for all of them: each as `prefill` would write and
+        sample it, the samples in input order. Where a call a prompt costs more than its tokens
+        (an accelerator's fixed cost per call), a burst of short prompts costs about one call."""
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
         """One step for the given slots; returns one sample per input, in the same order.

@@ -14,8 +14,10 @@ time on a device that runs beside the host, as an accelerator does: `dispatch` r
 catch requests in flight (cancellation, overload, drain) and benchmarks see a host one step
 behind. `fail_at_step` makes one decode step's `collect` raise, as a lost device would. With
 `fused_chunk_tokens` a step takes a prompt chunk along (`dispatch(inputs, chunk)`), counted in
-`fused_chunks` and recorded as the prefill it stands for. `calls` records every prefill chunk
-("prefill", slot, start, end) and decode step ("decode", slots), in order, so scheduler tests can
+`fused_chunks` and recorded as the prefill it stands for. With `packed_prefill_tokens` it takes several whole
+prompts in one call (`prefill_packed`), each sampled as `prefill` would. `calls` records every
+prefill chunk ("prefill", slot, start, end), packed prefill ("packed", ((slot, prompt length),
+...)) and decode step ("decode", slots), in order, so scheduler tests can
 check how chunks and steps interleave; `reads` records, for each `collect`, (the step read, the
 steps dispatched by then), so they can check that the host reads a step only after the next one
 is enqueued. With `prefix_blocks` it offers a prefix pool of that many
@@ -31,7 +33,7 @@ import collections
 import time
 from typing import Sequence
 
-from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
 
 
@@ -55,11 +57,13 @@ class ScriptedModel:
         prefix_blocks: int = 0,
         prefix_block_tokens: int = 16,
         fused_chunk_tokens: int = 0,
+        packed_prefill_tokens: int = 0,
     ) -> None:
         self.info = ModelInfo(model_id, vocab_size, max_context_length, max_batch_size, frozenset(eos_token_ids))
         self.prefix_pool = PrefixPool(prefix_block_tokens, prefix_blocks)
         self.default_step_tokens = 256
         self.fused_chunk_tokens = fused_chunk_tokens
+        self.packed_prefill_tokens = packed_prefill_tokens
         self.fused_chunks = 0  # chunks that came with a decode step (recorded in `calls` as a prefill before it)
         self._pool: dict[int, tuple[int, ...]] = {}  # pool block -> the prompt ids [0, end of block) it was saved from
         self._loaded: dict[int, tuple[int, ...]] = {}  # slot -> the prompt ids its loaded blocks hold
@@ -96,6 +100,20 @@ class ScriptedModel:
     def prefill_chunk(
         self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
     ) -> Sample | None:
+        self.calls.append(("prefill", slot, start, end))
+        return self._chunk(slot, prompt_token_ids, start, end, setup, masked)
+
+    def prefill_packed(self, prompts: Sequence[PromptInput]) -> list[Sample]:
+        total = sum(len(p.prompt_token_ids) for p in prompts)
+        if not prompts or total > self.packed_prefill_tokens or len({p.slot for p in prompts}) < len(prompts):
+            raise ModelUsageError(f"a packed prefill of {len(prompts)} prompts, {total} tokens")
+        self.calls.append(("packed", tuple((p.slot, len(p.prompt_token_ids)) for p in prompts)))
+        samples = [self._chunk(p.slot, p.prompt_token_ids, 0, len(p.prompt_token_ids), p.setup, p.masked) for p in prompts]
+        return [sample for sample in samples if sample is not None]
+
+    def _chunk(
+        self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
+    ) -> Sample | None:
         n = len(prompt_token_ids)
         if not 0 <= start < end <= n:
             raise ModelUsageError(f"a chunk [{start}, {end}) of a prompt of {n} tokens")
@@ -107,7 +125,6 @@ class ScriptedModel:
         if tuple(prompt_token_ids[: len(loaded)]) != loaded:
             raise ModelUsageError(f"slot {slot} was loaded with the KV of another prefix")
         self._prompts[slot] = tuple(prompt_token_ids)
-        self.calls.append(("prefill", slot, start, end))
         if end < n:
             self._filling[slot] = end
             return None

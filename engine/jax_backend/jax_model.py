@@ -67,7 +67,7 @@ import numpy as np
 from engine.jax_backend import cpu_kernels, host_memory, memory_plan, mesh, quantize, ragged_attention, sampling, transformer
 from engine.jax_backend.weights import Weights, default_dtype, load_checkpoint, load_int8, load_sharded, packed_head, with_panels
 from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
-from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup
 from engine.core.prefix_cache import PrefixPool
 from engine.jax_backend.sampling import SlotSampling
 
@@ -75,6 +75,17 @@ log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16  # smallest prompt (chunk) bucket
 MAX_CHUNK = 512  # largest prompt chunk one prefill call runs; longer prompts run as several chunks
+# Most prompt tokens, all prompts together, in one packed prefill (Model.prefill_packed): the
+# largest prompt bucket up to this. A burst of short prompts is then about one call instead of one
+# each (on the first H200 run, 64 prompts of 3 tokens one call each took 0.45 s, 7 ms a call, of
+# a 1.0 s window of 64 streams; docs/benchmarks.md, "GPU check").
+PACKED_TOKENS = 256
+# Smallest packed size compiled (the prompt buckets from it up to PACKED_TOKENS): on the CPU a
+# prefill is arithmetic and padding costs its share, so every bucket; on an accelerator a pass of up
+# to a few hundred token rows costs about what one row's does (the weights' read), and each size is
+# compiled at every start without the cache, so only PACKED_TOKENS itself.
+MIN_PACKED = {"cpu": 1}
+ACCELERATOR_MIN_PACKED = PACKED_TOKENS
 MIN_ATTEND = 128  # smallest decode attend bucket
 # Smallest decode row bucket. On the CPU a step's products cost more with every row, so rows
 # double from 1. On an accelerator a decode step reads every weight once whatever its rows, and up
@@ -245,6 +256,18 @@ def _last(x: jax.Array, length: jax.Array) -> jax.Array:
     return jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
 
 
+def _ends(x: jax.Array, ends: jax.Array) -> jax.Array:
+    """x [1, T, E], ends [B] (one past each packed prompt's last token; 1 for unused rows) -> the
+    hidden state after each prompt's last token [B, 1, E]."""
+    return x[0, ends - 1][:, None]
+
+
+def _rows_head_and_sample(x: jax.Array, final_norm: jax.Array, lm_head, mask, last, slots: jax.Array, *rest, **bound):
+    """`_head_and_sample` of the first R rows of x [B, 1, E], R = len(slots): a packed prefill's
+    samples, compiled per row bucket (x's shape is always [B, 1, E])."""
+    return _head_and_sample(x[: slots.shape[0]], final_norm, lm_head, mask, last, slots, *rest, **bound)
+
+
 def _write_mask(mask: jax.Array, row: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(mask, row[None], (slot, 0))  # [B, V'] with row [V'] at slot
 
@@ -403,6 +426,7 @@ class JaxModel:
         cpu_threads: int | None = None,
         min_rows: int | None = None,
         fused_chunk_tokens: int | None = None,
+        min_packed: int | None = None,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -450,6 +474,14 @@ class JaxModel:
         top = _bucket(self._prompt_buckets, self.fused_chunk_tokens) if self.fused_chunk_tokens else 0
         self._fused_sizes = tuple(c for c in self._prompt_buckets if c <= top)
         self._row_buckets = length_buckets(b, min_rows or MIN_ROWS.get(jax.default_backend(), ACCELERATOR_MIN_ROWS))
+        # Packed prefill (prefill_packed): not with one slot, and not under a mesh (its calls keep to
+        # the shapes the partitioner has seen); its sizes are the prompt buckets up to PACKED_TOKENS.
+        packed = [t for t in self._prompt_buckets if t <= PACKED_TOKENS] or [self._prompt_buckets[0]]
+        smallest = min_packed or MIN_PACKED.get(jax.default_backend(), ACCELERATOR_MIN_PACKED)
+        packed = [t for t in packed if t >= smallest] or packed[-1:]
+        self.packed_prefill_tokens = 0 if b == 1 or plan is not None else packed[-1]
+        self._packed_sizes = tuple(packed) if self.packed_prefill_tokens else ()
+        self._packed_rows = tuple(r for r in self._row_buckets if r >= 2) if self.packed_prefill_tokens else ()
         layers = weights.layers
         self._lm_head = weights.lm_head
         if self.kernels and not self.int8:  # panel copies for products of a few rows (cpu_kernels.panel_matmul)
@@ -476,6 +508,10 @@ class JaxModel:
         self._prefill_layers = jax.jit(
             own(transformer.prefill_layers, kernels=self.kernels), static_argnames="cfg", donate_argnames=caches, **o
         )
+        self._packed_layers = jax.jit(
+            own(transformer.packed_prefill_layers), static_argnames="cfg", donate_argnames=caches, **o
+        )
+        self._packed_ends = jax.jit(own(_ends), **o)
         head_size = None if plan is None else self._head_size
         self._step = jax.jit(
             own(_decode_step, kernels=self.kernels, ragged=self.ragged, head_size=head_size),
@@ -486,11 +522,14 @@ class JaxModel:
         self._sample = jax.jit(
             own(_head_and_sample, head_size=head_size), static_argnames="cfg", donate_argnames="last", **o
         )
+        self._packed_sample = jax.jit(
+            own(_rows_head_and_sample, head_size=head_size), static_argnames="cfg", donate_argnames="last", **o
+        )
         self._load_blocks = jax.jit(own(_load_blocks), donate_argnums=(0, 1), **o)
         self._save_blocks = jax.jit(own(_save_blocks), donate_argnums=(0, 1), **o)
         self._jitted = (
             self._embed, self._prefill_layers, self._step, self._last_hidden, self._write_mask, self._sample,
-            self._load_blocks, self._save_blocks,
+            self._load_blocks, self._save_blocks, self._packed_layers, self._packed_ends, self._packed_sample,
         )
 
     @classmethod
@@ -514,6 +553,7 @@ class JaxModel:
         memory_limit_bytes: int | None = None,
         min_rows: int | None = None,
         fused_chunk_tokens: int | None = None,
+        min_packed: int | None = None,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
@@ -522,7 +562,9 @@ class JaxModel:
         `smallest_chunk(fused_chunk_tokens)`, with the backend's default budget when that is
         None too; decided once the backend has its devices), `min_attend` the smallest attended length of a
         decode step (both then double up to the context; unused with the kernel), `min_rows` the
-        smallest row bucket of a decode step (default: 1 on CPU, ACCELERATOR_MIN_ROWS elsewhere).
+        smallest row bucket of a decode step (default: 1 on CPU, ACCELERATOR_MIN_ROWS elsewhere),
+        `min_packed` the smallest packed prefill size (the prompt buckets from it up to
+        PACKED_TOKENS; default: every one on CPU, only PACKED_TOKENS elsewhere; MIN_PACKED).
         `kernels`: use the CPU decode kernels where they apply (CPU backend,
         float32, and a library is found or built here; `self.kernels` says whether they are on, and
         `self.kernel_state` says it for operators: "on: <origin> <path>", "off: <reason>" or
@@ -625,6 +667,7 @@ class JaxModel:
         return cls(
             cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, kernels, kernel_build, max_chunk,
             prefix_cache_tokens, plan, cpu_threads, min_rows=min_rows, fused_chunk_tokens=fused_chunk_tokens,
+            min_packed=min_packed,
         )
 
     @property
@@ -641,6 +684,16 @@ class JaxModel:
     def fused_chunk_sizes(self) -> tuple[int, ...]:
         """The compiled sizes of a chunk along with a decode step (empty: none), increasing."""
         return self._fused_sizes
+
+    @property
+    def packed_prefill_sizes(self) -> tuple[int, ...]:
+        """The sequence lengths a packed prefill is compiled for (empty: none), increasing."""
+        return self._packed_sizes
+
+    @property
+    def packed_prefill_rows(self) -> tuple[int, ...]:
+        """The row counts a packed prefill's sampling is compiled for (empty: none), increasing."""
+        return self._packed_rows
 
     @property
     def row_buckets(self) -> tuple[int, ...]:
@@ -691,6 +744,13 @@ class JaxModel:
                 for size in self._fused_sizes:  # and with a chunk along (padding, into slot 0, released below)
                     self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, self._chunk_arrays(0, [0] * size, 0))
                     self.collect()
+        for t in self._packed_sizes:  # packed prefill: one layer per size (padding into slot 0), the ends
+            x = self._embed(self._weights.embed, np.zeros((1, t), np.int32))
+            x = self._packed_through(x, *self._packed_arrays([], [], t, 0), layers=1)
+            ends = self._packed_ends(x, np.ones(self.info.max_batch_size, np.int32))
+        for rows in self._packed_rows:  # and its samples, every row idle
+            self._packed_rows_sample(ends, np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool),
+                                     np.zeros(rows, np.int32))
         if self.prefix_pool.blocks:  # copies of 0 blocks: only the compiles
             self._copy_into_slot(0, [])
             self._copy_into_pool(0, [], [])
@@ -725,6 +785,87 @@ class JaxModel:
             np.array([n], np.int32), self._top_n[row],
         )
         return Sample(int(token[0]), float(logprob[0]), top[0])
+
+    def prefill_packed(self, prompts: Sequence[PromptInput]) -> list[Sample]:
+        """The prompts end to end in one sequence of the smallest packed size that holds them
+        (transformer.packed_prefill_layers, one call per layer for all of them), then one head
+        and sampling call for every prompt's last position."""
+        m = len(prompts)
+        _require(0 < m <= self.info.max_batch_size and self.packed_prefill_tokens > 0, f"a packed prefill of {m} prompts")
+        slots = [p.slot for p in prompts]
+        _require(len(set(slots)) == m, "a slot twice in one packed prefill")
+        total = sum(len(p.prompt_token_ids) for p in prompts)
+        _require(total <= self.packed_prefill_tokens, f"{total} prompt tokens in one packed prefill")
+        for p in prompts:
+            self._check_chunk(p.slot, p.prompt_token_ids, 0, len(p.prompt_token_ids))
+        for p in prompts:
+            self._take(p.slot, p.setup)
+        size = _bucket(self._packed_sizes, total)
+        tokens = np.zeros((1, size), np.int32)
+        tokens[0, :total] = [t for p in prompts for t in p.prompt_token_ids]
+        x = self._embed(self._weights.embed, tokens)  # [1, T, E]
+        x = self._packed_through(x, *self._packed_arrays(slots, [len(p.prompt_token_ids) for p in prompts], size, 0))
+        ends = np.ones(self.info.max_batch_size, np.int32)
+        ends[:m] = np.cumsum([len(p.prompt_token_ids) for p in prompts])
+        for p in prompts:
+            self._length[p.slot] = len(p.prompt_token_ids)
+            self._filling[p.slot] = False
+        rows = _bucket(self._packed_rows, m) if m > 1 else _bucket(self._packed_rows, 2)
+        # rows past the prompts sample for nobody, at a slot none of them holds (so the write of
+        # each row's sample into `last` never meets another row's at the same slot)
+        idle = next((s for s in range(self.info.max_batch_size) if s not in set(slots)), 0)  # none: no idle rows
+        row_slots = np.full(rows, idle, np.int32)
+        row_slots[:m] = slots
+        active = np.zeros(rows, bool)
+        active[:m] = True
+        masked = np.zeros(rows, bool)
+        masked[:m] = [p.masked for p in prompts]
+        positions = np.zeros(rows, np.int32)
+        positions[:m] = [len(p.prompt_token_ids) for p in prompts]
+        token, logprob, top = self._packed_rows_sample(self._packed_ends(x, ends), row_slots, active, masked, positions)
+        return [Sample(int(token[i]), float(logprob[i]), top[i]) for i in range(m)]
+
+    def _packed_arrays(
+        self, slots: Sequence[int], lengths: Sequence[int], size: int, pad_slot: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per token of a packed sequence of `size`: its slot, its position in its prompt and its
+        prompt's index; the padding continues the last prompt (or, with none, is prompt 0 of
+        `pad_slot` from position 0)."""
+        slot_of, position, prompt = np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, np.int32)
+        at = 0
+        for i, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+            slot_of[at : at + n], position[at : at + n], prompt[at : at + n] = slot, np.arange(n), i
+            at += n
+        last_slot, last_n, last_i = (slots[-1], lengths[-1], len(slots) - 1) if slots else (pad_slot, 0, 0)
+        slot_of[at:], position[at:], prompt[at:] = last_slot, last_n + np.arange(size - at), last_i
+        return slot_of, position, prompt
+
+    def _packed_through(
+        self, x: jax.Array, slots: np.ndarray, positions: np.ndarray, prompts: np.ndarray, layers: int | None = None
+    ) -> jax.Array:
+        """A packed sequence x [1, T, E] through the first `layers` layers (None: all), one call a
+        layer with its cache buffers donated, as `_prefill_through`."""
+        for i, layer in enumerate(self._decode_weights[:layers]):
+            x, self._k[i : i + 1], self._v[i : i + 1] = self._packed_layers(
+                (layer,), (self._k[i],), (self._v[i],), x, slots, positions, prompts, cfg=self.config
+            )
+        return x
+
+    def _packed_rows_sample(
+        self, x: jax.Array, slots: np.ndarray, active: np.ndarray, masked: np.ndarray, positions: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, list[tuple[tuple[int, float], ...]]]:
+        """Head and sampling of the first len(slots) rows of x [B, 1, E]; -> ids, logprobs and
+        each row's alternatives (fetched only when a row asks for them)."""
+        w = self._weights
+        top_n = np.where(active, self._top_n[slots], 0).astype(np.int32)
+        self._last, token, logprob, top_ids, top_logprobs = self._packed_sample(
+            x, w.final_norm, self._lm_head, self._mask, self._last, slots, active, masked, self._params(slots),
+            positions, top_n, cfg=self.config,
+        )
+        if not top_n.any():
+            return (*jax.device_get((token, logprob)), [()] * len(slots))
+        token, logprob, top_ids, top_logprobs = jax.device_get((token, logprob, top_ids, top_logprobs))
+        return token, logprob, _alternatives(top_ids, top_logprobs, top_n)
 
     def _check_chunk(self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int) -> None:
         """A chunk [start, end) of a prompt this slot can take next (prefill_chunk, dispatch)."""

@@ -312,6 +312,50 @@ def prefill_layers(
     return x, tuple(ks), tuple(vs)
 
 
+def packed_prefill_layers(
+    layers: tuple[LayerWeights, ...],
+    k_caches: tuple[jax.Array, ...],
+    v_caches: tuple[jax.Array, ...],
+    x: jax.Array,
+    slots: jax.Array,
+    positions: jax.Array,
+    prompts: jax.Array,
+    cfg: ModelConfig,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Several whole prompts packed end to end through a group of layers, in one pass over the
+    weights: x [1, T, E], and per token slots, positions, prompts [T] (its slot, its position in
+    its prompt, its prompt's index) -> x [1, T, E] and the group's caches, each token's K/V
+    written at (its slot, its position). A token attends to the tokens of its own prompt at
+    positions <= its own; every prompt starts at position 0 here, so nothing is read from the
+    cache. Padding after the last prompt continues that prompt's positions in its slot: places
+    past a prompt, which decode overwrites before any query can see them (as `prefill_layers`)."""
+    pos = positions[None]  # [1, T]
+    seen = (prompts[:, None] == prompts[None, :]) & (positions[None, :] <= positions[:, None])  # [Tq, Tk]
+    ks, vs = [], []
+    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
+        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, T, H|K, D]
+        k_cache = k_cache.at[slots, :, positions].set(k[0].astype(k_cache.dtype))  # [T, K, D] at (slot, :, position)
+        v_cache = v_cache.at[slots, :, positions].set(v[0].astype(v_cache.dtype))
+        ks.append(k_cache)
+        vs.append(v_cache)
+        out = _masked_attention(q[0], k[0], v[0], seen, cfg)  # [T, H*D]
+        x = x + _project(out, w.w_o, getattr(w.panels, "o", None))[None]
+        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
+    return x, tuple(ks), tuple(vs)
+
+
+def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """GQA attention of q [T, H, D] over k/v [T, K, D] where seen [T, T] (query, key) -> [T, H * D].
+    Every query sees at least itself."""
+    t, _, d = q.shape
+    g = cfg.n_heads // cfg.n_kv_heads
+    q = q.reshape(t, cfg.n_kv_heads, g, d)  # [T, K, G, D]
+    scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * (1.0 / np.sqrt(d))
+    scores = jnp.where(seen[None, None], scores, -jnp.inf)  # [K, G, T, T]
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.n_heads * d)
+
+
 def _decode_writer(positions: jax.Array, active: jax.Array, context: int):
     """Writes of one K or V row per decode row into its slot's cache at its position: inactive
     rows write back what their slot already holds (see `decode_layers`)."""
