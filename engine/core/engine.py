@@ -21,7 +21,8 @@ Data flow, on the engine thread, once per iteration:
      at all) the prompts not yet started and with no cached prefix go, in admission order, as
      many as fit in the model's `packed_prefill_tokens`, into one `model.prefill_packed` call
      (at least two; `_prefill_packed`): one pass over the weights and one read of the samples
-     for all of them, where an accelerator's fixed cost a call would otherwise be paid a prompt. A prompt whose rest is under the
+     for all of them, where an accelerator's fixed cost a call would otherwise be paid a
+     prompt. A prompt whose rest is under the
      iteration's remaining budget plus one more budget is read to its end in that iteration:
      a short prompt beside running streams gets its first token a step sooner, rather than a
      chunk now and a small last call a step later (an iteration thus reads under twice the
@@ -381,9 +382,9 @@ class Engine:
 
     def _prefill_packed(self, filling: list[_Live]) -> list[_Live]:
         """Read whole, in one `model.prefill_packed` call, the prompts of an iteration that reads
-        every prompt whole: those not started, with no cached prefix, in admission order while
-        they fit in `packed_prefill_tokens` (at least two, else none: one prompt is a plain
-        `prefill`). Each then goes on as after `_prefill` of its whole prompt (prefix saved, a
+        every prompt whole: from the oldest, while they fit in `packed_prefill_tokens` and until
+        one that has started (a chunk read earlier), those with no cached prefix (at least two,
+        else none: one prompt is a plain `prefill`). Each then goes on as after `_prefill` of its whole prompt (prefix saved, a
         cancel honoured, its first token decided), and the iteration's deliveries go out once.
         -> the requests read."""
         group: list[tuple[_Live, SlotSetup]] = []
