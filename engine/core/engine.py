@@ -363,22 +363,28 @@ class Engine:
             sample = self.model.prefill(live.slot, prompt, setup, masked)
         else:
             sample = self.model.prefill_chunk(live.slot, prompt, start, end, setup, masked)
-        live.fill_to(end)
         if sample is not None:
             self._read_at = time.perf_counter()
             self._read_in_flight = bool(self._in_flight)
-        if end == len(prompt) and self._prefix is not None:
+        self._read_to(live, end, sample)
+        return end - start
+
+    def _read_to(self, live: _Live, end: int, sample: Sample | None) -> None:
+        """`live`'s prompt is in its slot up to `end` (`sample`: the first token, when that is its
+        end): its whole blocks go into the prefix cache once all of it is there; a request
+        aborted meanwhile is freed and sent nothing; otherwise its first token is decided."""
+        live.fill_to(end)
+        if end == len(live.request.prompt_token_ids) and self._prefix is not None:
             self._save_prefix(live)
         with self._cond:  # aborted while prefilling: free the slot, send nothing
-            if live.ticket in self._aborts:
+            aborted = live.ticket in self._aborts
+            if aborted:
                 self._aborts.discard(live.ticket)
                 if self._chunk is not None and self._chunk.slot == live.slot:
                     self._chunk = None  # (its chunk never reaches the model)
                 self._release(live)
-                return end - start
-        if sample is not None:
+        if not aborted and sample is not None:
             self._advance(live, sample)
-        return end - start
 
     def _prefill_packed(self, filling: list[_Live]) -> list[_Live]:
         """Read whole, in one `model.prefill_packed` call, the prompts of an iteration that reads
@@ -409,16 +415,7 @@ class Engine:
         self._read_at = time.perf_counter()
         self._read_in_flight = bool(self._in_flight)
         for (live, _), sample in zip(group, samples, strict=True):
-            live.fill_to(len(live.request.prompt_token_ids))
-            if self._prefix is not None:
-                self._save_prefix(live)
-            with self._cond:  # aborted while prefilling: free the slot, send nothing
-                aborted = live.ticket in self._aborts
-                self._aborts.discard(live.ticket)
-            if aborted:
-                self._release(live)
-            else:
-                self._advance(live, sample)
+            self._read_to(live, len(live.request.prompt_token_ids), sample)
         self._after_delivery()
         self._progressed()
         return [live for live, _ in group]

@@ -398,6 +398,17 @@ def _alternatives(ids: np.ndarray, logprobs: np.ndarray, wanted: np.ndarray) -> 
     return [tuple(zip(i[:n].tolist(), p[:n].tolist())) for i, p, n in zip(ids, logprobs, wanted.tolist())]
 
 
+def _fetch(samples: tuple[jax.Array, ...], top_n: np.ndarray) -> tuple[np.ndarray, np.ndarray, list]:
+    """A sampling call's (ids, logprobs, top ids, top logprobs) [R], [R], [R, K], [R, K] from the
+    device -> ids, logprobs and per row its first top_n alternatives; the alternatives are fetched
+    only when some row asks for them."""
+    if not top_n.any():
+        tokens, logprobs = jax.device_get(samples[:2])
+        return tokens, logprobs, [()] * len(top_n)
+    tokens, logprobs, top_ids, top_logprobs = jax.device_get(samples)
+    return tokens, logprobs, _alternatives(top_ids, top_logprobs, top_n)
+
+
 @dataclass(frozen=True)
 class _Pending:
     """A dispatched decode step whose samples the host has not read yet."""
@@ -858,14 +869,11 @@ class JaxModel:
         each row's alternatives (fetched only when a row asks for them)."""
         w = self._weights
         top_n = np.where(active, self._top_n[slots], 0).astype(np.int32)
-        self._last, token, logprob, top_ids, top_logprobs = self._packed_sample(
+        self._last, *samples = self._packed_sample(
             x, w.final_norm, self._lm_head, self._mask, self._last, slots, active, masked, self._params(slots),
             positions, top_n, cfg=self.config,
         )
-        if not top_n.any():
-            return (*jax.device_get((token, logprob)), [()] * len(slots))
-        token, logprob, top_ids, top_logprobs = jax.device_get((token, logprob, top_ids, top_logprobs))
-        return token, logprob, _alternatives(top_ids, top_logprobs, top_n)
+        return _fetch(tuple(samples), top_n)
 
     def _check_chunk(self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int) -> None:
         """A chunk [start, end) of a prompt this slot can take next (prefill_chunk, dispatch)."""
@@ -978,12 +986,7 @@ class JaxModel:
         the device to finish it."""
         _require(bool(self._pending), "collect with no step dispatched")
         step = self._pending.popleft()
-        if not step.top_n.any():
-            tokens, logprobs = jax.device_get(step.samples[:2])
-            tops = [()] * len(step.top_n)
-        else:
-            tokens, logprobs, top_ids, top_logprobs = jax.device_get(step.samples)
-            tops = _alternatives(top_ids, top_logprobs, step.top_n)
+        tokens, logprobs, tops = _fetch(step.samples, step.top_n)
         slots = step.slots.tolist()
         return [Sample(t, p, tops[s]) for s, t, p in zip(slots, tokens[slots].tolist(), logprobs[slots].tolist())]
 
@@ -1056,15 +1059,11 @@ class JaxModel:
         logprobs [R], and per row its top_n alternatives (fetched from the device only when some
         row asks for them)."""
         w = self._weights
-        self._last, token, logprob, top_ids, top_logprobs = self._sample(
+        self._last, *samples = self._sample(
             x, w.final_norm, self._lm_head, self._mask, self._last, slots, np.ones(len(slots), bool), masked, params,
             positions, top_n, cfg=self.config,
         )
-        if not top_n.any():
-            return (*jax.device_get((token, logprob)), [()] * len(top_n))
-        token, logprob, top_ids, top_logprobs = jax.device_get((token, logprob, top_ids, top_logprobs))
-        tops = _alternatives(top_ids, top_logprobs, top_n)
-        return token, logprob, tops
+        return _fetch(tuple(samples), top_n)
 
     def _params(self, rows: slice) -> SlotSampling:
         """The rows' sampling parameters (a prompt's last position; a decode step packs its own)."""
