@@ -65,6 +65,8 @@ def test_a_failed_batch_1_profile_says_why_and_the_stack_is_set_against_decode_s
     assert report.where_text({"error": "ModelUsageError: a position past the context"}) == (
         "not profiled (ModelUsageError: a position past the context)")
     assert report.where_text({"step": {"s": 0.002, "bytes": 10**9}}) == "step 2.00 ms (500 GB/s)"
+    assert report.where_text({"step": {"s": 0.002, "bytes": 10**9}, "host: dispatch": {"s": 0.0012}}) == (
+        "step 2.00 ms (500 GB/s), host: dispatch 1.20 ms")  # host time reads no weights: no GB/s
     stack = _results(tpot_s=0.0068, floor_s=0.0034, text_vs_engine=0.9)["stack"]
     assert report.engine_only_lines(stack) == []  # a scripted stack has no decode.py steps
     stack["engine_only"] = {"batch": 64, "tok_s": [2000.0, 4000.0, 2500.0]}  # median 2500
@@ -76,10 +78,11 @@ def test_a_failed_batch_1_profile_says_why_and_the_stack_is_set_against_decode_s
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_the_decode_speed_context_holds_every_step_slot_0_takes(name):
     """Slot 0 is in every step: per batch size one untimed and rounds x steps timed, then the
-    batch-1 profile's 5 single steps and 5 runs of 8 lagged ones. The first H200 run's context
-    left room for 2, and the profile failed with a position past the context."""
+    batch-1 profile's 5 single steps, 5 runs of 8 lagged ones and 5 steps for the host's own
+    timings. The first H200 run's context left room for 2, and the profile failed with a
+    position past the context."""
     plan = PROFILES[name]
-    taken = len(plan.batches) * (1 + plan.rounds * plan.steps) + 5 * (1 + 8)
+    taken = len(plan.batches) * (1 + plan.rounds * plan.steps) + 5 * (1 + 8 + 1)
     assert phases.decode_context(plan) >= plan.prompt_len + taken + 1
     assert phases.decode_context(plan) % 64 == 0
 
@@ -118,8 +121,14 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert [b["batch"] for b in decode["batches"]] == [1, 2]
     assert all(b["tok_s"] > 0 and 0 < b["mbu"] and b["floor_s"] > 0 for b in decode["batches"])
     assert decode["bandwidth_gbs"] > 0 and decode["compilations_at_warm_up"] > 0
-    assert set(decode["batch1_profile"]) == {"step, read at once", "step, host one behind"}
-    assert all(p["s"] > 0 and p["bytes"] > 0 for p in decode["batch1_profile"].values())
+    profile = decode["batch1_profile"]
+    assert set(profile) == {"step, read at once", "step, host one behind", "host: dispatch", "host: collect a finished step"}
+    assert all(p["s"] > 0 for p in profile.values()) and profile["step, read at once"]["bytes"] > 0
+    # the host's part is less than the step that contains it
+    assert profile["host: dispatch"]["s"] + profile["host: collect a finished step"]["s"] < profile["step, read at once"]["s"]
+    sampling = phases["speed-0"]["sampling"]
+    assert sampling["platform"] == "cpu" and [r["batch"] for r in sampling["rows"]] == [1, 2]
+    assert all(len(r["s"]) == 5 and all(t > 0 for t in r["s"].values()) for r in sampling["rows"])
     assert [p["tokens"] for p in phases["speed-0"]["prefill"]["lengths"]] == [32]
     rows = {r["path"]: r for r in report.stack_rows(phases["stack"])}
     assert set(rows) == {"engine", "decode", "text"} and rows["engine"]["vs_engine"] == 1.0
@@ -129,4 +138,22 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert "| model | batch | tok/s | TPOT ms | HBM floor ms | MBU |" in table and "| 2 | text |" in table
     assert phases["stack"]["engine_only"]["batch"] == 2 and len(phases["stack"]["engine_only"]["tok_s"]) == 1
     assert "Over decode.py's decode steps alone at batch 2 (" in table
+    assert "| piece | batch 1 | batch 2 |" in table and "| greedy alone (first max, logsumexp) |" in table
     assert "| int8 |" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table
+
+
+def test_the_two_stage_top_k_measured_against_lax_top_k_gives_the_same_values_and_ids():
+    """phases.two_stage_top_k is timed beside lax.top_k on the device; it must be the same
+    selection, ties included (to the lower id), or the comparison means nothing."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(-40, 40, size=(3, 5000)).astype(np.float32) / 4  # many ties, a ragged last chunk
+    x[1, 4990:] = 100.0  # the best ids in the padded chunk
+    for k in (1, 20, 128):
+        want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+        got_v, got_i = phases.two_stage_top_k(jnp.asarray(x), k, chunk=512)
+        np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))

@@ -30,8 +30,8 @@ from benchmarks.decode import Bandwidth, Slots, kv_bytes_per_token, weight_bytes
 from benchmarks.gpu_check.plan import Plan
 from benchmarks.gpu_check.random_model import model_config, random_model, random_weights, write_random_checkpoint
 from engine.core.model import SlotSetup
-from engine.core.request import SamplingParams
-from engine.jax_backend import transformer
+from engine.core.request import MAX_TOP_LOGPROBS, SamplingParams
+from engine.jax_backend import sampling, transformer
 from engine.jax_backend.jax_model import MAX_CHUNK, JaxModel
 from engine.jax_backend.weights import load_checkpoint
 
@@ -179,19 +179,21 @@ def speed(plan: Plan, index: int) -> dict:
     bandwidth = Bandwidth(plan.bandwidth_gib)
     result = {"shape": shape.name, "parameters": shape.parameters(), "dtype": plan.dtype, "weights_build_s": build_s}
     result["decode"] = _decode_speed(plan, shape, weights, bandwidth)
+    if index == 0:  # the sampler's cost depends on the vocabulary and the rows, not on the layers
+        result["sampling"] = sampling_profile(shape.vocab, sorted({1, max(plan.batches)}))
     gc.collect()  # the decode model's KV cache goes before the prefill model's is made
     result["prefill"] = _prefill_speed(plan, shape, weights)
     result["bandwidth_gbs"] = result["decode"]["bandwidth_gbs"]
     return result
 
 
-PROFILE_REPEATS, PROFILE_LAGGED = 5, 8  # step_profile: best of 5 single steps, and of 5 runs of 8 lagged steps
+PROFILE_REPEATS, PROFILE_LAGGED = 5, 8  # step_profile: best of 5 single steps, of 5 runs of 8 lagged steps, of 5 host timings
 
 
 def decode_context(plan: Plan) -> int:
     """The decode model's context: slot 0 takes part in every step _decode_speed runs (an untimed
     one and the timed ones per batch size, then step_profile's), rounded up to a multiple of 64."""
-    steps = len(plan.batches) * (1 + plan.rounds * plan.steps) + PROFILE_REPEATS * (1 + PROFILE_LAGGED)
+    steps = len(plan.batches) * (1 + plan.rounds * plan.steps) + PROFILE_REPEATS * (2 + PROFILE_LAGGED)
     return -(-(plan.prompt_len + steps + 1) // 64) * 64
 
 
@@ -242,12 +244,91 @@ def step_profile(model: JaxModel, slots: Slots, repeats: int = PROFILE_REPEATS) 
     """Where batch 1's step time goes, best of `repeats`: the step (one executable: embed, every
     layer, head and sampling) read before the next is dispatched, and 8 steps with the host one
     behind, as the engine runs them; the gap between the two is host time the lag hides. Both
-    read the weights once a step (`bytes`)."""
+    read the weights once a step (`bytes`). Then the host's own part of a step: `dispatch` until
+    it returns (the inputs built and the executable enqueued; on this project's 2-vCPU CPU host
+    ~1.2 ms for 30 layers, most of it JAX's per-argument and per-output work), and `collect` of
+    a step already finished (the samples fetched and unpacked)."""
     try:
         read = min(slots.step(1) for _ in range(repeats))
         behind = min(slots.pipelined(1, PROFILE_LAGGED) for _ in range(repeats))
         weights = weight_bytes(model)
-        return {"step, read at once": {"s": read, "bytes": weights}, "step, host one behind": {"s": behind, "bytes": weights}}
+        dispatch, collect = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model.dispatch(slots._inputs(1))
+            dispatch.append(time.perf_counter() - start)
+            time.sleep(2 * read + 1e-3)  # the step done on the device: collect measures the host alone
+            start = time.perf_counter()
+            model.collect()
+            collect.append(time.perf_counter() - start)
+        return {"step, read at once": {"s": read, "bytes": weights}, "step, host one behind": {"s": behind, "bytes": weights},
+                "host: dispatch": {"s": min(dispatch)}, "host: collect a finished step": {"s": min(collect)}}
+    except Exception as error:  # a diagnostic must not cost the measurements
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+TOP_K_CHUNK = 1024  # two_stage_top_k's chunk: a row of it sorts within one GPU block
+
+
+def two_stage_top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k of x [B, V] over the last axis as the top k of each chunk of `chunk` ids, then
+    the top k of those candidates: the same values and ids (the best k of the row are among the
+    best k of their chunks; candidates stay in id order, so ties still go to the lower id), with
+    many short sorts in place of one of the whole vocabulary. -> ([B, k] values, [B, k] i32 ids)."""
+    b, v = x.shape
+    n = -(-v // chunk)
+    padded = jnp.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-jnp.inf).reshape(b, n, chunk)  # [B, N, C]
+    values, ids = jax.lax.top_k(padded, min(k, chunk))  # [B, N, k]
+    ids = ids + (jnp.arange(n, dtype=ids.dtype) * chunk)[None, :, None]
+    best, at = jax.lax.top_k(values.reshape(b, -1), k)  # [B, k]
+    return best, jnp.take_along_axis(ids.reshape(b, -1), at, axis=-1)
+
+
+def sampling_profile(vocab: int, batches: list[int], repeats: int = PROFILE_REPEATS) -> dict:
+    """What choosing the next token costs on this device, apart from the layers: each piece
+    jitted alone on random logits [B, vocab], every row greedy and asking for no alternatives
+    (the batch-1 benchmark's case), best of `repeats` calls each read back (so a piece's time
+    includes one dispatch and one wait). The pieces: `sample` + `top_logprobs` as the decode step
+    runs them (on an accelerator every piece computed, then selected: no conditional in the
+    step; engine/jax_backend/sampling.py); what greedy alone needs (the first max and the
+    logsumexp for its logprob); and the costly parts of the rest, each alone: lax.top_k at the
+    candidate cap and at MAX_TOP_LOGPROBS (XLA:GPU's own top-k kernel takes k <= 16 only, so
+    these may be sorts of the vocabulary), the same top-k in two stages (`two_stage_top_k`, the
+    alternative to measure against it), and one exact select (three scatter-add passes)."""
+    try:
+        rows = []
+        for b in batches:
+            logits = 4.0 * jax.random.normal(jax.random.PRNGKey(0), (b, vocab), jnp.float32)  # [B, V]
+            params = sampling.SlotSampling(
+                temperature=jnp.zeros(b, jnp.float32), top_k=jnp.zeros(b, jnp.int32), top_p=jnp.ones(b, jnp.float32),
+                min_p=jnp.zeros(b, jnp.float32), seed=jnp.zeros((b, 2), jnp.uint32),
+            )
+            positions, mask, masked = jnp.zeros(b, jnp.int32), jnp.zeros((b, vocab), bool), jnp.zeros(b, bool)
+            wanted = jnp.zeros(b, jnp.int32)
+            pieces = {
+                "sample + top_logprobs, as the step runs them": lambda x: (
+                    sampling.sample(x, params, positions, mask, masked), sampling.top_logprobs(x, wanted)),
+                "greedy alone (first max, logsumexp)": lambda x: (
+                    sampling._first_max(x), jax.nn.logsumexp(x, axis=-1)),
+                f"lax.top_k, k = {sampling.CAP}": lambda x: jax.lax.top_k(x, min(sampling.CAP, vocab)),
+                f"lax.top_k, k = {MAX_TOP_LOGPROBS}": lambda x: jax.lax.top_k(x, min(MAX_TOP_LOGPROBS, vocab)),
+                f"lax.top_k in two stages (chunks of {TOP_K_CHUNK:,}), k = {sampling.CAP}": lambda x: two_stage_top_k(
+                    x, min(sampling.CAP, vocab)),
+                "one exact select": lambda x: sampling._exact_floor(
+                    sampling._sortable(x), None, jnp.full((b,), 50.0, jnp.float32), skip=False),
+            }
+            times = {}
+            for name, piece in pieces.items():
+                fn = jax.jit(piece)
+                jax.block_until_ready(fn(logits))  # compiled and run once, untimed
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(logits))
+                    best = min(best, time.perf_counter() - start)
+                times[name] = best
+            rows.append({"batch": b, "vocab": vocab, "s": times})
+        return {"platform": jax.default_backend(), "rows": rows}
     except Exception as error:  # a diagnostic must not cost the measurements
         return {"error": f"{type(error).__name__}: {error}"}
 

@@ -71,9 +71,26 @@ def where_text(where: dict | str) -> str:
     if isinstance(where, dict) and "error" in where:
         return f"not profiled ({where['error']})"
     if isinstance(where, dict):
-        return ", ".join(f"{k} {v['s'] * 1e3:.2f} ms ({v['bytes'] / max(v['s'], 1e-9) / 1e9:.3g} GB/s)"
+        return ", ".join(f"{k} {v['s'] * 1e3:.2f} ms" + (f" ({v['bytes'] / max(v['s'], 1e-9) / 1e9:.3g} GB/s)" if v.get("bytes") else "")
                          for k, v in where.items() if isinstance(v, dict))
     return where
+
+
+def sampling_lines(speed: dict) -> list[str]:
+    """The sampler's pieces alone on the device (phases.sampling_profile), a table with a column
+    per batch size, or why they were not measured."""
+    profile = speed.get("sampling")
+    if not profile:
+        return []
+    if "error" in profile:
+        return ["", f"Sampling alone: not measured ({profile['error']})"]
+    rows = profile["rows"]
+    out = ["", f"Sampling alone on {profile['platform']}, every row greedy, no alternatives (ms a call, best of 5, "
+               f"vocabulary {rows[0]['vocab']:,}):", "",
+           "| piece | " + " | ".join(f"batch {r['batch']}" for r in rows) + " |", "|---|" + "---|" * len(rows)]
+    for name in rows[0]["s"]:
+        out.append(f"| {name} | " + " | ".join(f"{r['s'][name] * 1e3:.3f}" for r in rows) + " |")
+    return out
 
 
 def engine_only_lines(stack: dict) -> list[str]:
@@ -216,6 +233,8 @@ def markdown(summary: dict) -> str:
         for shape, r in decode_rows:
             for p in r["prefill"]["lengths"]:
                 out.append(f"| {shape} | {p['tokens']} | {p['tok_s']:.0f} | {p['s']:.3f} |")
+        for _, r in decode_rows:
+            out += sampling_lines(r)
         out += ["", "| model | warm-up s (compilations): decode | prefill | weights built s |", "|---|---|---|---|"]
         for shape, r in decode_rows:
             d, p = r["decode"], r["prefill"]
