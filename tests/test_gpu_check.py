@@ -157,3 +157,14 @@ def test_the_two_stage_top_k_measured_against_lax_top_k_gives_the_same_values_an
         got_v, got_i = phases.two_stage_top_k(jnp.asarray(x), k, chunk=512)
         np.testing.assert_array_equal(np.asarray(got_v), np.asarray(want_v))
         np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i))
+
+
+def test_a_skipped_stack_writes_no_stack_model(tmp_path):
+    """--skip stack leaves out the stack's model too (2 GB written on the GPU plan)."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--profile", "smoke", "--out", str(tmp_path),
+                          "--skip", "env,golden,real-model,speed-0,stack,pytest"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    summary = json.loads((tmp_path / "gpu-check.json").read_text())
+    assert summary["phases"]["stack"] == {"skipped": "--skip"}, (run.stdout[-2000:], run.stderr[-2000:])
+    assert "stack-model" not in summary["phases"]

@@ -141,6 +141,9 @@ def real_model_dir(runner: Runner, args: argparse.Namespace) -> tuple[str | None
 def stack(runner: Runner) -> None:
     """The two services on the random stack model, through benchmarks/transport.py."""
     plan = runner.plan
+    if "stack" in runner.skip:  # its model (2 GB on the GPU plan) is not written for nothing
+        runner.results["stack"] = {"skipped": "--skip"}
+        return
     made = runner.phase("stack-model", "stack-model", str(runner.work / "stack-model"))
     if "dir" not in made:
         runner.results["stack"] = {"error": "no stack model: " + made.get("error", made.get("skipped", "?"))}
