@@ -5,11 +5,12 @@ minutes of GPU warm-up on every start without a compilation cache, fails here fi
 The configurations are the decode-server's defaults (8 slots, prompt chunks up to 512, a prefix
 cache) on tiny-llama, whose context is 256 (the default model's 2048 adds 3 prompt buckets, and 3
 attend buckets where there are several): once as the CPU runs them (the attention kernel: one
-attend shape; rows from 1), and once with neither attention kernel, rows from 16 and no
-chunk along with a decode step and one packed prefill size, as an accelerator without the Pallas
-kernel runs them (attend buckets from 128). A GPU with the Pallas
-kernel (engine.jax_backend.ragged_attention) has one attend shape: 1 + 15 + 4 + 3 = 23 there. Each
-count is written out, not computed from the model, so it reads as the budget it is.
+attend shape; rows from 1), and once with neither attention kernel, rows from 16, no
+chunk along with a decode step, one packed prefill size and the decode step's sampler split off
+in two variants, as an accelerator without the Pallas kernel runs them (attend buckets from 128).
+A GPU with the Pallas kernel (engine.jax_backend.ragged_attention) has one attend shape:
+1 + 2 + 15 + 4 + 3 = 25 there. Each count is written out, not computed from the model, so it
+reads as the budget it is.
 """
 
 from __future__ import annotations
@@ -50,13 +51,14 @@ def test_the_cpu_shape_of_the_defaults_compiles_45_shapes():
     assert len([c for c in compiles if "backend_compile" in c]) <= 45 + 4  # + jnp's own small helpers
 
 
-def test_the_plain_accelerator_shape_of_the_defaults_compiles_24_shapes():
-    # an accelerator's defaults: no chunk along, rows from 16, one packed size (the largest, 256)
-    model, compiles = _warm(kernels=False, min_rows=16, fused_chunk_tokens=0, min_packed=256)
+def test_the_plain_accelerator_shape_of_the_defaults_compiles_26_shapes():
+    # an accelerator's defaults: no chunk along, rows from 16, one packed size (the largest, 256),
+    # the sampler split off (greedy and full)
+    model, compiles = _warm(kernels=False, min_rows=16, fused_chunk_tokens=0, min_packed=256, split_sampler=True)
     assert model.row_buckets == (8,)  # the batch itself: no bucket below 16 rows
     assert model.attend_buckets == (128, 256)
     assert model.packed_prefill_sizes == (256,) and model.packed_prefill_rows == (8,)
-    # decode steps: 1 row bucket x 2 attend; 5 prompt buckets x 3; mask; prompt sampling; 2 copies;
-    # a packed layer, its last positions and its samples
-    assert model.compilations() == 2 + 15 + 1 + 1 + 2 + 3 == 24
-    assert len([c for c in compiles if "backend_compile" in c]) <= 24 + 4
+    # decode steps' layers: 1 row bucket x 2 attend, and its two samplers; 5 prompt buckets x 3;
+    # mask; prompt sampling; 2 copies; a packed layer, its last positions and its samples
+    assert model.compilations() == 2 + 2 + 15 + 1 + 1 + 2 + 3 == 26
+    assert len([c for c in compiles if "backend_compile" in c]) <= 26 + 4

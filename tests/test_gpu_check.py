@@ -78,11 +78,11 @@ def test_a_failed_batch_1_profile_says_why_and_the_stack_is_set_against_decode_s
 @pytest.mark.parametrize("name", sorted(PROFILES))
 def test_the_decode_speed_context_holds_every_step_slot_0_takes(name):
     """Slot 0 is in every step: per batch size one untimed and rounds x steps timed, then the
-    batch-1 profile's 5 single steps, 5 runs of 8 lagged ones and 5 steps for the host's own
-    timings. The first H200 run's context left room for 2, and the profile failed with a
-    position past the context."""
+    batch-1 profile's 5 single steps, 5 runs of 8 lagged ones, 5 steps for the host's own
+    timings and 5 with the full sampler (where it is split off). The first H200 run's context
+    left room for 2, and the profile failed with a position past the context."""
     plan = PROFILES[name]
-    taken = len(plan.batches) * (1 + plan.rounds * plan.steps) + 5 * (1 + 8 + 1)
+    taken = len(plan.batches) * (1 + plan.rounds * plan.steps) + 5 * (1 + 8 + 1 + 1)
     assert phases.decode_context(plan) >= plan.prompt_len + taken + 1
     assert phases.decode_context(plan) % 64 == 0
 
@@ -128,7 +128,7 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert profile["host: dispatch"]["s"] + profile["host: collect a finished step"]["s"] < profile["step, read at once"]["s"]
     sampling = phases["speed-0"]["sampling"]
     assert sampling["platform"] == "cpu" and [r["batch"] for r in sampling["rows"]] == [1, 2]
-    assert all(len(r["s"]) == 5 and all(t > 0 for t in r["s"].values()) for r in sampling["rows"])
+    assert all(len(r["s"]) == 6 and all(t > 0 for t in r["s"].values()) for r in sampling["rows"])
     assert [p["tokens"] for p in phases["speed-0"]["prefill"]["lengths"]] == [32]
     rows = {r["path"]: r for r in report.stack_rows(phases["stack"])}
     assert set(rows) == {"engine", "decode", "text"} and rows["engine"]["vs_engine"] == 1.0
@@ -168,3 +168,20 @@ def test_a_skipped_stack_writes_no_stack_model(tmp_path):
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert summary["phases"]["stack"] == {"skipped": "--skip"}, (run.stdout[-2000:], run.stderr[-2000:])
     assert "stack-model" not in summary["phases"]
+
+
+def test_the_step_profile_reads_the_full_sampler_too_where_the_sampler_is_split_off():
+    """An accelerator's model splits its sampler off (JaxModel `split_sampler`): the profile's
+    greedy steps take the greedy variant, and one more line times the full one, after which the
+    model picks variants as before."""
+    from benchmarks.decode import Slots
+    from engine.jax_backend.jax_model import JaxModel
+
+    model = JaxModel.load(ROOT / "tests" / "assets" / "tiny-llama", max_batch_size=1, max_context_length=128,
+                          max_chunk=8, split_sampler=True)
+    model.warm_up()
+    slots = Slots(model, 1, 4)
+    model.sampler_calls.clear()
+    profile = phases.step_profile(model, slots)
+    assert profile["step, read at once, full sampler"]["s"] > 0, profile
+    assert model.greedy_variant and model.sampler_calls["full"] == 5 and model.sampler_calls["greedy"] > 5

@@ -187,13 +187,14 @@ def speed(plan: Plan, index: int) -> dict:
     return result
 
 
-PROFILE_REPEATS, PROFILE_LAGGED = 5, 8  # step_profile: best of 5 single steps, of 5 runs of 8 lagged steps, of 5 host timings
+PROFILE_REPEATS, PROFILE_LAGGED = 5, 8  # step_profile: best of 5 single steps, of 5 runs of 8 lagged steps, of 5 host
+# timings, and of 5 steps with the full sampler
 
 
 def decode_context(plan: Plan) -> int:
     """The decode model's context: slot 0 takes part in every step _decode_speed runs (an untimed
     one and the timed ones per batch size, then step_profile's), rounded up to a multiple of 64."""
-    steps = len(plan.batches) * (1 + plan.rounds * plan.steps) + PROFILE_REPEATS * (2 + PROFILE_LAGGED)
+    steps = len(plan.batches) * (1 + plan.rounds * plan.steps) + PROFILE_REPEATS * (3 + PROFILE_LAGGED)
     return -(-(plan.prompt_len + steps + 1) // 64) * 64
 
 
@@ -236,7 +237,7 @@ def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
         "compilations_at_warm_up": compiled, "compilations_after_warm_up": after, "fill_s": fill_s,
         "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token, "bandwidth_gbs": statistics.median(gbs),
         "bandwidth_gbs_range": [min(gbs), max(gbs)], "batches": rows, "batch1_profile": profile,
-        "row_buckets": list(model.row_buckets), "executables_per_step": 1,
+        "row_buckets": list(model.row_buckets), "executables_per_step": 2 if model.split_sampler else 1,
     }
 
 
@@ -247,7 +248,10 @@ def step_profile(model: JaxModel, slots: Slots, repeats: int = PROFILE_REPEATS) 
     read the weights once a step (`bytes`). Then the host's own part of a step: `dispatch` until
     it returns (the inputs built and the executable enqueued; on this project's 2-vCPU CPU host
     ~1.2 ms for 30 layers, most of it JAX's per-argument and per-output work), and `collect` of
-    a step already finished (the samples fetched and unpacked)."""
+    a step already finished (the samples fetched and unpacked). Where the sampler is split off
+    (JaxModel `split_sampler`, an accelerator's default), the steps above take its greedy variant
+    (the rows are greedy), and one more line reads the step with the full one (`greedy_variant`
+    off): what the greedy variant saves a step."""
     try:
         read = min(slots.step(1) for _ in range(repeats))
         behind = min(slots.pipelined(1, PROFILE_LAGGED) for _ in range(repeats))
@@ -261,8 +265,15 @@ def step_profile(model: JaxModel, slots: Slots, repeats: int = PROFILE_REPEATS) 
             start = time.perf_counter()
             model.collect()
             collect.append(time.perf_counter() - start)
-        return {"step, read at once": {"s": read, "bytes": weights}, "step, host one behind": {"s": behind, "bytes": weights},
-                "host: dispatch": {"s": min(dispatch)}, "host: collect a finished step": {"s": min(collect)}}
+        profile = {"step, read at once": {"s": read, "bytes": weights}, "step, host one behind": {"s": behind, "bytes": weights},
+                   "host: dispatch": {"s": min(dispatch)}, "host: collect a finished step": {"s": min(collect)}}
+        if model.split_sampler:
+            model.greedy_variant = False
+            try:
+                profile["step, read at once, full sampler"] = {"s": min(slots.step(1) for _ in range(repeats)), "bytes": weights}
+            finally:
+                model.greedy_variant = True
+        return profile
     except Exception as error:  # a diagnostic must not cost the measurements
         return {"error": f"{type(error).__name__}: {error}"}
 

@@ -17,7 +17,10 @@ to cpu_kernels.PANEL_ROWS rows (decode steps, short prompt chunks) run on a seco
 panel-packed copies of the projections, made once here (the [in, out] originals serve longer
 prompt chunks). A decode step is one jitted executable: embed,
 every layer, head and sampling (engine.jax_backend.sampling), with the cache buffers and the
-slots' last samples donated and handed back written in place. The host runs one step behind the
+slots' last samples donated and handed back written in place. On an accelerator (`split_sampler`)
+it is two: the layers, then the head and sampling in one of two variants the host picks from the
+rows' parameters, greedy (no draw, cuts or alternatives) or full, because a step there computes
+every piece of sampling.sample whatever the rows need (no conditionals on the device). The host runs one step behind the
 device: `dispatch` enqueues step N+1 with no wait (its inputs are the samples of step N, which
 never leave the device, and host arrays packed into two transfers), and only then does `collect`
 read step N's ids and logprobs; the scheduler decides on them while the device computes.
@@ -328,14 +331,20 @@ def _head_and_sample(
     top_n: jax.Array,  # [R] i32, alternatives each row reports (0: none; all 0 skips the top-k)
     cfg: ModelConfig,
     head_size: int | None = None,  # V' when the head is padded (engine.jax_backend.mesh), else None
+    greedy_only: bool = False,  # every row greedy and wanting no alternatives (the host knows): sampling.greedy
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """-> (last [B] with each active row's sample at its slot, ids [R], logprobs [R], top ids
     [R, K], top logprobs [R, K]). The sample stays on the device as the slot's next input, so a
     decode step never waits for the host to send back what it just sampled."""
     logits = transformer.logits(x[:, 0], final_norm, lm_head, cfg)[:, :head_size]  # [R, V']
-    tokens, logprobs = sampling.sample(logits, params, positions, mask[slots], masked)  # [R], [R]
+    if greedy_only:
+        tokens, logprobs = sampling.greedy(logits, mask[slots], masked)  # [R], [R]
+        tops = sampling.no_top_logprobs(*logits.shape)
+    else:
+        tokens, logprobs = sampling.sample(logits, params, positions, mask[slots], masked)  # [R], [R]
+        tops = sampling.top_logprobs(logits, top_n)
     last = last.at[slots].set(jnp.where(active, tokens, last[slots]))
-    return (last, tokens, logprobs, *sampling.top_logprobs(logits, top_n))
+    return (last, tokens, logprobs, *tops)
 
 
 # Columns of a decode step's packed host inputs: one [R, 9] i32 and one [R, 3] f32 array cross to
@@ -368,8 +377,29 @@ def _decode_step(
     head and sampling; with `chunk`, that prompt chunk's KV written into its slot in the same
     pass (transformer.mixed_layers). -> (k_caches, v_caches, last, ids [R], logprobs [R], top ids
     [R, K], top logprobs [R, K])."""
+    k_caches, v_caches, x = _decode_layers(
+        embed_table, layers, k_caches, v_caches, last, ints, chunk, cfg=cfg, attend=attend, kernels=kernels, ragged=ragged
+    )
+    return (k_caches, v_caches, *_step_sample(x, final_norm, lm_head, mask, last, ints, floats, cfg=cfg, head_size=head_size))
+
+
+def _decode_layers(
+    embed_table: jax.Array,  # [V, E] (or its int8 form)
+    layers: tuple,  # L layer weights
+    k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D], donated
+    v_caches: tuple[jax.Array, ...],
+    last: jax.Array,  # [B] i32, each slot's last sampled token (read, not written)
+    ints: jax.Array,  # [R, 9] i32
+    chunk: tuple[jax.Array, jax.Array] | None = None,
+    *,
+    cfg: ModelConfig,
+    attend: int,
+    kernels: bool,
+    ragged: bool,
+) -> tuple:
+    """A decode step up to the final hidden state: the slots' inputs embedded and every layer
+    run (with `chunk` along, as `_decode_step`). -> (k_caches, v_caches, x [R, 1, E])."""
     r = ints.shape[0]
-    rows = jnp.arange(r, dtype=jnp.int32)  # [R] row i is slot i
     active = ints[:, ACTIVE] > 0  # [R]
     positions = ints[:, POSITION]  # [R]
     tokens = jnp.where(ints[:, USE_GIVEN] > 0, ints[:, GIVEN], last[:r])  # [R]
@@ -384,13 +414,31 @@ def _decode_step(
             layers, k_caches, v_caches, x, positions, active, transformer.embed(embed_table, ids), at[0], at[1],
             cfg=cfg, attend=attend, kernels=kernels, ragged=ragged,
         )
+    return k_caches, v_caches, x
+
+
+def _step_sample(
+    x: jax.Array,  # [R, 1, E], the rows' final hidden states
+    final_norm: jax.Array,
+    lm_head: jax.Array,
+    mask: jax.Array,  # [B, V'] bool
+    last: jax.Array,  # [B] i32, donated where this is its own executable
+    ints: jax.Array,  # [R, 9] i32
+    floats: jax.Array,  # [R, 3] f32
+    *,
+    cfg: ModelConfig,
+    head_size: int | None = None,
+    greedy_only: bool = False,
+) -> tuple:
+    """A decode step's head and sampling for its R rows (row i is slot i), parameters from the
+    packed host columns. -> (last, ids [R], logprobs [R], top ids [R, K], top logprobs [R, K])."""
+    r = ints.shape[0]
     seed = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)  # [R, 2]
     params = SlotSampling(floats[:, TEMPERATURE], ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P], seed)
-    last, *out = _head_and_sample(
-        x, final_norm, lm_head, mask, last, rows, active, ints[:, MASKED] > 0, params,
-        positions + 1, ints[:, TOP_N], cfg, head_size,
+    return _head_and_sample(
+        x, final_norm, lm_head, mask, last, jnp.arange(r, dtype=jnp.int32), ints[:, ACTIVE] > 0, ints[:, MASKED] > 0,
+        params, ints[:, POSITION] + 1, ints[:, TOP_N], cfg, head_size, greedy_only,
     )
-    return (k_caches, v_caches, last, *out)
 
 
 def _alternatives(ids: np.ndarray, logprobs: np.ndarray, wanted: np.ndarray) -> list[tuple[tuple[int, float], ...]]:
@@ -438,6 +486,7 @@ class JaxModel:
         min_rows: int | None = None,
         fused_chunk_tokens: int | None = None,
         min_packed: int | None = None,
+        split_sampler: bool | None = None,
     ) -> None:
         b, s = info.max_batch_size, info.max_context_length
         self.info = info
@@ -493,6 +542,12 @@ class JaxModel:
         self.packed_prefill_tokens = 0 if b == 1 or plan is not None else packed[-1]
         self._packed_sizes = tuple(packed) if self.packed_prefill_tokens else ()
         self._packed_rows = tuple(r for r in self._row_buckets if r >= 2) if self.packed_prefill_tokens else ()
+        # The decode step's head and sampling as their own executable, in two variants the host
+        # picks per step (`_launch`): on an accelerator by default, where the one-executable step
+        # computes every piece of sampling.sample for rows that need none (docs/benchmarks.md, "GPU check").
+        self.split_sampler = jax.default_backend() != "cpu" if split_sampler is None else split_sampler
+        self.greedy_variant = True  # split: the greedy sampler for a step whose rows are all greedy (False: never)
+        self.sampler_calls: collections.Counter[str] = collections.Counter()  # split: steps per variant
         layers = weights.layers
         self._lm_head = weights.lm_head
         if self.kernels and not self.int8:  # panel copies for products of a few rows (cpu_kernels.panel_matmul)
@@ -528,6 +583,13 @@ class JaxModel:
             own(_decode_step, kernels=self.kernels, ragged=self.ragged, head_size=head_size),
             static_argnames=("cfg", "attend"), donate_argnames=(*caches, "last"), **o,
         )
+        self._layers_step = jax.jit(  # split_sampler: the step up to the final hidden states, then _step_sampler
+            own(_decode_layers, kernels=self.kernels, ragged=self.ragged),
+            static_argnames=("cfg", "attend"), donate_argnames=caches, **o,
+        )
+        self._step_sampler = jax.jit(
+            own(_step_sample, head_size=head_size), static_argnames=("cfg", "greedy_only"), donate_argnames="last", **o
+        )
         self._last_hidden = jax.jit(own(_last), **o)
         self._write_mask = jax.jit(own(_write_mask), donate_argnums=0, **o)
         self._sample = jax.jit(
@@ -541,6 +603,7 @@ class JaxModel:
         self._jitted = (
             self._embed, self._prefill_layers, self._step, self._last_hidden, self._write_mask, self._sample,
             self._load_blocks, self._save_blocks, self._packed_layers, self._packed_ends, self._packed_sample,
+            self._layers_step, self._step_sampler,
         )
 
     @classmethod
@@ -565,6 +628,7 @@ class JaxModel:
         min_rows: int | None = None,
         fused_chunk_tokens: int | None = None,
         min_packed: int | None = None,
+        split_sampler: bool | None = None,
     ) -> JaxModel:
         """Read a Hugging Face directory; context defaults to min(max_position_embeddings, 2048).
 
@@ -604,6 +668,12 @@ class JaxModel:
         Default: with the CPU kernels on, the default budget (`default_step_tokens`); otherwise 0,
         none, each chunk its own calls (with XLA's attention the chunk's step copied its cache
         buffers; on an accelerator it is untried).
+        `split_sampler`: a decode step as two executables, the layers and then the head and
+        sampling, the latter in a greedy and a full variant that the host picks per step (the
+        greedy one when every row is greedy and wants no alternatives: no draw, candidates,
+        exact select or top_logprobs). Default: on an accelerator, whose one-executable step
+        computes all of those every step (no conditionals there); off on the CPU, whose step
+        skips them with conditionals already.
         """
         model_dir = Path(model_dir)
         plan = None
@@ -678,7 +748,7 @@ class JaxModel:
         return cls(
             cfg, ckpt.weights, info, dtype_, min_bucket, min_attend, kernels, kernel_build, max_chunk,
             prefix_cache_tokens, plan, cpu_threads, min_rows=min_rows, fused_chunk_tokens=fused_chunk_tokens,
-            min_packed=min_packed,
+            min_packed=min_packed, split_sampler=split_sampler,
         )
 
     @property
@@ -717,15 +787,21 @@ class JaxModel:
         return transformer.KVCache(tuple(self._k), tuple(self._v))
 
     def decode_hlo(self, rows: int, attend: int, chunk: bool = False) -> str:
-        """The compiled decode step (with `chunk`, the one that takes a chunk along) as HLO text
-        (cached once warmed up), so tests can check that it is one executable whose cache buffers
-        are aliased to the output and never copied."""
+        """The compiled decode step (with `chunk`, the one that takes a chunk along; with
+        split_sampler, its layers' executable) as HLO text (cached once warmed up), so tests can
+        check that it is one executable whose cache buffers are aliased to the output and never
+        copied."""
         return self._lower_step(rows, attend, chunk).compile().as_text()
 
     def _lower_step(self, rows: int, attend: int, chunk: bool = False):
         w = self._weights
         ints, floats = self._pack([], rows)
         along = self._put(self._chunk_arrays(0, [0] * self._fused_sizes[-1], 0)) if chunk else None
+        if self.split_sampler:
+            return self._layers_step.lower(
+                w.embed, self._decode_weights, tuple(self._k), tuple(self._v), self._last, self._put(ints), along,
+                cfg=self.config, attend=attend,
+            )
         return self._step.lower(
             w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
             self._mask, *self._put((ints, floats)), along, cfg=self.config, attend=attend,
@@ -750,8 +826,9 @@ class JaxModel:
         self._run_sample(last, zero, np.zeros(1, bool), self._params(slice(0, 1)), zero, zero)
         for rows in self._row_buckets:  # a step with every row idle writes nothing and samples for nobody
             for attend in self._attend_buckets:
-                self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend)
-                self.collect()
+                for variant in (True, False) if self.split_sampler else (None,):  # split: both samplers
+                    self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, greedy_only=variant)
+                    self.collect()
                 for size in self._fused_sizes:  # and with a chunk along (padding, into slot 0, released below)
                     self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, self._chunk_arrays(0, [0] * size, 0))
                     self.collect()
@@ -1016,13 +1093,31 @@ class JaxModel:
 
     def _launch(
         self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, attend: int,
-        chunk: tuple[np.ndarray, np.ndarray] | None = None,
+        chunk: tuple[np.ndarray, np.ndarray] | None = None, greedy_only: bool | None = None,
     ) -> None:
+        """Enqueue a decode step: one executable, or with split_sampler the layers and then the
+        sampler variant `greedy_only` says (None: greedy where every row is greedy and wants no
+        alternatives, and greedy_variant allows it)."""
         w = self._weights
-        k, v, self._last, *samples = self._step(
-            w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
-            self._mask, *self._put((ints, floats)), None if chunk is None else self._put(chunk), cfg=self.config, attend=attend,
-        )
+        along = None if chunk is None else self._put(chunk)
+        if not self.split_sampler:
+            k, v, self._last, *samples = self._step(
+                w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
+                self._mask, *self._put((ints, floats)), along, cfg=self.config, attend=attend,
+            )
+        else:
+            ints_d, floats_d = self._put((ints, floats)) if self.plan else jax.device_put((ints, floats))  # once for both calls
+            k, v, x = self._layers_step(
+                w.embed, self._decode_weights, tuple(self._k), tuple(self._v), self._last, ints_d, along,
+                cfg=self.config, attend=attend,
+            )
+            if greedy_only is None:
+                greedy_only = self.greedy_variant and not (floats[:, TEMPERATURE] > 0).any() and not (ints[:, TOP_N] > 0).any()
+            self.sampler_calls["greedy" if greedy_only else "full"] += 1
+            self._last, *samples = self._step_sampler(
+                x, w.final_norm, self._lm_head, self._mask, self._last, ints_d, floats_d, cfg=self.config,
+                greedy_only=bool(greedy_only),
+            )
         self._k, self._v = list(k), list(v)
         self._pending.append(_Pending(slots, ints[:, TOP_N].copy(), tuple(samples)))
 

@@ -111,6 +111,23 @@ def sample(
     )
 
 
+def greedy(logits: jax.Array, mask: jax.Array, masked: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`sample` for a batch whose rows are all greedy (temperature 0): the first max of each row's
+    allowed ids and its raw logprob, and nothing else (no draw, no candidates, no exact select):
+    what `sample` gives those rows, on every platform. The host knows every row's parameters when
+    it dispatches a step, so it picks this where an accelerator would otherwise compute every
+    piece of `sample` (engine.jax_backend.jax_model, `split_sampler`). Shapes as `sample`."""
+    logits = logits.astype(jnp.float32)
+    tokens = _first_max(jnp.where(mask & masked[:, None], -jnp.inf, logits))  # [B]
+    return tokens, _logprob(logits, tokens)
+
+
+def no_top_logprobs(rows: int, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """What `top_logprobs` returns when no row wants alternatives: zeros [rows, K] ids, logprobs."""
+    k = min(MAX_TOP_LOGPROBS, vocab)
+    return jnp.zeros((rows, k), jnp.int32), jnp.zeros((rows, k), jnp.float32)
+
+
 def top_logprobs(logits: jax.Array, wanted: jax.Array) -> tuple[jax.Array, jax.Array]:
     """logits [B, V], wanted [B] i32 (alternatives each row asks for) -> (ids [B, K] i32,
     raw logprobs [B, K] f32), most likely first (ties: the lower id first); zeros when no row
@@ -133,13 +150,17 @@ def _sample(
     """`sample` with `_when`'s strategy fixed (skip=True branches, skip=False computes and
     selects) and the candidate cap a parameter (benchmarks/sampling.py compares caps)."""
     logits = logits.astype(jnp.float32)
-    allowed = ~(mask & masked[:, None])  # [B, V]
-    live = jnp.where(allowed, logits, -jnp.inf)  # [B, V]
-    greedy = _first_max(live)  # [B]
-    drawn = _when(jnp.any(params.temperature > 0), lambda: _draw(live, params, positions, skip, cap), greedy, skip)
-    tokens = jnp.where(params.temperature > 0, drawn, greedy)  # [B]
+    live = jnp.where(mask & masked[:, None], -jnp.inf, logits)  # [B, V]
+    first = _first_max(live)  # [B]
+    drawn = _when(jnp.any(params.temperature > 0), lambda: _draw(live, params, positions, skip, cap), first, skip)
+    tokens = jnp.where(params.temperature > 0, drawn, first)  # [B]
+    return tokens, _logprob(logits, tokens)
+
+
+def _logprob(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """The raw logprob of each row's token: logits [B, V] f32, tokens [B] -> [B]."""
     chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]  # [B]
-    return tokens, chosen - jax.nn.logsumexp(logits, axis=-1)
+    return chosen - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _top_logprobs(logits: jax.Array, wanted: jax.Array, *, skip: bool) -> tuple[jax.Array, jax.Array]:
@@ -150,8 +171,7 @@ def _top_logprobs(logits: jax.Array, wanted: jax.Array, *, skip: bool) -> tuple[
         values, ids = jax.lax.top_k(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1), k)  # [B, K]
         return ids.astype(jnp.int32), values
 
-    zeros = (jnp.zeros((b, k), jnp.int32), jnp.zeros((b, k), jnp.float32))
-    return _when(jnp.any(wanted > 0), compute, zeros, skip)
+    return _when(jnp.any(wanted > 0), compute, no_top_logprobs(b, v), skip)
 
 
 def _when(pred: jax.Array, compute: Callable[[], T], otherwise: T, skip: bool) -> T:

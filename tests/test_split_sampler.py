@@ -1,0 +1,113 @@
+"""The decode step with its head and sampling as their own executable (`split_sampler`, the
+accelerator default), whose greedy variant the host picks for a step whose rows are all greedy
+and want no alternatives.
+
+What must hold: the split step gives what the one-executable step gives (ids, logprobs,
+alternatives, masking, a chunk along), for greedy and sampled rows in one batch; the host picks
+the greedy variant exactly when no row samples and none wants alternatives (and never when
+`greedy_variant` is off); nothing compiles after warm-up; and the same under a mesh of two
+devices. Run on the CPU, where the split is off by default, by asking for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from engine.core.model import ChunkInput, DecodeInput, SlotSetup
+from engine.core.request import SamplingParams
+from engine.jax_backend.jax_model import JaxModel
+from support.backend import require_cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = ROOT / "tests" / "assets"
+GREEDY = SamplingParams(temperature=0.0, seed=0)
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7)
+ALTERNATIVES = SamplingParams(temperature=0.0, seed=0, top_logprobs=3)
+
+
+def _load(name: str, split: bool) -> JaxModel:
+    model = JaxModel.load(ASSETS / name, max_batch_size=4, max_context_length=64, max_chunk=16, min_bucket=8,
+                          split_sampler=split)  # two prompt buckets: few compiles
+    model.warm_up()
+    return model
+
+
+def _run(model: JaxModel) -> list:
+    """Prompts into slots 0-2 (greedy with all ids but three masked, sampled, greedy with alternatives),
+    then steps: slot 0 alone (greedy), 0 and 2 (alternatives), all three (sampling), and slot 3's
+    prompt chunk along with a step. -> every sample, in order."""
+    masked = SlotSetup(GREEDY, frozenset(range(model.info.vocab_size)) - {100, 200, 300})  # masked: one of these 3
+    setups = [masked, SlotSetup(SAMPLED, frozenset()), SlotSetup(ALTERNATIVES, frozenset())]
+    out, length = [], {}
+    for slot, setup in enumerate(setups):
+        prompt = [5 + slot, 17, 40 + slot]
+        out.append(model.prefill(slot, prompt, setup, slot == 0))
+        length[slot] = len(prompt)
+    long_prompt = list(range(3, 3 + 12))
+    for step, slots in enumerate([[0], [0], [0, 2], [0, 1, 2], [0, 1, 2]]):
+        inputs = [DecodeInput(s, None, length[s], s == 0) for s in slots]
+        chunk = ChunkInput(3, long_prompt, 0, 8, SlotSetup(GREEDY, frozenset())) if step == 4 else None
+        model.dispatch(inputs, chunk)
+        out.extend(model.collect())
+        for s in slots:
+            length[s] += 1
+    out.append(model.prefill_chunk(3, long_prompt, 8, len(long_prompt), SlotSetup(GREEDY, frozenset()), False))
+    return out
+
+
+def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_nothing_after_warm_up():
+    require_cpu()  # equal logprobs: float32 on XLA:CPU (tests/support/backend.py)
+    one, split = _load("tiny-llama", False), _load("tiny-llama", True)
+    assert not one.split_sampler and split.split_sampler
+    before = split.compilations()
+    want, got = _run(one), _run(split)
+    assert split.compilations() == before
+    assert [s.token_id for s in got] == [s.token_id for s in want]
+    np.testing.assert_allclose([s.logprob for s in got], [s.logprob for s in want], atol=1e-6)
+    for g, w in zip(got, want):
+        assert [i for i, _ in g.top_logprobs] == [i for i, _ in w.top_logprobs]
+        np.testing.assert_allclose([p for _, p in g.top_logprobs], [p for _, p in w.top_logprobs], atol=1e-6)
+    assert any(len(s.top_logprobs) == 3 for s in got)  # the alternatives were asked for and came
+    assert {s.token_id for s in got[:1] + got[3:4]} <= {100, 200, 300}  # slot 0's masked prefill and first step
+    assert split.sampler_calls["greedy"] and split.sampler_calls["full"]
+
+
+def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alternatives():
+    model = _load("tiny-llama", True)
+    for slot, params in enumerate([GREEDY, GREEDY, SAMPLED, ALTERNATIVES]):
+        model.prefill(slot, [5, 6, 7], SlotSetup(params, frozenset()), False)
+    length = dict.fromkeys(range(4), 3)
+
+    def step(*slots: int) -> str:
+        model.sampler_calls.clear()
+        model.decode([DecodeInput(s, None, length[s], False) for s in slots])
+        for s in slots:
+            length[s] += 1
+        (variant,) = model.sampler_calls
+        return variant
+
+    assert step(0) == "greedy"
+    assert step(0, 1) == "greedy"
+    assert step(0, 1, 2) == "full"  # one row samples
+    assert step(0, 3) == "full"  # one row wants alternatives
+    assert step(1) == "greedy"  # slots 2 and 3 are idle in this step's rows: they do not count
+    model.greedy_variant = False
+    assert step(0) == "full"
+
+
+def test_under_a_mesh_of_two_devices_the_split_step_gives_what_the_one_executable_step_gives():
+    """In a child interpreter with 2 CPU devices (JAX fixes its device count when it starts)."""
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "tests.support.split_sampler_mesh"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["devices"] == 2 and result["compiled_after_warm_up"] == 0
+    assert result["split"]["ids"] == result["one"]["ids"]
+    np.testing.assert_allclose(result["split"]["logprobs"], result["one"]["logprobs"], atol=1e-6)
+    assert result["calls"]["greedy"] and result["calls"]["full"]
