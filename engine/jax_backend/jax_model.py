@@ -546,7 +546,9 @@ class JaxModel:
         # picks per step (`_launch`): on an accelerator by default, where the one-executable step
         # computes every piece of sampling.sample for rows that need none (docs/benchmarks.md, "GPU check").
         self.split_sampler = jax.default_backend() != "cpu" if split_sampler is None else split_sampler
-        self.greedy_variant = True  # split: the greedy sampler for a step whose rows are all greedy (False: never)
+        # split: the greedy sampler for a step whose rows are all greedy (False: never; a switch for
+        # measurements on one host: every process of a multi-host group must pick alike)
+        self.greedy_variant = True
         self.sampler_calls: collections.Counter[str] = collections.Counter()  # split: steps per variant
         layers = weights.layers
         self._lm_head = weights.lm_head

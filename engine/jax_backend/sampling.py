@@ -42,7 +42,9 @@ per platform when the step is lowered (`lax.platform_dependent`, not a flag insi
   the stream, which would stall a host that runs a step ahead of the device. What that costs:
   every step computes the draw, the candidates, both exact selects and top_logprobs whether or
   not a row needs them, so on GPU the cap saves nothing yet (it will once the exact select can be
-  skipped on the device, e.g. in a Pallas kernel). Scatter-adds of float weights on GPU add in no
+  skipped on the device, e.g. in a Pallas kernel). What the host can tell before it dispatches a
+  step, it decides there: a decode step whose rows are all greedy and want no alternatives runs
+  `greedy` instead (engine.jax_backend.jax_model, `split_sampler`). Scatter-adds of float weights on GPU add in no
   fixed order, so there a top_p target within rounding of a boundary may also differ between runs.
 - CPU: a `lax.cond`. The predicate already lies in host memory, so the branch costs nothing and
   skips work that would otherwise be a large part of a step (docs/benchmarks.md, "Sampling").
