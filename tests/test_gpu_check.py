@@ -138,7 +138,7 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert "| model | batch | tok/s | TPOT ms | HBM floor ms | MBU |" in table and "| 2 | text |" in table
     assert phases["stack"]["engine_only"]["batch"] == 2 and len(phases["stack"]["engine_only"]["tok_s"]) == 1
     assert "Over decode.py's decode steps alone at batch 2 (" in table
-    assert "| piece | batch 1 | batch 2 |" in table and "| greedy alone (first max, logsumexp) |" in table
+    assert "| piece | batch 1 | batch 2 |" in table and "| sampling.greedy (the split step's greedy variant) |" in table
     assert "| int8 |" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table
 
 

@@ -301,8 +301,8 @@ def sampling_profile(vocab: int, batches: list[int], repeats: int = PROFILE_REPE
     (the batch-1 benchmark's case), best of `repeats` calls each read back (so a piece's time
     includes one dispatch and one wait). The pieces: `sample` + `top_logprobs` as the decode step
     runs them (on an accelerator every piece computed, then selected: no conditional in the
-    step; engine/jax_backend/sampling.py); what greedy alone needs (the first max and the
-    logsumexp for its logprob); and the costly parts of the rest, each alone: lax.top_k at the
+    step; engine/jax_backend/sampling.py); `sampling.greedy`, what a step with the sampler split
+    off runs for greedy rows (the first allowed max and its logprob); and the costly parts of the rest, each alone: lax.top_k at the
     candidate cap and at MAX_TOP_LOGPROBS (XLA:GPU's own top-k kernel takes k <= 16 only, so
     these may be sorts of the vocabulary), the same top-k in two stages (`two_stage_top_k`, the
     alternative to measure against it), and one exact select (three scatter-add passes)."""
@@ -319,8 +319,7 @@ def sampling_profile(vocab: int, batches: list[int], repeats: int = PROFILE_REPE
             pieces = {
                 "sample + top_logprobs, as the step runs them": lambda x: (
                     sampling.sample(x, params, positions, mask, masked), sampling.top_logprobs(x, wanted)),
-                "greedy alone (first max, logsumexp)": lambda x: (
-                    sampling._first_max(x), jax.nn.logsumexp(x, axis=-1)),
+                "sampling.greedy (the split step's greedy variant)": lambda x: sampling.greedy(x, mask, masked),
                 f"lax.top_k, k = {sampling.CAP}": lambda x: jax.lax.top_k(x, min(sampling.CAP, vocab)),
                 f"lax.top_k, k = {MAX_TOP_LOGPROBS}": lambda x: jax.lax.top_k(x, min(MAX_TOP_LOGPROBS, vocab)),
                 f"lax.top_k in two stages (chunks of {TOP_K_CHUNK:,}), k = {sampling.CAP}": lambda x: two_stage_top_k(
