@@ -299,9 +299,9 @@ def sampling_profile(vocab: int, batches: list[int], repeats: int = PROFILE_REPE
     """What choosing the next token costs on this device, apart from the layers: each piece
     jitted alone on random logits [B, vocab], every row greedy and asking for no alternatives
     (the batch-1 benchmark's case), best of `repeats` calls each read back (so a piece's time
-    includes one dispatch and one wait). The pieces: `sample` + `top_logprobs` as the decode step
-    runs them (on an accelerator every piece computed, then selected: no conditional in the
-    step; engine/jax_backend/sampling.py); `sampling.greedy`, what a step with the sampler split
+    includes one dispatch and one wait). The pieces: the full sampler, `sample` + `top_logprobs`
+    (what the one-executable step ran for every row; on an accelerator every piece computed, then
+    selected: no conditional; engine/jax_backend/sampling.py); `sampling.greedy`, what a step with the sampler split
     off runs for greedy rows (the first allowed max and its logprob); and the costly parts of the rest, each alone: lax.top_k at the
     candidate cap and at MAX_TOP_LOGPROBS (XLA:GPU's own top-k kernel takes k <= 16 only, so
     these may be sorts of the vocabulary), the same top-k in two stages (`two_stage_top_k`, the
@@ -317,7 +317,7 @@ def sampling_profile(vocab: int, batches: list[int], repeats: int = PROFILE_REPE
             positions, mask, masked = jnp.zeros(b, jnp.int32), jnp.zeros((b, vocab), bool), jnp.zeros(b, bool)
             wanted = jnp.zeros(b, jnp.int32)
             pieces = {
-                "sample + top_logprobs, as the step runs them": lambda x: (
+                "the full sampler (sample + top_logprobs)": lambda x: (
                     sampling.sample(x, params, positions, mask, masked), sampling.top_logprobs(x, wanted)),
                 "sampling.greedy (the split step's greedy variant)": lambda x: sampling.greedy(x, mask, masked),
                 f"lax.top_k, k = {sampling.CAP}": lambda x: jax.lax.top_k(x, min(sampling.CAP, vocab)),

@@ -796,18 +796,21 @@ class JaxModel:
         return self._lower_step(rows, attend, chunk).compile().as_text()
 
     def _lower_step(self, rows: int, attend: int, chunk: bool = False):
-        w = self._weights
-        ints, floats = self._pack([], rows)
+        ints, floats = self._put(self._pack([], rows))
         along = self._put(self._chunk_arrays(0, [0] * self._fused_sizes[-1], 0)) if chunk else None
         if self.split_sampler:
-            return self._layers_step.lower(
-                w.embed, self._decode_weights, tuple(self._k), tuple(self._v), self._last, self._put(ints), along,
-                cfg=self.config, attend=attend,
-            )
-        return self._step.lower(
-            w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
-            self._mask, *self._put((ints, floats)), along, cfg=self.config, attend=attend,
-        )
+            return self._layers_step.lower(*self._layers_args(ints, along), cfg=self.config, attend=attend)
+        return self._step.lower(*self._step_args(ints, floats, along), cfg=self.config, attend=attend)
+
+    def _step_args(self, ints, floats, along) -> tuple:
+        """The one-executable decode step's positional arguments (`_decode_step`)."""
+        w = self._weights
+        return (w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
+                self._mask, ints, floats, along)
+
+    def _layers_args(self, ints, along) -> tuple:
+        """The split step's layers' positional arguments (`_decode_layers`)."""
+        return (self._weights.embed, self._decode_weights, tuple(self._k), tuple(self._v), self._last, ints, along)
 
     def compilations(self) -> int:
         """How many (function, shape) variants this model has compiled so far."""
@@ -1100,24 +1103,19 @@ class JaxModel:
         """Enqueue a decode step: one executable, or with split_sampler the layers and then the
         sampler variant `greedy_only` says (None: greedy where every row is greedy and wants no
         alternatives, and greedy_variant allows it)."""
-        w = self._weights
         along = None if chunk is None else self._put(chunk)
         if not self.split_sampler:
             k, v, self._last, *samples = self._step(
-                w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
-                self._mask, *self._put((ints, floats)), along, cfg=self.config, attend=attend,
+                *self._step_args(*self._put((ints, floats)), along), cfg=self.config, attend=attend
             )
         else:
             ints_d, floats_d = self._put((ints, floats)) if self.plan else jax.device_put((ints, floats))  # once for both calls
-            k, v, x = self._layers_step(
-                w.embed, self._decode_weights, tuple(self._k), tuple(self._v), self._last, ints_d, along,
-                cfg=self.config, attend=attend,
-            )
+            k, v, x = self._layers_step(*self._layers_args(ints_d, along), cfg=self.config, attend=attend)
             if greedy_only is None:
                 greedy_only = self.greedy_variant and not (floats[:, TEMPERATURE] > 0).any() and not (ints[:, TOP_N] > 0).any()
             self.sampler_calls["greedy" if greedy_only else "full"] += 1
             self._last, *samples = self._step_sampler(
-                x, w.final_norm, self._lm_head, self._mask, self._last, ints_d, floats_d, cfg=self.config,
+                x, self._weights.final_norm, self._lm_head, self._mask, self._last, ints_d, floats_d, cfg=self.config,
                 greedy_only=bool(greedy_only),
             )
         self._k, self._v = list(k), list(v)
