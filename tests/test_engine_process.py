@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import multiprocessing
 import os
 import signal
 import statistics
@@ -525,3 +526,69 @@ def test_stalled_s_grows_while_the_child_makes_no_progress_and_is_zero_when_idle
     process.abort(ticket)
     assert process.stats().stalled_s == 0.0  # nothing pending: idle
     assert not deaths.called.is_set()
+
+
+# -- the child's outbox, on a real pipe ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def outbox_on_a_pipe():
+    """An opened `_Outbox` on one end of a real multiprocessing pipe (the parent's end is
+    yielded with it), its sender thread running; closed and joined after."""
+    from engine.core.engine import EngineStats
+    from engine.core.engine_process import _Outbox
+
+    parent, child = multiprocessing.Pipe()
+    outbox = _Outbox(child)
+    outbox.stats = lambda: EngineStats(0, 1, True, 0.0)
+    outbox.open()
+    sender = threading.Thread(target=outbox.run, daemon=True)
+    sender.start()
+    try:
+        yield outbox, parent
+    finally:
+        outbox.close()
+        sender.join(LIMIT_S)
+        assert not sender.is_alive()
+        parent.close()
+        child.close()
+
+
+def test_the_engine_thread_sends_a_step_itself_when_the_pipe_takes_it():
+    """The common case: no hand-off to the sender thread; the parent's Connection reads the frame."""
+    with outbox_on_a_pipe() as (outbox, parent):
+        for step in range(3):
+            outbox.events(7, [Token(100 + step)])
+            outbox.step(0.01)
+            outbox.flush()
+            assert parent.poll(LIMIT_S)
+            kind, deliveries, steps, queue_depth, slots, _ = parent.recv()
+            assert (kind, deliveries, steps, queue_depth, slots) == ("batch", [(7, [100 + step])], [0.01], 0, 1)
+        assert outbox.direct_sends == 3
+
+
+def test_a_parent_that_stops_reading_never_blocks_the_engine_thread_and_loses_nothing():
+    """Steps of 4,000 tokens each fill the pipe within a few: every flush still returns at once
+    (the watchdog), the rest goes through the sender thread, coalesced, and the parent then
+    reads every token in order."""
+    sent: list[int] = []
+    with outbox_on_a_pipe() as (outbox, parent):
+        def engine_thread() -> None:
+            for step in range(60):
+                ids = list(range(step * 4000, (step + 1) * 4000))
+                sent.extend(ids)
+                outbox.events(1, [Token(i) for i in ids])
+                outbox.flush()
+
+        worker = threading.Thread(target=engine_thread, daemon=True)
+        worker.start()
+        worker.join(LIMIT_S)
+        assert not worker.is_alive(), "a flush blocked on the pipe the parent does not read"
+        received, messages = [], 0
+        while len(received) < len(sent):
+            assert parent.poll(LIMIT_S)
+            _, deliveries, *_ = parent.recv()
+            messages += 1
+            received += [i for _, payload in deliveries for i in payload]
+    assert received == sent
+    assert outbox.direct_sends < 60 and messages < 60, (outbox.direct_sends, messages)

@@ -11,10 +11,11 @@ Data flow (multiprocessing, spawn; one duplex pipe):
   parent                                         child (`_child_main`)
   submit/abort -> ("submit", key, request) ----> command loop -> Engine.submit / Engine.abort
                   ("abort", key)
-  reader thread <- ("batch", deliveries, steps,  <- sender thread <- after each prefill and step,
-                    queue_depth, slots, prefix)      everything the engine delivered since the
-    -> each key's sink, then after_delivery          last send (several steps when the parent is
-                                                     behind, one otherwise)
+  reader thread <- ("batch", deliveries, steps,  <- after each prefill and step, what the engine
+                    queue_depth, slots, prefix)      delivered: sent by the engine thread itself
+    -> each key's sink, then after_delivery          when the pipe takes it at once, else by the
+                                                     sender thread, with everything delivered
+                                                     since (several steps when the parent is behind)
 The child loads and warms up the model from `factory` (a picklable callable: spawn starts a
 fresh interpreter), then answers ("ready", info) or ("failed", message).
 
@@ -40,9 +41,12 @@ import logging
 import multiprocessing
 import os
 import signal
+import socket
+import struct
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, PrefixStats, admit
@@ -83,12 +87,34 @@ def _decode(items: list[int | tuple]) -> list[Event]:
 # -- child ---------------------------------------------------------------------------------
 
 
+def _frame(message: object) -> bytes:
+    """The bytes `Connection.send(message)` writes: multiprocessing.connection's format, a 4-byte
+    big-endian length (or -1 and an 8-byte one) and the pickle, which the parent's `recv` reads.
+    Built here because a send that must not block has to keep what the pipe did not take, and
+    `Connection` offers no such send."""
+    body = ForkingPickler.dumps(message)
+    if len(body) > 0x7FFFFFFF:
+        return struct.pack("!i", -1) + struct.pack("!Q", len(body)) + body
+    return struct.pack("!i", len(body)) + body
+
+
 class _Outbox:
-    """Child side: what the engine delivered, sent to the parent by one sender thread, so the
-    engine thread never blocks on the pipe. Everything waiting is sent as one message."""
+    """Child side: what the engine delivered, sent to the parent so that the engine thread never
+    blocks on the pipe.
+
+    After each prefill and step the engine thread sends the step itself, when no earlier message
+    is being written and the pipe takes the whole message at once (a send that does not wait):
+    no thread hand-off, the common case when the parent keeps up. Otherwise the sender thread
+    writes, blocking: first what the pipe did not take, then everything delivered since, as one
+    message (a parent that is behind gets the steps it missed together). One writer at a time
+    (`_writing`), and what is taken is written before anything taken later, so messages keep
+    their order; what waits is bounded as before, by the live requests' remaining output."""
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        # The pipe's socket again (a duplicate descriptor, still blocking): its send takes
+        # MSG_DONTWAIT per call, and its sendall blocks (the sender's writes).
+        self._socket = socket.socket(fileno=os.dup(conn.fileno()))
         self.stats: Callable[[], EngineStats] | None = None  # the engine's, set once it exists
         # One lock: taken bare (C-level) by the engine's per-request calls, through the Condition
         # by the sender's wait and the wakes.
@@ -96,11 +122,14 @@ class _Outbox:
         self._cond = threading.Condition(self._lock)
         self._deliveries: list[tuple] = []  # (key, events) or (key, (error class name, message))
         self._steps: list[float] = []
-        self._ready = False  # something was delivered since the last send
+        self._ready = False  # delivered since the last take, for the sender to send
+        self._writing = True  # a thread is writing to the pipe (only it may); the child's, until `open`
+        self._unsent = b""  # the tail of a message the pipe did not take at once (the sender's)
         self._closed = False
+        self.direct_sends = 0  # messages the engine thread sent itself (tests read it)
 
     def events(self, key: int, events: list[Event]) -> None:
-        with self._lock:  # encoded by the sender, while the engine thread waits for the model
+        with self._lock:  # encoded when sent, while the engine thread waits for the model
             self._deliveries.append((key, events))
 
     def fail(self, key: int, error: BaseException) -> None:
@@ -111,11 +140,48 @@ class _Outbox:
         with self._lock:
             self._steps.append(seconds)
 
+    def _take(self) -> tuple[list[tuple], list[float]]:
+        """Under the lock: what was delivered, and nothing ready any more."""
+        deliveries, self._deliveries = self._deliveries, []
+        steps, self._steps = self._steps, []
+        self._ready = False
+        return deliveries, steps
+
+    def _message(self, deliveries: list[tuple], steps: list[float]) -> bytes:
+        stats = self.stats()  # not under the lock: the engine's own lock is taken inside
+        deliveries = [(key, _encode(p) if isinstance(p, list) else p) for key, p in deliveries]
+        return _frame(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use, stats.prefix))
+
     def flush(self) -> None:
-        """After each prefill and step: wake the sender (it sends even an empty step, which the
-        parent counts as progress)."""
+        """After each prefill and step (even an empty step, which the parent counts as progress):
+        send it now if that cannot block, else leave it to the sender."""
         with self._cond:
-            self._ready = True
+            if self._writing or self._ready or self._unsent or self._closed:
+                self._ready = True
+                self._cond.notify()
+                return
+            self._writing = True
+            deliveries, steps = self._take()
+        data, sent = b"", 0
+        try:
+            data = self._message(deliveries, steps)
+            sent = self._socket.send(data, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            pass  # the parent is behind and the pipe is full: the sender writes it
+        except OSError:  # the parent is gone (the command loop sees it and exits)
+            sent = len(data)
+        finally:
+            with self._cond:
+                self._unsent = data[sent:]
+                self._writing = False
+                self.direct_sends += not self._unsent
+                if self._unsent or self._ready:
+                    self._cond.notify()
+
+    def open(self) -> None:
+        """Once the child has sent "ready": from now on the outbox writes the pipe."""
+        with self._cond:
+            self._writing = False
             self._cond.notify()
 
     def close(self) -> None:
@@ -124,22 +190,24 @@ class _Outbox:
             self._cond.notify()
 
     def run(self) -> None:
-        """The sender thread: until closed and everything is sent."""
-        while True:
-            with self._cond:
-                while not (self._ready or self._closed):
-                    self._cond.wait()
-                if not self._ready and self._closed:
+        """The sender thread: until closed and everything is sent (then no one writes but the
+        child's last words, through the Connection, so the duplicate descriptor is closed)."""
+        with self._socket:
+            while True:
+                with self._cond:
+                    while self._writing or not (self._ready or self._unsent or self._closed):
+                        self._cond.wait()
+                    if not (self._ready or self._unsent):  # closed, and everything sent
+                        return
+                    self._writing = True
+                    unsent, self._unsent = self._unsent, b""
+                    taken = self._take() if self._ready else None
+                try:
+                    self._socket.sendall(unsent + (self._message(*taken) if taken is not None else b""))
+                except OSError:  # the parent is gone
                     return
-                deliveries, self._deliveries = self._deliveries, []
-                steps, self._steps = self._steps, []
-                self._ready = False
-            stats = self.stats()
-            deliveries = [(key, _encode(p) if isinstance(p, list) else p) for key, p in deliveries]
-            try:
-                self._conn.send(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use, stats.prefix))
-            except OSError:  # the parent is gone
-                return
+                with self._cond:
+                    self._writing = False
 
 
 class _Tickets:
@@ -209,8 +277,9 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     engine.after_delivery(outbox.flush)
     sender = threading.Thread(target=outbox.run, name="tokenwire-engine-sender", daemon=True)
     engine.start()
-    # before the sender exists: one thread sends at a time
+    # before the outbox opens: one thread writes at a time
     conn.send(("ready", model.info, getattr(model, "kernel_state", None)))
+    outbox.open()
     sender.start()
     tickets = _Tickets()
     try:
