@@ -14,6 +14,7 @@ import functools
 import multiprocessing
 import os
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -568,13 +569,17 @@ def test_the_engine_thread_sends_a_step_itself_when_the_pipe_takes_it():
 
 
 def test_a_parent_that_stops_reading_never_blocks_the_engine_thread_and_loses_nothing():
-    """Steps of 4,000 tokens each fill the pipe within a few: every flush still returns at once
-    (the watchdog), the rest goes through the sender thread, coalesced, and the parent then
-    reads every token in order."""
+    """Steps of 4,000 tokens each (12-20 KB pickled), enough of them to hold four times what the
+    pipe's two socket buffers take: every flush still returns at once (the watchdog), the rest
+    goes through the sender thread, coalesced, and the parent then reads every token in order."""
     sent: list[int] = []
     with outbox_on_a_pipe() as (outbox, parent):
+        with socket.socket(fileno=os.dup(parent.fileno())) as end:
+            buffered = end.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) + end.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF)
+        steps = 4 * buffered // 12_000 + 1
+
         def engine_thread() -> None:
-            for step in range(60):
+            for step in range(steps):
                 ids = list(range(step * 4000, (step + 1) * 4000))
                 sent.extend(ids)
                 outbox.events(1, [Token(i) for i in ids])
@@ -591,4 +596,4 @@ def test_a_parent_that_stops_reading_never_blocks_the_engine_thread_and_loses_no
             messages += 1
             received += [i for _, payload in deliveries for i in payload]
     assert received == sent
-    assert outbox.direct_sends < 60 and messages < 60, (outbox.direct_sends, messages)
+    assert outbox.direct_sends < steps and messages < steps, (outbox.direct_sends, messages, steps)
