@@ -11,7 +11,10 @@ that figure of the same round (issue 10's real-model target).
 
 The model is the scripted one (engine/core/scripted_model.py), unless --real-model: each decode step sleeps
 --step-ms (0 = free) and yields the token after the last, so what differs between the paths is
-the transport alone. Each of N streams asks for exactly M tokens (ignore_eos, max_output_tokens).
+the transport alone. Each of N streams asks for exactly M tokens (ignore_eos, max_output_tokens)
+after a short prompt of its own ("fox I"): the text path sends the text, the engine and decode
+paths the ids the text service makes of it (checked against each Finished's prompt_tokens), so
+every path prefills the same ids.
   engine  N asyncio streams over AsyncEngine in this process: no gRPC, no other process.
   decode  `services.cli decode-server --model scripted:DIR`, a process on loopback.
   text    `services.cli text-server` in front of that decode server (--text-workers: that many
@@ -85,6 +88,7 @@ from protos.text.v1 import text_pb2_grpc  # noqa: E402
 from services import cli  # noqa: E402
 from services.client import decode_request, generate_request  # noqa: E402
 from services.health_probe import check_once  # noqa: E402
+from tokenizer_svc.tokenizer import TextTokenizer  # noqa: E402
 
 PATHS = {"engine": "engine in-process", "decode": "through the decode service", "text": "through the text service"}
 SERVICE_NAMES = {"decode": "tokenwire.decode.v1.Decoder", "text": "tokenwire.text.v1.TextGeneration"}
@@ -108,13 +112,23 @@ def token_counts(spec: str, streams: int) -> list[int]:
     return [low + (high - low) * i // (streams - 1) for i in range(streams)]
 
 
-def prompt_ids(index: int) -> list[int]:
-    """A few ids, different per stream (all below 256, so within any vocabulary used here)."""
-    return [3 + index % 200, 4 + index % 200, 5 + index % 200]
+@dataclass(frozen=True)
+class Prompt:
+    """One stream's prompt on every path: the text path sends `text`, the engine and decode paths
+    send `ids`, the text as the text service encodes it. So every path prefills the same ids and
+    what differs between them is the transport alone. (Until 2026-12-05 the id paths sent 3 fixed
+    ids and the text path a 20-character text, 8-9 ids on the default model: on a real model the
+    text path prefilled ~2.8x the prompt tokens of the others; docs/benchmarks.md.)"""
+
+    text: str
+    ids: tuple[int, ...]
 
 
-def prompt_text(index: int) -> str:
-    return f"stream {index}: the quick brown fox"
+def prompts(model_dir: Path, n: int) -> list[Prompt]:
+    """N short prompts, different per stream (3-4 ids on the default model), encoded by the
+    tokenizer in `model_dir` the way the text service encodes a Generate prompt."""
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    return [Prompt(text, tuple(tokenizer.encode(text))) for text in (f"fox {i}" for i in range(n))]
 
 
 class StreamClock:
@@ -128,10 +142,10 @@ class StreamClock:
         self.tokens = 0
         self.messages = 0  # messages that carried at least one token
         self.gaps: list[float] = []
-        self.finish: tuple[str, int] | None = None  # (reason name, usage.completion_tokens)
+        self.finish: tuple[str, int, int] | None = None  # (reason name, usage.completion_tokens, usage.prompt_tokens)
         self._last: float | None = None
 
-    def arrived(self, tokens: int, finish: tuple[str, int] | None = None) -> None:
+    def arrived(self, tokens: int, finish: tuple[str, int, int] | None = None) -> None:
         """One message: `tokens` tokens, then the Finished when `finish` is given."""
         now = time.monotonic()
         if self.finish is not None:
@@ -148,11 +162,14 @@ class StreamClock:
         if finish is not None:
             self.finish, self.finished_at = finish, now
 
-    def check(self, index: int, expected: int) -> "StreamClock":
-        if self.finish != ("LENGTH", expected) or self.tokens != expected:
+    def check(self, index: int, expected: int, prompt_tokens: int) -> "StreamClock":
+        """Exactly `expected` tokens, finished for LENGTH, with the prompt counted as `prompt_tokens`
+        (the ids this stream's prompt is: on the text path, proof that it prefilled what the id
+        paths send)."""
+        if self.finish != ("LENGTH", expected, prompt_tokens) or self.tokens != expected:
             raise StreamFailed(
-                f"stream {index}: {self.tokens} tokens and finish (reason, completion_tokens) {self.finish}, "
-                f"expected {expected} tokens and ('LENGTH', {expected})"
+                f"stream {index}: {self.tokens} tokens and finish (reason, completion_tokens, prompt_tokens) "
+                f"{self.finish}, expected {expected} tokens and ('LENGTH', {expected}, {prompt_tokens})"
             )
         return self
 
@@ -231,27 +248,29 @@ def measure_steps(model, batch: int, steps: int = 16, prompt_len: int = 64) -> f
         slots.release()
 
 
-async def _engine_streams(engine: AsyncEngine, counts: Sequence[int]) -> list[StreamClock]:
+async def _engine_streams(engine: AsyncEngine, counts: Sequence[int], prompts: Sequence[Prompt]) -> list[StreamClock]:
     async def one(index: int, m: int) -> StreamClock:
         clock = StreamClock()
         stopping = StoppingCriteria(max_output_tokens=m, ignore_eos=True)
-        async for events in engine.stream(Request(f"bench-{index}", tuple(prompt_ids(index)), stopping=stopping)):
+        async for events in engine.stream(Request(f"bench-{index}", prompts[index].ids, stopping=stopping)):
             last = events[-1]
-            finish = (last.reason.name, last.usage.completion_tokens) if isinstance(last, Finished) else None
+            finish = (last.reason.name, last.usage.completion_tokens, last.usage.prompt_tokens) if isinstance(last, Finished) else None
             clock.arrived(sum(isinstance(e, Token) for e in events), finish)
-        return clock.check(index, m)
+        return clock.check(index, m, len(prompts[index].ids))
 
     return await asyncio.gather(*(one(i, m) for i, m in enumerate(counts)))
 
 
-def measure_engine(model: ScriptedModel, counts: Sequence[int], timeout_s: float) -> Measurement:
-    """N concurrent asyncio streams over a fresh engine on `model`, in this process."""
+def measure_engine(model: ScriptedModel, counts: Sequence[int], prompts: Sequence[Prompt], timeout_s: float) -> Measurement:
+    """N concurrent asyncio streams over a fresh engine on `model`, in this process; stream i
+    sends prompts[i].ids."""
     engine = Engine(model, EngineConfig(max_queue_size=len(counts)))
     engine.start()
     try:
         loop = cli.new_event_loop()  # the servers' loop
         try:
-            return summarize(loop.run_until_complete(asyncio.wait_for(_engine_streams(AsyncEngine(engine), counts), timeout_s)))
+            streams = _engine_streams(AsyncEngine(engine), counts, prompts)
+            return summarize(loop.run_until_complete(asyncio.wait_for(streams, timeout_s)))
         finally:
             loop.close()
     finally:
@@ -261,19 +280,20 @@ def measure_engine(model: ScriptedModel, counts: Sequence[int], timeout_s: float
 # -- client processes ---------------------------------------------------------------------
 
 
-def _finish(finished) -> tuple[str, int]:
-    """A Finished (decode) or TextFinished as (reason name, completion_tokens), e.g. ("LENGTH", 300)."""
+def _finish(finished) -> tuple[str, int, int]:
+    """A Finished (decode) or TextFinished as (reason name, completion_tokens, prompt_tokens), e.g.
+    ("LENGTH", 300, 3)."""
     reason = decode_pb2.FinishReason.Name(finished.reason).removeprefix("FINISH_REASON_")
-    return reason, finished.usage.completion_tokens
+    return reason, finished.usage.completion_tokens, finished.usage.prompt_tokens
 
 
 async def _service_streams(path: str, channel: grpc.aio.Channel, share, timeout_s: float) -> list[StreamClock]:
     decoder, text = decode_pb2_grpc.DecoderStub(channel), text_pb2_grpc.TextGenerationStub(channel)
 
-    async def one(index: int, m: int) -> StreamClock:
+    async def one(index: int, m: int, prompt: Prompt) -> StreamClock:
         clock = StreamClock()
         if path == "decode":
-            request = decode_request(prompt_ids(index), max_output_tokens=m, ignore_eos=True)
+            request = decode_request(list(prompt.ids), max_output_tokens=m, ignore_eos=True)
             async for response in decoder.Decode(request, timeout=timeout_s):
                 tokens, finish = 0, None
                 for event in response.events:
@@ -283,19 +303,19 @@ async def _service_streams(path: str, channel: grpc.aio.Channel, share, timeout_
                         finish = _finish(event.finished)
                 clock.arrived(tokens, finish)
         else:
-            request = generate_request(prompt_text(index), max_output_tokens=m, ignore_eos=True)
+            request = generate_request(prompt.text, max_output_tokens=m, ignore_eos=True)
             async for response in text.Generate(request, timeout=timeout_s):
                 if response.HasField("delta"):
                     clock.arrived(len(response.delta.token_ids))
                 else:
                     clock.arrived(0, _finish(response.finished))
-        return clock.check(index, m)
+        return clock.check(index, m, len(prompt.ids))
 
-    return await asyncio.gather(*(one(i, m) for i, m in share))
+    return await asyncio.gather(*(one(i, m, prompt) for i, m, prompt in share))
 
 
 def _client_main(conn: Connection) -> None:
-    """A client process: jobs (path, target, [(stream index, M)], timeout) from `conn` until None.
+    """A client process: jobs (path, target, [(stream index, M, Prompt)], timeout) from `conn` until None.
     For each: connect, answer "ready" (or "error"), wait for "go", run the streams, answer "done"
     with their clocks (or "error" with the traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl-C and stops us
@@ -344,13 +364,16 @@ class ClientPool:
             child.close()
             self._workers.append((parent, process))
 
-    def measure(self, path: str, target: str, counts: Sequence[int], procs: int, timeout_s: float) -> Measurement:
-        """Streams i = w, w + procs, ... on client process w; all released at once."""
+    def measure(
+        self, path: str, target: str, counts: Sequence[int], prompts: Sequence[Prompt], procs: int, timeout_s: float
+    ) -> Measurement:
+        """Streams i = w, w + procs, ... on client process w; all released at once. Stream i asks
+        for counts[i] tokens after prompts[i]."""
         if not 1 <= procs <= len(self._workers):
             raise ValueError(f"{procs} client processes asked of a pool of {len(self._workers)}")
         conns = [conn for conn, _ in self._workers[:procs]]
         for w, conn in enumerate(conns):
-            conn.send((path, target, [(i, m) for i, m in enumerate(counts) if i % procs == w], timeout_s))
+            conn.send((path, target, [(i, m, prompts[i]) for i, m in enumerate(counts) if i % procs == w], timeout_s))
         connected = [_receive(conn, timeout_s) for conn in conns]
         for conn, (kind, _) in zip(conns, connected):
             if kind == "ready":
@@ -602,7 +625,8 @@ def main() -> None:
         args.model_dir, args.step_ms = resolve_model(args.real_model, log=lambda line: print(line, file=sys.stderr)), [REAL]
     counts = {n: token_counts(args.tokens, n) for n in args.streams}
     procs = {n: min(n, args.client_procs or (2 if n >= 16 else 1)) for n in args.streams}
-    context = max(max(c) for c in counts.values()) + 256  # room for the text prompt
+    stream_prompts = prompts(args.model_dir, max(args.streams))  # the same ids on every path
+    context = max(max(c) for c in counts.values()) + 256  # room for the prompt, and for decode.py's steps
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what we started on SIGTERM too
 
     print(f"machine: {describe('grpcio', 'protobuf')}")
@@ -611,6 +635,8 @@ def main() -> None:
     print(f"text-service processes on one port: {args.text_workers}")
     print(f"model: {kind}, max_batch_size {args.max_batch_size}; tokens per stream "
           f"{args.tokens}; client processes {procs}; paths {','.join(paths)}; rounds: {args.rounds}")
+    lengths = sorted({len(p.ids) for p in stream_prompts})
+    print(f"prompts: {stream_prompts[0].text!r}, ... -> {lengths[0]}-{lengths[-1]} ids, the same ids on every path")
     results: dict[tuple[float, int, str], list[Measurement]] = {}
     engine_only: list[float] = []  # --real-model: decode.py's engine-only tok/s, one per round
     with contextlib.ExitStack() as stack:
@@ -646,10 +672,11 @@ def main() -> None:
         def measure_path(step: float, n: int, path: str, m_counts: Sequence[int]) -> Measurement:
             if path == "engine":
                 if step == REAL:
-                    return measure_engine(real_model(args.model_dir, args.max_batch_size, context), m_counts, args.timeout)
-                model = scripted_model(args.model_dir, step, args.max_batch_size, context)
-                return measure_engine(model, m_counts, args.timeout)
-            return pool.measure(path, targets[(step, path)], m_counts, procs[n], args.timeout)
+                    model = real_model(args.model_dir, args.max_batch_size, context)
+                else:
+                    model = scripted_model(args.model_dir, step, args.max_batch_size, context)
+                return measure_engine(model, m_counts, stream_prompts, args.timeout)
+            return pool.measure(path, targets[(step, path)], m_counts, stream_prompts, procs[n], args.timeout)
 
         for step in args.step_ms:  # untimed: connect every client process to every server
             for n in args.streams:

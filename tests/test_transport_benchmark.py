@@ -27,19 +27,51 @@ def test_itl_counts_a_message_once_and_its_other_tokens_as_zero():
     clock = transport.StreamClock()
     clock.arrived(2)  # the first message: its first token's gap is the time to first token, left out
     clock.arrived(1)
-    clock.arrived(3, ("LENGTH", 6))
+    clock.arrived(3, ("LENGTH", 6, 4))
     assert clock.tokens == 6 and len(clock.gaps) == 5 and clock.gaps.count(0.0) >= 3
-    assert clock.check(0, 6) is clock
+    assert clock.check(0, 6, prompt_tokens=4) is clock
     with pytest.raises(transport.StreamFailed):
-        clock.check(0, 7)
+        clock.check(0, 7, prompt_tokens=4)
+    with pytest.raises(transport.StreamFailed, match="prompt_tokens"):  # another prompt than the stream's
+        clock.check(0, 6, prompt_tokens=3)
     with pytest.raises(transport.StreamFailed):
         clock.arrived(1)  # nothing may follow Finished
+
+
+def test_every_path_sends_the_ids_the_text_service_makes_of_the_text_path_prompt(tmp_path):
+    """The prompts are the text service's own encoding of each stream's text, distinct per stream;
+    a text server in front of a decode server counts the same prompt tokens for the text as the
+    id paths send (the clock checks each Finished's prompt_tokens against len(ids))."""
+    from tokenizer_svc.tokenizer import TextTokenizer
+
+    prompts = transport.prompts(TINY, 3)
+    tokenizer = TextTokenizer.from_dir(TINY)
+    assert [p.ids for p in prompts] == [tuple(tokenizer.encode(p.text)) for p in prompts]
+    assert len({p.text for p in prompts}) == 3 and all(p.ids for p in prompts)
+    decoder = transport.decode_server(TINY, 0.0, max_batch_size=4, max_queue_size=3, context=64, log_dir=tmp_path)
+    text = None
+    pool = transport.ClientPool(1)
+    try:
+        text = transport.text_server(TINY, decoder.target, tmp_path)
+        counts = [2, 3, 4]
+        for path, target in (("decode", decoder.target), ("text", text.target)):
+            m = pool.measure(path, target, counts, prompts, procs=1, timeout_s=20)  # checks prompt_tokens
+            assert m.tokens == 9
+        with pytest.raises(transport.StreamFailed, match="prompt_tokens"):  # the wrong ids are caught
+            wrong = [transport.Prompt(p.text, p.ids + (p.ids[0],)) for p in prompts]
+            pool.measure("text", text.target, counts, wrong, procs=1, timeout_s=20)
+    finally:
+        pool.close()
+        if text is not None:
+            text.stop()
+        decoder.stop()
 
 
 def test_engine_and_decode_paths_count_every_token(tmp_path):
     counts = [5, 5]  # 2 streams x 5 tokens, step 0
     context = 64
-    engine = transport.measure_engine(transport.scripted_model(TINY, 0.0, 4, context), counts, timeout_s=20)
+    prompts = transport.prompts(TINY, 2)
+    engine = transport.measure_engine(transport.scripted_model(TINY, 0.0, 4, context), counts, prompts, timeout_s=20)
     assert engine.tokens == 10 and engine.wall_s > 0 and not math.isnan(engine.itl_p99_s)
     assert 0 < engine.ttft_p50_s <= engine.ttft_p99_s < engine.wall_s  # each stream's first token, after it was sent
 
@@ -51,13 +83,13 @@ def test_engine_and_decode_paths_count_every_token(tmp_path):
         assert groups["engine process"]()  # the decode server's child, the engine process, is counted
         meter = cpu_use.CpuMeter(groups)
         meter.start()
-        decode = pool.measure("decode", server.target, counts, procs=1, timeout_s=20)
+        decode = pool.measure("decode", server.target, counts, prompts, procs=1, timeout_s=20)
         use = meter.stop()
         assert decode.tokens == 10 and decode.wall_s > 0 and not math.isnan(decode.itl_p50_s)
         assert set(use.seconds) == set(groups) and all(s >= 0 for s in use.seconds.values())
         assert 0.0 <= use.steal_share <= 1.0
         with pytest.raises(transport.StreamFailed, match="INVALID_ARGUMENT"):  # a failed stream fails the run
-            pool.measure("decode", server.target, [70], procs=1, timeout_s=20)  # past the context of 64
+            pool.measure("decode", server.target, [70], prompts, procs=1, timeout_s=20)  # past the context of 64
     finally:
         pool.close()
         server.stop()
@@ -72,7 +104,7 @@ def test_decode_py_steps_run_on_the_in_process_model_and_leave_its_slots_free():
 
     model = JaxModel.load(TINY, max_batch_size=2, max_context_length=128, weights="float32")
     assert transport.measure_steps(model, batch=2, steps=2, prompt_len=8) > 0
-    engine = transport.measure_engine(model, [3, 3], timeout_s=60)
+    engine = transport.measure_engine(model, [3, 3], transport.prompts(TINY, 2), timeout_s=60)
     assert engine.tokens == 6
 
 
