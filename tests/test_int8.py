@@ -66,20 +66,22 @@ def int8_isa(request):
     cpu_kernels.int8_matmul_isa(kernels, True)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, quantize.DIRECT_ROWS, quantize.DIRECT_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, quantize.DIRECT_ROWS, quantize.DIRECT_ROWS + 1, 2 * quantize.DIRECT_ROWS + 3,
+                                  quantize.SLICED_ROWS + 1])
 def test_an_int8_product_is_within_2e_2_of_float32(rows, int8_isa):
     """Every path (panels of 16 outputs with a tail of 11 outputs, one row, a few and rows past
-    the 12-row passes, and the many-row dequantize + GEMM) is its exact product to
-    float rounding: the dequantized weights times x (the AVX2 path and the GEMM), or times x
-    quantized to int16 blocks (VNNI, up to DIRECT_ROWS rows; within 1e-4 of the former too); and
-    within the issue's 2e-2 relative error of the float32 product."""
+    the 12-row passes, the kernel in slices of DIRECT_ROWS rows with a short last one, and the
+    many-row dequantize + GEMM) is its exact product to float rounding: the dequantized weights
+    times x (the AVX2 path and the GEMM), or times x quantized to int16 blocks (VNNI, up to
+    SLICED_ROWS rows; within 1e-4 of the former too); and within the issue's 2e-2 relative error
+    of the float32 product."""
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((96, 203)).astype(np.float32) * 0.05  # 203 outputs: a part-filled last panel
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     m = _int8(w)
     got = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), m))
-    if int8_isa == "avx512vnni" and rows <= quantize.DIRECT_ROWS:
+    if int8_isa == "avx512vnni" and rows <= quantize.SLICED_ROWS:
         exact = _activations_quantized(x, m)
     else:
         exact = x @ np.asarray(quantize.dequantize(m)).T
@@ -89,11 +91,11 @@ def test_an_int8_product_is_within_2e_2_of_float32(rows, int8_isa):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, quantize.DIRECT_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, quantize.DIRECT_ROWS + 1, quantize.SLICED_ROWS + 1])
 def test_blocks_with_offsets_give_their_exact_product(rows, bits, int8_isa):
     """Blocks w = scale * q + offset with q in 0..15 (a GGUF's Q4_1), held in 8 or in 4 bits:
     every path (one row, the VNNI row counts, the AVX2 several-row dequantized panel, the
-    many-row GEMM) gives the product of exactly those values, to float rounding, with the
+    kernel in slices, the many-row GEMM) gives the product of exactly those values, to float rounding, with the
     offsets' share worked out separately."""
     rng = np.random.default_rng(rows)
     n, k = 203, 96
@@ -109,7 +111,7 @@ def test_blocks_with_offsets_give_their_exact_product(rows, bits, int8_isa):
     np.testing.assert_array_equal(values, want.reshape(n, k))
     x = rng.standard_normal((rows, k)).astype(np.float32)
     got = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), m))
-    exact = _activations_quantized(x, m) if int8_isa == "avx512vnni" and rows <= quantize.DIRECT_ROWS else x @ values.T
+    exact = _activations_quantized(x, m) if int8_isa == "avx512vnni" and rows <= quantize.SLICED_ROWS else x @ values.T
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, x @ values.T, rtol=1e-4, atol=1e-4)
     without = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), quantize.pack(q, scale)))

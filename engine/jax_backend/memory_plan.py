@@ -22,7 +22,7 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
   blocked attention's float32 scores, the MLP's 2F features, rope in float32) and one decode
   step of B rows (the same per row, plus float32 scores over S positions, the head's [B, V']
   float32 logits with the sampler's copies of them and its exact select's tables); with int8
-  weights, a matrix dequantized to float32 where more than quantize.DIRECT_ROWS rows multiply
+  weights, a matrix dequantized to float32 where more than quantize.SLICED_ROWS rows multiply
   it. Counted whole under tensor parallelism. This is an estimate of the largest arrays alive at
   once, not XLA's buffer assignment: the sampler's share is calibrated on XLA:CPU's own figures
   (docs/benchmarks.md, "Design measurements"), and tests/test_memory_plan.py checks that it bounds
@@ -50,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, DIRECT_ROWS as INT8_DIRECT_ROWS, LAYER_MATRICES, PANEL as INT8_PANEL, Int8Layout
+from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, LAYER_MATRICES, PANEL as INT8_PANEL, SLICED_ROWS as INT8_SLICED_ROWS, Int8Layout
 from engine.model_store.gguf_blocks import SYMMETRIC, BlockFormat
 from engine.jax_backend.cpu_kernels import PANEL
 from engine.model_store.checkpoint import ModelConfig
@@ -162,8 +162,8 @@ def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int
     decode = b * per_token + 4 * 2 * b * h * s.context + b * sampler
     if s.int8:  # the many-row path dequantizes a whole matrix to float32 (quantize.matmul)
         widest = max(e * (h + 2 * kv) * d, h * d * e, e * 2 * f, f * e)
-        prefill += 4 * widest if chunk > INT8_DIRECT_ROWS else 0
-        decode += 4 * max(widest, head_size * e) if b > INT8_DIRECT_ROWS else 0
+        prefill += 4 * widest if chunk > INT8_SLICED_ROWS else 0
+        decode += 4 * max(widest, head_size * e) if b > INT8_SLICED_ROWS else 0
     return max(prefill, decode)
 
 
