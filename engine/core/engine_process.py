@@ -111,7 +111,6 @@ class _Outbox:
     their order; what waits is bounded as before, by the live requests' remaining output."""
 
     def __init__(self, conn: Connection) -> None:
-        self._conn = conn
         # The pipe's socket again (a duplicate descriptor, still blocking): its send takes
         # MSG_DONTWAIT per call, and its sendall blocks (the sender's writes).
         self._socket = socket.socket(fileno=os.dup(conn.fileno()))
