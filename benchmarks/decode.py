@@ -152,7 +152,7 @@ def main() -> None:
     parser.add_argument("--no-kernels", action="store_true", help="plain JAX: no CPU kernels (attention, one-row products)")
     parser.add_argument("--tensor-parallel", default="1", help="comma-separated mesh sizes: one table per size")
     parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 (CPU kernels)")
-    parser.add_argument("--cpu-threads", type=int, default=None, help="threads per CPU weight product (default: the CPUs available)")
+    parser.add_argument("--cpu-threads", type=int, default=None, help="threads per CPU kernel call, weight product or attention (default: the CPUs available)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     sizes = [int(n) for n in args.tensor_parallel.split(",")]

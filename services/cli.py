@@ -450,7 +450,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "Q8_0, Q5_0 and Q5_1 in 8 bits, Q4_0 and Q4_1 in 4 bits, with block offsets where the type has them "
                  "(the file's values, as float32 serves them); other types requantized to 8 bits",
                  choices=["auto", "float32", "int8"], default="auto")
-        add_flag(p, "--cpu-threads", help="threads per CPU weight product (0 = the CPUs this process may use: "
+        add_flag(p, "--cpu-threads", help="threads per CPU kernel call, weight product or attention (0 = the CPUs this process may use: "
                  "affinity and cgroup quota)", type=non_negative, default=0)
         add_flag(p, "--memory-limit-bytes", help="the memory check at load: weights + KV cache + prefix pool + the largest "
                  "temporaries must fit in this many bytes per device, or the start fails in one line naming the numbers "

@@ -136,7 +136,7 @@ class ModelOptions:
     tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)
     compilation_cache: bool = False  # JAX's persistent compilation cache in <cache>/xla
     weights: str = "auto"  # "int8": weight-only int8 on the CPU kernels; "auto": jax_model.auto_weights
-    cpu_threads: int | None = None  # threads per CPU weight product; None: the CPUs the process may use
+    cpu_threads: int | None = None  # threads per CPU kernel call (weight product or attention); None: the CPUs the process may use
     memory_limit_bytes: int | None = None  # the memory check's limit per device; None: what the device reports
     max_step_tokens: int | None = None  # the scheduler's prompt budget per step: below 16, the smallest chunk shape follows it
 

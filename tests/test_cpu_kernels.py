@@ -93,6 +93,37 @@ def test_kernel_attention_equals_the_jax_reference(attention_isa, rows, heads, k
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
 
 
+def test_decode_attention_splits_its_units_over_the_pool_with_the_same_bits():
+    """One row's kv heads are units of their own: on two threads both take part (at batch 1 too,
+    where the attention once stayed on the caller), and each unit's result is the same bits
+    whichever thread computed it."""
+    kernels = cpu_kernels.load()
+    rng = np.random.default_rng(7)
+    heads, kv_heads, head_dim, context = 9, 3, 64, 4096  # SmolLM2's heads; keys enough for a worker to join in time
+    q = rng.standard_normal((1, heads, head_dim), np.float32)
+    k_cache = rng.standard_normal((1, kv_heads, context, head_dim), np.float32)
+    v_cache = rng.standard_normal((1, kv_heads, context, head_dim), np.float32)
+    positions = np.array([context - 1], np.int32)
+    attend = jax.jit(cpu_kernels.decode_attention)
+    results = {}
+    try:
+        for threads in (1, 2):
+            cpu_kernels.set_threads(kernels, threads)
+            seen = []  # a worker that is not scheduled in time leaves its units to the caller: take the most of a few
+            for _ in range(20):
+                results[threads] = np.asarray(jax.block_until_ready(attend(q, k_cache, v_cache, positions)))
+                seen.append(cpu_kernels.last_threads(kernels))
+                if max(seen) == threads:
+                    break
+            assert max(seen) == threads and min(seen) >= 1
+    finally:
+        cpu_kernels.set_threads(kernels, cpu_kernels.available_cpus())
+    np.testing.assert_array_equal(results[1], results[2])
+    cfg = _config(heads, kv_heads, head_dim)
+    want = jax.jit(transformer.decode_attention, static_argnames="cfg")(q, k_cache, v_cache, positions, cfg=cfg)
+    np.testing.assert_allclose(results[2], np.asarray(want), atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize(
     "rows, k, n",
     [

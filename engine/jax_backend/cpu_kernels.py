@@ -11,7 +11,7 @@ by engine.jax_backend.weights.with_panels), up to PANEL_ROWS rows.
 small blocked products far below the machine's GEMM speed, and near the end of a long prompt it is
 a large part of a 16-token chunk, whose cost is what the streams decoding beside a chunked prefill
 wait for (kernels/chunk_attention.cc).
-It and both weight products split their work over the library's own thread pool (kernels/pool.h),
+It, the decode attention and both weight products split their work over the library's own thread pool (kernels/pool.h),
 `set_threads` threads (JaxModel sets `available_cpus()`, or `--cpu-threads`). The figures
 are in docs/benchmarks.md; the sources are in engine/jax_backend/kernels/, and each file's header
 says what it computes and why.
@@ -219,7 +219,7 @@ def int8_matmul_isa(kernels: Kernels, vnni: bool = True) -> str:
 
 
 def set_threads(kernels: Kernels, threads: int) -> None:
-    """How many threads each weight product (panel_matmul, int8_matmul) and each chunk attention runs on,
+    """How many threads each weight product (panel_matmul, int8_matmul) and each attention (decode, chunk) runs on,
     the caller included; process-wide (the library's one pool, kernels/pool.h)."""
     kernels.library.TokenwireSetThreads(max(1, threads))
 
@@ -237,7 +237,7 @@ def decode_attention_isa(kernels: Kernels, avx512: bool = True) -> str:
 
 
 def last_threads(kernels: Kernels) -> int:
-    """How many threads took part in the last weight product (for tests)."""
+    """How many threads took part in the pool's last job: a weight product or an attention (for tests)."""
     return int(kernels.library.TokenwireLastThreads())
 
 

@@ -516,7 +516,7 @@ class JaxModel:
         self.int8 = isinstance(weights.embed, quantize.Int8Matrix)  # --weights int8 (engine.jax_backend.quantize)
         if self.int8 and not self.kernels:
             raise ValueError(f"int8 weights need the CPU kernels, which are {self.kernel_state}")
-        self.cpu_threads = 1  # threads per weight product: the CPUs this process may use, or as configured
+        self.cpu_threads = 1  # threads per kernel call (weight product or attention): the CPUs this process may use, or as configured
         if self.kernels:
             self.cpu_threads = cpu_threads or cpu_kernels.available_cpus()
             cpu_kernels.set_threads(cpu_kernels.status(kernel_build).kernels, self.cpu_threads)
@@ -659,7 +659,7 @@ class JaxModel:
         `weights`: "float32" (the dtype's own), "int8" (engine.jax_backend.quantize: weight-only
         int8 with float32 activations, CPU kernels only; ValueError elsewhere) or "auto"
         (`auto_weights`: int8 where it runs and the model brings its GGUF). `cpu_threads`:
-        threads per CPU weight product (default: the CPUs this process may use).
+        threads per CPU kernel call, weight product or attention (default: the CPUs this process may use).
         `memory_limit_bytes`: the memory check's limit per device instead of what the device
         offers (engine.jax_backend.memory_plan); a configuration that cannot fit raises
         memory_plan.MemoryPlanError (a ValueError, one line) before any weight is read.

@@ -15,9 +15,13 @@
 // the vector body (scalar exponentials, a horizontal sum per key and head) this kernel took 7.9-8.9
 // ms of a ~57 ms 32-row float32 step of SmolLM2 at 64-192 live keys (AMD Zen 5); now 2.6-3.8.
 //
-// Work is split by (row, kv head): the caller and XLA's intra-op pool take units from a shared
-// counter, so rows of different lengths balance. A step too small to be worth a hand-off
-// (a few thousand keys) runs on the caller alone.
+// Work is split by (row, kv head) over pool.h's threads, the products' pool: chunks of units are
+// taken from a shared counter, so rows of different lengths balance, and one row's kv heads
+// already go to different threads. Until 2026-12-05 the units went to XLA's intra-op pool, and
+// only above 2,048 keys a helper; that pool's hand-off through a queue cost more than it saved at
+// batch 1 (3 units of ~130 keys on the caller alone: 0.83 ms of a ~17 ms float32 step of SmolLM2,
+// 0.64 ms on this pool), and at 8 and 32 rows the step was 1.09x and 1.14x faster on this pool
+// (docs/benchmarks.md, "The decode attention on the products' pool").
 
 #include <immintrin.h>
 
@@ -25,9 +29,9 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
 #include <vector>
 
+#include "pool.h"
 #include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,7 +39,6 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMinKeysPerHelper = 2048;  // below this per extra thread, stay on the caller
 // Bytes of keys (and of values) ahead that a unit fetches while it works on the ones before,
 // never past its live length. Left to the hardware prefetcher alone, SmolLM2's 30 layers at 32
 // rows read their caches at 12.8, 14.3 and 17.0 GB/s at 128, 256 and 448 live keys on a Sapphire
@@ -110,47 +113,31 @@ void ScalarUnit(const float* qh, const float* keys, const float* values, int64_t
   }
 }
 
-// One call's work, taken a (row, kv head) unit at a time by the caller and the helpers.
-struct Job {
-  Job(const Shape& shape, const float* q, const float* k_cache, const float* v_cache, const int32_t* positions,
-      float* out)
-      : s(shape), q(q), k_cache(k_cache), v_cache(v_cache), positions(positions), out(out),
-        units(shape.rows * shape.kv_heads) {}
-
-  const Shape s;
-  const float *const q, *const k_cache, *const v_cache;
-  const int32_t* const positions;
-  float* const out;
-  const int64_t units;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> active{0};  // helpers inside Run (or about to check `closed`)
-  std::atomic<bool> closed{false};  // set by the caller once every unit is done
-
-  void Run() {
-    thread_local std::vector<float> scores;
-    const bool wide = UseAvx512();
-    const int64_t d = s.dim, g_count = s.group;
-    for (int64_t u = next.fetch_add(1); u < units; u = next.fetch_add(1)) {
-      const int64_t r = u / s.kv_heads, kv = u % s.kv_heads;
-      const int64_t n = std::clamp<int64_t>(int64_t{positions[r]} + 1, 1, s.context);
-      const float* keys = k_cache + (r * s.kv_heads + kv) * s.context * d;
-      const float* values = v_cache + (r * s.kv_heads + kv) * s.context * d;
-      const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
-      float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
-      if (wide && d % avx512::kLanes == 0) {
-        avx512::Unit(qh, keys, values, n, g_count, d, oh, scores);
-      } else if (d % avx2::kLanes == 0) {
-        avx2::Unit(qh, keys, values, n, g_count, d, oh, scores);
-      } else {
-        ScalarUnit(qh, keys, values, n, g_count, d, oh, scores);
-      }
+// Units [from, to) of a call: unit u is row u / K, kv head u % K.
+void RunUnits(const Shape& s, const float* q, const float* k_cache, const float* v_cache, const int32_t* positions,
+              float* out, int64_t from, int64_t to) {
+  thread_local std::vector<float> scores;
+  const bool wide = UseAvx512();
+  const int64_t d = s.dim, g_count = s.group;
+  for (int64_t u = from; u < to; ++u) {
+    const int64_t r = u / s.kv_heads, kv = u % s.kv_heads;
+    const int64_t n = std::clamp<int64_t>(int64_t{positions[r]} + 1, 1, s.context);
+    const float* keys = k_cache + (r * s.kv_heads + kv) * s.context * d;
+    const float* values = v_cache + (r * s.kv_heads + kv) * s.context * d;
+    const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
+    float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
+    if (wide && d % avx512::kLanes == 0) {
+      avx512::Unit(qh, keys, values, n, g_count, d, oh, scores);
+    } else if (d % avx2::kLanes == 0) {
+      avx2::Unit(qh, keys, values, n, g_count, d, oh, scores);
+    } else {
+      ScalarUnit(qh, keys, values, n, g_count, d, oh, scores);
     }
   }
-};
+}
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache,
-                           ffi::Buffer<ffi::F32> v_cache, ffi::Buffer<ffi::S32> positions,
-                           ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
+                           ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), cd = k_cache.dimensions(), vd = v_cache.dimensions();
   const bool same_caches = vd.size() == cd.size() && std::equal(vd.begin(), vd.end(), cd.begin());
   if (qd.size() != 3 || cd.size() != 4 || !same_caches || qd[2] != cd[3] || qd[0] > cd[0] ||
@@ -161,31 +148,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
         "positions [R], out [R, H * D]");
   }
   const Shape s{qd[0], qd[1], cd[1], qd[1] / cd[1], cd[2], cd[3], cd[0]};
+  const float *qp = q.typed_data(), *kp = k_cache.typed_data(), *vp = v_cache.typed_data();
   const int32_t* pp = positions.typed_data();
-  const int64_t units = s.rows * s.kv_heads;
-
-  int64_t keys = 0;
-  for (int64_t r = 0; r < s.rows; ++r) keys += std::clamp<int64_t>(int64_t{pp[r]} + 1, 1, s.context);
-  keys *= s.kv_heads;
-  const int64_t helpers =
-      std::clamp<int64_t>(std::min<int64_t>(pool.num_threads(), keys / kMinKeysPerHelper), 0, units - 1);
-
-  // The job lives on the heap and is shared with the helpers: a helper that the pool starts only
-  // after the caller has finished every unit (all pool threads busy, or a one-core pool whose only
-  // thread is the caller) finds the job closed and leaves without touching the buffers, so the
-  // caller never waits for a helper that has not started.
-  auto job = std::make_shared<Job>(s, q.typed_data(), k_cache.typed_data(), v_cache.typed_data(),
-                                   positions.typed_data(), out->typed_data());
-  for (int64_t t = 0; t < helpers; ++t) {
-    pool.Schedule([job] {
-      job->active.fetch_add(1);  // seq_cst with `closed`, below and in the caller
-      if (!job->closed.load()) job->Run();
-      job->active.fetch_sub(1);
-    });
-  }
-  job->Run();
-  job->closed.store(true);
-  while (job->active.load() != 0) _mm_pause();
+  float* op = out->typed_data();
+  // 8 pool units a (row, kv head) unit: Run's chunks are multiples of 8.
+  tokenwire::Pool::Get().Run(s.rows * s.kv_heads * 8, 8, [&](int64_t begin, int64_t end) {
+    RunUnits(s, qp, kp, vp, pp, op, begin / 8, end / 8);
+  });
   return ffi::Error::Success();
 }
 
@@ -193,7 +162,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

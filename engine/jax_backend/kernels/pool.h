@@ -1,10 +1,10 @@
 // A process-wide pool of worker threads for the weight-product kernels (panel_matmul.cc, int8_matmul.cc)
-// and the prefill chunk's attention (chunk_attention.cc).
+// and both attentions (decode_attention.cc, chunk_attention.cc).
 //
 // Why by hand: a decode step runs ~120 weight products of 10-300 us each, so a fork/join must cost
-// a few microseconds. XLA's intra-op pool (what decode_attention.cc uses) hands work off through a
-// queue and was measured slower than one thread for these products (docs/benchmarks.md, "Tried and
-// left out"); OpenMP would do it, but its runtime (libgomp) is not in the slim runtime image and cannot be linked
+// a few microseconds. XLA's intra-op pool hands work off through a queue: it was measured slower
+// than one thread for these products (docs/benchmarks.md, "Tried and left out"), and it cost the
+// decode attention more than it saved ("The decode attention on the products' pool"); OpenMP would do it, but its runtime (libgomp) is not in the slim runtime image and cannot be linked
 // statically into a shared library. So: workers that spin briefly on a generation counter after
 // each job (the next product of the step follows within microseconds), then sleep on a condition
 // variable (between steps, or when idle), and a caller that works as thread 0 and then waits.
