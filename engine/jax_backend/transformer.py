@@ -357,15 +357,16 @@ def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array,
 
 
 def _decode_writer(positions: jax.Array, active: jax.Array, context: int):
-    """Writes of one K or V row per decode row into its slot's cache at its position: inactive
-    rows write back what their slot already holds (see `decode_layers`)."""
+    """Writes of one K or V row per decode row into its slot's cache at its position; an inactive
+    row writes nothing (see `decode_layers`). Its index is past the cache, and the scatter drops
+    it: reading back what the slot holds, to write it again, put 2 x L small gathers at the start
+    of every step (on XLA:CPU ~0.15-0.2 ms of a batch-1 step, docs/benchmarks.md)."""
     r = positions.shape[0]
-    at = jnp.minimum(positions, context - 1)  # [R], in range for every row
+    at = jnp.where(active, jnp.minimum(positions, context - 1), context)  # [R]; context: dropped
     rows = jnp.arange(r)  # [R]
-    keep = ~active[:, None, None]  # [R, 1, 1]
 
     def write(cache: jax.Array, new: jax.Array) -> jax.Array:  # new [R, K, D] -> [B, K, S, D]
-        return cache.at[rows, :, at].set(jnp.where(keep, cache[rows, :, at], new.astype(cache.dtype)))
+        return cache.at[rows, :, at].set(new.astype(cache.dtype), mode="drop")
 
     return write
 
