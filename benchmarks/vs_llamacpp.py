@@ -22,7 +22,9 @@ An optional extra, never part of CI. What it does, each step skipped when its ou
 4. runs `--rounds` rounds; in each, every configuration at every batch size, in turn: ours
    through gRPC (B concurrent `Decode` streams, random 64-token prompts, greedy, EOS ignored,
    128 new tokens each), and `llama-batched-bench` (-npp 64 -ntg 128 -npl B -t N) for F32, Q8_0
-   and the model's own file at each thread count.
+   and the model's own file at each thread count. Each of our servers is followed at once by the
+   llama.cpp file it is compared with (float32 by F32, int8 by Q8_0), and every other round runs
+   the order reversed (`round_order`).
 
 Figures, medians over the rounds with the range:
 - ours "incl. prefill": B x 128 / (last token - requests sent); "decode only": tokens that arrive
@@ -30,6 +32,8 @@ Figures, medians over the rounds with the range:
   S_TG is measured after its prompt phase). llama.cpp: S_TG (decode only) and B x 128 / T (its
   whole run, prompt included).
 - Peak RSS of each decode server after the rounds (VmHWM of the server and its engine process).
+- Ratios: of the medians, and, for float32 / F32 and int8 / Q8_0, each round's own ratio (median
+  and range over the rounds).
 The machine is shared: run-to-run noise is large, so compare ratios within one run.
 
 Agreement (`--agreement`): 8 chat prompts x 64 greedy tokens (AGREEMENT_QUESTIONS): free-running
@@ -454,6 +458,28 @@ def main() -> None:
     print(f"load average at end: {os.getloadavg()}", flush=True)
 
 
+def round_order(servers: list[Server], ggufs: dict[str, Path], thread_counts: list[int]) -> list[tuple[str, object]]:
+    """What one round measures at a batch size, in order: each server, then at once the llama.cpp
+    file it is compared with (float32 with F32, int8 with Q8_0, same threads), then the files and
+    thread counts no server is paired with. Rounds alternate this order and its reverse, so that
+    neither side of a pair is always first, and a pair is measured seconds apart: the host's
+    memory bandwidth moves by up to 1.6x over tens of seconds (docs/benchmarks.md, run Q), which a
+    fixed order turns into a bias. Items: (label, Server) or (label, (gguf path, threads))."""
+    partner = {"float32": "F32", "int8": "Q8_0"}
+    order: list[tuple[str, object]] = []
+    for s in servers:
+        order.append((s.label, s))
+        kind = partner.get(s.weights)
+        if kind in ggufs:
+            order.append((f"llama.cpp {kind}, {_threads(s.threads)}", (ggufs[kind], s.threads)))
+    for t in thread_counts:
+        for kind, path in ggufs.items():
+            label = f"llama.cpp {kind}, {_threads(t)}"
+            if all(label != have for have, _ in order):
+                order.append((label, (path, t)))
+    return order
+
+
 def speed(args, servers: list[Server], bin_dir: Path, ggufs: dict[str, Path], batches: list[int], thread_counts: list[int]) -> None:
     """Interleaved rounds of every server and every llama.cpp file (F32, Q8_0 and the model's own),
     at each batch size; the table and the ratios of medians."""
@@ -466,13 +492,14 @@ def speed(args, servers: list[Server], bin_dir: Path, ggufs: dict[str, Path], ba
         results.add(label, batch, figures)
         print(f"  {label}, B={batch}: decode only {figures['s_tg']:.1f}, prefill incl. {figures['s_all']:.1f} tok/s", flush=True)
 
+    order = round_order(servers, ggufs, thread_counts)
     for r in range(args.rounds):
         for b in batches:
-            for s in servers:
-                take(s.label, b, ours_round(s, b, seed=r + 1))
-            for t in thread_counts:
-                for kind, path in ggufs.items():
-                    take(f"llama.cpp {kind}, {_threads(t)}", b, llama_batched_bench(bin_dir, path, b, t))
+            for label, target in (order if r % 2 == 0 else order[::-1]):
+                if isinstance(target, Server):
+                    take(label, b, ours_round(target, b, seed=r + 1))
+                else:
+                    take(label, b, llama_batched_bench(bin_dir, target[0], b, target[1]))
         print(f"round {r + 1}/{args.rounds} done, load average {os.getloadavg()}", flush=True)
 
     print(f"\nSmolLM2-135M, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens, {args.rounds} interleaved rounds: "
@@ -497,6 +524,12 @@ def speed(args, servers: list[Server], bin_dir: Path, ggufs: dict[str, Path], ba
         if a in results.rows and b in results.rows:
             ratios = [statistics.median(results.rows[a][n]["s_tg"]) / statistics.median(results.rows[b][n]["s_tg"]) for n in batches]
             print(f"- {a} / {b}: " + ", ".join(f"B={n} {x:.2f}x" for n, x in zip(batches, ratios)))
+    print("\nPer-round ratios, each over the same round's figures (median and range over the rounds; decode only):")
+    for a, b in pairs[:2]:
+        if a in results.rows and b in results.rows:
+            cells = [median_range([x / y for x, y in zip(results.rows[a][n]["s_tg"], results.rows[b][n]["s_tg"])], "{:.2f}")
+                     for n in batches]
+            print(f"- {a} / {b}: " + ", ".join(f"B={n} {c}" for n, c in zip(batches, cells)))
     print("\nPeak RSS of each decode server (VmHWM): " + ", ".join(f"{s.label} {s.peak_rss_mb():.0f} MB" for s in servers))
 
 
