@@ -1,5 +1,6 @@
 """The stream invariants again, now with the real JAX engine (tiny-llama checkpoint) behind both
-services, and streaming == unary == `tokenwire generate --local`.
+services, with float32 weights and with int8, and streaming == unary == `tokenwire generate --local`
+(with the same weights).
 
 Greedy decoding is deterministic, so a first greedy run (with ignore_eos) gives the reference
 sequence g0, g1, g2, ...; each case then picks its stop ids or cap from it and works out the
@@ -36,9 +37,12 @@ STOP, LENGTH = dpb.FINISH_REASON_STOP, dpb.FINISH_REASON_LENGTH
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures("cpu_backend")]
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def stack():
-    model = JaxModel.load(TINY, max_batch_size=4, max_context_length=128, min_bucket=128, dtype="float32")
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["float32", "int8"])
+async def stack(request):
+    """Both services over tiny-llama, served with float32 weights and with int8 (issue 15: every
+    invariant holds with int8 too)."""
+    model = JaxModel.load(TINY, max_batch_size=4, max_context_length=128, min_bucket=128, dtype="float32", weights=request.param)
+    assert model.int8 == (request.param == "int8")
     decode = await start_decode_server(model, EngineConfig(max_queue_size=16))
     tokenizer = TextTokenizer.from_dir(TINY)
     text = await start_text_server(tokenizer, f"127.0.0.1:{decode.port}")
@@ -142,7 +146,8 @@ async def test_streaming_equals_unary_equals_local(stack):
     assert completion.usage == responses[-1].finished.usage
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "--log-level", "WARNING", "generate", "--local",
-        "--model", str(TINY), "--max-context-length", "128", "--json", "--max-tokens", "24", PROMPT,
+        "--model", str(TINY), "--max-context-length", "128", "--json", "--max-tokens", "24",
+        "--weights", "int8" if stack[0].int8 else "float32", PROMPT,
         cwd=ROOT, env={**os.environ}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 300)
