@@ -90,7 +90,7 @@ async def stack():
         text_channel = grpc.aio.insecure_channel(f"127.0.0.1:{text.port}")
         model = SimpleNamespace(info=SimpleNamespace(eos_token_ids=eos_token_ids(TINY)))  # what the tests read of it
         yield (
-            SimpleNamespace(info=model.info, log=log),
+            SimpleNamespace(info=model.info, log=log, int8=False),  # float32 weights: the only ones tensor parallelism serves
             decode_pb2_grpc.DecoderStub(decode_channel),
             text_pb2_grpc.TextGenerationStub(text_channel),
             tokenizer,
