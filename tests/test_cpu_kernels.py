@@ -433,6 +433,25 @@ def test_a_failed_build_gets_plain_jax_and_leaves_no_library(tmp_path, caplog):
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_failed_build_logs_all_the_compiler_said_and_the_state_keeps_one_line(tmp_path, caplog):
+    said = [
+        "In file included from decode_attention.cc:1:",
+        "vec.h:12:3: error: 'fmadd' was not declared in this scope",
+        "   12 |   fmadd(a, b, c);",
+        "compilation terminated.",
+    ]
+    compiler = tmp_path / "broken-cxx"  # prints those lines to stderr, exits 1
+    compiler.write_text("#!/bin/sh\ncat >&2 <<'SAID'\n" + "\n".join(said) + "\nSAID\nexit 1\n")
+    compiler.chmod(0o755)
+    options = cpu_kernels.BuildOptions(tmp_path / "cache", compiler=str(compiler), prebuilt_dir=tmp_path / "no-prebuilt")
+    with caplog.at_level(logging.WARNING, logger="engine.jax_backend.cpu_kernels"):
+        status = cpu_kernels.status(options)
+    assert status.state == f"off: no prebuilt library, and building one failed: {said[1]}"
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("building the CPU kernels failed")]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage().splitlines()[-len(said):] == said
+
+
 def test_the_library_is_found_once_and_reused(monkeypatch):
     """The default load is memoised, and another process (a fresh BuildOptions for the same cache)
     finds what the first built or found, without compiling."""

@@ -327,6 +327,9 @@ def _find_or_build(build: BuildOptions) -> tuple[Kernels | None, str]:
     try:
         return _build_and_load(compiler, cache, name), ""
     except (OSError, subprocess.CalledProcessError, AttributeError, Untrusted) as e:
+        if isinstance(e, subprocess.CalledProcessError):  # the state keeps one line; the log keeps it all
+            log.warning("building the CPU kernels failed: %s exited with %d; its output:\n%s",
+                        compiler, e.returncode, _output(e))
         return None, f"no prebuilt library, and building one failed: {_first_line(e)}"
 
 
@@ -498,6 +501,11 @@ def _compiler(requested: str | None) -> str | None:
     return shutil.which(requested or "") or shutil.which("g++") or shutil.which("clang++")
 
 
+def _output(e: subprocess.CalledProcessError) -> str:
+    """Everything a failed compile printed, stderr then stdout."""
+    return "\n".join(part.rstrip("\n") for part in (e.stderr, e.stdout) if part) or "(nothing)"
+
+
 def _first_line(e: BaseException) -> str:
     detail = getattr(e, "stderr", None) or str(e)
     lines = [line for line in str(detail).splitlines() if "error" in line] or str(detail).splitlines() or [""]
@@ -527,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
         for symbol in symbols:
             getattr(library, symbol)
     except (OSError, subprocess.CalledProcessError, AttributeError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
+        detail = _output(e) if isinstance(e, subprocess.CalledProcessError) else str(e)
         print(f"building the CPU decode kernels failed: {detail}", file=sys.stderr)
         return 1
     print(path)
