@@ -144,8 +144,10 @@ async def _decode_follower(config: DecodeServerConfig, spawn_model, log_setup) -
     (engine.jax_backend.multihost); this process serves gRPC health only, for probes. Readiness
     goes SERVING once its share of the model is warm. When its engine process ends (the group
     lost a process, or process 0 stopped: either way the group cannot serve), NOT_SERVING, then
-    exit 1 for the supervisor, which restarts the group's pods; SIGTERM: exit 0."""
+    exit 1 for the supervisor, which restarts the group's pods; SIGTERM: exit 0. A model that does
+    not load exits as process 0's does (services.decode_server.exit_code)."""
     from engine.core.engine_process import EngineProcess, ModelLoadFailed
+    from services.decode_server import exit_code
     from services.metrics import Metrics
     from services.server import start_server, wait_for_signal
     from services.service_names import DECODER_SERVICE
@@ -161,9 +163,8 @@ async def _decode_follower(config: DecodeServerConfig, spawn_model, log_setup) -
     try:
         await asyncio.to_thread(engine.start)
     except ModelLoadFailed as error:
-        log.critical("process %d failed to join or load: %s", group.process_id, error)
         await running.stop(0)
-        return 1
+        return exit_code(error)
     await running.set_ready(True)
     await wait_for_signal(died)
     if died.is_set():

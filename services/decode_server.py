@@ -9,8 +9,10 @@ Readiness (`tokenwire.decode.v1.Decoder` in grpc.health.v1, and once the model i
 model's own name, `tokenwire.decode.v1.Decoder/model:<digest>`, which the text service's
 balancer checks) is NOT_SERVING until every shape is compiled, whenever the engine has made no
 progress for `stall_timeout_s` while work is pending, and while draining. Liveness ("") stays
-SERVING while the process lives. If the engine loop dies, `died` is set and the process should
-exit (a supervisor restarts it).
+SERVING while the process lives. If the model does not load or the engine loop dies, `died` is
+set and the process should exit (`serve_until_signal`): 2 for a model or settings that can never
+run (ModelRefused: a restart would fail the same way), 1 otherwise, for a supervisor to restart it;
+either way with the reason as its last log line.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from typing import Callable
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.engine import Engine, EngineConfig
-from engine.core.engine_process import EngineProcess, ModelFactory, ModelLoadFailed
-from engine.core.model import Model
+from engine.core.engine_process import EngineProcess
+from engine.core.errors import ModelLoadFailed, ModelRefused
+from engine.core.model import Model, ModelFactory, load
 from protos.decode.v1 import decode_pb2_grpc
 from services.admission import Admission
 from services.decode_service import DecoderServicer
@@ -46,6 +49,7 @@ class DecodeServer:
     engine: Engine | EngineProcess | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # set once warm
     died: asyncio.Event = field(default_factory=asyncio.Event)  # set if loading or the engine loop failed
+    load_failure: ModelLoadFailed | None = None  # why loading failed, once it has
     draining: bool = False
 
     @property
@@ -53,13 +57,14 @@ class DecodeServer:
         return self.running.port
 
     async def until_ready(self) -> None:
-        """Wait until serving; raises if loading failed."""
+        """Wait until serving; raises ModelLoadFailed (or ModelRefused) with the reason if loading
+        failed."""
         done, _ = await asyncio.wait(
             [asyncio.ensure_future(self.ready.wait()), asyncio.ensure_future(self.died.wait())],
             return_when=asyncio.FIRST_COMPLETED,
         )
-        if self.died.is_set():
-            raise RuntimeError("the decode service failed to start; see the log")
+        if self.load_failure is not None:
+            raise self.load_failure
 
     async def _load(
         self, load_model: Callable[[], Model] | None, spawn_model: ModelFactory | None,
@@ -74,21 +79,17 @@ class DecodeServer:
         try:
             if spawn_model is not None:
                 engine = EngineProcess(spawn_model, engine_config, on_death, on_step, log_setup)
-                await asyncio.to_thread(engine.start)  # the child logs why, if it fails
+                await asyncio.to_thread(engine.start)
             else:
-                model = await asyncio.to_thread(load_model)
-                await asyncio.to_thread(model.warm_up)
+                model = await asyncio.to_thread(load, load_model)
                 engine = Engine(model, engine_config, on_death=on_death, on_step=on_step)
                 engine.start()
-        except ModelLoadFailed:
-            self.died.set()
-            return
-        except (ValueError, OSError) as error:  # a model or setting we cannot run: the message says which
-            log.error("loading the model failed: %s", error)
-            self.died.set()
-            return
-        except Exception:
-            log.exception("loading the model failed")
+        except ModelLoadFailed as error:  # why, sorted by engine.core.model.load
+            self.load_failure = error
+        except Exception as error:  # starting the engine, not the model, failed
+            log.exception("starting the engine failed")
+            self.load_failure = ModelLoadFailed(f"{type(error).__name__}: {error}")
+        if self.load_failure is not None:
             self.died.set()
             return
         self.engine = engine
@@ -139,20 +140,35 @@ class DecodeServer:
         return finished
 
     async def serve_until_signal(self, grace_s: float) -> int:
-        """Serve until SIGTERM/SIGINT (then drain; exit code 0) or until the engine dies
-        (exit code 1, so a supervisor restarts the process)."""
+        """Serve until SIGTERM/SIGINT (then drain; exit code 0), until the model fails to load
+        (`exit_code`'s 2 or 1, the reason last), or until the engine dies (exit code 1, so a
+        supervisor restarts the process)."""
         await wait_for_signal(self.died)
-        if self.died.is_set():
-            log.critical("the decode engine died or failed to load; exiting so a supervisor can restart the service")
+        if not self.died.is_set():
+            await self.drain(grace_s)
+            return 0
+        if self.load_failure is not None:
             await self.stop(0)
-            return 1
-        await self.drain(grace_s)
-        return 0
+            return exit_code(self.load_failure)
+        log.critical("the decode engine died; exiting so a supervisor can restart the service")
+        await self.stop(0)
+        return 1
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.running.stop(grace_s)
         if self.engine is not None:
             await asyncio.to_thread(self.engine.stop)  # an engine process may take a moment to exit
+
+
+def exit_code(failure: ModelLoadFailed) -> int:
+    """Log why the model did not load, as the process's last line, and the exit code that says
+    whether a restart can help: 2 for ModelRefused (a configuration error: the same model and
+    settings fail the same way), 1 for anything else (a supervisor restarts the process)."""
+    if isinstance(failure, ModelRefused):
+        log.critical("refusing to serve: %s", failure)
+        return 2
+    log.critical("loading the model failed: %s; exiting so a supervisor can restart the service", failure)
+    return 1
 
 
 async def start_decode_server(

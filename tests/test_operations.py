@@ -8,6 +8,7 @@ process (tests/support/scripted_decoder.py runs the same server and shutdown cod
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.core.engine import EngineConfig
+from engine.core.errors import ModelLoadFailed
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.decode.v1 import decode_pb2_grpc
@@ -114,21 +116,50 @@ async def test_decode_readiness_waits_for_the_model_while_liveness_serves():
         await server.stop(None)
 
 
-async def test_a_model_that_cannot_load_is_one_log_line_and_readiness_never_comes(caplog):
+def _past_max_positions():
     from engine.jax_backend.jax_model import JaxModel
 
-    def bad_load():
-        return JaxModel.load(TINY, max_context_length=1000)  # past its max_position_embeddings (256)
+    return JaxModel.load(TINY, max_context_length=1000)  # past its max_position_embeddings (256)
 
-    server = await start_decode_server(load_model=bad_load, wait_until_ready=False, health_interval_s=0.05)
+
+def _corrupt_weights():
+    raise RuntimeError("the weights are corrupt")
+
+
+@pytest.mark.parametrize(
+    ("load_model", "code", "last_line"),
+    [
+        (_past_max_positions, 2, "refusing to serve: max_context_length must be in 1..256"),
+        (_corrupt_weights, 1, "loading the model failed: RuntimeError: the weights are corrupt; exiting so a supervisor can restart the service"),
+    ],
+)
+async def test_a_model_that_cannot_load_says_why_last_and_exits_2_for_a_configuration_error(load_model, code, last_line, caplog):
+    """A ValueError at load (the model or its settings) can never work: exit 2; anything else
+    may be the host's (exit 1, for a supervisor to restart). Either way the reason itself is the
+    last line, and readiness never comes."""
+    server = await start_decode_server(load_model=load_model, wait_until_ready=False, health_interval_s=0.05)
     try:
-        with pytest.raises(RuntimeError, match="failed to start"):
+        with pytest.raises(ModelLoadFailed, match=last_line.split(": ", 1)[1].split(";")[0]):
             await server.until_ready()
         assert await health(server.port, DECODER_SERVICE) == NOT_SERVING
-        (record,) = [r for r in caplog.records if r.getMessage().startswith("loading the model failed")]
-        assert "max_context_length must be in 1..256" in record.getMessage() and record.exc_info is None
     finally:
-        await server.stop(None)
+        assert await server.serve_until_signal(grace_s=0) == code
+    assert caplog.records[-1].levelno == logging.CRITICAL and caplog.records[-1].getMessage().startswith(last_line)
+    assert [r.exc_info is not None for r in caplog.records].count(True) == (code == 1)  # a refusal has no traceback
+
+
+def test_a_decode_server_refused_by_the_memory_check_exits_2_with_the_reason_last():
+    """The real command: a batch that cannot fit ends the process with exit 2 (a restart would
+    fail the same way), the memory check's one line last, not a line about restarting."""
+    command = [
+        sys.executable, "-m", "services.cli", "decode-server", "--model", str(TINY), "--port", "0",
+        "--max-batch-size", "65536", "--memory-limit-bytes", str(256 << 20), "--cpu-kernels", "off", "--compilation-cache", "off",
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "CRITICAL tokenwire.decode refusing to serve: the model does not fit in memory" in last, result.stderr
+    assert "lower max batch size 65536 (at most " in last and "restart" not in last
 
 
 async def _is(port: int, status: int) -> bool:

@@ -17,7 +17,8 @@ Data flow (multiprocessing, spawn; one duplex pipe):
                                                      sender thread, with everything delivered
                                                      since (several steps when the parent is behind)
 The child loads and warms up the model from `factory` (a picklable callable: spawn starts a
-fresh interpreter), then answers ("ready", info) or ("failed", message).
+fresh interpreter; `engine.core.model.load`), then answers ("ready", info) or ("failed", the
+ModelLoadFailed, which `start` raises again).
 
 What holds, as with the in-process `Engine`:
   * submit refuses synchronously: the stop rule is resolved here (ValueError), and QueueFull when
@@ -50,19 +51,12 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
 from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, PrefixStats, admit
-from engine.core.errors import EngineStopped, QueueFull
+from engine.core.errors import EngineStopped, ModelLoadFailed, QueueFull
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
-from engine.core.model import Model, ModelInfo
+from engine.core.model import ModelFactory, ModelInfo, load
 from engine.core.request import Request
 
 log = logging.getLogger(__name__)
-
-ModelFactory = Callable[[], Model]  # picklable: called in the child
-
-
-class ModelLoadFailed(Exception):
-    """The child could not load or warm up the model; the message says why (the child logged it)."""
-
 
 # -- events across the pipe: ints and tuples, about 10x cheaper to pickle than the dataclasses --
 # A token without log-probabilities (the common case) is its id; one with them (id, logprob, top);
@@ -244,18 +238,9 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     if log_setup is not None:
         log_setup()
     try:
-        started = time.monotonic()
-        model = factory()
-        loaded = time.monotonic()
-        model.warm_up()
-        log.info("model loaded in %.1f s and warmed up in %.1f s", loaded - started, time.monotonic() - loaded)
-    except (ValueError, OSError) as error:  # a model or setting we cannot run: the message says which
-        log.error("loading the model failed: %s", error)
-        conn.send(("failed", str(error)))
-        return
-    except Exception as error:
-        log.exception("loading the model failed")
-        conn.send(("failed", f"{type(error).__name__}: {error}"))
+        model = load(factory)
+    except ModelLoadFailed as error:  # the parent raises it again, to say why as it exits
+        conn.send(("failed", error))
         return
 
     def on_death(error: BaseException) -> None:
@@ -352,7 +337,8 @@ class EngineProcess:
         return None if self._process is None else self._process.pid
 
     def start(self) -> None:
-        """Start the child and wait for its model. Raises ModelLoadFailed (the child has exited)."""
+        """Start the child and wait for its model. Raises ModelLoadFailed, or its ModelRefused
+        (`engine.core.model.load`), when the child has exited without it."""
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         self._process = context.Process(
@@ -369,7 +355,7 @@ class EngineProcess:
             raise ModelLoadFailed(f"the engine process exited with code {self._process.exitcode} while loading") from None
         if answer[0] != "ready":
             self._process.join()
-            raise ModelLoadFailed(answer[1])
+            raise answer[1]
         self.info, self.kernel_state = answer[1], answer[2]
         with self._lock:
             self._running = True

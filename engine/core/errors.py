@@ -25,6 +25,16 @@ class EngineStopped(Exception):
     """The engine is not running (not started, stopping, or its loop died)."""
 
 
+class ModelLoadFailed(Exception):
+    """The model could not be built or warmed up; the message says why (`engine.core.model.load`)."""
+
+
+class ModelRefused(ModelLoadFailed):
+    """The model or its settings can never run as given, whatever a restart does: a ValueError at
+    load, such as the memory check's refusal, a checkpoint config the engine does not take, or
+    flags that do not go together. A configuration error, for the operator to fix."""
+
+
 class DecoderFault(Exception):
     """A decode stream broke its contract (a miscount, an id the tokenizer does not have): a bug or
     a mismatched decoder, not the caller's fault. tokenizer_svc.generation raises its kinds."""

@@ -19,10 +19,12 @@ whether a token is emitted: that is `engine.core.stopping.decide`.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
-from engine.core.errors import InvalidArgument, check_token_ids
+from engine.core.errors import InvalidArgument, ModelLoadFailed, ModelRefused, check_token_ids
 from engine.core.prefix_cache import PrefixPool
 from engine.core.request import SamplingParams
 
@@ -168,3 +170,32 @@ class Model(Protocol):
 
     def release(self, slot: int) -> None:
         """Forget the slot's request; the slot may be prefilled again."""
+
+
+ModelFactory = Callable[[], "Model"]  # builds the model; picklable where an engine process calls it
+
+log = logging.getLogger(__name__)
+
+
+def load(factory: ModelFactory) -> Model:
+    """`factory()`, warmed up: the one load of every engine, in an engine process or on a thread.
+    Raises ModelLoadFailed with the reason, sorted by what a restart can do about it:
+      * a ValueError is the model or the settings (the memory check, the checkpoint's config, the
+        flags): ModelRefused, its message alone;
+      * an OSError (a file missing or unreadable): its message alone;
+      * anything else is unexpected: its traceback is logged here, and the reason is its type and
+        message."""
+    try:
+        started = time.monotonic()
+        model = factory()
+        loaded = time.monotonic()
+        model.warm_up()
+    except ValueError as error:
+        raise ModelRefused(str(error)) from error
+    except OSError as error:
+        raise ModelLoadFailed(str(error)) from error
+    except Exception as error:
+        log.exception("loading the model failed")
+        raise ModelLoadFailed(f"{type(error).__name__}: {error}") from error
+    log.info("model loaded in %.1f s and warmed up in %.1f s", loaded - started, time.monotonic() - loaded)
+    return model
