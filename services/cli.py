@@ -416,17 +416,21 @@ def build_parser() -> argparse.ArgumentParser:
         )
         cache_flag(p)
 
-    def server_flags(p, port):
+    def listen_flags(p, port, open_to):
+        """Where a server listens and whom it serves (ServerOptions, ApiServerConfig); `open_to`:
+        what a bearer token does not guard."""
         add_flag(p, "--host", help="address to bind (0.0.0.0 for every interface)", default="127.0.0.1")
         add_flag(p, "--port", help="port to bind (0 = any free port)", type=port_number, default=port)
         add_flag(p, "--grace-period", help="seconds in-flight requests get to finish on SIGTERM", type=seconds, default=30.0)
-        add_flag(p, "--metrics-port", help="serve Prometheus metrics over HTTP on this port of --host (0 = any free port; unset = off)", type=port_number, default=None)
         add_flag(p, "--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)", default=None)
         add_flag(p, "--tls-key", help="PEM private key of --tls-cert", default=None)
         add_flag(p, "--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)", default=None)
-        add_flag(p, "--auth-token", help="require 'authorization: Bearer TOKEN' on every call but health and reflection; "
-                 "needs TLS unless --host is a loopback address", default=None)
+        add_flag(p, "--auth-token", help=f"require {open_to}; needs TLS unless --host is a loopback address", default=None)
         add_flag(p, "--auth-token-file", help="--auth-token read from this file (a secret; keeps the token out of ps)", default=None)
+
+    def server_flags(p, port):
+        listen_flags(p, port, "'authorization: Bearer TOKEN' on every call but health and reflection")
+        add_flag(p, "--metrics-port", help="serve Prometheus metrics over HTTP on this port of --host (0 = any free port; unset = off)", type=port_number, default=None)
         add_flag(p, "--max-message-bytes", help="largest request or response message", type=positive, default=4 * 1024 * 1024)
         add_flag(p, "--max-concurrent-streams", help="concurrent RPCs per client connection (0 = gRPC's default)", type=non_negative, default=0)
 
@@ -518,17 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "/v1/chat/completions, streamed or not; /tokenize, /detokenize; /health, /ready, /metrics) "
                             "over a text-server's gRPC API. Needs the `api` extra: pip install 'tokenwire[api]'.")
     add_flag(p, "--text", help="HOST:PORT of the text-server", default=f"localhost:{DEFAULT_TEXT_PORT}")
-    add_flag(p, "--host", help="address to bind (0.0.0.0 for every interface)", default="127.0.0.1")
-    add_flag(p, "--port", help="port to bind (0 = any free port)", type=port_number, default=DEFAULT_API_PORT)
+    listen_flags(p, DEFAULT_API_PORT, "'Authorization: Bearer TOKEN' on every route but /health and /ready (an OpenAI client's api_key)")
     add_flag(p, "--served-model-name", help="the model name /v1/models lists and requests must give (others: 404)", default=DEFAULT_MODEL)
     add_flag(p, "--request-timeout", help="seconds a generation may take before it is cancelled (504)", type=timeout, default=600.0)
-    add_flag(p, "--grace-period", help="seconds in-flight requests get to finish on SIGTERM", type=seconds, default=30.0)
-    add_flag(p, "--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)", default=None)
-    add_flag(p, "--tls-key", help="PEM private key of --tls-cert", default=None)
-    add_flag(p, "--tls-client-ca", help="PEM CA bundle: require client certificates signed by it (mutual TLS)", default=None)
-    add_flag(p, "--auth-token", help="require 'Authorization: Bearer TOKEN' on every route but /health and /ready "
-             "(an OpenAI client's api_key); needs TLS unless --host is a loopback address", default=None)
-    add_flag(p, "--auth-token-file", help="--auth-token read from this file (a secret; keeps the token out of ps)", default=None)
     client_tls_flags(p, "text-")
     add_flag(p, "--text-auth-token", help="bearer token the text-server requires (needs --text-tls-ca unless --text is a loopback address)", default=None)
     add_flag(p, "--text-auth-token-file", help="--text-auth-token read from this file", default=None)
