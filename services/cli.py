@@ -593,8 +593,8 @@ def configure_logging(level: str) -> None:
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop's event loop when it is installed (about a quarter less CPU per streamed message
-    than asyncio's own: docs/benchmarks.md, Transport), else asyncio's."""
+    """uvloop's event loop when it is installed (less CPU per streamed message than asyncio's
+    own: docs/benchmarks.md, 'Figures behind code comments'), else asyncio's."""
     try:
         import uvloop
     except ImportError:

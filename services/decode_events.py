@@ -33,8 +33,9 @@ def event_to_pb(event: Event) -> decode_pb2.DecodeEvent:
 
 def add_events_pb(events: Sequence[Event], into) -> None:
     """Append `event_to_pb` of each event to the repeated field `into` (a DecodeResponse's or a
-    DecodeStream entry's `events`), building tokens in place: about a third of the cost of
-    making each message and copying it in, which matters once per token on the serving path."""
+    DecodeStream entry's `events`), building tokens in place: a fraction of the cost of making
+    each message and copying it in (docs/benchmarks.md, 'Figures behind code comments'), which
+    matters once per token on the serving path."""
     for event in events:
         if isinstance(event, Token):
             token = into.add().token

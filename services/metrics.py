@@ -47,7 +47,8 @@ request_log = logging.getLogger("tokenwire.requests")
 REASONS = ("stop", "length", "error", "cancelled")
 
 # Seconds. TTFT spans a fast GPU prefill to a long CPU prompt behind a queue; gaps and steps
-# span a GPU step (~ms) to a batched CPU step of a 135M model (~100 ms) and stalls.
+# span a GPU step to a batched CPU step of a 135M model, and stalls
+# (docs/benchmarks.md, 'Figures behind code comments').
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 

@@ -2,20 +2,16 @@
 it is ready, so that what one engine step makes ready for many streams goes out together.
 
 Why: one engine step wakes every stream's handler in the same loop turn, and each handler does
-its own Python for the step (routing, detokenizing, protobuf, metrics: 50-200 us on a busy
-2-vCPU host) before it hands its response to gRPC, which writes it to the socket at once. Sent
+its own Python for the step (routing, detokenizing, protobuf, metrics) before it hands its
+response to gRPC, which writes it to the socket at once. Sent
 as each is made, the responses of a step leave one by one over the whole turn, so a client
 process reads them one at a time: each read is a wake-up of gRPC's threads and of its event
 loop. Holding each response for the rest of the turn (`asyncio.sleep(0)` puts the handler
 behind every handler already woken in it) makes the turn prepare them all and the next one send
 them back to back, and a client reads several with one wake-up. Nothing waits for another step's
-output: a response waits at most for the other handlers of its own turn.
-
-Measured on a 2-vCPU Xeon (bare grpc.aio, 32 streams woken together each 2 ms, 50 us of Python
-per response before it is sent): the client spent 62.8 us of CPU and 6.2 context switches a
-message when each handler sent as soon as it was ready, and 38.5 us and 1.3 with no work between
-the sends. Through the text service (docs/benchmarks.md, Transport) the benchmark's clients
-spent 49-56 us a message with this, against 74-98 without.
+output: a response waits at most for the other handlers of its own turn. Measured bare and
+through the text service, a client's CPU and context switches a message fell with it
+(docs/benchmarks.md, 'Figures behind code comments').
 """
 
 from __future__ import annotations

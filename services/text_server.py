@@ -171,8 +171,8 @@ async def start_text_server(
         if info is None:
             raise ModelMismatch("; ".join(left_out))
         census.reference = info  # its first round, before serving, names the replicas left out
-        # what a chat with special-token text in a message needs (a private tokenizer copy, up to
-        # ~1.5 s): built now, so that no request waits for it
+        # what a chat with special-token text in a message needs (a private tokenizer copy, slow to
+        # make for a large vocabulary: tokenizer_svc.tokenizer): built now, so that no request waits for it
         if tokenizer.chat_template is not None:
             await asyncio.to_thread(tokenizer.prepare_chat_encoding)
     except BaseException:

@@ -62,20 +62,19 @@ T = TypeVar("T")
 
 # Up to this many characters (Tokenize, Generate) or ids (Detokenize) the work runs inline on the
 # event loop; above it, in a worker thread. Measured on tests/assets/tiny-llama (about one id per
-# character, the costliest per character of the test tokenizers), best of 50 on a 2-core machine:
-# 1024 characters encode in ~0.3 ms and 1024 ids decode in ~0.4 ms, while a hand-off to a thread
-# costs ~0.05 ms of latency and two event-loop wake-ups. Below the threshold the hand-off would be
-# a large share of the work, and the stall it would spare the other streams is under half a
-# millisecond; above it the stall grows with the input (1 Mi characters: 0.4-2 s). The tokenizer
-# encodes texts of this size holding the GIL (tokenizer_svc.tokenizer.INLINE_CHARS).
+# character, the costliest per character of the test tokenizers): below the threshold a hand-off
+# to a thread (its latency and two event-loop wake-ups) would be a large share of the work, and the
+# stall it would spare the other streams is short; above it the stall grows with the input
+# (docs/benchmarks.md, 'Figures behind code comments'). The tokenizer encodes texts of this size
+# holding the GIL (tokenizer_svc.tokenizer.INLINE_CHARS).
 INLINE_MAX = INLINE_CHARS
 # Above this many, the work goes to a pool of one thread fewer than the cores (at least one),
 # whose threads run at a lower CPU priority (nice +10, Linux): the tokenizer's Rust work runs on
 # the calling thread, and without these a few large requests take every core from the event loop.
-# A small stream's worst gap on a shared 2-core machine, with 3 large requests and 3 refused
-# (tests/test_text_responsiveness.py): any thread of the default executor 240-450 ms; one thread
-# 85-130 ms; one thread at nice +10 48-64 ms. Work between INLINE_MAX and this (up to ~25-80 ms)
-# has a pool of its own at the usual priority, so it never queues behind a large request.
+# A small stream's worst gap with 3 large requests and 3 refused (tests/test_text_responsiveness.py)
+# shrank with each: one thread instead of the default executor's, then that thread at nice +10
+# (docs/benchmarks.md, 'Figures behind code comments'). Work between INLINE_MAX and this has a pool
+# of its own at the usual priority, so it never queues behind a large request.
 LARGE_MIN = 64 * 1024
 _LARGE_NICE = 10
 
@@ -103,8 +102,8 @@ _LARGE_POOL = ThreadPoolExecutor(
 )
 
 # Ids copied per call in a worker thread (into a TokenizeResponse, out of a DetokenizeRequest):
-# each call holds the GIL (~1.5 ms per 64 Ki ids); between calls it can pass to the event loop.
-# One call for 1 Mi ids held it 20-170 ms (list(repeated field), on a busy 2-core machine).
+# each call holds the GIL; between calls it can pass to the event loop, which one call for the
+# largest Detokenize kept waiting far longer (docs/benchmarks.md, 'Figures behind code comments').
 _IDS_PER_PIECE = 64 * 1024
 
 

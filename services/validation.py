@@ -23,7 +23,8 @@ MAX_REQUEST_ID_LENGTH = 128
 
 # Characters of text input (a prompt, Tokenize text, a chat's roles and contents summed).
 # 1 Mi characters: a 128 Ki-token context (the largest common one) at 8 characters per token
-# (generous: English BPE averages about 4). Tokenizing it took 0.4-2 s of CPU (tiny-llama).
+# (generous: English BPE averages about 4), which bounds the CPU one request's tokenizing takes
+# (docs/benchmarks.md, 'Figures behind code comments').
 DEFAULT_MAX_INPUT_CHARS = 1024 * 1024
 # Ids in one Detokenize: enough for any context and for a Tokenize of the largest input above.
 DEFAULT_MAX_DETOKENIZE_IDS = 1024 * 1024
@@ -65,7 +66,8 @@ def id_count(field: str, ids, limit: int) -> int:
 def request_id_of(given: str) -> str:
     """The request's id, checked, or a new one: 128 random bits in hex, from `random` (ids need to
     be unique, not secret; `uuid4` reads os.urandom, a call that releases the GIL, and on the text
-    service's event loop it then waited to take it back: 23 us a request there, against 3 alone)."""
+    service's event loop it then waited to take it back, far longer than the call itself takes:
+    docs/benchmarks.md, 'Figures behind code comments')."""
     if len(given) > MAX_REQUEST_ID_LENGTH:
         raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_LENGTH} characters (got {len(given)})")
     if given and not given.isprintable():

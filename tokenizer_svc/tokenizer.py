@@ -38,10 +38,10 @@ from tokenizer_svc.vocabulary import Vocabulary
 _NO_TEMPLATE = "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
 # Texts up to this many characters are encoded holding the GIL: the text service encodes them
 # inline on its event loop (services.text_service.INLINE_MAX is this), where a call that releases
-# the GIL then waits to take it back from the server's other threads (a 30-character prompt took
-# 131 us there, against 14 us alone; with it held, 64 streams through the text service on the
-# 2-vCPU machine got 0.76x of the engine against 0.72x over 14 interleaved rounds). Longer texts
-# are encoded on worker threads, where releasing it lets the loop run.
+# the GIL then waits to take it back from the server's other threads, longer than the call itself
+# takes, and the streams through the text service kept less of the engine's speed
+# (docs/benchmarks.md, 'Figures behind code comments'). Longer texts are encoded on worker threads,
+# where releasing it lets the loop run.
 INLINE_CHARS = 1024
 
 
@@ -160,7 +160,8 @@ class TextTokenizer:
 
     def prepare_chat_encoding(self) -> None:
         """Build now what `encode_chat` builds on the first message with special-token text: a
-        private copy of the tokenizer (for Qwen3's ~1.5 s and ~60 MB). A server calls this at
+        private copy of the tokenizer (slow and large for a large vocabulary such as Qwen3's:
+        docs/benchmarks.md, 'Figures behind code comments'). A server calls this at
         start-up so that no request waits for it."""
         self._get_chat_encoder()
 

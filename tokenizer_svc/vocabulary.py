@@ -99,8 +99,8 @@ class Vocabulary:
 
     def decode_releasing_gil(self, token_ids: list[int], keep_special_tokens: bool = False) -> str:
         """`decode_checked` through the batch entry point, which releases the GIL while the Rust
-        code works: for large inputs decoded on a thread. About 0.8 us slower a call, so the
-        detokenizer's few-id decodes keep `decode_checked`."""
+        code works: for large inputs decoded on a thread. Slower a call (docs/benchmarks.md,
+        'Figures behind code comments'), so the detokenizer's few-id decodes keep `decode_checked`."""
         return self._tokenizer.decode_batch([token_ids], skip_special_tokens=not keep_special_tokens)[0]
 
     def is_dropped(self, token_id: int, keep_special_tokens: bool) -> bool:

@@ -58,7 +58,8 @@ from engine.core.request import Request
 
 log = logging.getLogger(__name__)
 
-# -- events across the pipe: ints and tuples, about 10x cheaper to pickle than the dataclasses --
+# -- events across the pipe: ints and tuples, much cheaper to pickle than the dataclasses ------
+# (docs/benchmarks.md, 'Figures behind code comments')
 # A token without log-probabilities (the common case) is its id; one with them (id, logprob, top);
 # a Finished (reason, prompt_tokens, completion_tokens, stop_token_id).
 

@@ -86,10 +86,9 @@ INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
 INT4_TARGET = "tokenwire_int4_matmul"
 PANEL_TARGET = "tokenwire_panel_matmul"
 PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
-# Most rows a product goes to panel_matmul with; XLA's GEMM above. Measured on the default model's
-# 30 layers of products (2 vCPUs of a Sapphire Rapids Xeon, interleaved): the kernel took 0.44-0.65x
-# XLA's time at 2-48 rows, 0.81x at 64, 0.94x at 96 and the same at 128, where both reach the
-# machine's arithmetic speed (docs/benchmarks.md).
+# Most rows a product goes to panel_matmul with; XLA's GEMM above: up to here the kernel took less
+# time than XLA, its lead shrinking as rows grow until both reach the machine's arithmetic speed
+# (docs/benchmarks.md, 'Figures behind code comments').
 PANEL_ROWS = 64
 INT8_BLOCK = 32  # int8 weights: one float16 scale per 32 consecutive inputs of an output (Q8_0's blocks)
 INT8_PANEL = 16  # int8 weights: outputs per panel (kernels/int8_matmul.cc; engine.jax_backend.quantize.Int8Matrix)
