@@ -199,15 +199,17 @@ def test_jax_model_load_refuses_before_reading_a_weight(tmp_path):
 
 
 def test_decode_server_refuses_an_impossible_configuration_in_one_line():
-    """The real start: the engine process refuses at load, the log says why in one line, and the
-    process exits 1 (a supervisor's restart will not help; the message says what to lower)."""
+    """The real start: the engine process refuses at load, the log says why in one line, the
+    process's last, and the process exits 2, a configuration error (a supervisor's restart will
+    not help; the message says what to lower)."""
     result = subprocess.run(
         [sys.executable, "-m", "services.cli", "decode-server", "--model", str(ASSETS / "tiny-llama"), "--port", "0",
          "--max-batch-size", "4", "--max-context-length", "256", "--cpu-kernels", "off", "--compilation-cache", "off",
          "--memory-limit-bytes", "4000000"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr
     refusals = [line for line in result.stderr.splitlines() if "does not fit in memory" in line]
-    assert len(refusals) == 1 and "ERROR" in refusals[0] and "loading the model failed: the model does not fit" in refusals[0]
+    assert refusals == result.stderr.splitlines()[-1:], result.stderr
+    assert "CRITICAL tokenwire.decode refusing to serve: the model does not fit" in refusals[0]
     assert "lower max batch size 4" in refusals[0] and "Traceback" not in result.stderr

@@ -172,7 +172,7 @@ class Model(Protocol):
         """Forget the slot's request; the slot may be prefilled again."""
 
 
-ModelFactory = Callable[[], "Model"]  # builds the model; picklable where an engine process calls it
+ModelFactory = Callable[[], Model]  # builds the model; picklable where an engine process calls it
 
 log = logging.getLogger(__name__)
 
