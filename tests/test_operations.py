@@ -127,24 +127,28 @@ def _corrupt_weights():
 
 
 @pytest.mark.parametrize(
-    ("load_model", "code", "last_line"),
+    ("load_model", "reason", "code", "last_line"),
     [
-        (_past_max_positions, 2, "refusing to serve: max_context_length must be in 1..256"),
-        (_corrupt_weights, 1, "loading the model failed: RuntimeError: the weights are corrupt; exiting so a supervisor can restart the service"),
+        (_past_max_positions, "max_context_length must be in 1..256", 2, "refusing to serve: {reason}"),
+        (_corrupt_weights, "RuntimeError: the weights are corrupt", 1,
+         "loading the model failed: {reason}; exiting so a supervisor can restart the service"),
     ],
 )
-async def test_a_model_that_cannot_load_says_why_last_and_exits_2_for_a_configuration_error(load_model, code, last_line, caplog):
+async def test_a_model_that_cannot_load_says_why_last_and_exits_2_for_a_configuration_error(
+    load_model, reason, code, last_line, caplog
+):
     """A ValueError at load (the model or its settings) can never work: exit 2; anything else
-    may be the host's (exit 1, for a supervisor to restart). Either way the reason itself is the
-    last line, and readiness never comes."""
+    may be the host's (exit 1, for a supervisor to restart). Either way the reason itself reaches
+    the caller and is the last line, and readiness never comes."""
     server = await start_decode_server(load_model=load_model, wait_until_ready=False, health_interval_s=0.05)
     try:
-        with pytest.raises(ModelLoadFailed, match=last_line.split(": ", 1)[1].split(";")[0]):
+        with pytest.raises(ModelLoadFailed, match=reason):
             await server.until_ready()
         assert await health(server.port, DECODER_SERVICE) == NOT_SERVING
     finally:
-        assert await server.serve_until_signal(grace_s=0) == code
-    assert caplog.records[-1].levelno == logging.CRITICAL and caplog.records[-1].getMessage().startswith(last_line)
+        assert await asyncio.wait_for(server.serve_until_signal(grace_s=0), 30) == code
+    assert caplog.records[-1].levelno == logging.CRITICAL
+    assert caplog.records[-1].getMessage().startswith(last_line.format(reason=reason))
     assert [r.exc_info is not None for r in caplog.records].count(True) == (code == 1)  # a refusal has no traceback
 
 
