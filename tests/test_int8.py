@@ -30,7 +30,7 @@ ASSETS = Path(__file__).parent / "assets"
 GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
 T = gguf.GGMLQuantizationType
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not apply here")
+pytestmark = pytest.mark.usefixtures("loaded_kernels")  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
 
 
 def _int8(w: np.ndarray) -> quantize.Int8Matrix:  # w [in, out], as x @ w
