@@ -109,3 +109,11 @@ def real_model() -> Path:
     cache, as `tokenwire pull` does; every `real_model` test gets it here, so none depends on
     another having run first. A failed pull skips, or fails when strict, saying why."""
     return prerequisites.real_model_dir()
+
+
+@pytest.fixture(autouse=True)
+def _real_model_marked(request) -> None:
+    """A test marked `real_model` gets the `real_model` fixture whether or not it names it: the
+    marker alone makes the model be there (or the test skip or fail, saying why) before it starts."""
+    if request.node.get_closest_marker("real_model"):
+        request.getfixturevalue("real_model")

