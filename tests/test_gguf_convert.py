@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
+from support.examples import examples
 from engine.model_store import registry as model_registry
 from engine.model_store.gguf_convert import GGUFConversionError, convert_gguf, unpermute_rope_rows
 from engine.model_store.registry import MARKER_NAME, ModelRegistryError, pull, resolve_model
@@ -164,7 +165,7 @@ def test_weights_are_the_originals_with_q_k_unpermuted(tiny):
     assert not np.array_equal(llama_cpp_permute(q, HEADS), q)  # the test would be vacuous otherwise
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(heads=st.integers(1, 6), half=st.integers(1, 8), cols=st.integers(1, 5))
 def test_unpermute_is_the_inverse_of_llama_cpp_permute(heads, half, cols):
     w = np.arange(heads * 2 * half * cols, dtype=np.float32).reshape(heads * 2 * half, cols)
