@@ -3,7 +3,8 @@
 The fast tests write a tiny llama GGUF with `gguf.GGUFWriter` (2 layers, hidden 64, 4 heads /
 2 kv heads of 16 dims, a 270-token byte-level BPE vocabulary), permuting q and k the way
 llama.cpp's converter does, so that every expected output is known exactly. The one
-`real_model` test pulls SmolLM2-135M-Instruct (a cached pull takes well under a second).
+`real_model` test checks SmolLM2-135M-Instruct as the session's pull (conftest's `real_model`) left it
+and pulls it again (a cached pull takes well under a second).
 """
 
 from __future__ import annotations
