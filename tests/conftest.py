@@ -1,19 +1,35 @@
-"""Shared fixtures: real servers on loopback ports, driven by the scripted model; test certificates."""
+"""Shared fixtures: real servers on loopback ports, driven by the scripted model; test certificates;
+the CPU kernels and the real model, each had once per run (support.prerequisites says when their
+absence fails instead of skipping); and the Hypothesis profiles.
+
+Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (Hypothesis's own convention; unset: "thorough"):
+  * "thorough": every property test at its full count (`support.examples.examples(n)` gives n);
+  * "ci" (.ci/run): a quarter of each count (at least one), derandomized, no example database
+    (Hypothesis's own "ci" profile underneath), so a CI run is shorter and repeatable.
+"""
 
 from __future__ import annotations
 
+import os
 import secrets
 import subprocess
 from pathlib import Path
 
 import grpc
 import pytest
+from hypothesis import settings
 
 from engine.core.engine import EngineConfig
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2_grpc
 from services.decode_server import start_decode_server
+from support import prerequisites
 from support.backend import require_cpu
+from support.examples import FULL
+
+settings.register_profile("thorough", max_examples=FULL)
+settings.register_profile("ci", parent=settings.get_profile("ci"), max_examples=FULL // 4)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "thorough")
 
 
 @pytest.fixture
@@ -78,3 +94,26 @@ def cpu_backend():
     """Skips, saying why, unless JAX's default backend is the CPU (support.backend): for tests
     whose claim is exact equality under float32, which they pin themselves."""
     require_cpu()
+
+
+@pytest.fixture(scope="session")
+def loaded_kernels():
+    """The CPU kernels, found or built once per run (engine.jax_backend.cpu_kernels.status); a
+    test that needs them skips, or fails when strict, with the build's reason (support.prerequisites)."""
+    return prerequisites.cpu_kernels()
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The default model's directory (SmolLM2-135M-Instruct), pulled once per run into the default
+    cache, as `tokenwire pull` does; every `real_model` test gets it here, so none depends on
+    another having run first. A failed pull skips, or fails when strict, saying why."""
+    return prerequisites.real_model_dir()
+
+
+@pytest.fixture(autouse=True)
+def _real_model_marked(request) -> None:
+    """A test marked `real_model` gets the `real_model` fixture whether or not it names it: the
+    marker alone makes the model be there (or the test skip or fail, saying why) before it starts."""
+    if request.node.get_closest_marker("real_model"):
+        request.getfixturevalue("real_model")

@@ -31,6 +31,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from engine.core.engine import EngineConfig
 from engine.core.scripted_model import ScriptedModel
 from protos.text.v1 import text_pb2 as tpb
@@ -260,7 +261,7 @@ def test_detokenizer_holds_a_window_plus_the_current_byte_run(family):
     assert detokenizer.held_token_count == 0 and peak >= 1
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     ids=st.lists(st.integers(3, VOCAB - 1), max_size=200),
     stops=st.lists(st.text("abcdefghijklmnopqrstuvwxyz !()_\n", min_size=1, max_size=12), min_size=1, max_size=4),

@@ -29,9 +29,7 @@ from support.attention_config import attention_config
 
 ASSETS = Path(__file__).parent / "assets"
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)"
-)
+pytestmark = pytest.mark.usefixtures("loaded_kernels")  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
 
 
 def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:

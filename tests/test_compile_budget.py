@@ -17,10 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
-from engine.jax_backend import cpu_kernels
 from engine.jax_backend.jax_model import JaxModel
+from support import prerequisites
 from support.compile_watch import compile_events
 
 LLAMA = Path(__file__).parent / "assets" / "tiny-llama"
@@ -35,8 +33,7 @@ def _warm(**kw) -> tuple[JaxModel, list[str]]:
 
 
 def test_the_cpu_shape_of_the_defaults_compiles_45_shapes():
-    if cpu_kernels.load() is None:
-        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA/F16C)")
+    prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     model, compiles = _warm(kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
     assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
     assert model.buckets == (8, 16, 32, 64, 128, 256)  # from the CPU's default budget, 8

@@ -33,13 +33,12 @@ import pytest
 from engine.jax_backend import cpu_kernels, transformer
 from engine.jax_backend.jax_model import JaxModel
 from engine.model_store.checkpoint import ModelConfig
+from support import prerequisites
 from support.attention_config import attention_config
 from support.pool_threads import on_threads
 from engine.model_store.registry import default_cache_dir
 
-pytestmark = pytest.mark.skipif(
-    cpu_kernels.load() is None, reason="the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA/F16C)"
-)
+pytestmark = pytest.mark.usefixtures("loaded_kernels")  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
 
 
 def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
@@ -219,8 +218,7 @@ def _tree(root: Path) -> dict[str, tuple[int, int]]:
 @pytest.fixture(scope="module")
 def prebuilt(tmp_path_factory) -> Path:
     """A package-like directory holding the library, built by the command the Dockerfile runs."""
-    if cpu_kernels._compiler(None) is None:
-        pytest.skip("no C++ compiler to run --build with")
+    prerequisites.cxx()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without one
     directory = tmp_path_factory.mktemp("package") / "kernels"
     assert cpu_kernels.main(["--build", str(directory)]) == 0
     library = directory / cpu_kernels.library_name()

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from engine.core.errors import InvalidArgument
+from support.examples import examples
 from support.tokenizer_assets import ASSETS, load_tokenizer as load
 from tokenizer_svc import TextTokenizer
 from tokenizer_svc.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer, ends_inside_char
@@ -82,7 +83,7 @@ def ids_for(name: str):
     return st.one_of(from_text, random_ids(name))
 
 
-PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+PROPERTY = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --- exactness --------------------------------------------------------------------------------
@@ -252,7 +253,7 @@ def test_ends_inside_char_by_hand(tail, inside):
     assert ends_inside_char(tail) is inside
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(head=st.binary(max_size=5), rest=st.binary(max_size=5))
 def test_a_boundary_splits_the_tokenizers_own_lossy_utf8(head, rest):
     """The boundary rule, checked against the Rust ByteLevel decoder: after bytes that do not end

@@ -2,17 +2,24 @@
 
 One decode server (scripted model: after token t comes t + 1; vocabulary 512, EOS {0, 2}, a
 32-token context so that every stream is short, a 2-deep queue so that bursts overflow it) and one
-text server in front of it (tiny-llama's real tokenizer) are started once for the module. Hypothesis then sends over 2,000 requests to
-every RPC of both: fields in and out of range, extremes (uint32 max, NaN, inf, huge caps, long,
-unicode and control-character request ids, empty, huge and many stop strings, empty chat roles),
-arbitrary bytes as the request message, short deadlines, early cancels, and concurrent bursts.
+text server in front of it (tiny-llama's real tokenizer) are started once for the module.
+Hypothesis then sends over 2,000 requests (the thorough profile; a quarter of that under "ci",
+tests/conftest.py) to every RPC of both: fields in and out of range, extremes (uint32 max, NaN,
+inf, huge caps, long, unicode and control-character request ids, empty, huge and many stop
+strings, empty chat roles), arbitrary bytes as the request message, short deadlines, early
+cancels, and concurrent bursts. Half the Decode requests, half the Generate requests and a third
+of the Tokenize chats are in range by construction; a quarter of the Generate requests have one
+field put out of range; the rest are anything at all.
 
 What must hold for every request:
   * its status is OK or a deliberate refusal (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE),
     or DEADLINE_EXCEEDED / CANCELLED where the client set a deadline / cancelled; never INTERNAL
     or UNKNOWN, and no details string carries a traceback;
   * bytes that do not parse as the request message are INVALID_ARGUMENT;
-  * a Decode request is refused exactly when a field is out of range, naming such a field;
+  * a Decode, Generate or Complete request, or a chat to Tokenize, is refused exactly when a field
+    is out of range, naming such a field (`decode_problems`, `generate_problems`, `chat_problems`
+    work out which by hand, from the documented limits, not from the services' own checks); one
+    in range and sent without a deadline or cancel, alone, must be served (OK);
   * every stream obeys the stream invariants (tokens, then one Finished, last; usage equals the
     token count; no control id among the tokens) and, the model being scripted, carries exactly
     the tokens worked out by hand (a stream cut short: a prefix of them);
@@ -38,7 +45,7 @@ import pytest
 import pytest_asyncio
 from google.protobuf import message_factory
 from google.protobuf.message import DecodeError
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from engine.core.engine import EngineConfig
@@ -48,10 +55,11 @@ from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2 as tpb
 from protos.text.v1 import text_pb2_grpc
 from services.decode_server import DecodeServer, start_decode_server
-from engine.core.errors import InvalidArgument
 from services.text_server import TextServer, start_text_server
-from services.text_service import encode_chat
 from services.validation import MAX_REQUEST_ID_LENGTH
+from support.examples import examples
+from tokenizer_svc.chat import ChatMessage, ChatTemplateError
+from tokenizer_svc.generation import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
 from tokenizer_svc.tokenizer import TextTokenizer
 
 # pytest-asyncio runs each hypothesis example of an async test on the module's event loop, where
@@ -75,8 +83,9 @@ SERVICES = {  # which server serves each service
 METHODS = sorted(f"/{service.full_name}/{m.name}" for service in SERVICES for m in service.methods if not m.client_streaming)
 
 
-def examples(n: int) -> settings:
-    return settings(FUZZ, max_examples=n)
+def fuzz_examples(full: int) -> settings:
+    """FUZZ, with `full` examples under the thorough profile and fewer under "ci" (conftest)."""
+    return settings(FUZZ, max_examples=examples(full))
 
 
 @functools.cache
@@ -223,25 +232,24 @@ def scripted_output(prompt: list[int], stopping: dpb.StoppingCriteria) -> tuple[
             return tokens, LENGTH, None
 
 
-def decode_problems(request: dpb.DecodeRequest) -> set[str]:
-    """The fields of a DecodeRequest that are out of range (any one may be the one named)."""
+def request_id_problems(request_id: str) -> set[str]:
+    return {"request_id"} if len(request_id) > MAX_REQUEST_ID_LENGTH or not request_id.isprintable() else set()
+
+
+def sampling_problems(sampling: dpb.SamplingParams) -> set[str]:
     problems = set()
-    rid = request.request_id
-    if len(rid) > MAX_REQUEST_ID_LENGTH or (rid and not rid.isprintable()):
-        problems.add("request_id")
-    prompt = list(request.prompt_token_ids)
-    if not prompt or len(prompt) >= CONTEXT:
-        problems.add("prompt_token_ids")
-    problems |= {f"prompt_token_ids[{i}]" for i, t in enumerate(prompt) if t >= VOCAB}
-    sampling = request.sampling
     if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
         problems.add("sampling.temperature")
     for name in ("top_p", "min_p"):
         value = getattr(sampling, name)
         if not (math.isfinite(value) and 0 <= value <= 1):
             problems.add(f"sampling.{name}")
-    stopping = request.stopping
-    room = CONTEXT - len(prompt)
+    return problems
+
+
+def stopping_problems(stopping: dpb.StoppingCriteria, prompt_length: int) -> set[str]:
+    problems = set()
+    room = CONTEXT - prompt_length
     if stopping.HasField("max_output_tokens") and not 1 <= stopping.max_output_tokens <= room:
         problems.add("stopping.max_output_tokens")
     problems |= {f"stopping.stop_token_ids[{i}]" for i, t in enumerate(stopping.stop_token_ids) if t >= VOCAB}
@@ -251,16 +259,82 @@ def decode_problems(request: dpb.DecodeRequest) -> set[str]:
     return problems
 
 
+def decode_problems(request: dpb.DecodeRequest) -> set[str]:
+    """The fields of a DecodeRequest that are out of range (any one may be the one named)."""
+    prompt = list(request.prompt_token_ids)
+    problems = request_id_problems(request.request_id)
+    if not prompt or len(prompt) >= CONTEXT:
+        problems.add("prompt_token_ids")
+    problems |= {f"prompt_token_ids[{i}]" for i, t in enumerate(prompt) if t >= VOCAB}
+    return problems | sampling_problems(request.sampling) | stopping_problems(request.stopping, len(prompt))
+
+
+def chat_messages(chat: tpb.Chat) -> tuple[tuple[ChatMessage, ...], bool]:
+    """A Chat message as the tokenizer takes it: its messages, and add_generation_prompt (unset: True)."""
+    add = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    return tuple(ChatMessage(m.role, m.content) for m in chat.messages), add
+
+
+def chat_problems(tokenizer: TextTokenizer, chat: tpb.Chat) -> set[str]:
+    """The fields of a chat that are out of range: no messages, an empty role, or a message the
+    tokenizer itself cannot encode as plain text (ChatTemplateError: tests/test_chat_forgery.py)."""
+    if not chat.messages:
+        return {"chat.messages"}
+    problems = {f"chat.messages[{i}].role" for i, m in enumerate(chat.messages) if not m.role}
+    if not problems:
+        try:
+            tokenizer.encode_chat(*chat_messages(chat))
+        except ChatTemplateError:
+            problems.add("chat")
+    return problems
+
+
+def prompt_ids(tokenizer: TextTokenizer, request: tpb.GenerateRequest) -> list[int]:
+    """The ids the text service makes of a request's input ([] for a chat with problems)."""
+    if request.WhichOneof("input") != "chat":
+        return tokenizer.encode(request.prompt)
+    return [] if chat_problems(tokenizer, request.chat) else tokenizer.encode_chat(*chat_messages(request.chat))
+
+
+def generate_problems(tokenizer: TextTokenizer, request: tpb.GenerateRequest) -> set[str]:
+    """The fields of a GenerateRequest that are out of range (any one may be the one named): the
+    input (no prompt, an empty one, a chat with problems, or too many ids for the context), the
+    stop strings, and what the decoder checks of the request it is sent."""
+    field = "chat" if request.WhichOneof("input") == "chat" else "prompt"
+    problems = request_id_problems(request.request_id)
+    if field == "chat":
+        problems |= chat_problems(tokenizer, request.chat)
+    prompt = prompt_ids(tokenizer, request)
+    if not prompt or len(prompt) >= CONTEXT:
+        problems.add(field)
+    stops = request.stop_strings
+    if len(stops) > MAX_STOP_STRINGS:
+        problems.add("stop_strings")
+    problems |= {f"stop_strings[{i}]" for i, s in enumerate(stops) if not 1 <= len(s) <= MAX_STOP_STRING_LENGTH}
+    return problems | sampling_problems(request.sampling) | stopping_problems(request.stopping, len(prompt))
+
+
+def check_refusal(outcome: Outcome, problems: set[str], plan: Plan, crowded: bool, request: Any) -> bool:
+    """The oracle for refusals: INVALID_ARGUMENT names a field out of range; a request with one
+    gets no response; one without, sent plainly and alone, is served. -> whether it is in range."""
+    event("out of range" if problems else "in range")
+    if outcome.code == Code.INVALID_ARGUMENT:
+        assert outcome.details.split(":")[0] in problems, (
+            f"refused for a field in range: {outcome.details!r} (out of range: {sorted(problems)})\n{request}")
+    if problems:
+        assert outcome.code != Code.OK and not outcome.responses, (sorted(problems), request)
+        if plan == Plan() and not crowded:
+            assert outcome.code == Code.INVALID_ARGUMENT, (outcome.code, outcome.details, sorted(problems))
+        return False
+    if plan == Plan() and not crowded:
+        assert outcome.code == Code.OK, f"a request in range was not served: {outcome.code.name} {outcome.details!r}\n{request}"
+    return True
+
+
 def check_decode(outcome: Outcome, request: dpb.DecodeRequest, plan: Plan, crowded: bool = False) -> None:
     """A Decode call's status against the request's problems, and its stream against the invariants."""
-    problems = decode_problems(request)
-    if outcome.code == Code.INVALID_ARGUMENT:
-        assert outcome.details.split(":")[0] in problems, (outcome.details, problems)
-    if problems:
-        assert outcome.code != Code.OK and not outcome.responses, problems
+    if not check_refusal(outcome, decode_problems(request), plan, crowded, request):
         return
-    if plan == Plan() and not crowded:
-        assert outcome.code == Code.OK, (outcome.code, outcome.details)
     assert all(r.events for r in outcome.responses), "an empty DecodeResponse"
     events = [e for r in outcome.responses for e in r.events]
     kinds = [e.WhichOneof("event") for e in events]
@@ -301,18 +375,13 @@ def check_text(text: str, ids: list[int], end, request: tpb.GenerateRequest, pro
     assert not any(stop in text for stop in stops), (text, stops)  # it would have matched earlier
 
 
-def prompt_ids(tokenizer: TextTokenizer, request: tpb.GenerateRequest) -> list[int]:
-    """The ids the text service makes of a request's input ([] for a chat it refuses)."""
-    if request.WhichOneof("input") != "chat":
-        return tokenizer.encode(request.prompt)
-    try:
-        return encode_chat(tokenizer, request.chat)
-    except InvalidArgument:
-        return []
-
-
-def check_generate(stack: Stack, outcome: Outcome, request: tpb.GenerateRequest, streamed: bool) -> None:
-    if outcome.code == Code.INVALID_ARGUMENT or not outcome.responses:
+def check_generate(
+    stack: Stack, outcome: Outcome, request: tpb.GenerateRequest, streamed: bool, plan: Plan, crowded: bool = False
+) -> None:
+    """A Generate or Complete call's status against the request's problems, and its text against the contract."""
+    if not check_refusal(outcome, generate_problems(stack.tokenizer, request), plan, crowded, request):
+        return
+    if not outcome.responses:
         return
     prompt = prompt_ids(stack.tokenizer, request)
     if not streamed:
@@ -359,7 +428,8 @@ def sampling_params(draw, wild: bool) -> dpb.SamplingParams:
 
 
 @st.composite
-def stopping_criteria(draw, wild: bool) -> dpb.StoppingCriteria:
+def stopping_criteria(draw, wild: bool, room: int = CONTEXT - 8) -> dpb.StoppingCriteria:
+    """Anywhere (wild), or in range for a prompt that leaves `room` (at least 2) tokens of output."""
     if wild:
         caps = st.none() | st.integers(0, 10) | st.sampled_from([CONTEXT - 1, CONTEXT, 2**31, UINT32_MAX])
         max_output = draw(caps)
@@ -367,7 +437,7 @@ def stopping_criteria(draw, wild: bool) -> dpb.StoppingCriteria:
             max_output_tokens=max_output, stop_token_ids=draw(st.lists(any_ids, max_size=6)),
             ignore_eos=draw(st.booleans()), min_output_tokens=draw(st.integers(0, 4) | st.just(UINT32_MAX)),
         )
-    max_output = draw(st.sampled_from([None, *range(1, 9)]))
+    max_output = draw(st.sampled_from([None, *range(1, min(8, room) + 1)]))
     return dpb.StoppingCriteria(
         max_output_tokens=max_output, stop_token_ids=draw(st.lists(valid_ids, max_size=3)),
         ignore_eos=draw(st.booleans()), min_output_tokens=draw(st.integers(0, min(max_output or 2, 2))),
@@ -389,48 +459,130 @@ def decode_requests(draw) -> dpb.DecodeRequest:
 
 
 @st.composite
-def chats(draw, wild: bool) -> tpb.Chat:
+def chats(draw, wild: bool, max_messages: int = 1) -> tpb.Chat:
+    """Anywhere (wild), or in range: 1 to `max_messages` messages with a role the template knows."""
     roles = st.one_of(st.sampled_from(["user", "assistant", "system", "", "tool"]), st.text(max_size=8))
     messages = st.lists(
         st.builds(tpb.ChatMessage, role=roles if wild else st.sampled_from(["user", "assistant", "system"]),
                   content=any_text if wild else st.text(printable, max_size=4)),
-        min_size=0 if wild else 1, max_size=4 if wild else 1,
+        min_size=0 if wild else 1, max_size=4 if wild else max_messages,
     )
     return tpb.Chat(messages=draw(messages), add_generation_prompt=draw(st.none() | st.booleans()))
 
 
 @st.composite
-def generate_requests(draw) -> tpb.GenerateRequest:
-    """Half in range, half anywhere. An in-range request often gets a stop string cut from its
-    own (scripted) output text, so that stop strings match, across token boundaries too."""
-    wild = draw(st.booleans())
+def valid_generate_requests(draw) -> tpb.GenerateRequest:
+    """In range by construction (generate_problems finds nothing; test_the_strategies_say_what_they_make
+    checks it), so the service must serve it: a short prompt or a one-message chat, an output cap
+    that fits the room the prompt leaves, and 1 to 3 short printable stop strings, often one cut
+    from the request's own (scripted) output text, so that stop strings match, across token
+    boundaries too."""
     request = tpb.GenerateRequest(
-        request_id=draw(any_text if wild else st.text(printable, max_size=32)),
-        sampling=draw(sampling_params(wild)),
-        stopping=draw(stopping_criteria(wild)),
+        request_id=draw(st.text(printable, max_size=32)),
+        sampling=draw(sampling_params(wild=False)),
         keep_special_tokens=draw(st.booleans()),
         include_stop_string=draw(st.booleans()),
     )
-    match draw(st.sampled_from(["prompt", "chat", "none"] if wild else ["prompt", "chat"])):
-        case "prompt":
-            request.prompt = draw(any_text if wild else st.text(printable, min_size=1, max_size=6))
-        case "chat":
-            request.chat.CopyFrom(draw(chats(wild)))
-    if wild:
-        odd = st.sampled_from(["", "x" * 256, "y" * 257, "🙂" * 257])
-        request.stop_strings.extend(draw(st.lists(st.text(max_size=4) | odd, max_size=20)))
-        return request
-    request.stop_strings.extend(draw(st.lists(st.text(string.printable, min_size=1, max_size=2), max_size=3)))
+    if draw(st.booleans()):
+        request.prompt = draw(st.text(printable, min_size=1, max_size=6))
+    else:
+        request.chat.CopyFrom(draw(chats(wild=False)))
     prompt = prompt_ids(tiny_tokenizer(), request)
-    if 0 < len(prompt) < CONTEXT and draw(st.booleans()):
+    assume(len(prompt) <= CONTEXT - 2)  # rare: a chat of characters that take several ids each
+    request.stopping.CopyFrom(draw(stopping_criteria(wild=False, room=CONTEXT - len(prompt))))
+    request.stop_strings.extend(draw(st.lists(st.text(string.printable, min_size=1, max_size=2), max_size=3)))
+    if draw(st.booleans()):
         output = tiny_tokenizer().decode(scripted_output(prompt, request.stopping)[0], request.keep_special_tokens)
         start = draw(st.integers(0, max(len(output) - 1, 0)))
         request.stop_strings.append(output[start : start + draw(st.integers(1, 4))] or "x")
     return request
 
 
+def _out_of_range(request: tpb.GenerateRequest, field: str, value) -> tpb.GenerateRequest:
+    """A copy of `request` with `field` (a path of message fields) set to `value`."""
+    broken = tpb.GenerateRequest()
+    broken.CopyFrom(request)
+    *path, name = field.split(".")
+    target = functools.reduce(getattr, path, broken)
+    if isinstance(value, list):
+        target.ClearField(name)
+        getattr(target, name).extend(value)
+    else:
+        setattr(target, name, value)
+    return broken
+
+
+@st.composite
+def invalid_generate_requests(draw) -> tuple[str, tpb.GenerateRequest]:
+    """A request in range with one field put out of range: -> (that field, the request)."""
+    request = draw(valid_generate_requests())
+    stops = list(request.stop_strings)
+    defects = {
+        "request_id": st.sampled_from(["x" * (MAX_REQUEST_ID_LENGTH + 1), "a\nb", "\x00"]),
+        "prompt": st.sampled_from(["", "word " * CONTEXT]),
+        "stop_strings": st.just(["s"] * (MAX_STOP_STRINGS + 1)),
+        "stop_strings[i]": st.sampled_from(["", "x" * (MAX_STOP_STRING_LENGTH + 1)]),
+        "sampling.temperature": st.sampled_from([-1.0, math.nan, math.inf]),
+        "sampling.top_p": st.sampled_from([1.5, -0.5, math.nan]),
+        "sampling.min_p": st.sampled_from([2.0, -1.0, math.inf]),
+        "stopping.max_output_tokens": st.sampled_from([0, CONTEXT, UINT32_MAX]),
+        "stopping.stop_token_ids[i]": st.sampled_from([VOCAB, UINT32_MAX]),
+        "stopping.min_output_tokens": st.just(CONTEXT),
+        "chat.messages": st.just([]),
+        "chat.messages[i].role": st.just(""),
+    }
+    field = draw(st.sampled_from(sorted(defects)))
+    value = draw(defects[field])
+    match field:
+        case "stop_strings[i]":
+            at = draw(st.integers(0, len(stops)))
+            field, value = f"stop_strings[{at}]", [*stops[:at], value, *stops[at:]]
+            return field, _out_of_range(request, "stop_strings", value)
+        case "stopping.stop_token_ids[i]":
+            ids = list(request.stopping.stop_token_ids)
+            field = f"stopping.stop_token_ids[{len(ids)}]"
+            return field, _out_of_range(request, "stopping.stop_token_ids", [*ids, value])
+        case "chat.messages" | "chat.messages[i].role":
+            chat = draw(chats(wild=False))
+            if value == []:
+                del chat.messages[:]
+            else:
+                chat.messages[0].role = value
+                field = "chat.messages[0].role"
+            broken = _out_of_range(request, "prompt", "")
+            broken.chat.CopyFrom(chat)
+            return field, broken
+    return field, _out_of_range(request, field, value)
+
+
+@st.composite
+def wild_generate_requests(draw) -> tpb.GenerateRequest:
+    """Anything at all: extremes and odd text in every field (mostly refused)."""
+    request = tpb.GenerateRequest(
+        request_id=draw(any_text),
+        sampling=draw(sampling_params(wild=True)),
+        stopping=draw(stopping_criteria(wild=True)),
+        keep_special_tokens=draw(st.booleans()),
+        include_stop_string=draw(st.booleans()),
+    )
+    match draw(st.sampled_from(["prompt", "chat", "none"])):
+        case "prompt":
+            request.prompt = draw(any_text)
+        case "chat":
+            request.chat.CopyFrom(draw(chats(wild=True)))
+    odd = st.sampled_from(["", "x" * 256, "y" * 257, "🙂" * 257])
+    request.stop_strings.extend(draw(st.lists(st.text(max_size=4) | odd, max_size=20)))
+    return request
+
+
+generate_requests = st.one_of(  # half in range, a quarter with one field out of range, a quarter anything
+    valid_generate_requests(), valid_generate_requests(),
+    invalid_generate_requests().map(operator.itemgetter(1)), wild_generate_requests(),
+)
+valid_chats = chats(wild=False, max_messages=4)
 tokenize_requests = st.one_of(
     st.builds(tpb.TokenizeRequest, text=any_text, add_special_tokens=st.booleans()),
+    st.builds(tpb.TokenizeRequest, chat=valid_chats, add_special_tokens=st.booleans()),
     st.builds(tpb.TokenizeRequest, chat=chats(wild=True), add_special_tokens=st.booleans()),
 )
 detokenize_requests = st.builds(
@@ -442,7 +594,7 @@ REQUESTS = {  # request type -> well-formed messages of it, for corrupting
     dpb.GetModelInfoRequest: st.just(dpb.GetModelInfoRequest()),
     tpb.TokenizeRequest: tokenize_requests,
     tpb.DetokenizeRequest: detokenize_requests,
-    tpb.GenerateRequest: generate_requests(),
+    tpb.GenerateRequest: generate_requests,
 }
 
 
@@ -463,20 +615,34 @@ def corrupted(draw, messages) -> bytes:
 # -- the fuzz tests -------------------------------------------------------------------------------
 
 
-@examples(750)
+@fuzz_examples(100)
+@given(data=st.data())
+async def test_the_strategies_say_what_they_make(data):
+    """The oracle's own check, without a server: what the strategies make in range has no problem
+    by the hand-worked rules, and a request with one field put out of range has that problem."""
+    tokenizer = tiny_tokenizer()
+    request = data.draw(valid_generate_requests(), label="in range")
+    assert generate_problems(tokenizer, request) == set(), request
+    chat = data.draw(valid_chats, label="chat in range")
+    assert chat_problems(tokenizer, chat) == set(), chat
+    field, broken = data.draw(invalid_generate_requests(), label="out of range")
+    assert field in generate_problems(tokenizer, broken), (field, broken)
+
+
+@fuzz_examples(750)
 @given(request=decode_requests(), plan=plans)
 async def test_decode(stack, request, plan):
     check_decode(await send(stack, stack.decoder.Decode, request, plan), request, plan)
 
 
-@examples(750)
-@given(request=generate_requests(), plan=plans, streamed=st.booleans())
+@fuzz_examples(750)
+@given(request=generate_requests, plan=plans, streamed=st.booleans())
 async def test_generate_and_complete(stack, request, plan, streamed):
     method = stack.generation.Generate if streamed else stack.generation.Complete
-    check_generate(stack, await send(stack, method, request, plan), request, streamed)
+    check_generate(stack, await send(stack, method, request, plan), request, streamed, plan)
 
 
-@examples(300)
+@fuzz_examples(300)
 @given(request=st.one_of(tokenize_requests, detokenize_requests), plan=plans)
 async def test_tokenize_and_detokenize(stack, request, plan):
     if isinstance(request, tpb.TokenizeRequest):
@@ -485,6 +651,10 @@ async def test_tokenize_and_detokenize(stack, request, plan):
             assert outcome.code != Code.INVALID_ARGUMENT, outcome.details
             if outcome.code == Code.OK:
                 expected = stack.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+                assert list(outcome.responses[0].token_ids) == expected
+        elif check_refusal(outcome, chat_problems(stack.tokenizer, request.chat), plan, False, request):
+            if outcome.code == Code.OK:
+                expected = stack.tokenizer.encode_chat(*chat_messages(request.chat))
                 assert list(outcome.responses[0].token_ids) == expected
         return
     outcome = await send(stack, stack.tokenizer_rpc.Detokenize, request, plan)
@@ -496,8 +666,8 @@ async def test_tokenize_and_detokenize(stack, request, plan):
         assert outcome.responses[0].text == expected
 
 
-@examples(40)
-@given(calls=st.lists(st.tuples(st.one_of(decode_requests(), generate_requests()), plans), min_size=5, max_size=14))
+@fuzz_examples(40)
+@given(calls=st.lists(st.tuples(st.one_of(decode_requests(), generate_requests), plans), min_size=5, max_size=14))
 async def test_concurrent_bursts(stack, calls):
     """Up to 14 at once on 4 slots and a queue of 2, with slow steps so that they overlap: some are
     RESOURCE_EXHAUSTED, and the others still get exactly their own tokens."""
@@ -506,7 +676,7 @@ async def test_concurrent_bursts(stack, calls):
         if isinstance(request, dpb.DecodeRequest):
             check_decode(await send(stack, stack.decoder.Decode, request, plan), request, plan, crowded=True)
         else:
-            check_generate(stack, await send(stack, stack.generation.Generate, request, plan), request, True)
+            check_generate(stack, await send(stack, stack.generation.Generate, request, plan), request, True, plan, crowded=True)
 
     stack.model.step_delay_s = 0.003
     try:
@@ -515,7 +685,7 @@ async def test_concurrent_bursts(stack, calls):
         stack.model.step_delay_s = 0.0
 
 
-@examples(300)
+@fuzz_examples(300)
 @given(method=st.sampled_from(METHODS), data=st.data(), plan=plans)
 async def test_arbitrary_bytes_as_the_request_message(stack, method, data, plan):
     """Malformed protobuf must be refused as INVALID_ARGUMENT; bytes that parse are served."""
@@ -531,6 +701,11 @@ async def test_arbitrary_bytes_as_the_request_message(stack, method, data, plan)
     if request_type is dpb.DecodeRequest:
         outcome.responses = [dpb.DecodeResponse.FromString(r) for r in outcome.responses]
         check_decode(outcome, request, plan)
+    elif request_type is tpb.GenerateRequest:
+        streamed = method.endswith("/Generate")
+        response_type = tpb.GenerateResponse if streamed else tpb.Completion
+        outcome.responses = [response_type.FromString(r) for r in outcome.responses]
+        check_generate(stack, outcome, request, streamed, plan)
 
 
 async def test_servers_still_answer_and_hold_nothing(stack):

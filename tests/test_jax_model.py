@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.jax_backend import cpu_kernels, transformer
+from engine.jax_backend import transformer
 from engine.jax_backend.weights import load_checkpoint
 from engine.jax_backend import jax_model
 from engine.jax_backend.jax_model import JaxModel, length_buckets, prompt_pieces
 from engine.core.model import DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import SamplingParams
+from support import prerequisites
 from support.compile_watch import compile_events
 from support.lowering import host_syncs
 
@@ -42,8 +43,8 @@ pytestmark = pytest.mark.usefixtures("cpu_backend")
 @pytest.fixture(scope="module", params=[False, True], ids=["jax-attention", "kernel-attention"])
 def model(request) -> JaxModel:
     """Every test below runs with decode attention in JAX and with the CPU kernel."""
-    if request.param and cpu_kernels.load() is None:
-        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA)")
+    if request.param:
+        prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     m = JaxModel.load(
         LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16, kernels=request.param,
         dtype="float32",

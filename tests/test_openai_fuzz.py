@@ -8,9 +8,10 @@ from __future__ import annotations
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
+from support.examples import examples
 from tests.support.openai_stack import MODEL_NAME, Stack
 
-EXAMPLES = 12  # per operation and mode
+EXAMPLES = examples(12)  # per operation and mode: 12 under the thorough profile, 3 under "ci" (conftest)
 
 
 def test_the_schema_fuzzer_finds_no_5xx():

@@ -31,7 +31,6 @@ from support.gated_steps import GatedSteps
 from support.recording_sink import Recorder
 from engine.jax_backend import transformer
 from engine.jax_backend.jax_model import JaxModel
-from engine.model_store import registry
 
 ASSETS = Path(__file__).parent / "assets"
 GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
@@ -181,11 +180,9 @@ def test_chunks_carried_by_decode_steps_change_no_id(pair):
 
 
 @pytest.mark.real_model
-def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_model():
-    path = registry.model_dir(registry.DEFAULT_MODEL)
-    if not (path / "config.json").exists():
-        pytest.skip(f"the real model is not prepared at {path} (tokenwire pull)")
+def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_model(real_model):
     require_cpu()
+    path = real_model
     model = JaxModel.load(
         path, max_batch_size=2, max_context_length=1024, max_chunk=256, prefix_cache_tokens=1024, dtype="float32"
     )

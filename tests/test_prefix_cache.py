@@ -23,6 +23,7 @@ from engine.core.prefix_cache import PrefixCache, PrefixPool
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
+from support.examples import examples
 from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.recording_sink import Recorder
@@ -80,7 +81,7 @@ def test_a_prompt_never_evicts_its_own_chain():
     assert len(cache.match([1, 1, 2, 2, 3], 2)) == 1
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=12), min_size=1, max_size=30), st.integers(1, 6))
 def test_every_match_under_eviction_points_at_blocks_holding_that_prefix(prompts, capacity):
     """A simulated pool records the prefix each pool block was filled from; whatever was

@@ -1,5 +1,5 @@
 """The real default model, SmolLM2-135M-Instruct, prepared by the same `tokenwire pull` a user
-runs, served by both services: a chat answer ends on the model's EOS (<|im_end|>), which is
+runs (the session's `real_model` fixture, conftest), served by both services: a chat answer ends on the model's EOS (<|im_end|>), which is
 never sent as a token, never counted and never shown.
 
 Expected answer (greedy, default system prompt) from shared/NOTES.md, measured with
@@ -8,8 +8,6 @@ transformers f32: "The capital of France is Paris." then id 2.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -23,17 +21,12 @@ from services.decode_server import start_decode_server
 from services.text_server import start_text_server
 from tokenizer_svc.tokenizer import TextTokenizer
 
-ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.real_model
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> Path:
-    result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "pull"], cwd=ROOT, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stderr
-    return Path(result.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def model_dir(real_model) -> Path:
+    return real_model  # pulled once per run (conftest), as `tokenwire pull` does
 
 
 async def test_chat_answer_ends_on_eos_with_no_control_token_in_text(model_dir):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from engine.core.request import MAX_TOP_LOGPROBS
 from engine.jax_backend import sampling
 from engine.jax_backend.sampling import CAP, SlotSampling, row_key, sample, seed_words, top_logprobs
+from support.examples import examples
 from support.lowering import host_syncs, stablehlo_ops
 
 ROWS = 2000
@@ -150,7 +151,7 @@ def test_masked_ids_are_never_chosen_only_when_the_step_says_masked():
     assert (unmasked == 0).all()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     seed=st.integers(0, 2**31),
     temperature=st.floats(0.2, 3.0),
@@ -236,7 +237,7 @@ def test_thresholds_beyond_the_cap_are_exact_with_ties_kept():
     np.testing.assert_array_equal(selected, expected)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(
     seed=st.integers(0, 2**31),
     spread=st.sampled_from([0.1, 1.0, 4.0]),

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from tokenizer_svc.stop_strings import StopResult, StopStringMatcher
 
 ALPHABET = "ab c\n中😀é"
@@ -44,7 +45,7 @@ def pieces(text: str, cut_points: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(text=texts, stops=stop_lists, cut_points=cuts, include=st.booleans())
 def test_joined_output_is_the_text_cut_at_the_first_stop_and_nothing_is_held_needlessly(text, stops, cut_points, include):
     matcher = StopStringMatcher(stops, include_stop_string=include)
@@ -63,7 +64,7 @@ def test_joined_output_is_the_text_cut_at_the_first_stop_and_nothing_is_held_nee
     assert (out, stop) == reference(text, stops, include)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(text=texts, stops=stop_lists, include=st.booleans())
 def test_one_character_at_a_time_equals_one_chunk(text, stops, include):
     def run(chunks):

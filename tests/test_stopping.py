@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from support.examples import examples
 from engine.core.events import FinishReason
 from engine.core.request import StoppingCriteria
 from engine.core.stopping import Decision, StopRule, decide, resolve
@@ -61,7 +62,7 @@ def run_stream(tokens: list[int], rule: StopRule):
     return emitted, None
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 20), min_size=1, max_size=40),
     eos=st.frozensets(st.integers(0, 20), max_size=3),

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.core.errors import InvalidArgument
+from support.examples import examples
 from support.tokenizer_assets import ASSETS, load_tokenizer as load
 from tokenizer_svc import DecoderTraits, TextTokenizer
 
@@ -99,7 +100,7 @@ def test_decode_refuses_ids_outside_the_vocabulary(name):
         tok.decode([-1])
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(text=st.text(st.characters(blacklist_categories=["Cs"]), max_size=40))
 def test_byte_level_round_trips_any_text(text):
     assert load("gpt2").decode(load("gpt2").encode(text)) == text

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.jax_backend import cpu_kernels, transformer
+from engine.jax_backend import transformer
 from engine.jax_backend.weights import load_checkpoint, with_panels
+from support import prerequisites
 
 ASSETS = Path(__file__).parent / "assets"
 BATCH, CONTEXT, PROMPT_BUCKET = 3, 64, 32
@@ -40,8 +41,8 @@ def on_the_cpu():
 @pytest.mark.parametrize("kernels", [False, True], ids=["jax-attention", "kernel-attention"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def test_logits_and_greedy_ids_match_transformers(name, kernels):
-    if kernels and cpu_kernels.load() is None:
-        pytest.skip("the CPU kernels cannot be built here (no C++ compiler, or no AVX2/FMA/F16C)")
+    if kernels:
+        prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     ckpt = load_checkpoint(ASSETS / name, dtype="float32")
     cfg = ckpt.config
     weights = ckpt.weights
