@@ -51,19 +51,29 @@ async def until_answer(ask: Callable[[], Awaitable[object]], wanted: object, wha
         await asyncio.sleep(interval_s)
 
 
+def _freed(held: Callable[[], object], steps: Callable[[], float], since: float, at_most: float) -> bool:
+    if not held():
+        return True
+    taken = steps() - since
+    assert taken <= at_most, f"a slot still held {taken:.0f} decode steps on: the request was not cancelled"
+    return False
+
+
 async def steps_until_freed(
     held: Callable[[], object], steps: Callable[[], float], since: float, at_most: float, limit_s: float = LIMIT_S
 ) -> float:
     """Wait until `held()` is false (no slot in use); returns the decode steps (`steps()`) taken
     since `since` by then. Fails as soon as more than `at_most` steps have passed with a slot still
     held (the request runs on: its cancel did nothing), or after `limit_s` (nothing steps)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while held():
-        taken = steps() - since
-        assert taken <= at_most, f"a slot still held {taken:.0f} decode steps on: the request was not cancelled"
-        assert loop.time() < deadline, f"a slot still held after {limit_s} s ({taken:.0f} decode steps on)"
-        await asyncio.sleep(0.002)
+    await until(lambda: _freed(held, steps, since, at_most), f"the slot freed ({steps() - since:.0f} decode steps on)", limit_s)
+    return steps() - since
+
+
+def steps_until_freed_sync(
+    held: Callable[[], object], steps: Callable[[], float], since: float, at_most: float, limit_s: float = LIMIT_S
+) -> float:
+    """`steps_until_freed` for a plain (blocking) test."""
+    until_sync(lambda: _freed(held, steps, since, at_most), f"the slot freed ({steps() - since:.0f} decode steps on)", limit_s)
     return steps() - since
 
 
