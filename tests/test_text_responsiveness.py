@@ -75,14 +75,10 @@ async def still_serves(gen, tok, tokenizer) -> None:
     assert list((await tok.Tokenize(pb.TokenizeRequest(text="hello world"))).token_ids) == tokenizer.encode("hello world")
 
 
-async def nothing_in_flight(text) -> bool:
-    """Wait (up to 3 s) until the text server holds no request: a stream's handler leaves its
+async def nothing_in_flight(text) -> None:
+    """Wait (bounded) until the text server holds no request: a stream's handler leaves its
     admission just after the client has read its last message."""
-    for _ in range(300):
-        if text.admission.in_flight == 0:
-            return True
-        await asyncio.sleep(0.01)
-    return False
+    await until(lambda: text.admission.in_flight == 0, "the text server holds no request", interval_s=0.01)
 
 
 async def read_to_end(call) -> list:
@@ -182,7 +178,7 @@ async def test_over_the_limit_is_invalid_argument_naming_field_and_limit(model, 
         error = await refused(call(gen, tok))
         assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
         await still_serves(gen, tok, tokenizer)
-        assert await nothing_in_flight(text)
+        await nothing_in_flight(text)
 
 
 async def test_at_the_limit_is_served(model, tokenizer):
@@ -239,7 +235,7 @@ async def test_requests_over_the_in_flight_cap_are_resource_exhausted(model, tok
             responses = await read_to_end(stream)
             ids = [i for r in responses if r.HasField("delta") for i in r.delta.token_ids]
             assert ids[-1] == last + 60 and responses[-1].finished.usage.completion_tokens == 60
-        assert await nothing_in_flight(text)
+        await nothing_in_flight(text)
         await still_serves(gen, tok, tokenizer)
 
 
@@ -253,7 +249,7 @@ async def test_a_cancelled_large_tokenize_holds_its_place_until_its_thread_is_do
         assert text.admission.in_flight == 1  # its thread still tokenizes
         error = await refused(tok.Tokenize(pb.TokenizeRequest(text="hello")))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert await nothing_in_flight(text)
+        await nothing_in_flight(text)
         await still_serves(gen, tok, tokenizer)
 
 
@@ -346,7 +342,7 @@ async def test_large_work_runs_on_the_large_pool_and_over_the_limit_reaches_no_t
         assert medium_thread.startswith("tokenize_") and medium_nice == loop_nice
         assert small_thread == loop_thread.name
         await still_serves(gen, tok, recorded_tokenizer)
-        assert await nothing_in_flight(text)
+        await nothing_in_flight(text)
 
 
 async def test_the_loop_serves_a_small_stream_while_a_large_tokenize_runs(model, recorded_tokenizer):
@@ -369,7 +365,7 @@ async def test_the_loop_serves_a_small_stream_while_a_large_tokenize_runs(model,
             calls.release()
         assert len((await asyncio.wait_for(large, 60)).token_ids) > DEFAULT_LIMIT // 4
         stream.cancel()
-        assert await nothing_in_flight(text)
+        await nothing_in_flight(text)
 
 
 def test_large_inputs_are_encoded_and_decoded_with_the_gil_released(tokenizer):
