@@ -2,7 +2,7 @@
 broken feature fails instead of hanging the suite. None returns how long it took: how long is a
 benchmark's question, not a test's; a test counts steps or rounds instead (`steps_until_freed`).
 
-- `until` / `until_sync`: poll a predicate (async, or blocking from a plain thread).
+- `until` / `until_sync`: poll a predicate (from a coroutine, or blocking from a plain thread).
 - `until_answer`: poll an async question until it gives the wanted answer.
 - `steps_until_freed`: wait for a slot to be freed, failing as soon as more than `at_most` of the
   model's decode steps passed with it held (the cancel did nothing), whatever the clock says.
@@ -13,6 +13,7 @@ benchmark's question, not a test's; a test counts steps or rounds instead (`step
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import selectors
 import subprocess
@@ -25,10 +26,16 @@ LIMIT_S = 10.0
 
 
 async def until(predicate: Callable[[], object], what: str, limit_s: float = LIMIT_S, interval_s: float = 0.002) -> None:
-    """Poll until `predicate()` is true; fails the test past `limit_s`."""
+    """Poll until `predicate()` is true (awaited, when it returns an awaitable: a health check);
+    fails the test past `limit_s`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit_s
-    while not predicate():
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
         assert loop.time() < deadline, f"{what}: not reached in {limit_s} s"
         await asyncio.sleep(interval_s)
 
