@@ -37,6 +37,7 @@ from protos.text.v1 import text_pb2 as tpb
 from protos.text.v1 import text_pb2_grpc
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
+from support.waiting import until
 from tokenizer_svc.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from tokenizer_svc.stop_strings import StopStringMatcher
 from tokenizer_svc.text_stream import TextStream
@@ -80,14 +81,12 @@ async def stack():
 
 async def until_idle(decode, text, model) -> None:
     """Wait until no request holds anything anywhere (cancels reach the engine asynchronously)."""
-    for _ in range(300):
+    def held() -> tuple:
         stats = decode.engine.stats()
-        if (stats.slots_in_use, stats.queue_depth, model.slots_held, decode.admission.in_flight,
-                text.admission.in_flight) == (0, 0, 0, 0, 0):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"still busy: {stats}, model slots {model.slots_held}, in flight "
-                         f"{decode.admission.in_flight} (decoder) {text.admission.in_flight} (text)")
+        return (stats.slots_in_use, stats.queue_depth, model.slots_held, decode.admission.in_flight, text.admission.in_flight)
+
+    await until(lambda: held() == (0, 0, 0, 0, 0),
+                "nothing held (engine slots and queue, model slots, decoder and text in flight)", interval_s=0.01)
 
 
 # -- the mix ------------------------------------------------------------------------------------

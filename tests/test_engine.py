@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -13,6 +12,7 @@ from engine.core.events import FinishReason
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from support.recording_sink import Recorder
+from support.waiting import until_sync
 
 
 
@@ -113,10 +113,8 @@ def test_abort_waiting_and_live_requests_frees_everything(engine):
         engine.abort(t)
     # The waiting two leave the queue at once, the live two at the end of the current step. An
     # abort that did nothing would run all four: 48 steps, every sink Finished.
-    deadline = time.monotonic() + 5
-    while engine.stats().slots_in_use or engine.stats().queue_depth:
-        assert time.monotonic() < deadline, f"not freed within 5 s: {engine.stats()}"
-        time.sleep(0.001)
+    until_sync(lambda: not (engine.stats().slots_in_use or engine.stats().queue_depth), "every slot and place freed",
+               interval_s=0.001)
     assert engine.model.slots_held == 0 and engine.model.prefills == 2
     assert engine.model.decode_steps < 24  # far fewer than one request's own length
     assert not any(s.done.is_set() for s in sinks)  # aborted streams get no Finished
