@@ -18,7 +18,6 @@ import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -261,10 +260,10 @@ async def test_streams_through_the_process_are_those_of_the_in_process_engine(sp
     assert in_process.stats().slots_in_use == 0 and in_process.stats().queue_depth == 0
     assert not deaths.called.is_set()
     # on_step: once per timed decode step (the longest request needs 23 after its prefill; steps
-    # while a prompt's first token was read are not timed, at most one per admission), each timing
-    # a step of the model's 2 ms, seen from a host one step behind: shorter only when the host
-    # read the previous step late, so the median is the step
-    assert len(steps) >= 23 - len(PARITY) and statistics.median(steps) >= 0.0019
+    # while a prompt's first token was read are not timed, at most one per admission), each the
+    # child's figure for a step (what the figure is: test_engine's test of on_step, on a clock of
+    # the device's steps)
+    assert len(steps) >= 23 - len(PARITY) and all(isinstance(s, float) and s > 0 for s in steps)
 
 
 # -- submit refuses synchronously -------------------------------------------------------------------
