@@ -33,8 +33,7 @@ from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE
 from services.text_server import TextServer, start_text_server
 from support.decoder_process import start_scripted_decoder
 from support.net import free_port
-from support.waiting import LIMIT_S, until_answer
-from support.waiting import until as _until
+from support.waiting import LIMIT_S, until, until_answer
 from tokenizer_svc.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,10 +70,6 @@ def address(server: DecodeServer, host: str) -> str:
 
 def target(*addresses: str) -> str:
     return "ipv4:" + ",".join(addresses)
-
-
-async def until(predicate, what: str, limit_s: float = LIMIT_S) -> None:
-    await _until(predicate, what, limit_s, interval_s=0.02)
 
 
 class CensusRounds:
