@@ -4,8 +4,9 @@ benchmark's question, not a test's; a test counts steps or rounds instead (`step
 
 - `until` / `until_sync`: poll a predicate (from a coroutine, or blocking from a plain thread).
 - `until_answer`: poll an async question until it gives the wanted answer.
-- `steps_until_freed`: wait for a slot to be freed, failing as soon as more than `at_most` of the
-  model's decode steps passed with it held (the cancel did nothing), whatever the clock says.
+- `steps_until_freed` / `steps_until_freed_sync`: wait for a slot to be freed, failing as soon as
+  more than `at_most` of the model's decode steps passed with it held (the cancel did nothing),
+  whatever the clock says.
 - `read_line`: a subprocess's next stdout line, or a failure after the limit (a plain
   `readline()` blocks forever on a child that hangs before writing it).
 """
