@@ -4,10 +4,10 @@ process 0 coordinating and serving, process 1 following and serving health only.
 
 - Through process 0's gRPC, greedy decoding gives the ids one process gives (the golden ids
   of tests/assets/tiny-llama, which one process matches: tests/test_transformer_parity.py).
-- Killing process 1 takes process 0 down: its readiness goes NOT_SERVING (seen on a health Watch
-  stream), then it exits 1, having logged that its engine died. How soon is the heartbeat
-  timeout's business (multihost.wait_s states it); the test's waits are bounded well past it, so
-  only a process that never goes down fails them.
+- Killing process 1 takes process 0 down: it logs that its engine died, its readiness goes
+  NOT_SERVING, then it exits 1. How soon is the heartbeat timeout's business (multihost.wait_s
+  states it); the test's waits are bounded well past it, so only a process that never goes down
+  fails them.
 """
 
 from __future__ import annotations
@@ -87,8 +87,14 @@ def test_two_processes_decode_like_one_and_a_dead_one_takes_the_other_down(tmp_p
             code = leader.wait(timeout=3 * multihost.wait_s(multihost.Group(coordinator, 2, 0, TIMEOUT_S)))
             reader.join(LIMIT_S)
         assert code == 1, log_tail(logs[0])  # its engine died: the exit a supervisor restarts
-        assert "the decode engine died" in logs[0].read_text(), log_tail(logs[0])
-        assert seen[-1] == health_pb2.HealthCheckResponse.NOT_SERVING, seen  # before the port closed
+        # after the death, its readiness went NOT_SERVING before it exited. (From the log, not the
+        # Watch: when the monitor has not caught the death first, readiness is set in stop(0),
+        # which cancels the Watch at once, and the NOT_SERVING sent just before may not arrive.)
+        lines = logs[0].read_text().splitlines()
+        died = max(i for i, line in enumerate(lines) if "the decode engine died" in line)
+        last_serving = max(i for i, line in enumerate(lines) if f"readiness {DECODER_SERVICE}: SERVING" in line)
+        assert last_serving < died, log_tail(logs[0])
+        assert any(f"readiness {DECODER_SERVICE}: NOT_SERVING" in line for line in lines[last_serving:]), log_tail(logs[0])
     finally:
         for p in (leader, follower):
             if p.poll() is None:
