@@ -71,7 +71,7 @@ INLINE_MAX = INLINE_CHARS
 # Above this many, the work goes to a pool of one thread fewer than the cores (at least one),
 # whose threads run at a lower CPU priority (nice +10, Linux): the tokenizer's Rust work runs on
 # the calling thread, and without these a few large requests take every core from the event loop.
-# A small stream's worst gap with 3 large requests and 3 refused (tests/test_text_responsiveness.py)
+# A small stream's worst gap with 3 large requests and 3 refused (benchmarks/text_responsiveness.py)
 # shrank with each: one thread instead of the default executor's, then that thread at nice +10
 # (docs/benchmarks.md, 'Figures behind code comments'). Work between INLINE_MAX and this has a pool
 # of its own at the usual priority, so it never queues behind a large request.

@@ -38,6 +38,7 @@ from protos.text.v1 import text_pb2 as tpb
 from protos.text.v1 import text_pb2_grpc
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
+from support.idle import until_nothing_held
 from tokenizer_svc.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from tokenizer_svc.stop_strings import StopStringMatcher
 from tokenizer_svc.text_stream import TextStream
@@ -77,18 +78,6 @@ async def stack():
     await channel.close()
     await text.stop(None)
     await decode.stop(None)
-
-
-async def until_idle(decode, text, model) -> None:
-    """Wait until no request holds anything anywhere (cancels reach the engine asynchronously)."""
-    for _ in range(300):
-        stats = decode.engine.stats()
-        if (stats.slots_in_use, stats.queue_depth, model.slots_held, decode.admission.in_flight,
-                text.admission.in_flight) == (0, 0, 0, 0, 0):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"still busy: {stats}, model slots {model.slots_held}, in flight "
-                         f"{decode.admission.in_flight} (decoder) {text.admission.in_flight} (text)")
 
 
 # -- the mix ------------------------------------------------------------------------------------
@@ -188,7 +177,7 @@ async def test_no_state_is_left_after_1000_mixed_requests_with_cancels(stack):
     assert outcomes["full", Code.RESOURCE_EXHAUSTED] < REQUESTS // 10, outcomes  # most requests did run
     assert peak > 0, "sampling never saw a live TextStream: it would not see a leak either"
 
-    await until_idle(decode, text, model)
+    await until_nothing_held(decode, text, model)
     gc.collect()
     assert by_class(live_state(before)) == {}, "per-request state still alive after every request ended"
 
@@ -219,10 +208,10 @@ async def test_every_ending_frees_the_state_as_it_ends_not_at_the_next_gc(stack)
                 code = await run(stub, request, rpc, ending, rng)
                 assert code in EXPECTED[ending], (ending, rpc, code)
                 if cut_short:
-                    await until_idle(decode, text, model)
+                    await until_nothing_held(decode, text, model)
                     assert model.decode_steps - steps <= 15, (ending, rpc, model.decode_steps - steps)
             model.step_delay_s = 0.001
-            await until_idle(decode, text, model)
+            await until_nothing_held(decode, text, model)
             if left := live_state(seen):
                 left_by_ending[ending] = by_class(left)
                 seen.update(left)

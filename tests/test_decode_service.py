@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from protos.decode.v1 import decode_pb2 as pb
+from support.waiting import steps_until_freed
 
 STOP, LENGTH = pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH
 
@@ -150,13 +151,13 @@ NATURAL_STEPS = 62
 FREED_WITHIN_STEPS = 20
 
 
-async def steps_until_freed(decode_server, scripted_model, limit_s: float = 2 * NATURAL_STEPS * SLOW_STEP_S) -> int:
-    """Wait until the engine holds no slot (fail after `limit_s`); the model's decode steps by then."""
-    deadline = asyncio.get_running_loop().time() + limit_s
-    while decode_server.engine.stats().slots_in_use or scripted_model.slots_held:
-        assert asyncio.get_running_loop().time() < deadline, f"a slot still held after {limit_s} s"
-        await asyncio.sleep(0.01)
-    return scripted_model.decode_steps
+async def slot_freed(decode_server, scripted_model, at_most: int) -> int:
+    """support.waiting.steps_until_freed on the engine's and the model's slots: the model's decode
+    steps by then (the fixture's model is fresh: counted from 0)."""
+    return await steps_until_freed(
+        lambda: decode_server.engine.stats().slots_in_use or scripted_model.slots_held,
+        lambda: scripted_model.decode_steps, 0, at_most, limit_s=2 * NATURAL_STEPS * SLOW_STEP_S,
+    )
 
 
 async def test_client_cancel_frees_the_slot(scripted_model, decode_server, decoder):
@@ -165,8 +166,7 @@ async def test_client_cancel_frees_the_slot(scripted_model, decode_server, decod
     assert (await call.read()).events[0].token.id == 11  # the request holds a slot and is streaming
     assert decode_server.engine.stats().slots_in_use == 1
     call.cancel()
-    steps = await steps_until_freed(decode_server, scripted_model)
-    assert steps <= FREED_WITHIN_STEPS, f"freed after {steps} decode steps: the cancel did not end it"
+    await slot_freed(decode_server, scripted_model, FREED_WITHIN_STEPS)  # else the cancel did not end it
     assert decode_server.engine.stats().queue_depth == 0
 
 
@@ -178,8 +178,7 @@ async def test_deadline_frees_the_slot(scripted_model, decode_server, decoder):
             tokens += [e.token.id for e in response.events if e.HasField("token")]
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert tokens[:1] == [11], "the request never streamed, so its deadline freed nothing"
-    steps = await steps_until_freed(decode_server, scripted_model)
-    assert steps <= FREED_WITHIN_STEPS, f"freed after {steps} decode steps: the deadline did not end it"
+    await slot_freed(decode_server, scripted_model, FREED_WITHIN_STEPS)  # else the deadline did not end it
 
 
 async def test_clients_stream_events_and_leaving_early_cancels(scripted_model, decode_server):
@@ -204,5 +203,4 @@ async def test_clients_stream_events_and_leaving_early_cancels(scripted_model, d
         await stream.aclose()
     # 2 steps for the first request, then the two early leavers together within FREED_WITHIN_STEPS
     # (about 3 when their cancels work); either one left running takes the count to 2 + NATURAL_STEPS
-    steps = await steps_until_freed(decode_server, scripted_model)
-    assert steps <= 2 + FREED_WITHIN_STEPS, f"freed after {steps} decode steps: a leaver was not cancelled"
+    await slot_freed(decode_server, scripted_model, 2 + FREED_WITHIN_STEPS)  # else a leaver was not cancelled

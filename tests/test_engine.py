@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
+import time as time_module
 
 import pytest
 
@@ -13,6 +13,7 @@ from engine.core.events import FinishReason
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from support.recording_sink import Recorder
+from support.waiting import until_sync
 
 
 
@@ -113,10 +114,8 @@ def test_abort_waiting_and_live_requests_frees_everything(engine):
         engine.abort(t)
     # The waiting two leave the queue at once, the live two at the end of the current step. An
     # abort that did nothing would run all four: 48 steps, every sink Finished.
-    deadline = time.monotonic() + 5
-    while engine.stats().slots_in_use or engine.stats().queue_depth:
-        assert time.monotonic() < deadline, f"not freed within 5 s: {engine.stats()}"
-        time.sleep(0.001)
+    until_sync(lambda: not (engine.stats().slots_in_use or engine.stats().queue_depth), "every slot and place freed",
+               interval_s=0.001)
     assert engine.model.slots_held == 0 and engine.model.prefills == 2
     assert engine.model.decode_steps < 24  # far fewer than one request's own length
     assert not any(s.done.is_set() for s in sinks)  # aborted streams get no Finished
@@ -170,3 +169,42 @@ def test_a_step_dispatched_after_the_stop_is_discarded_and_its_slot_reused():
         assert model.decode_steps == 7 + 4  # the first's 6 and the one dispatched after its EOS; the second's 4
     finally:
         engine.stop()
+
+
+class DeviceClock:
+    """`time` for the engine and the scripted model: perf_counter moves only when the model waits
+    for its "device" (sleep), so a step's time is exactly the model's step_delay_s."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.monotonic = time_module.monotonic  # the engine's stall clock stays real
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_on_step_gets_each_decode_steps_time_on_the_device(monkeypatch):
+    """What `on_step` reports (the step-time metric, and what an engine process passes on): the
+    time from a step's dispatch (or the host's previous read, if later) to its samples, one value
+    per decode step, none for a step during which a prompt's first token was read."""
+    import engine.core.engine as engine_module
+    import engine.core.scripted_model as scripted_module
+
+    clock = DeviceClock()
+    monkeypatch.setattr(engine_module, "time", clock)
+    monkeypatch.setattr(scripted_module, "time", clock)
+    steps: list[float] = []
+    model = ScriptedModel(vocab_size=100, max_batch_size=2, max_context_length=64, step_delay_s=0.25)
+    engine = Engine(model, EngineConfig(max_queue_size=8), on_step=steps.append)
+    engine.start()
+    try:
+        sink = Recorder()
+        engine.submit(make_request([10], 12), sink)  # the prefill's token and 11 decode steps
+        assert sink.done.wait(5)
+    finally:
+        engine.stop()
+    assert model.decode_steps == 11
+    assert steps == [0.25] * 11, steps

@@ -27,6 +27,7 @@ from engine.core.model import ModelInfo
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from support.tokenizer_assets import load_tokenizer
+from support.waiting import steps_until_freed
 from tokenizer_svc.chat import ChatMessage
 from tokenizer_svc.generation import (
     AccountingMismatch,
@@ -202,11 +203,8 @@ async def test_over_the_real_engine_loop_a_stop_string_frees_the_slot():
         deltas, finish = await asyncio.wait_for(run(TextRequest(PROMPT, stop_strings=("pionc",)), decode), limit_s)
         assert joined(deltas) == (" b if ", [301, 302, 303, 304, 305])
         assert finish == TextFinished(STOP, Usage(len(PROMPT), 5), stop_string="pionc")
-        deadline = asyncio.get_running_loop().time() + limit_s
-        while engine.stats().slots_in_use or model.slots_held:
-            assert model.decode_steps <= freed_within, f"the slot still held after {model.decode_steps} decode steps"
-            assert asyncio.get_running_loop().time() < deadline, f"the slot still held after {limit_s} s"
-            await asyncio.sleep(0.005)
+        await steps_until_freed(lambda: engine.stats().slots_in_use or model.slots_held, lambda: model.decode_steps,
+                                0, freed_within, limit_s)
     finally:
         engine.stop()
 

@@ -100,14 +100,14 @@ async def test_the_text_server_process_never_imports_jax(tmp_path):
 
 
 async def _bound_port(log: Path, process: subprocess.Popen) -> int:
-    """The port the text server logs once it serves ("text service on HOST:PORT, ...")."""
-    import asyncio
+    """The port the text server logs once it serves ("text service on HOST:PORT, ..."); bounded
+    at 60 s on a busy machine, failing at once with the log if the process exits first."""
+    from support.waiting import until
 
-    for _ in range(600):  # up to 60 s on a busy machine; returns as soon as the line appears
+    def logged() -> str | None:
         if process.poll() is not None:
             raise AssertionError(f"text-server exited with {process.returncode}:\n{log.read_text()[-3000:]}")
-        for line in log.read_text().splitlines():
-            if "text service on " in line:
-                return int(line.split("text service on ", 1)[1].split(",", 1)[0].rsplit(":", 1)[1])
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"text-server did not start:\n{log.read_text()[-3000:]}")
+        return next((line for line in log.read_text().splitlines() if "text service on " in line), None)
+
+    await until(logged, "the text server's 'text service on' line", limit_s=60, interval_s=0.1)
+    return int(logged().split("text service on ", 1)[1].split(",", 1)[0].rsplit(":", 1)[1])

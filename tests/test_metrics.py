@@ -26,6 +26,7 @@ from services.client import decode_request
 from services.decode_server import start_decode_server
 from engine.core.errors import InvalidArgument
 from services.metrics import Metrics, start_metrics_server, stop_metrics_server
+from support.waiting import until
 
 FAMILIES = {
     "tokenwire_slots_in_use": "gauge",
@@ -232,11 +233,10 @@ async def test_decode_server_end_to_end(served):
             await call.read()
             call.cancel()
             await stub.GetModelInfo(decode_pb2.GetModelInfoRequest())
-        for _ in range(100):  # the server side of the cancel, and the slot's release, land asynchronously
-            f = scrape(port)
-            if value(f, "tokenwire_requests_total", reason="cancelled") == 1 and value(f, "tokenwire_slots_in_use") == 0:
-                break
-            await asyncio.sleep(0.02)
+        # the server side of the cancel, and the slot's release, land asynchronously
+        await until(lambda: value(f := scrape(port), "tokenwire_requests_total", reason="cancelled") == 1
+                    and value(f, "tokenwire_slots_in_use") == 0, "the cancel counted and the slot free", interval_s=0.02)
+        f = scrape(port)
         # freed by the cancel, not by running its 59 steps: 2 steps for the first request, then
         # 25 (0.5 s) at most for the cancel to land (about 1 when nothing else is running)
         assert model.decode_steps <= 2 + 25, model.decode_steps

@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import socket
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -32,6 +29,10 @@ from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE
 from services.security import ClientTlsConfig, ServerTlsConfig
 from services.server import ServerOptions
 from services.text_server import start_text_server
+from support.decoder_process import start_scripted_decoder
+from support.gated_steps import GatedSteps
+from support.net import free_port
+from support.waiting import LIMIT_S, until
 from tokenizer_svc.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,17 +50,9 @@ async def health(port: int, service: str = "") -> int:
         return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service))).status
 
 
-async def eventually(predicate, timeout_s: float = 10.0, interval_s: float = 0.05) -> None:
-    """Poll an async or sync predicate until true; fail the test on timeout."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(interval_s)
+async def eventually(predicate, what: str = "the condition", limit_s: float = LIMIT_S) -> None:
+    """Poll an async or sync predicate until true (bounded)."""
+    await until(predicate, what, limit_s, interval_s=0.05)
 
 
 async def decode_all(stub, request) -> list[dpb.DecodeEvent]:
@@ -80,12 +73,6 @@ async def status_of(awaitable) -> grpc.StatusCode:
     except grpc.aio.AioRpcError as error:
         return error.code()
     return grpc.StatusCode.OK
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- readiness -------------------------------------------------------------------------------
@@ -157,17 +144,24 @@ async def _is(port: int, status: int) -> bool:
 
 
 async def test_a_stalled_engine_is_not_ready_but_still_live():
-    model = scripted(step_delay_s=1.0)
+    # its first decode step is held until the gate opens: stalled for as long as the test needs
+    # (a slow step raced the health monitor against the step's end)
+    model = GatedSteps(lambda step: step == 1, vocab_size=512, eos_token_ids=frozenset({0, 2}), max_context_length=256)
     server = await start_decode_server(model, stall_timeout_s=0.3, health_interval_s=0.05)
     try:
-        await eventually(lambda: _is(server.port, SERVING))
+        await eventually(lambda: _is(server.port, SERVING), "ready")
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             call = decode_pb2_grpc.DecoderStub(channel).Decode(decode_request([5], max_output_tokens=2))
-            await eventually(lambda: _is(server.port, NOT_SERVING), timeout_s=5)
-            assert await health(server.port) == SERVING  # liveness holds: restarting would not help
-            assert len([e async for r in call for e in r.events]) == 3  # the slow step completes: 2 tokens + Finished
-        await eventually(lambda: _is(server.port, SERVING), timeout_s=5)
+            try:
+                await eventually(lambda: model.entered.is_set(), "the decode step is held")
+                await eventually(lambda: _is(server.port, NOT_SERVING), "not ready while stalled")
+                assert await health(server.port) == SERVING  # liveness holds: restarting would not help
+            finally:
+                model.gate.set()
+            assert len([e async for r in call for e in r.events]) == 3  # the step completes: 2 tokens + Finished
+        await eventually(lambda: _is(server.port, SERVING), "ready again")
     finally:
+        model.gate.set()
         await server.stop(None)
 
 
@@ -307,16 +301,6 @@ async def test_drain_refuses_new_requests_and_finishes_in_flight_ones():
         await decode.stop(None)
 
 
-def start_scripted_decoder(port: int, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "support" / "scripted_decoder.py"), "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-    )
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), f"scripted decoder did not start: {line!r}"
-    return proc
-
-
 async def test_sigterm_drains_and_exits_0():
     port = free_port()
     proc = start_scripted_decoder(port, "--step-delay", "0.02")
@@ -365,7 +349,7 @@ async def test_chaos_kill_the_decoder_mid_stream_then_restart_it():
             assert await status_of(stub.Complete(generate_request("hello", max_output_tokens=2))) == grpc.StatusCode.UNAVAILABLE
             proc.wait(5)
             proc = start_scripted_decoder(port)
-            await eventually(lambda: _text_is(text.port, SERVING), timeout_s=20)
+            await eventually(lambda: _text_is(text.port, SERVING), "the text service follows the restarted decoder", limit_s=20)
             completion = await stub.Complete(generate_request("hello", max_output_tokens=3))
             assert completion.usage.completion_tokens == 3
     finally:

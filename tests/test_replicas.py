@@ -15,9 +15,7 @@ import asyncio
 import json
 import logging
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -29,17 +27,19 @@ from engine.core.scripted_model import ScriptedModel
 from protos.text.v1 import text_pb2_grpc
 from services.client import AsyncTextClient, generate_request
 from services.decode_server import DecodeServer, start_decode_server
-from services.replicas import Address, model_service_name, resolve, service_config
+from services.replicas import Address, channel_options, model_service_name, resolve, service_config
 from services.server import ServerOptions
 from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE
 from services.text_server import TextServer, start_text_server
+from support.decoder_process import start_scripted_decoder
+from support.net import free_port
+from support.waiting import LIMIT_S, until, until_answer
 from tokenizer_svc.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
 AGE_S = 3.0  # the replicas' maximum connection age
 INTERVAL_S = 0.1  # the text service's census and readiness interval
-LIMIT_S = 10.0  # bound on any one wait: far above the work waited for
 # the model of tests/support/scripted_decoder.py, whose vocabulary and EOS ids fit tiny-llama
 MODEL = dict(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_context_length=256)
 
@@ -72,14 +72,41 @@ def target(*addresses: str) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
-async def until(predicate, what: str, limit_s: float = LIMIT_S, interval_s: float = 0.02) -> float:
-    """Poll until `predicate()`; returns the seconds it took; fails the test past `limit_s`."""
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    while not predicate():
-        assert loop.time() - start < limit_s, f"{what}: not reached in {limit_s} s"
-        await asyncio.sleep(interval_s)
-    return loop.time() - start
+class CensusRounds:
+    """Counts the text service's census rounds (its monitor's `_take_census`) and keeps what
+    `look()` gave at the end of each. The round tells the stream pool its news before it ends
+    (`replicas_changed` retires a stream at once), so a replica that a round asked after it went
+    NOT_SERVING has no stream taking requests at that round's end."""
+
+    def __init__(self, text: TextServer, look=lambda: None) -> None:
+        self.seen: list = []
+        take = text._take_census
+
+        async def counted() -> None:
+            try:
+                await take()
+            finally:
+                self.seen.append(look())
+
+        text._take_census = counted  # the monitor looks it up each round
+
+    @property
+    def count(self) -> int:
+        return len(self.seen)
+
+    async def after(self, rounds: int, what: str) -> None:
+        """Wait (bounded) until `rounds` rounds have ended, counted from now."""
+        until_count = self.count + rounds
+        await until(lambda: self.count >= until_count, f"{rounds} census rounds ({what})")
+
+
+async def retired_by_the_next_full_round(text: TextServer, rounds: CensusRounds, name: str) -> None:
+    """Called once `name`'s health says NOT_SERVING: the round under way may have asked it before;
+    the one after it asks it after, and its stream must be gone by that round's end."""
+    began = rounds.count
+    await rounds.after(2, f"{name} asked after it went NOT_SERVING")
+    assert rounds.seen[began + 1] is False, f"{name}'s stream still takes requests after the rounds {rounds.seen[began:]}"
+    assert name not in text.upstream.stream_replicas()
 
 
 async def text_server(tokenizer, decoder_target: str) -> TextServer:
@@ -124,6 +151,11 @@ def test_the_channel_balances_round_robin_over_replicas_healthy_under_the_models
     [method] = config["methodConfig"]
     assert {n["method"] for n in method["name"]} == {"GetModelInfo", "DecodeStream"}
     assert method["retryPolicy"]["retryableStatusCodes"] == ["UNAVAILABLE"]
+    # a restarted replica is reconnected to within 2 s, less than one connection age (AGE_S):
+    # gRPC's default backoff grows to 120 s (the rejoin below waits on this, not on a clock)
+    options = dict(channel_options("tokenwire.decode.v1.Decoder/model:abc"))
+    assert options["grpc.max_reconnect_backoff_ms"] <= 2000 < AGE_S * 1000
+    assert options["grpc.initial_reconnect_backoff_ms"] <= options["grpc.max_reconnect_backoff_ms"]
 
 
 def test_the_models_name_differs_with_the_model_but_not_with_the_batch_size():
@@ -187,6 +219,7 @@ async def test_a_draining_replica_gets_no_new_request_while_the_others_serve(tok
     names = [address(r, h) for r, h in zip(replicas, hosts)]
     draining, name = replicas[2], names[2]
     text = await text_server(tokenizer, target(*names))
+    rounds = CensusRounds(text, lambda: name in text.upstream.stream_replicas())
     try:
         await until(lambda: text.upstream.stream_replicas() == sorted(names), "a stream on every replica")
         async with AsyncTextClient(f"127.0.0.1:{text.port}") as client:
@@ -202,8 +235,9 @@ async def test_a_draining_replica_gets_no_new_request_while_the_others_serve(tok
             # (UNAVAILABLE, nothing sent) and start again elsewhere; no caller sees it
             short = [client.complete(prompt(tokenizer), max_output_tokens=3, ignore_eos=True) for _ in range(15)]
             assert [c.usage.completion_tokens for c in await asyncio.gather(*short)] == [3] * 15
-            took = await until(lambda: name not in text.upstream.stream_replicas(), "its stream retired", limit_s=1.0)
-            assert took < 1.0
+            await until_answer(lambda: health(hosts[2], draining.port, text.model_service),
+                               health_pb2.HealthCheckResponse.NOT_SERVING, "the draining replica's health")
+            await retired_by_the_next_full_round(text, rounds, name)
             before = draining.engine.model.prefills
             others_before = sum(r.engine.model.prefills for r in replicas[:2])
             short = [client.complete(prompt(tokenizer), max_output_tokens=3, ignore_eos=True) for _ in range(30)]
@@ -217,7 +251,7 @@ async def test_a_draining_replica_gets_no_new_request_while_the_others_serve(tok
         await stop_all(text, *replicas)
 
 
-async def test_a_stalled_replica_gets_no_new_request_within_a_second(tokenizer):
+async def test_a_stalled_replica_gets_no_new_request_from_the_next_census_round_on(tokenizer):
     hosts = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
     replicas = [await replica(h, step_delay_s=0.005) for h in hosts[:2]]
     scripted = ScriptedModel(**MODEL, max_batch_size=4, step_delay_s=0.005)
@@ -227,6 +261,7 @@ async def test_a_stalled_replica_gets_no_new_request_within_a_second(tokenizer):
     )
     names = [address(r, h) for r, h in zip([*replicas, stalling], hosts)]
     text = await text_server(tokenizer, target(*names))
+    rounds = CensusRounds(text, lambda: names[2] in text.upstream.stream_replicas())
     try:
         await until(lambda: text.upstream.stream_replicas() == sorted(names), "a stream on every replica")
         async with AsyncTextClient(f"127.0.0.1:{text.port}") as client:
@@ -236,13 +271,11 @@ async def test_a_stalled_replica_gets_no_new_request_within_a_second(tokenizer):
                 for _ in range(3)
             ]
             await until(lambda: stalling.engine.stats().slots_in_use == 1, "a request on the stalling replica")
-            loop = asyncio.get_running_loop()
-            await until_async(
-                lambda: health(hosts[2], stalling.port, DECODER_SERVICE), health_pb2.HealthCheckResponse.NOT_SERVING
+            await until_answer(
+                lambda: health(hosts[2], stalling.port, text.model_service), health_pb2.HealthCheckResponse.NOT_SERVING,
+                "the stalled replica's health",
             )
-            stalled_at = loop.time()
-            await until(lambda: names[2] not in text.upstream.stream_replicas(), "its stream retired")
-            assert loop.time() - stalled_at < 1.0
+            await retired_by_the_next_full_round(text, rounds, names[2])
             before = scripted.prefills
             short = [client.complete(prompt(tokenizer), max_output_tokens=3, ignore_eos=True) for _ in range(20)]
             assert [c.usage.completion_tokens for c in await asyncio.gather(*short)] == [3] * 20
@@ -277,47 +310,33 @@ async def test_text_readiness_is_at_least_one_ready_replica(tokenizer):
     hosts = ["127.0.0.1", "127.0.0.2"]
     replicas = [await replica(h) for h in hosts]
     text = await text_server(tokenizer, target(*(address(r, h) for r, h in zip(replicas, hosts))))
+    first = address(replicas[0], hosts[0])
+    rounds = CensusRounds(text, lambda: {r.address.name: r.state for r in text.census.replicas.values()}.get(first))
     SERVING = health_pb2.HealthCheckResponse.SERVING
     try:
         ready = lambda: health("127.0.0.1", text.port, TEXT_GENERATION_SERVICE)  # noqa: E731
         assert await ready() == SERVING
         await replicas[0].drain(1.0)
-        await asyncio.sleep(3 * INTERVAL_S)  # several rounds of the monitor
+        # the census has found it gone, and the monitor has set readiness after that round (it
+        # does, before the next round begins)
+        await until(lambda: rounds.seen[-1:] == ["not_ready"], "the census found the first replica not ready")
+        await rounds.after(1, "readiness set after the round that found it gone")
         assert await ready() == SERVING  # one is left
         await replicas[1].drain(1.0)
-        await until_async(lambda: ready(), health_pb2.HealthCheckResponse.NOT_SERVING)
+        await until_answer(ready, health_pb2.HealthCheckResponse.NOT_SERVING, "the text service's readiness")
     finally:
         await stop_all(text, *replicas)
-
-
-async def until_async(ask, wanted, limit_s: float = LIMIT_S) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while (got := await ask()) != wanted:
-        assert loop.time() < deadline, f"still {got}, not {wanted}, after {limit_s} s"
-        await asyncio.sleep(0.05)
 
 
 # -- kill and rejoin ---------------------------------------------------------------------------
 
 
-def start_scripted_decoder(host: str, port: int, *args: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable, str(ROOT / "tests" / "support" / "scripted_decoder.py"),
-            "--host", host, "--port", str(port), "--max-connection-age", str(AGE_S), *args,
-        ],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+def start_doomed(host: str, port: int) -> subprocess.Popen:
+    """The replica to kill: a process of its own (2 slots, 20 ms steps), started (bounded) in a
+    thread, since the servers and the text service here share the test's event loop."""
+    return start_scripted_decoder(
+        port, "--max-connection-age", str(AGE_S), "--step-delay", "0.02", "--max-batch-size", "2", host=host
     )
-    line = proc.stdout.readline()
-    assert line.startswith("READY"), f"scripted decoder did not start: {line!r}"
-    return proc
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 async def test_a_killed_replica_fails_only_its_started_streams_and_rejoins_within_the_connection_age(tokenizer):
@@ -327,7 +346,7 @@ async def test_a_killed_replica_fails_only_its_started_streams_and_rejoins_withi
     host = "127.0.0.3"
     port = free_port(host)
     doomed = f"{host}:{port}"
-    proc = start_scripted_decoder(host, port, "--step-delay", "0.02", "--max-batch-size", "2")
+    proc = await asyncio.to_thread(start_doomed, host, port)
     text = None
     try:
         text = await text_server(tokenizer, target(*names, doomed))
@@ -367,11 +386,10 @@ async def test_a_killed_replica_fails_only_its_started_streams_and_rejoins_withi
         await until(lambda: doomed not in text.upstream.stream_replicas(), "its stream is gone")
         proc.wait(5)
 
-        # rejoin: restarted at its address, it is back in rotation within the connection age
-        # (in a thread: the servers and the text service here share this event loop)
-        proc = await asyncio.to_thread(start_scripted_decoder, host, port, "--step-delay", "0.02", "--max-batch-size", "2")
-        took = await until(lambda: doomed in text.upstream.stream_replicas(), "the restarted replica has a stream")
-        assert took < AGE_S
+        # rejoin: restarted at its address, it is back in rotation (gRPC reconnects within its
+        # capped backoff, below a connection age: test_the_channel_balances_... checks the cap)
+        proc = await asyncio.to_thread(start_doomed, host, port)
+        await until(lambda: doomed in text.upstream.stream_replicas(), "the restarted replica has a stream")
         before = on_replica(text, "tokenwire_decoder_requests_total", doomed)
         async with AsyncTextClient(f"127.0.0.1:{text.port}") as client:
             done = await asyncio.gather(*(client.complete(prompt(tokenizer), max_output_tokens=3) for _ in range(9)))

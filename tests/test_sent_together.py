@@ -9,6 +9,7 @@ import contextlib
 import pytest
 
 from services.sent_together import sent_together
+from support.waiting import LIMIT_S, until
 
 
 async def _handlers(log: list[str], names: str, wrap) -> None:
@@ -32,10 +33,11 @@ async def _handlers(log: list[str], names: str, wrap) -> None:
 
     tasks = [asyncio.ensure_future(handler(name)) for name in names]
     await asyncio.sleep(0)  # every handler waits for the first step
-    for step in steps:
+    for n, step in enumerate(steps):
         step.set_result(None)
-        await asyncio.sleep(0.01)
-    assert [await t for t in tasks] == [[f"{name}0", f"{name}1"] for name in names]
+        # the next step only once every handler's response to this one is sent
+        await until(lambda: all(f"sent {name}{n}" in log for name in names), f"step {n}'s responses sent")
+    assert [await asyncio.wait_for(t, LIMIT_S) for t in tasks] == [[f"{name}0", f"{name}1"] for name in names]
 
 
 async def test_every_handler_woken_in_a_turn_makes_its_response_before_any_is_sent():

@@ -12,23 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import grpc
 import pytest
 import pytest_asyncio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.model_store.model_files import eos_token_ids
 from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2_grpc
-from services.service_names import DECODER_SERVICE
 from services.text_server import start_text_server
 from tests.test_jax_stack import (  # noqa: F401  (collected here, against this module's stack)
     reference,
@@ -41,34 +37,14 @@ from tests.test_jax_stack import (  # noqa: F401  (collected here, against this 
     test_stop_token_ids,
     test_streaming_equals_unary_equals_local,
 )
+from tests.support.health import wait_serving
+from tests.support.net import free_port
 from tokenizer_svc.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
 START_S = 300  # loading and compiling every shape under the mesh, on a shared 2-core machine
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def wait_serving(port: int, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_S
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert process.poll() is None, log.read_text()[-3000:]
-            try:
-                reply = await stub.Check(health_pb2.HealthCheckRequest(service=DECODER_SERVICE), timeout=1)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"the decode service was not SERVING within {START_S} s")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -83,7 +59,7 @@ async def stack():
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
     )
     try:
-        await wait_serving(port, process, log)
+        await asyncio.to_thread(wait_serving, port, [process], [log], START_S)
         tokenizer = TextTokenizer.from_dir(TINY)
         text = await start_text_server(tokenizer, f"127.0.0.1:{port}")
         decode_channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

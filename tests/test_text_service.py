@@ -28,6 +28,7 @@ from services.decode_events import event_from_pb, event_to_pb
 from services.errors import status_for
 from services.text_server import ModelMismatch, start_text_server
 from services.text_service import TextGenerationServicer, collect, engine_decode
+from support.waiting import LIMIT_S, steps_until_freed
 from tokenizer_svc.tokenizer import TextTokenizer
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
@@ -84,21 +85,13 @@ def prompt_ending_in(tokenizer: TextTokenizer, last_id: int) -> str:
 # does nothing leaves the request running.
 SLOW_STEP_S = 0.02
 FREED_WITHIN_STEPS = 20
-LIMIT_S = 10.0  # bound on any one wait here: far above the work waited for
 
 
-async def steps_until_freed(engine, model: ScriptedModel, since: int, within: int, limit_s: float = LIMIT_S) -> int:
-    """Wait until the engine and the model hold no slot; the model's decode steps since `since`
-    by then. Fails as soon as more than `within` steps have passed with a slot still held (the
-    request is running on), or after `limit_s` (the engine stopped stepping)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while engine.stats().slots_in_use or model.slots_held:
-        steps = model.decode_steps - since
-        assert steps <= within, f"a slot still held {steps} decode steps on: the decode was not cancelled"
-        assert loop.time() < deadline, f"a slot still held after {limit_s} s ({steps} decode steps on)"
-        await asyncio.sleep(0.005)
-    return model.decode_steps - since
+async def slot_freed(engine, model: ScriptedModel, since: int, at_most: int) -> int:
+    """support.waiting.steps_until_freed on the engine's and the model's slots, in the model's steps."""
+    return await steps_until_freed(
+        lambda: engine.stats().slots_in_use or model.slots_held, lambda: model.decode_steps, since, at_most
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 20])
@@ -202,7 +195,7 @@ async def test_cancelling_generate_cancels_the_decode_and_frees_the_slot(stack, 
     assert decode.engine.stats().slots_in_use == 1
     cancelled_at = model.decode_steps
     call.cancel()
-    await steps_until_freed(decode.engine, model, cancelled_at, FREED_WITHIN_STEPS)
+    await slot_freed(decode.engine, model, cancelled_at, FREED_WITHIN_STEPS)
     assert decode.engine.stats().queue_depth == 0
 
 
@@ -238,12 +231,12 @@ async def test_stop_string_across_token_boundaries(stack, model, tokenizer, incl
     assert (finished.reason, finished.stop_string, finished.usage.completion_tokens) == (STOP, "pionc", 5)
     assert not finished.HasField("stop_token_id")
     # the upstream decode was cancelled: its slot is free within a few steps of the 4th (305's)
-    await steps_until_freed(decode.engine, model, started_at, 4 + FREED_WITHIN_STEPS)
+    await slot_freed(decode.engine, model, started_at, 4 + FREED_WITHIN_STEPS)
     started_at = model.decode_steps
     completion = await gen.Complete(request, timeout=LIMIT_S)
     assert completion.text == "".join(d.text for d in deltas) and completion.stop_string == "pionc"
     assert completion.usage == finished.usage
-    await steps_until_freed(decode.engine, model, started_at, 4 + FREED_WITHIN_STEPS)
+    await slot_freed(decode.engine, model, started_at, 4 + FREED_WITHIN_STEPS)
 
 
 async def test_stop_string_never_matching_holds_nothing_back_at_the_end(stack, tokenizer):
@@ -366,7 +359,7 @@ async def test_generate_over_an_in_process_engine_equals_complete_over_grpc(stac
         started_at = local_model.decode_steps
         completion = await asyncio.wait_for(collect(local.generate(stopped)), LIMIT_S)
         # the stop string's cancel reaches the engine within a few steps
-        await steps_until_freed(engine, local_model, started_at, 4 + FREED_WITHIN_STEPS)
+        await slot_freed(engine, local_model, started_at, 4 + FREED_WITHIN_STEPS)
         assert completion == await gen.Complete(stopped, timeout=LIMIT_S) and completion.stop_string == "pionc"
     finally:
         engine.stop()

@@ -12,7 +12,6 @@ import contextlib
 import functools
 import queue
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import pytest
@@ -26,41 +25,16 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
 from services import decode_stream_client
 from services.decode_server import DecodeServer, start_decode_server
+from support.waiting import LIMIT_S, steps_until_freed, until
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
-# Bound on any one wait: far above the work waited for (the longest here is 600 steps of 1 ms),
-# far below forever. A wait past it fails the test instead of hanging the suite.
-LIMIT_S = 10.0
+# LIMIT_S, the bound on any one wait (support.waiting): far above the work waited for (the
+# longest here is 600 steps of 1 ms), far below forever.
 
 
 async def within(awaitable, limit_s: float = LIMIT_S):
     """Await `awaitable` (a read, a stream's next list, an RPC's status); fails the test past `limit_s`."""
     return await asyncio.wait_for(awaitable, limit_s)
-
-
-async def until(predicate: Callable[[], bool], what: str, limit_s: float = LIMIT_S, interval_s: float = 0.002) -> None:
-    """Poll until `predicate()`; fails the test past `limit_s`."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while not predicate():
-        assert loop.time() < deadline, f"{what}: not reached in {limit_s} s"
-        await asyncio.sleep(interval_s)
-
-
-async def steps_until_freed(
-    stats: Callable[[], object], steps: Callable[[], float], since: float, at_most: float, limit_s: float = LIMIT_S
-) -> float:
-    """Wait until `stats()` shows no slot in use; the engine's decode steps (`steps()`) since
-    `since` by then. Fails as soon as more than `at_most` steps have passed with a slot still held
-    (the request runs on: its cancel did nothing), or after `limit_s` (the engine stopped stepping)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit_s
-    while stats().slots_in_use:
-        taken = steps() - since
-        assert taken <= at_most, f"a slot still held {taken:.0f} decode steps on: the request was not cancelled"
-        assert loop.time() < deadline, f"a slot still held after {limit_s} s ({taken:.0f} decode steps on)"
-        await asyncio.sleep(0.002)
-    return steps() - since
 
 
 def decode_steps(server: DecodeServer) -> float:
@@ -135,7 +109,7 @@ async def test_leaving_a_coalesced_stream_early_frees_the_slot(engine):
     async with contextlib.aclosing(stream):
         assert (await within(anext(stream)))[0] == Token(301)  # (more, when this consumer is behind)
     left_at = engine.model.decode_steps
-    await steps_until_freed(engine.stats, lambda: engine.model.decode_steps, left_at, at_most=3)
+    await steps_until_freed(lambda: engine.stats().slots_in_use, lambda: engine.model.decode_steps, left_at, at_most=3)
     assert engine.model.slots_held == 0
 
 
@@ -312,7 +286,7 @@ async def test_cancelling_the_rpc_frees_every_slot(stream_server):
     await within(call.read())
     cancelled_at = decode_steps(server)
     call.cancel()  # frees both slots within a few steps; a third of their steps is ample
-    await steps_until_freed(server.engine.stats, lambda: decode_steps(server), cancelled_at, at_most=300)
+    await steps_until_freed(lambda: server.engine.stats().slots_in_use, lambda: decode_steps(server), cancelled_at, at_most=300)
     await until(lambda: server.admission.in_flight == 0, "the cancelled requests released their admission")
 
 
@@ -334,7 +308,7 @@ async def test_a_key_in_use_and_a_malformed_action_fail_the_rpc_as_invalid_argum
         assert await within(call.code()) == grpc.StatusCode.INVALID_ARGUMENT
     # the failed RPC aborted its 900-token request (899 decode steps) soon after it began: within
     # a third of its steps, counted from the server's start (each test has its own server)
-    await steps_until_freed(server.engine.stats, lambda: decode_steps(server), 0, at_most=300)
+    await steps_until_freed(lambda: server.engine.stats().slots_in_use, lambda: decode_steps(server), 0, at_most=300)
 
 
 def batch(*actions: decode_pb2.DecodeStreamRequest) -> decode_pb2.DecodeStreamRequest:
@@ -367,7 +341,7 @@ async def test_a_batch_inside_a_batch_fails_the_rpc_as_invalid_argument(stream_s
             await within(call.read())
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "batch.actions" in error.value.details()
     # the failed RPC aborted the request its batch had started (899 decode steps) within a third of them
-    await steps_until_freed(server.engine.stats, lambda: decode_steps(server), 0, at_most=300)
+    await steps_until_freed(lambda: server.engine.stats().slots_in_use, lambda: decode_steps(server), 0, at_most=300)
 
 
 def test_the_text_services_upstream_sends_what_is_queued_together_in_order(monkeypatch):

@@ -4,12 +4,21 @@ short stream. No speed is asserted (the machine is shared and noisy)."""
 from __future__ import annotations
 
 import math
-import time
+import socket
 from pathlib import Path
 
 import pytest
 
 from benchmarks import cpu_use, transport
+from support.waiting import until_sync
+
+
+def listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
@@ -118,16 +127,13 @@ def test_cpu_use_counts_a_process_and_its_children():
     parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, '-c', {spin!r}])"],
                               stdin=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 20
-        while len(cpu_use.process_tree(parent.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until_sync(lambda: len(cpu_use.process_tree(parent.pid)) >= 2, "the child started", limit_s=20, interval_s=0.01)
         tree = cpu_use.process_tree(parent.pid)
         assert tree[0] == parent.pid and len(tree) == 2
         child = tree[1]
         meter = cpu_use.CpuMeter({"child": lambda: [child]})
         meter.start()
-        while cpu_use.process_cpu_s(child) < 0.25 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        until_sync(lambda: cpu_use.process_cpu_s(child) >= 0.25, "the child spun", limit_s=20, interval_s=0.01)
         use = meter.stop()
         assert cpu_use.process_cpu_s(child) >= 0.25
         assert use.seconds["child"] > 0.0 and 0.0 <= use.steal_share <= 1.0
@@ -147,7 +153,7 @@ def test_grpc_floor_streams_every_id_and_prices_both_ends():
     server = ctx.Process(target=grpc_floor._serve, args=(port, 10, 5), daemon=True)
     server.start()
     try:
-        time.sleep(1.0)
+        until_sync(lambda: listening(port), "the bare server listens", interval_s=0.02)
         m = grpc_floor.measure(server.pid, port, 4)
         one = grpc_floor.measure(server.pid, port, 1)  # fewer streams than client processes
     finally:
