@@ -58,6 +58,7 @@ from services.decode_server import DecodeServer, start_decode_server
 from services.text_server import TextServer, start_text_server
 from services.validation import MAX_REQUEST_ID_LENGTH
 from support.examples import examples
+from support.idle import until_nothing_held
 from tokenizer_svc.chat import ChatMessage, ChatTemplateError
 from tokenizer_svc.generation import MAX_STOP_STRING_LENGTH, MAX_STOP_STRINGS
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -724,15 +725,8 @@ async def answers_and_holds_nothing(stack: Stack) -> None:
         prompt="hello", stopping=dpb.StoppingCriteria(max_output_tokens=2, ignore_eos=True)))
     assert completion.reason == LENGTH and completion.usage.completion_tokens == 2
     assert (await stack.tokenizer_rpc.Tokenize(tpb.TokenizeRequest(text="hello"))).token_ids
-    for _ in range(200):  # cancels reach the engine asynchronously
-        stats = stack.decode.engine.stats()
-        held = (stats.slots_in_use, stats.queue_depth, stack.model.slots_held,
-                stack.decode.admission.in_flight, stack.text.admission.in_flight)
-        if held == (0, 0, 0, 0, 0):
-            break
-        await asyncio.sleep(0.01)
-    assert held == (0, 0, 0, 0, 0), "slots, queue, model slots, requests in flight (decoder, text)"
-    assert stats.alive
+    await until_nothing_held(stack.decode, stack.text, stack.model)  # cancels reach the engine asynchronously
+    assert stack.decode.engine.stats().alive
     # Logged by grpc itself, not errors of ours: a request message that does not parse (see
     # test_arbitrary_bytes_as_the_request_message), and a send that lost the race with the client's
     # cancel or deadline ("ExecuteBatchError raised in core", grpc/grpc#32551).
