@@ -1,0 +1,298 @@
+"""`KvPages`: which physical KV pages each sequence's block table names, and which full pages
+are shared as a cached prefix (issue 41, step 1: the allocator alone; the scheduler and the
+model do not use it yet).
+
+The model will keep K and V, per layer, in one pool of `num_pages` pages of `page_size`
+positions. A sequence's position p lives in page `table[p // page_size]` at offset
+`p % page_size`. Page 0 is the null page: it pads block tables (`table`) and is never handed out.
+This class is the bookkeeping alone, pure Python on the engine thread: it hands out and takes
+back page ids, counts references and keeps the prefix index; it never touches a device.
+
+Every page but 0 is in exactly one state:
+  free    held by no block table, caching nothing;
+  used    held by one or more block tables (its refcount is how many);
+  cached  held by none but still keyed in the prefix index: evictable, least recently released
+          first, and only when a page is needed and none is free.
+
+**Prefix caching by sharing.** Once a sequence has written the KV of a full page, `publish` keys
+that page by (its parent: the page before it in the same table, 0 for a first page; its
+`page_size` token ids). A key thus names the whole prefix up to the page's end, exactly: the
+index is a trie of pages, with no hash that could collide. `lookup` walks a prompt's full pages
+from the first and returns the longest chain found; `admit` puts those very pages in the new
+table and counts the references, with no copy. A page whose key is already cached when it is
+published (two sequences computed the same prefix at once) is swapped for the cached one and
+freed, so a prefix is held once.
+
+**What holds, and why sharing is safe.**
+  1. Only full pages are keyed, and a sequence writes only at positions >= what it has written,
+     so a keyed page is never written again; private pages have refcount 1.
+  2. The last prompt page is never shared: a hit covers at most `(len(prompt) - 1) // page_size`
+     pages, so the page holding the prompt's last position is the sequence's own. That position
+     is always computed (its logits sample the first token) and its KV written; writing it into
+     a shared page would change what other tables read. A prompt that is not a whole number of
+     pages loses nothing by this (its last page is partial, never keyed). A prompt that ends on
+     a page boundary and is cached whole recomputes its whole last page (`page_size` positions,
+     not one) into a fresh page; publishing it then finds the cached twin and swaps to it.
+     Copy-on-write of that one page (a device copy, then one position computed) would save up to
+     `page_size - 1` positions of compute per such hit: not worth a model operation now.
+  3. A table that holds a keyed page holds its parent too (hits and publishes go from the first
+     page on, and a swap keeps the parent), so a referenced page never has an unreferenced
+     parent, and every cached page's subtree is cached too.
+  4. Eviction takes leaves first, in LRU order, so a page is never evicted while a child keyed
+     under its id is cached: a key's parent id always names its live parent, and a reused page
+     id can never make a stale child match. Leaves first costs nothing: by 3, a page is released
+     no earlier than its children, and `free` releases a table deepest page first, so a parent
+     is always more recent than its cached children and the least recently released page is a
+     leaf (checked anyway: evicting a parent would corrupt the index, so it raises). The other
+     choice, evicting a parent and dropping its now unreachable children with it, frees pages
+     nobody asked to free.
+
+**Admission and preemption.** `can_admit` and `admit` take a whole prompt at once: its hit is
+attached and pages for the rest are taken then, so a prompt never stalls half-read for want of
+pages. They count free pages plus evictable ones, less the hit's own pages that are evictable
+(attaching them makes them used), and leave `reserve_pages` for running sequences to grow
+into; `grow`, the decode-time path, may use the reserve. When `grow` fails, the scheduler
+preempts `victim()` (the most recently admitted sequence, perhaps the one growing), publishes
+what it has written and frees it (`preempt`): its full pages stay cached, so its recompute
+(prompt plus the tokens produced so far, as a new prompt) is mostly a hit.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+import numpy as np
+
+NULL_PAGE = 0  # pads block tables; also the parent of a sequence's first page in a key
+
+SeqId = Hashable  # the scheduler's name for a sequence (its request ticket)
+_Key = tuple[int, tuple[int, ...]]  # (parent page or NULL_PAGE, the page's token ids)
+
+
+class OutOfPages(Exception):
+    """Not enough free or evictable pages for what was asked; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class PageStats:
+    """Pages now (`total` = used + cached + free, the null page not counted) and prefix-cache
+    counts since start (hit rate = hit_tokens / queried_tokens)."""
+
+    total: int
+    used: int  # held by a block table, shared pages once
+    cached: int  # held by none, kept for a later prefix hit, evictable
+    free: int
+    queried_tokens: int = 0  # prompt tokens looked up by `admit`
+    hit_tokens: int = 0  # of them, found cached
+    evicted: int = 0  # cached pages taken back for another use
+
+
+@dataclass(slots=True)
+class _Sequence:
+    pages: list[int] = field(default_factory=list)  # its block table
+    length: int = 0  # positions its pages are reserved for (len(pages) == ceil(length / page_size))
+    published: int = 0  # its first `published` pages are keyed (cached and shared)
+
+
+class KvPages:
+    def __init__(self, num_pages: int, page_size: int, reserve_pages: int = 0) -> None:
+        """`num_pages` includes the null page, so `num_pages - 1` hold KV. `reserve_pages`: what
+        `can_admit` leaves free by default for running sequences to grow into."""
+        if num_pages < 2 or page_size < 1 or not 0 <= reserve_pages < num_pages - 1:
+            raise ValueError(
+                f"need num_pages >= 2, page_size >= 1 and 0 <= reserve_pages < num_pages - 1; got "
+                f"{num_pages}, {page_size}, {reserve_pages}"
+            )
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.reserve_pages = reserve_pages
+        self._refs = [0] * num_pages  # page -> how many block tables hold it
+        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out 1, 2, 3, ...
+        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refs 0; oldest first
+        self._index: dict[_Key, int] = {}  # key -> page
+        self._key: dict[int, _Key] = {}  # page -> its key (keyed pages only)
+        self._children = [0] * num_pages  # page -> keyed pages whose parent it is
+        self._seqs: dict[SeqId, _Sequence] = {}  # in admission order (victim: the last)
+        self._queried = self._hit = self._evicted = 0
+
+    # -- questions -------------------------------------------------------------------------
+
+    @property
+    def usable_pages(self) -> int:
+        return self.num_pages - 1
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages a sequence of `tokens` positions holds."""
+        return -(-tokens // self.page_size)
+
+    def could_ever_fit(self, prompt_tokens: int, total_tokens: int) -> bool:
+        """Whether a sequence alone in the pool could be admitted with `prompt_tokens` and grow to
+        `total_tokens` (prompt + max output): one that could not must be refused at admission,
+        since no preemption would ever make room for it."""
+        return (
+            self.pages_for(prompt_tokens) + self.reserve_pages <= self.usable_pages
+            and self.pages_for(total_tokens) <= self.usable_pages
+        )
+
+    def lookup(self, prompt_token_ids: Sequence[int]) -> tuple[int, ...]:
+        """The pages holding the longest cached prefix of the prompt, in whole pages, and never
+        its last position's page (module docstring, 2). Changes nothing."""
+        chain: list[int] = []
+        parent, size = NULL_PAGE, self.page_size
+        for i in range((len(prompt_token_ids) - 1) // size):
+            page = self._index.get((parent, tuple(prompt_token_ids[i * size : (i + 1) * size])))
+            if page is None:
+                break
+            chain.append(page)
+            parent = page
+        return tuple(chain)
+
+    def can_admit(self, prompt_token_ids: Sequence[int], reserve_pages: int | None = None) -> bool:
+        """Whether `admit` would succeed with `reserve_pages` (default: the pool's) left over."""
+        return self._admission(prompt_token_ids, reserve_pages)[1]
+
+    def victim(self) -> SeqId | None:
+        """The sequence to preempt when one cannot grow: the most recently admitted (the least
+        work lost, and the oldest requests keep their progress). None when there is none."""
+        return next(reversed(self._seqs), None)
+
+    def pages(self, seq: SeqId) -> tuple[int, ...]:
+        """`seq`'s block table."""
+        return tuple(self._seqs[seq].pages)
+
+    def table(self, seq: SeqId, width: int) -> np.ndarray:
+        """`seq`'s block table as the device reads it: (width,) int32, padded with the null page."""
+        pages = self._seqs[seq].pages
+        if len(pages) > width:
+            raise ValueError(f"{len(pages)} pages do not fit a block table {width} wide")
+        row = np.zeros(width, np.int32)  # (W,)
+        row[: len(pages)] = pages
+        return row
+
+    def tables(self, seqs: Sequence[SeqId], width: int) -> np.ndarray:
+        """The block tables of `seqs`, one row each: (B, width) int32."""
+        return np.stack([self.table(seq, width) for seq in seqs]) if seqs else np.zeros((0, width), np.int32)
+
+    def stats(self) -> PageStats:
+        free, cached = len(self._free), len(self._lru)
+        total = self.usable_pages
+        return PageStats(total, total - free - cached, cached, free, self._queried, self._hit, self._evicted)
+
+    # -- changes ---------------------------------------------------------------------------
+
+    def admit(self, seq: SeqId, prompt_token_ids: Sequence[int], reserve_pages: int | None = None) -> int:
+        """Start `seq` with its prompt: the cached prefix's pages are shared into its table and
+        pages for the rest of the prompt are taken (evicting cached ones if need be). -> the
+        prompt positions already cached (a multiple of page_size, < len(prompt)): prefill starts
+        there. Raises OutOfPages, changing nothing, where `can_admit` says no."""
+        if seq in self._seqs:
+            raise ValueError(f"sequence {seq!r} is already admitted")
+        if not prompt_token_ids:
+            raise ValueError("a prompt has at least one token")
+        hit, fits = self._admission(prompt_token_ids, reserve_pages)
+        if not fits:
+            raise OutOfPages(f"no room for a prompt of {len(prompt_token_ids)} tokens")
+        state = self._seqs[seq] = _Sequence()
+        for page in hit:  # first the shared pages, so that making room below cannot evict them
+            self._hold(page)
+        state.pages.extend(hit)
+        state.published = len(hit)
+        state.length = len(hit) * self.page_size
+        self._grow(state, len(prompt_token_ids))
+        self._queried += len(prompt_token_ids)
+        self._hit += len(hit) * self.page_size
+        return len(hit) * self.page_size
+
+    def grow(self, seq: SeqId, length: int) -> bool:
+        """Reserve pages for `seq`'s positions up to `length` (a prefill chunk's end, a decode
+        step's position + 1), evicting cached pages if need be; the admission reserve may be
+        used. False, changing nothing, when there are not enough: the scheduler then preempts
+        (`victim`, `preempt`). A length within what is reserved is a no-op."""
+        state = self._seqs[seq]
+        if self.pages_for(length) - len(state.pages) > len(self._free) + len(self._lru):
+            return False
+        self._grow(state, length)
+        return True
+
+    def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
+        """Key every full page of `seq` that `token_ids` (its ids from position 0, all of them
+        written to its pages) covers and that is not yet keyed, so later prompts share it. A page
+        whose key another page already has is replaced in `seq`'s table by that page and freed.
+        -> pages newly keyed or replaced."""
+        state = self._seqs[seq]
+        if len(token_ids) > state.length:
+            raise ValueError(f"{len(token_ids)} ids, but {seq!r} holds {state.length} positions")
+        size, done = self.page_size, 0
+        for i in range(state.published, len(token_ids) // size):
+            key = (state.pages[i - 1] if i else NULL_PAGE, tuple(token_ids[i * size : (i + 1) * size]))
+            own, cached = state.pages[i], self._index.get(key)
+            if cached is None:
+                self._index[key], self._key[own] = own, key
+                self._children[key[0]] += 1
+            else:  # computed twice (admitted before the other published it): keep one
+                self._hold(cached)
+                state.pages[i] = cached
+                self._release(own)
+            state.published = i + 1
+            done += 1
+        return done
+
+    def free(self, seq: SeqId) -> None:
+        """`seq` ended (finished, cancelled or preempted): its table goes. Its keyed pages stay
+        cached while another table holds them or until evicted; the others are free at once."""
+        for page in reversed(self._seqs.pop(seq).pages):  # deepest first: parents end more recent
+            self._release(page)
+
+    def preempt(self, seq: SeqId, written_token_ids: Sequence[int]) -> int:
+        """Publish what `seq` has written, then free it: its recompute starts from the cache.
+        `written_token_ids`: its ids whose KV is in its pages (prompt and outputs, not the last
+        sample, whose KV the next step would have written). -> positions that stay cached."""
+        self.publish(seq, written_token_ids)
+        cached = self._seqs[seq].published * self.page_size
+        self.free(seq)
+        return cached
+
+    # -- inside ----------------------------------------------------------------------------
+
+    def _admission(self, prompt_token_ids: Sequence[int], reserve_pages: int | None) -> tuple[tuple[int, ...], bool]:
+        """The prompt's hit, and whether the rest fits (the hit's evictable pages do not count as
+        room: attaching them makes them used)."""
+        reserve = self.reserve_pages if reserve_pages is None else reserve_pages
+        hit = self.lookup(prompt_token_ids)
+        room = len(self._free) + len(self._lru) - sum(1 for page in hit if self._refs[page] == 0)
+        return hit, self.pages_for(len(prompt_token_ids)) - len(hit) + reserve <= room
+
+    def _grow(self, state: _Sequence, length: int) -> None:
+        while len(state.pages) < self.pages_for(length):
+            page = self._take()
+            self._refs[page] = 1
+            state.pages.append(page)
+        state.length = max(state.length, length)
+
+    def _hold(self, page: int) -> None:
+        if self._refs[page] == 0:
+            del self._lru[page]
+        self._refs[page] += 1
+
+    def _release(self, page: int) -> None:
+        self._refs[page] -= 1
+        if self._refs[page] == 0:
+            if page in self._key:
+                self._lru[page] = None
+            else:
+                self._free.append(page)
+
+    def _take(self) -> int:
+        """A page for a table: a free one, else the least recently released cached leaf."""
+        if self._free:
+            return self._free.pop()
+        page, _ = self._lru.popitem(last=False)
+        if self._children[page]:
+            raise RuntimeError(f"page {page}, the least recently released, has cached children")
+        key = self._key.pop(page)
+        del self._index[key]
+        self._children[key[0]] -= 1
+        self._evicted += 1
+        return page
