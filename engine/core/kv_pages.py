@@ -219,7 +219,8 @@ class KvPages:
     def publish(self, seq: SeqId, token_ids: Sequence[int]) -> int:
         """Key every full page of `seq` that `token_ids` (its ids from position 0, all of them
         written to its pages) covers and that is not yet keyed, so later prompts share it. A page
-        whose key another page already has is replaced in `seq`'s table by that page and freed.
+        whose key another page already has is replaced in `seq`'s table by that page and freed
+        (the same KV, held once): `seq`'s device block table must then be refreshed.
         -> pages newly keyed or replaced."""
         state = self._seqs[seq]
         if len(token_ids) > state.length:
