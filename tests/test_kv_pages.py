@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from engine.core.kv_pages import NULL_PAGE, KvPages, OutOfPages, PageStats
+from support.examples import examples
 
 
 def ids(n: int, start: int = 100) -> list[int]:
@@ -390,5 +391,5 @@ class PagesMachine(RuleBasedStateMachine):
         )
 
 
-PagesMachine.TestCase.settings = settings(deadline=None, stateful_step_count=50)
+PagesMachine.TestCase.settings = settings(max_examples=examples(100), deadline=None, stateful_step_count=50)
 TestPagesMachine = PagesMachine.TestCase
