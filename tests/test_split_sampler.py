@@ -11,16 +11,13 @@ devices. Run on the CPU, where the split is off by default, by asking for it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 from engine.core.model import ChunkInput, DecodeInput, SlotSetup
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
+from support import forced_devices
 from support.backend import require_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,14 +97,11 @@ def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alt
     assert step(0) == "full"
 
 
-def test_under_a_mesh_of_two_devices_the_split_step_gives_what_the_one_executable_step_gives():
-    """In a child interpreter with 2 CPU devices (JAX fixes its device count when it starts)."""
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, "-m", "tests.support.split_sampler_mesh"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result["devices"] == 2 and result["compiled_after_warm_up"] == 0
+def test_under_a_mesh_of_two_devices_the_split_step_gives_what_the_one_executable_step_gives(tmp_path_factory):
+    """In the child interpreter with forced CPU devices that tests/test_tensor_parallel.py reads
+    too (JAX fixes its device count when it starts): tiny-llama at tensor parallelism 2."""
+    result = forced_devices.runs(tmp_path_factory)["split-sampler"]
+    assert result["mesh"] == 2 and result["split_sampler"] and result["compiled_after_warm_up"] == 0
     assert result["split"]["ids"] == result["one"]["ids"]
     np.testing.assert_allclose(result["split"]["logprobs"], result["one"]["logprobs"], atol=1e-6)
     assert result["calls"]["greedy"] and result["calls"]["full"]

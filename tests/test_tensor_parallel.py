@@ -5,7 +5,8 @@ compilation after warm-up, the CPU kernels switched off with a reason; and sizes
 refuses, each in one line naming its dimension.
 
 The model runs happen in one child interpreter (tests/support/tp_worker.py) started with 4 CPU
-devices, because JAX fixes its device count when its backend starts and this session's has one.
+devices, because JAX fixes its device count when its backend starts and this session's has one;
+tests/test_split_sampler.py reads the same child's runs (tests/support/forced_devices.py).
 TP=1 runs for tiny-llama only (the engine's own path, CPU kernels on): the goldens are the
 reference for the others, and the single-device path has its own tests.
 """
@@ -13,8 +14,6 @@ reference for the others, and the single-device path has its own tests.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,43 +23,20 @@ import pytest
 from engine.jax_backend.mesh import TensorParallelError, check_sizes
 from engine.model_store.checkpoint import parse_config
 
+from support import forced_devices
+from support.forced_devices import ODD, RUNS, TWO_SLOTS
+
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "tests" / "assets"
-RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (2, 4)}  # and tiny-qwen2 at 2: odd_vocabulary
-TWO_SLOTS = "tiny-llama"  # batch invariance and seeded sampling: one checkpoint (more slots, more compiles)
 PARALLEL = [(name, size) for name, sizes in RUNS.items() for size in sizes if size > 1] + [("tiny-qwen2", 2)]
 LOGIT_ATOL = 1e-4  # as tests/test_transformer_parity.py: goldens are rounded to 1e-5; f32 all-reduce order moves ~1e-6
 LOGPROB_ATOL = 1e-5  # TP against one device, same process
-ODD = 509
-
-
-def odd_vocabulary(folder: Path) -> Path:
-    """tiny-qwen2 with a tokenizer of 509 ids (V' = 509, prime): the head is padded to 510 at N = 2.
-    The golden's greedy ids and top logits are all below 509, so they still hold (its run at N = 2
-    is this one, which saves a model's compiles)."""
-    shutil.copytree(ASSETS / "tiny-qwen2", folder)
-    tokenizer = json.loads((folder / "tokenizer.json").read_text())
-    tokenizer["model"]["vocab"] = {t: i for t, i in tokenizer["model"]["vocab"].items() if i < ODD}
-    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] < ODD]
-    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    return folder
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    specs = [f"{name}:{','.join(map(str, sizes))}:{2 if name == TWO_SLOTS else 1}" for name, sizes in RUNS.items()]
-    specs.append(f"{odd_vocabulary(tmp_path_factory.mktemp('odd') / 'tiny-qwen2-509')}:2")
-    # 4 CPU devices, pinned to the CPU platform (so float32) even on a GPU host: greedy ids equal to
-    # one device's and batch invariance are float32 CPU claims (tests/support/backend.py)
-    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "4", "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.support.tp_worker", *specs], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout)
+    out = forced_devices.runs(tmp_path_factory)  # one child per test run, shared with test_split_sampler
     assert out["devices"] == 4
-    out["tiny-qwen2/2"] = next(v for k, v in out.items() if k.endswith("tiny-qwen2-509/2"))
     return out
 
 

@@ -9,6 +9,10 @@ Per (checkpoint, size): greedy ids and logprobs of the golden prompt through the
 calls (prefill, then decode), with two slots the same request again beside a second one (batch
 invariance) and a seeded sampled run, the prompt's next-token logits, compilations after
 warm-up, and what each device holds of the weights and of the KV cache.
+
+With `--split-sampler`, the two-slot tiny-llama model at size 2 is also compared with the same
+model split (tests/support/split_sampler_mesh.py; key "split-sampler"), in this one child: each
+forced-device child is an interpreter start, a JAX start and a model's compiles.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from engine.core.model import DecodeInput, SlotSetup  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.jax_backend import mesh, transformer  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
+from tests.support import split_sampler_mesh  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 STEPS = 12
@@ -96,14 +101,15 @@ def held(model: JaxModel) -> dict:
 
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
-    for spec in sys.argv[1:]:
+    args = sys.argv[1:]
+    split_sampler = "--split-sampler" in args
+    for spec in (a for a in args if a != "--split-sampler"):
         name, sizes, slots = (spec + ":1").split(":")[:3]
         case = json.loads((ASSETS / name / "golden.json").read_text())["cases"][0]
         prompt = case["prompt_ids"]
         for size in map(int, sizes.split(",")):
-            model = JaxModel.load(
-                ASSETS / name, max_batch_size=int(slots), max_context_length=CONTEXT, max_chunk=16, tensor_parallel=size
-            )
+            options = dict(max_batch_size=int(slots), max_context_length=CONTEXT, max_chunk=16, tensor_parallel=size)
+            model = JaxModel.load(ASSETS / name, **options)
             model.warm_up()
             warm = model.compilations()
             ids, logprobs = greedy(model, 0, prompt, STEPS)
@@ -120,6 +126,10 @@ def main() -> None:
                 "head_shape": list(model._weights.lm_head.shape),
                 **held(model),
             }
+            if split_sampler and name == "tiny-llama" and size == 2 and int(slots) == 2:
+                out["split-sampler"] = split_sampler_mesh.compare(
+                    model, lambda: JaxModel.load(ASSETS / name, **options, split_sampler=True)
+                )
             del model
     print(json.dumps(out))
 

@@ -1,0 +1,58 @@
+"""The model runs on 4 forced CPU devices, done once per test run in one child interpreter
+(tests/support/tp_worker.py), for tests/test_tensor_parallel.py and tests/test_split_sampler.py.
+
+JAX fixes its device count when its backend starts, and the test session's has one device, so
+these runs need a child started with JAX_NUM_CPU_DEVICES; each child is an interpreter start, a
+JAX start and its models' compiles, so both files read the same one (a mesh of 2 is the first 2
+of the 4 devices, as `--tensor-parallel 2` takes them on a bigger host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "tests" / "assets"
+DEVICES = 4
+RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (2, 4)}  # and tiny-qwen2 at 2: odd_vocabulary
+TWO_SLOTS = "tiny-llama"  # batch invariance, seeded sampling, the split sampler: one checkpoint (more slots, more compiles)
+ODD = 509
+
+_done: dict = {}
+
+
+def odd_vocabulary(folder: Path) -> Path:
+    """tiny-qwen2 with a tokenizer of 509 ids (V' = 509, prime): the head is padded to 510 at N = 2.
+    The golden's greedy ids and top logits are all below 509, so they still hold (its run at N = 2
+    is this one, which saves a model's compiles)."""
+    shutil.copytree(ASSETS / "tiny-qwen2", folder)
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    tokenizer["model"]["vocab"] = {t: i for t, i in tokenizer["model"]["vocab"].items() if i < ODD}
+    tokenizer["added_tokens"] = [t for t in tokenizer["added_tokens"] if t["id"] < ODD]
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+def runs(tmp_path_factory) -> dict:
+    """The child's JSON (tp_worker's keys: "NAME/SIZE" per run, "tiny-qwen2/2" the odd
+    vocabulary's, "split-sampler"), run on the first call of the test run."""
+    if not _done:
+        specs = [f"{name}:{','.join(map(str, sizes))}:{2 if name == TWO_SLOTS else 1}" for name, sizes in RUNS.items()]
+        specs.append(f"{odd_vocabulary(tmp_path_factory.mktemp('odd') / 'tiny-qwen2-509')}:2")
+        # pinned to the CPU platform (so float32) even on a GPU host: greedy ids equal to one
+        # device's and batch invariance are float32 CPU claims (tests/support/backend.py)
+        env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu"}
+        done = subprocess.run(
+            [sys.executable, "-m", "tests.support.tp_worker", *specs, "--split-sampler"], cwd=ROOT, env=env,
+            capture_output=True, text=True, timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        out = json.loads(done.stdout)
+        out["tiny-qwen2/2"] = next(v for k, v in out.items() if k.endswith("tiny-qwen2-509/2"))
+        _done.update(out)
+    return _done
