@@ -1,10 +1,14 @@
-"""The `tokenwire` command line, run as a real subprocess against real servers on loopback."""
+"""The `tokenwire` command line, run as a real subprocess against real servers on loopback; the
+flag refusals and --help, which end in the parser, by calling `main` in this process (a real
+process proves their wiring once: test_a_refusal_in_a_real_process_is_one_line_and_exit_2)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +17,11 @@ import pytest
 
 from engine.jax_backend import cpu_kernels
 from engine.core.scripted_model import ScriptedModel
-from services.cli import build_parser
+from services.cli import build_parser, main
 from services.config import env_name
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
+from tokenizer_svc.chat import ChatMessage
 from tokenizer_svc.tokenizer import TextTokenizer
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
@@ -32,6 +37,19 @@ async def tokenwire(*args: str, env: dict | None = None, stdin: bytes | None = N
     )
     out, err = await asyncio.wait_for(proc.communicate(stdin), 120)
     return proc.returncode, out.decode(), err.decode()
+
+
+def in_process(capsys, *argv: str) -> tuple[int, str, str]:
+    """`tokenwire ARGV` through `main` in this process (the environment is this process's):
+    its exit code, whether returned or raised as SystemExit (argparse's refusals and --help),
+    and what it printed."""
+    capsys.readouterr()
+    try:
+        code = main(list(argv))
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 @pytest.fixture
@@ -102,26 +120,39 @@ def model_flag(command: str) -> list[str]:
 
 
 @pytest.mark.parametrize("command, flag, value, message", OUT_OF_RANGE)
-async def test_an_out_of_range_flag_is_refused_naming_it(command, flag, value, message):
-    code, _, err = await tokenwire(command, *model_flag(command), flag, value)
+def test_an_out_of_range_flag_is_refused_naming_it(command, flag, value, message, capsys):
+    code, _, err = in_process(capsys, command, *model_flag(command), flag, value)
     assert code == 2 and f"argument {flag}: {message}" in err, err
-    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("command, flag, value, message", OUT_OF_RANGE[::3])
-async def test_an_out_of_range_variable_is_refused_naming_it(command, flag, value, message):
+def test_an_out_of_range_variable_is_refused_naming_it(command, flag, value, message, capsys, monkeypatch):
     variable = env_name(flag)
-    code, _, err = await tokenwire(command, *model_flag(command), env={variable: value})
+    monkeypatch.setenv(variable, value)
+    code, _, err = in_process(capsys, command, *model_flag(command))
     assert code == 2 and f"{variable}={value!r}: {message}" in err, err
-    assert "Traceback" not in err
 
 
-async def test_a_bad_list_or_choice_in_the_environment_is_a_one_line_error():
-    code, _, err = await tokenwire("generate", "hi", env={"TOKENWIRE_STOP_TOKEN_ID": "3,-1"})
+def test_a_bad_list_or_choice_in_the_environment_is_a_one_line_error(capsys, monkeypatch):
+    with monkeypatch.context() as env:
+        env.setenv("TOKENWIRE_STOP_TOKEN_ID", "3,-1")
+        code, _, err = in_process(capsys, "generate", "hi")
     assert code == 2 and "TOKENWIRE_STOP_TOKEN_ID='3,-1': must be a whole number >= 0, got -1" in err
-    code, _, err = await tokenwire("decode-server", "--model", "m", env={"TOKENWIRE_DTYPE": "float16"})
+    monkeypatch.setenv("TOKENWIRE_DTYPE", "float16")
+    code, _, err = in_process(capsys, "decode-server", "--model", "m")
     assert code == 2 and "TOKENWIRE_DTYPE='float16': choose from float32, bfloat16" in err
-    assert "Traceback" not in err
+
+
+async def test_a_refusal_in_a_real_process_is_one_line_and_exit_2():
+    """The wiring the in-process refusals above rely on: the installed entry point exits 2 with
+    the parser's one-line message and no traceback, for a flag and for a variable."""
+    command, flag, value, message = OUT_OF_RANGE[0]
+    code, _, err = await tokenwire(command, flag, value)
+    assert code == 2 and f"argument {flag}: {message}" in err and "Traceback" not in err, err
+    command, flag, value, message = OUT_OF_RANGE[-1]
+    code, _, err = await tokenwire(command, env={env_name(flag): value})
+    assert code == 2 and f"{env_name(flag)}={value!r}: {message}" in err and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"tokenwire {command}: error: {env_name(flag)}="), err  # after the usage
 
 
 @pytest.mark.parametrize("value, on", [("on", True), ("off", False)])
@@ -155,12 +186,25 @@ async def test_the_log_level_takes_any_case():
     assert code == 1 and "UNAVAILABLE" in err and "Traceback" not in err
 
 
-async def test_chat_streams_replies_and_keeps_history(text_port):
-    code, out, err = await tokenwire(
-        "chat", "--server", f"127.0.0.1:{text_port}", "--max-tokens", "2", stdin=b"hi\nagain\n"
-    )
-    assert code == 0
+async def test_chat_streams_replies_and_keeps_history(text_port, caplog):
+    """The second turn's request carries the first turn and its reply: the decode service (this
+    process's, behind the text service, as the text service in this process) logs each request's prompt length, which is that of the
+    whole chat so far through tiny-llama's template, not of the last message alone."""
+    with caplog.at_level(logging.INFO, logger="tokenwire.requests"):
+        code, out, err = await tokenwire(
+            "chat", "--server", f"127.0.0.1:{text_port}", "--max-tokens", "2", stdin=b"hi\nagain\n"
+        )
+    assert code == 0, err
     assert out.count("assistant> ") == 2
+    tokenizer = TextTokenizer.from_dir(TINY)
+    last = tokenizer.encode_chat([ChatMessage("user", "hi")])[-1]
+    first_reply = tokenizer.decode([last + 1, last + 2])  # the scripted model counts on from the prompt's last id
+    assert f"assistant> {first_reply}\n" in out, out
+    logged = [re.search(r"request_id=(\w+) .* prompt_tokens=(\d+)", r.getMessage()) for r in caplog.records]
+    lengths = list({m[1]: int(m[2]) for m in logged if m}.values())  # per request (both services log it)
+    turns = [ChatMessage("user", "hi"), ChatMessage("assistant", first_reply), ChatMessage("user", "again")]
+    assert lengths == [len(tokenizer.encode_chat(turns[:1])), len(tokenizer.encode_chat(turns))], (lengths, out)
+    assert lengths[1] != len(tokenizer.encode_chat(turns[2:]))  # history dropped would be this
 
 
 async def test_unreachable_server_is_a_clear_error():
@@ -168,13 +212,13 @@ async def test_unreachable_server_is_a_clear_error():
     assert code == 1 and "UNAVAILABLE" in err
 
 
-def test_every_command_has_help():
+def test_every_command_has_help(capsys):
     parser = build_parser()
     commands = parser._subparsers._group_actions[0].choices
     assert set(commands) >= {"decode-server", "text-server", "generate", "chat", "pull"}
     for name in commands:
-        result = subprocess.run([sys.executable, "-m", "services.cli", name, "--help"], cwd=ROOT, capture_output=True, text=True)
-        assert result.returncode == 0 and "usage: tokenwire " + name in result.stdout
+        code, out, _ = in_process(capsys, name, "--help")
+        assert code == 0 and "usage: tokenwire " + name in out
 
 
 def test_readme_documents_every_flag_as_the_parser_has_it():
@@ -226,6 +270,6 @@ def test_commands_that_run_the_model_say_how_to_get_jax_when_it_is_missing(argv)
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-async def test_step_ms_is_refused_without_the_scripted_model():
-    code, _, err = await tokenwire("decode-server", "--model", str(TINY), "--step-ms", "2", "--port", "0")
+def test_step_ms_is_refused_without_the_scripted_model(capsys):
+    code, _, err = in_process(capsys, "decode-server", "--model", str(TINY), "--step-ms", "2", "--port", "0")
     assert code == 2 and "--step-ms" in err and "scripted:DIR" in err and "Traceback" not in err
