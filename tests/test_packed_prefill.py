@@ -180,19 +180,17 @@ class CountingPacked(JaxModel):
 
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
-def models(request) -> tuple[JaxModel, CountingPacked]:
-    """The same checkpoint twice, 4 slots, context 64, float32 on the CPU (equal ids are a claim
-    about one backend's arithmetic), warmed up."""
+def model(request) -> CountingPacked:
+    """The checkpoint with 4 slots, context 64, float32 on the CPU (equal ids are a claim about one
+    backend's arithmetic), warmed up: one model per checkpoint, whose one-call-a-prompt and packed
+    runs go one after the other (each test frees its slots and restores what it changes)."""
     require_cpu()
-    pair = tuple(cls.load(ASSETS / request.param, max_batch_size=4, max_context_length=64, dtype="float32")
-                 for cls in (JaxModel, CountingPacked))
-    for model in pair:
-        model.warm_up()
-    return pair
+    model = CountingPacked.load(ASSETS / request.param, max_batch_size=4, max_context_length=64, dtype="float32")
+    model.warm_up()
+    return model
 
 
-def test_a_packed_prefill_samples_and_writes_what_one_call_a_prompt_does(models):
-    one_by_one, packed = models
+def test_a_packed_prefill_samples_and_writes_what_one_call_a_prompt_does(model):
     prompts = [(5, 6, 7), (9,), tuple(range(11, 28)), (3, 4)]  # 23 tokens: the 32 bucket, 9 of padding
     slots = [2, 0, 3, 1]
     setups = [
@@ -202,28 +200,37 @@ def test_a_packed_prefill_samples_and_writes_what_one_call_a_prompt_does(models)
         SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset(range(0, 500, 2))),  # even ids masked
     ]
     masked = [False, False, False, True]
+
+    def steps() -> list[list[int]]:
+        """Five decode steps of every slot (the same KV in every slot: the same ids after)."""
+        return [
+            [x.token_id for x in model.decode([DecodeInput(s, None, len(p) + step, False) for s, p in zip(slots, prompts)])]
+            for step in range(5)
+        ]
+
+    def release() -> None:
+        for s in slots:
+            model.release(s)
+
     try:
-        want = [one_by_one.prefill(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)]
+        want = [model.prefill(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)]
+        want_steps = steps()
+        release()
         with compile_events() as compiled:
-            got = packed.prefill_packed([PromptInput(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)])
-            steps = []
-            for step in range(5):
-                inputs = [DecodeInput(s, None, len(p) + step, False) for s, p in zip(slots, prompts)]
-                steps.append(([x.token_id for x in one_by_one.decode(inputs)], [x.token_id for x in packed.decode(inputs)]))
+            got = model.prefill_packed([PromptInput(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)])
+            got_steps = steps()
         assert compiled == []
         assert [x.token_id for x in got] == [x.token_id for x in want]
         assert [x.logprob for x in got] == pytest.approx([x.logprob for x in want], abs=1e-4)
         assert len(got[0].top_logprobs) == 3 and [i for i, _ in got[0].top_logprobs] == [i for i, _ in want[0].top_logprobs]
         assert got[3].token_id % 2 == 1  # the mask held
-        assert all(a == b for a, b in steps)  # the same KV in every slot: the steps after agree
+        assert got_steps == want_steps  # the same KV in every slot: the steps after agree
     finally:
-        for model in models:
-            for s in slots:
-                model.release(s)
+        release()
 
 
-def test_a_packed_prefill_refuses_a_slot_in_use_and_too_many_tokens(models):
-    _, packed = models
+def test_a_packed_prefill_refuses_a_slot_in_use_and_too_many_tokens(model):
+    packed = model
     with pytest.raises(ModelUsageError, match="tokens in one packed prefill"):
         packed.prefill_packed([PromptInput(0, (1,) * 40, GREEDY, False), PromptInput(1, (1,) * 30, GREEDY, False)])
     packed.prefill(0, (1, 2), GREEDY, False)
@@ -235,16 +242,15 @@ def test_a_packed_prefill_refuses_a_slot_in_use_and_too_many_tokens(models):
         packed.release(1)
 
 
-def test_a_burst_through_the_engine_gives_the_same_ids_packed_and_not(models):
+def test_a_burst_through_the_engine_gives_the_same_ids_packed_and_not(model):
     """The first request's first token is delivered; from that delivery (on the engine thread)
     three more arrive together, and the next iteration reads their prompts: one packed call,
     or one call each with packing off."""
-    one_by_one, packed = models
-    limit = packed.packed_prefill_tokens
+    limit = model.packed_prefill_tokens
     assert limit > 0
-    packed.packed_calls = []
-    results = []
-    for model, packing in ((one_by_one, 0), (packed, limit)):
+    results, calls = [], []
+    for packing in (0, limit):
+        model.packed_calls = []
         model.packed_prefill_tokens = packing
         engine = Engine(model, EngineConfig(max_step_tokens=0))
         sinks = [Recorder() for _ in range(4)]
@@ -267,5 +273,6 @@ def test_a_burst_through_the_engine_gives_the_same_ids_packed_and_not(models):
             model.packed_prefill_tokens = limit
         assert all(isinstance(s.batches[-1][-1], Finished) for s in sinks)
         results.append([s.tokens for s in sinks])
-    assert packed.packed_calls == [3]
+        calls.append(model.packed_calls)
+    assert calls == [[], [3]]  # packing off: no packed call; on: the three together
     assert results[0] == results[1] and all(len(t) == 6 for t in results[0])
