@@ -20,7 +20,6 @@ import asyncio
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -39,6 +38,7 @@ from services.cli import build_parser
 from services.config import env_name
 from services.health_probe import health_check
 from support import kernel_cache
+from support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
@@ -323,12 +323,6 @@ async def test_health_probe_exit_codes():
 
 
 # -- (b) the services as compose starts them ------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def localize(

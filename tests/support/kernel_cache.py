@@ -3,7 +3,7 @@
 A `decode-server` started with `--cache DIR` (TOKENWIRE_CACHE) looks for the kernels in
 DIR/kernels and, finding none, compiles them: a minute of g++ per test on a shared 2-core host,
 for tests that are not about building. `seed(DIR)` puts the library this session found or built
-(engine.jax_backend.cpu_kernels.status with the default options, the same one in-process models
+(engine.jax_backend.cpu_kernels.status with the default options, the one in-process models
 load) into DIR/kernels with its sha256 record, as a build would have left it, so the server finds
 it "cached" and checks it as it would any cached library. The tests about building, finding and
 trusting the library are in tests/test_cpu_kernels.py and build into their own directories.
@@ -14,17 +14,15 @@ machine (the CPU, a prebuilt library, a compiler) without asking a server or the
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 from pathlib import Path
 
 
-@functools.cache
 def _status():
     from engine.jax_backend import cpu_kernels
 
-    return cpu_kernels.status(cpu_kernels.BuildOptions())
+    return cpu_kernels.status()  # memoised there: the call support.prerequisites and JaxModel's default load make
 
 
 def expected_state() -> str:
