@@ -22,7 +22,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-PACKED_TOKENS = 256  # most prompt tokens in one packed prefill (Model.prefill_packed)
+# Most prompt tokens, all prompts together, in one packed prefill (Model.prefill_packed): the
+# largest prompt bucket up to this. A burst of short prompts is then about one call instead of one
+# each, which on a GPU took a large share of a burst's first window (docs/notes/code-comment-figures.md).
+PACKED_TOKENS = 256
 
 # XLA:CPU hands matmuls with more than one row, batched attention products and reductions to
 # YNNPACK by default; its own emitters and Eigen were faster for the decode shapes measured here

@@ -357,9 +357,9 @@ class JaxModel:
 
     def _put(self, tree):
         """Per-step host inputs for the step: as they are on one device (the jitted call copies
-        numpy arrays itself, ~0.3 ms a step less host work than a device_put first, measured at
-        batch 1 on the CPU, where that work takes cores from the step), onto every device of the
-        mesh, replicated, under tensor parallelism."""
+        numpy arrays itself, less host work than a device_put first, and on the CPU that work takes
+        cores from the step; docs/notes/code-comment-figures.md), onto every device of the mesh,
+        replicated, under tensor parallelism."""
         return tree if self.plan is None else self.plan.put(tree)
 
     def _through(self, layer_call, x: jax.Array, *args, layers: int | None = None) -> jax.Array:
