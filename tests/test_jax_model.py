@@ -13,9 +13,10 @@ skips, saying why, on another backend (tests/support/backend.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import inspect
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -112,6 +113,19 @@ def _company(k: int, busy_slots: list[int]) -> list[Plan]:
         dict(prompt=_prompt(3, 9), n_tokens=5, masked_ids=frozenset({1, 2, 3}), start=1, idle=2),
     ]
     return [Plan(slot=s, **kind) for s, kind in zip(busy_slots, kinds[:k])]
+
+
+def test_a_compiler_option_xla_rejects_is_logged_and_dropped(monkeypatch, caplog):
+    """The backend profile probes its XLA:CPU option once; a jaxlib that rejects it compiles with
+    its defaults and says so at WARNING, with XLA's own message."""
+    served = backend_profile.profile().compiler_options  # (probed before the option is swapped)
+    monkeypatch.setattr(backend_profile, "CPU_COMPILER_OPTIONS", {"xla_tokenwire_no_such_flag": "1"})
+    fresh = dataclasses.replace(backend_profile.CPU)  # (the process's profile keeps its probe)
+    with caplog.at_level("WARNING", logger="engine.jax_backend.backend_profile"):
+        assert fresh.compiler_options is None
+    [record] = [r for r in caplog.records if "rejected the compiler options" in r.getMessage()]
+    assert record.levelname == "WARNING" and "xla_tokenwire_no_such_flag" in record.getMessage()
+    assert backend_profile.profile().compiler_options is served == {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def test_buckets_are_powers_of_two_then_the_context():
@@ -309,6 +323,7 @@ def test_padding_ids_past_the_tokenizer_are_never_sampled(tmp_path):
     case = json.loads((ASSETS / "tiny-qwen3" / "golden.json").read_text())["cases"][0]
     prompt, first = tuple(case["prompt_ids"]), case["greedy_ids"][0]
     assert case["first_logits"][first] > 0  # so the padding row 50x its head row would win argmax
+    # min_bucket 32: one prompt shape to compile; the claim is about the head, whatever the chunks
     model = JaxModel.load(_padded_qwen3(tmp_path), max_batch_size=2, max_context_length=32, min_bucket=32)
     assert model.info.vocab_size == PADDED and model._weights.lm_head.shape[1] == 512  # the tokenizer's ids
     model.warm_up()
@@ -409,6 +424,7 @@ def test_the_decode_step_lowered_for_the_gpu_waits_on_the_host_for_nothing():
     sampling), lowered for CUDA from here: no conditional and no while loop for XLA:GPU to read a
     predicate of on the host. (On the CPU, sampling keeps its lax.conds: the predicate is in host
     memory there, so they cost no sync and skip work; engine.jax_backend.sampling.)"""
+    # kernels off: a GPU's layers are plain JAX (the CPU kernels' custom calls do not lower for CUDA)
     model = JaxModel.load(LLAMA, max_batch_size=4, max_context_length=32, kernels=False, dtype="float32")
     step = jax.jit(
         functools.partial(steps.decode_step, kernels=False, ragged=True), static_argnames=("cfg", "attend")
