@@ -46,7 +46,9 @@ from engine.jax_backend import cpu_kernels, host_memory, loading, mesh, packed_p
 from engine.jax_backend.backend_profile import PACKED_TOKENS, profile
 from engine.jax_backend.loading import auto_weights, int8_layout
 from engine.jax_backend.prefix_pool import PREFIX_BLOCK, DevicePrefixPool
-from engine.jax_backend.shapes import MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk
+from engine.jax_backend.shapes import (
+    MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk,
+)
 from engine.jax_backend.slot_table import SlotTable, require
 from engine.jax_backend.slot_sampling import TEMPERATURE, TOP_N, SlotSamplingState, chunk_arrays
 from engine.jax_backend.steps import Pending, Steps, fetch
@@ -257,7 +259,6 @@ class JaxModel:
         ends = self._steps.packed_ends(x, packed_prefill.ends(lengths, b))
         token, logprob, top = self._sample(self._steps.packed_sample, ends, *packed_prefill.sample_rows(prompts, rows, b))
         return [Sample(int(token[i]), float(logprob[i]), top[i]) for i in range(m)]
-
 
     def _take(self, slot: int, setup: SlotSetup) -> None:
         """A free slot starts a request: its sampling parameters and masked ids."""
