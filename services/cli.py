@@ -453,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                  "(0 = what the device offers: on a GPU JAX's bytes_limit, i.e. its memory x XLA_PYTHON_CLIENT_MEM_FRACTION; "
                  "on a CPU the host's available memory)", type=non_negative, default=SERVED.memory_limit_bytes or 0)
         add_flag(p, "--max-prefill-chunk", help="largest prompt piece one prefill call runs; its shapes, the powers of two "
-                 "up to it from the smallest chunk (16, or the --max-step-tokens budget's power of two below that: 8 on "
-                 "the CPU by default), are compiled at warm-up", type=positive, default=SERVED.max_prefill_chunk)
+                 "from the smallest chunk (16, or less for a --max-step-tokens below 16: 8 on the CPU by default) up to it, "
+                 "are compiled at warm-up", type=positive, default=SERVED.max_prefill_chunk)
         add_flag(p, "--compilation-cache", help="keep warm-up's compiled executables in the cache directory (--cache, "
                  "under xla/; it must be private to this user), so a restart loads them instead of compiling again",
                  choices=["on", "off"], default=on_off(SERVED.compilation_cache))
