@@ -21,6 +21,7 @@ engine did. Slots are released and prefilled again before a run would pass 500 p
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import resource
 import statistics
@@ -39,8 +40,15 @@ def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_
     from benchmarks.decode import Slots
     from engine.jax_backend.jax_model import JaxModel
 
-    extra = {} if weights == "float32" else {"weights": weights}  # a checkout from before int8 knows no weights=
-    model = JaxModel.load(model_dir, max_batch_size=max_batch, max_context_length=context, **extra)
+    # Both checkouts load one configuration, stated here: JaxModel.load's defaults are decode-server's
+    # since issue 47 (weights auto, a prefix cache, the served smallest chunk), and were float32, no
+    # prefix cache and chunks from 16 before. A checkout from before int8 knows no weights=.
+    params = inspect.signature(JaxModel.load).parameters.values()
+    knows_weights = any(p.name == "weights" or p.kind is p.VAR_KEYWORD for p in params)
+    extra = {"weights": weights} if knows_weights or weights != "float32" else {}
+    model = JaxModel.load(
+        model_dir, max_batch_size=max_batch, max_context_length=context, min_bucket=16, prefix_cache_tokens=0, **extra
+    )
     slots = Slots(model, max_batch, prompt_len)
     print("ready", flush=True)
     for line in sys.stdin:

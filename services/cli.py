@@ -21,6 +21,7 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.core.model_options import SERVED
 from engine.model_store.registry import DEFAULT_MODEL
 from services.config import (
     ApiServerConfig,
@@ -31,6 +32,7 @@ from services.config import (
     add_flag,
     cache_dir,
     milliseconds,
+    model_options,
     non_negative,
     port_number,
     positive,
@@ -50,6 +52,11 @@ def _model_dir(name_or_dir: str, cache: Path | None):
     return resolve_model(name_or_dir, cache, log=lambda line: print(line, file=sys.stderr))
 
 
+def on_off(value: bool) -> str:
+    """A boolean default as its on/off flag's choice."""
+    return "on" if value else "off"
+
+
 def _require_jax(what: str) -> None:
     """JAX comes with the `cpu`, `cuda12` or `cuda13` extra (or a GPU image's own); the text-side
     install (`tokenwire[text]`) has none.
@@ -66,7 +73,6 @@ def _require_jax(what: str) -> None:
 def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: ProcessGroup | None = None):
     """The model, split over `options.tensor_parallel` devices; in a process group, process 0's
     wrapped to publish its steps and the others' to follow them (engine.jax_backend.multihost)."""
-    from engine.jax_backend.cpu_kernels import BuildOptions
     from engine.jax_backend.jax_model import JaxModel
 
     if options.compilation_cache:  # before anything compiles
@@ -79,22 +85,7 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
 
         joined = multihost.Group(group.coordinator, group.num_processes, group.process_id, group.timeout_s)
         multihost.initialize(joined, options.tensor_parallel // group.num_processes)
-    model = JaxModel.load(
-        model_dir,
-        max_batch_size=max_batch_size,
-        max_context_length=options.max_context_length,
-        max_chunk=options.max_prefill_chunk,
-        min_bucket=None,  # as the budget needs (jax_model.smallest_chunk), once the backend has its devices
-        fused_chunk_tokens=options.max_step_tokens,  # None: the model's default budget; 0: no budget, nothing to fuse
-        prefix_cache_tokens=options.prefix_cache_tokens,
-        dtype=options.dtype,
-        kernels=options.cpu_kernels,
-        kernel_build=BuildOptions(options.cache_dir, options.compiler),
-        tensor_parallel=options.tensor_parallel,
-        weights=options.weights,
-        cpu_threads=options.cpu_threads,
-        memory_limit_bytes=options.memory_limit_bytes,
-    )
+    model = JaxModel.load(model_dir, options, max_batch_size=max_batch_size)
     if group is None:
         return model
     return multihost.Leader(model) if joined.leads else multihost.Follower(model, joined)
@@ -301,7 +292,7 @@ async def _generator(a: argparse.Namespace):
     from tokenizer_svc.tokenizer import TextTokenizer
 
     model_dir = _model_dir(a.model, cache_dir(a))
-    model = _load_model(model_dir, 1, ModelOptions.from_args(a))
+    model = _load_model(model_dir, 1, model_options(a))
     tokenizer = TextTokenizer.from_dir(model_dir)
     check_tokenizer_matches(tokenizer, model.info)
     model.warm_up()
@@ -440,12 +431,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, f"--{prefix}tls-key", help="PEM private key of the client certificate", default=None)
 
     def engine_flags(p):
-        add_flag(p, "--max-context-length", help="tokens per request (prompt + output), at most the model's max_position_embeddings; default min(that, 2048)", type=positive, default=None)
-        add_flag(p, "--dtype", help="weights/compute dtype; default float32 on CPU, bfloat16 on GPU", choices=["float32", "bfloat16"], default=None)
+        add_flag(p, "--max-context-length", help="tokens per request (prompt + output), at most the model's max_position_embeddings; default min(that, 2048)", type=positive, default=SERVED.max_context_length)
+        add_flag(p, "--dtype", help="weights/compute dtype; default float32 on CPU, bfloat16 on GPU", choices=["float32", "bfloat16"], default=SERVED.dtype)
         add_flag(
             p, "--cpu-kernels", help="C++ decode kernels on CPU with float32: prebuilt in the package (images), else built "
             "with g++ into the cache and verified (off: plain JAX, and no second, panel-packed copy of the projection weights)",
-            choices=["on", "off"], default="on",
+            choices=["on", "off"], default=on_off(SERVED.cpu_kernels),
         )
         add_flag(p, "--weights", help="auto (the default): int8 on the CPU with its kernels for a model that brings its GGUF "
                  "(the pulled default model), float32 elsewhere (an accelerator, no kernels, tensor parallelism, another "
@@ -454,26 +445,27 @@ def build_parser() -> argparse.ArgumentParser:
                  "CPU kernels only, one device; a model pulled from a GGUF is read from its own blocks, never as float32: "
                  "Q8_0, Q5_0 and Q5_1 in 8 bits, Q4_0 and Q4_1 in 4 bits, with block offsets where the type has them "
                  "(the file's values, as float32 serves them); other types requantized to 8 bits",
-                 choices=["auto", "float32", "int8"], default="auto")
+                 choices=["auto", "float32", "int8"], default=SERVED.weights)
         add_flag(p, "--cpu-threads", help="threads per CPU kernel call, weight product or attention (0 = the CPUs this process may use: "
-                 "affinity and cgroup quota)", type=non_negative, default=0)
+                 "affinity and cgroup quota)", type=non_negative, default=SERVED.cpu_threads or 0)
         add_flag(p, "--memory-limit-bytes", help="the memory check at load: weights + KV cache + prefix pool + the largest "
                  "temporaries must fit in this many bytes per device, or the start fails in one line naming the numbers "
                  "(0 = what the device offers: on a GPU JAX's bytes_limit, i.e. its memory x XLA_PYTHON_CLIENT_MEM_FRACTION; "
-                 "on a CPU the host's available memory)", type=non_negative, default=0)
+                 "on a CPU the host's available memory)", type=non_negative, default=SERVED.memory_limit_bytes or 0)
         add_flag(p, "--max-prefill-chunk", help="largest prompt piece one prefill call runs; its shapes, the powers of two "
-                 "from 16 up to it, are compiled at warm-up", type=positive, default=512)
+                 "from the smallest chunk (16, or less for a --max-step-tokens below 16: 8 on the CPU by default) up to it, "
+                 "are compiled at warm-up", type=positive, default=SERVED.max_prefill_chunk)
         add_flag(p, "--compilation-cache", help="keep warm-up's compiled executables in the cache directory (--cache, "
                  "under xla/; it must be private to this user), so a restart loads them instead of compiling again",
-                 choices=["on", "off"], default="on")
+                 choices=["on", "off"], default=on_off(SERVED.compilation_cache))
         add_flag(p, "--tensor-parallel", help="devices one model is split over (a JAX mesh: weights split by heads, ffn and "
                  "vocabulary, the KV cache by kv heads; each device holds about 1/N); must divide the model's heads, kv heads "
                  "(or be a multiple of them), intermediate size and vocabulary. With --num-processes, every process's devices "
-                 "together. On a CPU host it asks JAX for N CPU devices (to try it; not faster)", type=positive, default=1)
+                 "together. On a CPU host it asks JAX for N CPU devices (to try it; not faster)", type=positive, default=SERVED.tensor_parallel)
         add_flag(p, "--prefix-cache-tokens", help="prompt positions whose KV is kept, in blocks of 16, so that a prompt "
                  "starting like an earlier one (a system prompt, earlier chat turns) skips computing that start; least "
                  "recently used blocks go first; each position takes as much memory as one in the KV cache (0: off)",
-                 type=non_negative, default=4096)
+                 type=non_negative, default=SERVED.prefix_cache_tokens)
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
     model_flags(p, scripted=True)
@@ -490,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
              "call once less than two budgets are left (a short prompt is one call, not a chunk and a call); when more requests "
              "wait for their first token than decode (nothing decoding, or a burst of arrivals) the waiting prompts are read "
              "whole (0: always whole, which stalls every stream for its length; default: 8 on CPU, "
-             "512 on an accelerator; below 16 the smallest prompt chunk shape follows it, so its chunks are not padded to 16)", type=non_negative, default=None)
+             "512 on an accelerator; below 16 the smallest prompt chunk shape follows it, so its chunks are not padded to 16)", type=non_negative, default=SERVED.max_step_tokens)
     add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model (jax.distributed; "
              "process 0 listens there, serves gRPC and schedules; the others follow its steps and serve health only)", default=None)
     add_flag(p, "--num-processes", help="processes in the group (with --coordinator)", type=positive, default=None)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.engine import EngineConfig
+from engine.core.model_options import ModelOptions
 from services.security import ClientTlsConfig, ServerTlsConfig, check_server_auth, read_token_file
 from services.server import ServerOptions
 
@@ -122,31 +123,23 @@ def cache_dir(a: argparse.Namespace) -> Path | None:
     return Path(a.cache).expanduser() if a.cache else None
 
 
-@dataclass(frozen=True)
-class ModelOptions:
-    """How the engine loads a model; the same for decode-server and `generate --local`."""
-
-    max_context_length: int | None  # None: min(the model's, 2048)
-    dtype: str | None  # None: float32 on CPU, bfloat16 on GPU
-    cpu_kernels: bool  # the C++ decode kernels where they apply (CPU, float32)
-    cache_dir: Path | None  # models and the built kernels; None: ~/.cache/tokenwire
-    compiler: str | None  # the C++ compiler for the kernels: $CXX, the usual variable; None: g++ or clang++
-    max_prefill_chunk: int = 512  # the largest prompt piece one prefill call runs
-    prefix_cache_tokens: int = 0  # prompt positions whose KV is kept for prefix caching; 0: none
-    tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)
-    compilation_cache: bool = False  # JAX's persistent compilation cache in <cache>/xla
-    weights: str = "auto"  # "int8": weight-only int8 on the CPU kernels; "auto": jax_model.auto_weights
-    cpu_threads: int | None = None  # threads per CPU kernel call (weight product or attention); None: the CPUs the process may use
-    memory_limit_bytes: int | None = None  # the memory check's limit per device; None: what the device reports
-    max_step_tokens: int | None = None  # the scheduler's prompt budget per step: below 16, the smallest chunk shape follows it
-
-    @staticmethod
-    def from_args(a: argparse.Namespace) -> "ModelOptions":
-        return ModelOptions(
-            a.max_context_length, a.dtype, a.cpu_kernels == "on", cache_dir(a), os.environ.get("CXX") or None,
-            a.max_prefill_chunk, a.prefix_cache_tokens, a.tensor_parallel, a.compilation_cache == "on",
-            a.weights, a.cpu_threads or None, a.memory_limit_bytes or None, getattr(a, "max_step_tokens", None),
-        )
+def model_options(a: argparse.Namespace) -> ModelOptions:
+    """How the engine loads the model, from the model flags (whose defaults are SERVED's)."""
+    return ModelOptions(
+        max_context_length=a.max_context_length,
+        dtype=a.dtype,
+        cpu_kernels=a.cpu_kernels == "on",
+        cache_dir=cache_dir(a),
+        compiler=os.environ.get("CXX") or None,
+        max_prefill_chunk=a.max_prefill_chunk,
+        prefix_cache_tokens=a.prefix_cache_tokens,
+        tensor_parallel=a.tensor_parallel,
+        compilation_cache=a.compilation_cache == "on",
+        weights=a.weights,
+        cpu_threads=a.cpu_threads or None,
+        memory_limit_bytes=a.memory_limit_bytes or None,
+        max_step_tokens=getattr(a, "max_step_tokens", None),  # (generate --local has no such flag)
+    )
 
 
 @dataclass(frozen=True)
@@ -200,7 +193,7 @@ class DecodeServerConfig:
             server=dataclasses.replace(server_options(a), max_connection_age_s=a.max_connection_age),
             engine=EngineConfig(max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens),
             max_batch_size=a.max_batch_size,
-            model_options=ModelOptions.from_args(a),
+            model_options=model_options(a),
             stall_timeout_s=a.stall_timeout,
             grace_period_s=a.grace_period,
             metrics_port=a.metrics_port,

@@ -335,7 +335,7 @@ def test_auto_serves_int8_for_a_model_that_brings_its_gguf_and_float32_elsewhere
     a GGUF (tiny-llama: safetensors only). The log says which and why."""
     model_dir, _ = _gguf_dir(tmp_path, {name: T.Q8_0 for name in ALL_MATRICES})
     kw = dict(max_batch_size=1, max_context_length=32, weights="auto")
-    with caplog.at_level("INFO", logger="engine.jax_backend.jax_model"):
+    with caplog.at_level("INFO", logger="engine.jax_backend.loading"):
         assert JaxModel.load(model_dir, **kw).int8
         assert not JaxModel.load(model_dir, kernels=False, **kw).int8
         assert not JaxModel.load(ASSETS / "tiny-llama", **kw).int8

@@ -1,7 +1,11 @@
 """JaxModel through the engine.core.model.Model interface, on tiny-llama (4 slots: row buckets 1, 2, 4;
 context 32: prompt and attend buckets 16 and 32): batch invariance across row buckets, seeds,
 masks, padding ids never sampled, no compilation after warm-up, and a cache that is updated in
-place rather than copied per step; each with decode attention in JAX and in the CPU kernel.
+place rather than copied per step; each with decode attention in JAX and in the CPU kernel. The
+models run decode-server's configuration (engine.core.model_options.SERVED: a prefix cache, the
+served smallest chunk) but where a test says otherwise; the one such deviation is the module
+fixture's smallest prompt bucket, 16, so that a 32-position context has two prompt buckets and
+two attend buckets to cross.
 
 Batch invariance (greedy ids equal to transformers' goldens whatever the row bucket and the
 company) is a claim about XLA:CPU in float32: the models here are pinned to float32, and the module
@@ -9,11 +13,12 @@ skips, saying why, on another backend (tests/support/backend.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import json
 import re
 import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,9 +28,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from engine.jax_backend import transformer
+from engine.core.model_options import SERVED
+from engine.jax_backend import backend_profile, steps, transformer
 from engine.jax_backend.weights import load_checkpoint
-from engine.jax_backend import jax_model
 from engine.jax_backend.jax_model import JaxModel, length_buckets, prompt_pieces
 from engine.core.model import DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import SamplingParams
@@ -45,7 +50,7 @@ def model(request) -> JaxModel:
     """Every test below runs with decode attention in JAX and with the CPU kernel."""
     if request.param:
         prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
-    m = JaxModel.load(
+    m = JaxModel.load(  # min_bucket 16 and min_attend 16: two buckets of each below the context (module docstring)
         LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16, kernels=request.param,
         dtype="float32",
     )
@@ -110,6 +115,19 @@ def _company(k: int, busy_slots: list[int]) -> list[Plan]:
     return [Plan(slot=s, **kind) for s, kind in zip(busy_slots, kinds[:k])]
 
 
+def test_a_compiler_option_xla_rejects_is_logged_and_dropped(monkeypatch, caplog):
+    """The backend profile probes its XLA:CPU option once; a jaxlib that rejects it compiles with
+    its defaults and says so at WARNING, with XLA's own message."""
+    served = backend_profile.profile().compiler_options  # (probed before the option is swapped)
+    monkeypatch.setattr(backend_profile, "CPU_COMPILER_OPTIONS", {"xla_tokenwire_no_such_flag": "1"})
+    fresh = dataclasses.replace(backend_profile.CPU)  # (the process's profile keeps its probe)
+    with caplog.at_level("WARNING", logger="engine.jax_backend.backend_profile"):
+        assert fresh.compiler_options is None
+    [record] = [r for r in caplog.records if "rejected the compiler options" in r.getMessage()]
+    assert record.levelname == "WARNING" and "xla_tokenwire_no_such_flag" in record.getMessage()
+    assert backend_profile.profile().compiler_options is served == {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
 def test_buckets_are_powers_of_two_then_the_context():
     assert length_buckets(64) == (16, 32, 64)
     assert length_buckets(100) == (16, 32, 64, 100)
@@ -148,14 +166,33 @@ def test_bucket_ladders(model):
     attend = (32,) if model.kernels else (16, 32)  # the kernel reads the live length itself
     assert (model.buckets, model.attend_buckets, model.row_buckets) == ((16, 32), attend, (1, 2, 4))
     default = JaxModel(model.config, model._weights, model.info, jnp.float32, kernels=False)
-    assert (default.buckets, default.attend_buckets) == ((16, 32), (32,))  # attend starts at 128
+    assert (default.buckets, default.attend_buckets) == ((8, 16, 32), (32,))  # the served smallest chunk; attend from 128
 
 
 def test_info_defaults(model):
     assert model.info.model_id == "tiny-llama"
     assert (model.info.vocab_size, model.info.max_batch_size, model.info.max_context_length) == (512, 4, 32)
     assert model.info.eos_token_ids == frozenset({0, 2})
-    assert JaxModel.load(LLAMA, max_batch_size=1, model_id="x").info.max_context_length == 256  # config's 256
+    served = JaxModel.load(LLAMA, max_batch_size=1, model_id="x")
+    assert served.info.max_context_length == 256  # config's 256
+    # what decode-server serves: a prefix cache, the smallest chunk of the backend's step budget, weights auto
+    assert served.prefix_pool.tokens == SERVED.prefix_cache_tokens == 4096
+    assert served.buckets[0] == (8 if backend_profile.profile().step_tokens == 8 else 16)
+    assert served.int8 is False  # weights auto: tiny-llama brings no model.gguf
+
+
+def test_decode_server_and_jax_model_load_default_to_the_same_options(monkeypatch):
+    """One source of defaults: decode-server with no flags builds SERVED's options, and
+    JaxModel.load's default options are that very object."""
+    from services.cli import build_parser
+    from services.config import DecodeServerConfig
+
+    for name in [n for n in __import__("os").environ if n.startswith("TOKENWIRE_")] + ["CXX"]:
+        monkeypatch.delenv(name, raising=False)
+    args = build_parser().parse_args(["decode-server", "--model", "m"])
+    assert DecodeServerConfig.from_args(args).model_options == SERVED
+    assert inspect.signature(JaxModel.load).parameters["options"].default is SERVED
+    assert inspect.signature(JaxModel).parameters["options"].default is SERVED
 
 
 @pytest.mark.parametrize(
@@ -213,11 +250,12 @@ def test_nothing_compiles_after_warm_up(model):
     layers = rows * attend * (1 + along) + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
     samplers = 2 * rows if model.split_sampler else 0  # an accelerator's decode step: greedy and full samplers apart
     small = prompts + prompts + 1 + 1  # embed and last of a prompt; write_mask; a prompt's head and sampling
+    copies = 2 if model.prefix_pool.blocks else 0  # the prefix pool's two copies (served: a pool of 4096 positions)
     packed = model.packed_prefill_sizes  # a packed prefill: one layer and the last positions per size
     every = tuple(t for t in model.buckets if t <= 256)  # the CPU packs every prompt bucket, an accelerator the largest
     assert packed == (every if jax.default_backend() == "cpu" else every[-1:])
     assert model.packed_prefill_rows == tuple(r for r in model.row_buckets if r >= 2)
-    assert before == layers + samplers + small + 2 * len(packed) + len(model.packed_prefill_rows)  # and its samples per rows
+    assert before == layers + samplers + small + copies + 2 * len(packed) + len(model.packed_prefill_rows)  # and its samples per rows
     with compile_events() as compiles:
         drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
         drive(model, [Plan(3, _prompt(9, 1), 30, SamplingParams(temperature=0.7, top_k=3, seed=3))])  # rows 4
@@ -262,27 +300,6 @@ def test_a_step_writes_only_its_active_rows_at_their_positions():
         assert changed == {(1, 17), (3, 31)}, changed
 
 
-@pytest.mark.parametrize("slots, context", [(4, 16384), (256, 1024)], ids=["long", "many-slots"])
-def test_step_time_does_not_grow_with_cache_size(slots, context):
-    """At equal live rows and length (4 rows, attend 16), a 256x longer or 64x wider cache must
-    not cost a copy per step (measured here: 0.2 ms all ways donated, ~10 ms at 16384 positions
-    when not donated): reads are limited to the live rows and the attended length."""
-    ckpt = load_checkpoint(LLAMA, "float32")
-    step = jax.jit(transformer.decode, static_argnames=("cfg", "attend"), donate_argnums=1)
-    tokens, positions, active = np.zeros(4, np.int32), np.full(4, 5, np.int32), np.ones(4, bool)
-    best = {}
-    for size in ((4, 64), (slots, context)):
-        cache = transformer.init_cache(ckpt.config, *size, jnp.float32)
-        times = []
-        for _ in range(25):
-            t0 = time.perf_counter()
-            logits, cache = step(ckpt.weights, cache, tokens, positions, active, cfg=ckpt.config, attend=16)
-            logits.block_until_ready()
-            times.append(time.perf_counter() - t0)
-        best[size] = min(times[1:])
-    assert best[slots, context] < 3 * best[4, 64] + 0.002, best
-
-
 PADDED = 576
 
 
@@ -306,6 +323,7 @@ def test_padding_ids_past_the_tokenizer_are_never_sampled(tmp_path):
     case = json.loads((ASSETS / "tiny-qwen3" / "golden.json").read_text())["cases"][0]
     prompt, first = tuple(case["prompt_ids"]), case["greedy_ids"][0]
     assert case["first_logits"][first] > 0  # so the padding row 50x its head row would win argmax
+    # min_bucket 32: one prompt shape to compile; the claim is about the head, whatever the chunks
     model = JaxModel.load(_padded_qwen3(tmp_path), max_batch_size=2, max_context_length=32, min_bucket=32)
     assert model.info.vocab_size == PADDED and model._weights.lm_head.shape[1] == 512  # the tokenizer's ids
     model.warm_up()
@@ -341,7 +359,7 @@ def test_a_broken_model_contract_raises_even_under_python_O(model):
 def test_a_decode_step_is_one_call_of_one_executable(model):
     """Embed, every layer, head and sampling run as one jitted call a step; nothing else is called
     (on an accelerator, `split_sampler`: the layers, then the sampler, two calls a step)."""
-    jitted = {name: fn for name, fn in vars(model).items() if any(fn is f for f in model._jitted)}
+    jitted = {name: fn for name, fn in vars(model._steps).items() if any(fn is f for f in model._steps.jitted())}
     calls: list[str] = []
 
     def counting(name, fn):
@@ -354,14 +372,14 @@ def test_a_decode_step_is_one_call_of_one_executable(model):
     first = model.prefill(0, prompt, SlotSetup(GREEDY, frozenset()), False).token_id
     try:
         for name, fn in jitted.items():
-            setattr(model, name, counting(name, fn))
+            setattr(model._steps, name, counting(name, fn))
         model.decode([DecodeInput(0, first, len(prompt), False)])
         model.decode([DecodeInput(0, None, len(prompt) + 1, False)])
     finally:
         for name, fn in jitted.items():
-            setattr(model, name, fn)
+            setattr(model._steps, name, fn)
         model.release(0)
-    assert calls == (["_layers_step", "_step_sampler"] * 2 if model.split_sampler else ["_step", "_step"])
+    assert calls == (["layers_step", "step_sampler"] * 2 if model.split_sampler else ["step", "step"])
 
 
 def test_the_host_one_step_behind_gets_the_ids_of_a_step_at_a_time(model):
@@ -406,13 +424,14 @@ def test_the_decode_step_lowered_for_the_gpu_waits_on_the_host_for_nothing():
     sampling), lowered for CUDA from here: no conditional and no while loop for XLA:GPU to read a
     predicate of on the host. (On the CPU, sampling keeps its lax.conds: the predicate is in host
     memory there, so they cost no sync and skip work; engine.jax_backend.sampling.)"""
+    # kernels off: a GPU's layers are plain JAX (the CPU kernels' custom calls do not lower for CUDA)
     model = JaxModel.load(LLAMA, max_batch_size=4, max_context_length=32, kernels=False, dtype="float32")
     step = jax.jit(
-        functools.partial(jax_model._decode_step, kernels=False, ragged=True), static_argnames=("cfg", "attend")
+        functools.partial(steps.decode_step, kernels=False, ragged=True), static_argnames=("cfg", "attend")
     )
     w = model._weights
     for rows in model.row_buckets:
-        ints, floats = model._pack([], rows)
+        ints, floats = model._sampling.pack([], rows)
         lowered = step.trace(
             w.embed, w.final_norm, w.lm_head, model._decode_weights, model.cache.k, model.cache.v, model._last,
             model._mask, ints, floats, cfg=model.config, attend=model.info.max_context_length,

@@ -190,11 +190,13 @@ def test_jax_model_load_refuses_before_reading_a_weight(tmp_path):
     d = tmp_path / "tiny-llama"
     shutil.copytree(ASSETS / "tiny-llama", d)
     (d / "model.safetensors").unlink()
+    # no prefix pool (served: 4096 positions, 2 MiB here): the limits are sized so that the batch is what must give
     with pytest.raises(MemoryPlanError, match=r"^the model does not fit in memory: weights 0\.53 MiB \+ KV cache 0\.50 MiB "
                        r".* > 3\.81 MiB, the limit stated by configuration; lower max batch size 4 \(at most 2 fits\)"):
-        JaxModel.load(d, max_batch_size=4, max_context_length=256, dtype="float32", kernels=False, memory_limit_bytes=4_000_000)
+        JaxModel.load(d, max_batch_size=4, max_context_length=256, dtype="float32", kernels=False, memory_limit_bytes=4_000_000,
+                      prefix_cache_tokens=0)
     model = JaxModel.load(ASSETS / "tiny-llama", max_batch_size=4, max_context_length=256, dtype="float32", kernels=False,
-                          memory_limit_bytes=5_500_000)
+                          memory_limit_bytes=5_500_000, prefix_cache_tokens=0)
     assert model.info.max_batch_size == 4
 
 

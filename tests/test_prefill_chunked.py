@@ -193,7 +193,7 @@ def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_
     assert got == want
     assert abs(got_logprob - want_logprob) < 1e-3
     # its first 24 tokens in three chunks along with slot 0's decode steps, the rest in one call
-    assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (16,)  # the CPU's default budget, padded
+    assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (8,)  # the CPU's default budget, the served smallest chunk
     fed = [model.prefill(0, (5, 6, 7), GREEDY, masked=False).token_id]
     for lo in (0, 8, 16):
         model.dispatch([DecodeInput(0, fed[-1], 2 + len(fed), False)], ChunkInput(1, prompt, lo, lo + 8, GREEDY))

@@ -72,6 +72,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from engine.jax_backend.backend_profile import profile
 from engine.model_store.registry import default_cache_dir
 
 log = logging.getLogger(__name__)
@@ -477,8 +478,9 @@ def _write_replacing(path: Path, text: str) -> None:
 
 
 def _not_applicable() -> str | None:
-    if jax.default_backend() != "cpu":
-        return f"the backend is {jax.default_backend()}"
+    backend = profile()
+    if not backend.cpu:
+        return f"the backend is {backend.name}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"{platform.machine()} is not x86-64"
     if not {"avx2", "fma", "f16c"} <= _cpu_flags():

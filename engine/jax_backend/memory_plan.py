@@ -76,7 +76,7 @@ class Settings:
     context: int  # S
     max_chunk: int  # the largest prompt chunk one prefill call runs (capped at S)
     prefix_cache_tokens: int  # positions asked for the prefix pool; it holds whole blocks of them
-    prefix_block: int  # positions per prefix-pool block (jax_model.PREFIX_BLOCK)
+    prefix_block: int  # positions per prefix-pool block (prefix_pool.PREFIX_BLOCK)
     dtype_bytes: int  # the serving dtype: 4 float32, 2 bfloat16 (activations and cache)
     int8: bool = False  # weight-only int8 (activations and cache float32)
     int8_layout: Int8Layout | None = None  # int8 from a GGUF: each matrix's format; None: 8 bits and a scale

@@ -40,6 +40,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from engine.jax_backend.backend_profile import profile
 from engine.jax_backend.weights import LayerWeights, Weights  # (registered as pytrees there)
 from engine.model_store.checkpoint import ModelConfig
 
@@ -130,7 +131,7 @@ def make_plan(cfg: ModelConfig, size: int, head_size: int) -> Plan:
     if len(devices) < size or (multi and len(devices) != size):
         where = f"{jax.process_count()} processes together have" if multi else "this host has"
         raise TensorParallelError(
-            f"--tensor-parallel {size} needs {size} devices; {where} {len(devices)} ({jax.default_backend()})"
+            f"--tensor-parallel {size} needs {size} devices; {where} {len(devices)} ({profile().name})"
         )
     mesh = Mesh(np.array(devices[:size]), (AXIS,), axis_types=(AxisType.Auto,))
     return Plan(mesh, head_size)

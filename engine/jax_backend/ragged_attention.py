@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from engine.jax_backend.backend_profile import profile
+
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
 DEFAULT_BLOCK_K = 64  # keys per loop iteration
 MIN_GROUP = 16  # query rows per program: the G heads of a kv head, zero-padded up to this
@@ -56,7 +58,7 @@ def _power_of_two(n: int) -> bool:
 def available() -> bool:
     """Whether this process can run the kernel compiled: a GPU backend, and JAX's Pallas Triton
     lowering importable. Fixed for a process's life (its backend is), so cached."""
-    if jax.default_backend() != "gpu":
+    if profile().name != "gpu":
         return False
     try:
         from jax.experimental.pallas import triton  # noqa: F401  (GPU-only piece, imported late)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import cpu_kernels
+from engine.jax_backend.backend_profile import profile
 from engine.model_store import checkpoint
 from engine.model_store.checkpoint import Checkpoint, LayerWeights, ModelConfig, Weights
 
@@ -59,8 +60,8 @@ __all__ = ["Checkpoint", "LayerWeights", "PackedHead", "PanelWeights", "Weights"
 
 def default_dtype() -> str:
     """float32 on CPU (XLA:CPU's bfloat16 products are far slower there; docs/benchmarks.md),
-    bfloat16 on accelerators."""
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    bfloat16 on accelerators: the backend profile's."""
+    return profile().dtype
 
 
 def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoint:
@@ -126,3 +127,11 @@ def with_panels(layer: LayerWeights) -> LayerWeights:
     on)."""
     pack = cpu_kernels.pack_panels
     return replace(layer, panels=PanelWeights(pack(layer.w_qkv), pack(layer.w_o), pack(layer.w_gate_up), pack(layer.w_down)))
+
+
+def decode_weights(weights: Weights, panels: bool) -> tuple[tuple[LayerWeights, ...], jax.Array | PackedHead]:
+    """The layers and head a model's steps read: with `panels` (the CPU kernels, float32 weights),
+    with their panel-packed copies for products of a few rows (cpu_kernels.panel_matmul)."""
+    if not panels:
+        return weights.layers, weights.lm_head
+    return tuple(with_panels(layer) for layer in weights.layers), packed_head(weights.lm_head)

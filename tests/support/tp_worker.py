@@ -73,10 +73,10 @@ def logits(model: JaxModel, prompt: list[int]) -> list[float]:
     """The prompt's next-token logits [V'], through the model's own compiled prefill (embed and
     layer calls, as warmed up) and the head on its (sharded) weights: only the head compiles."""
     w = model._weights
-    tokens = np.zeros(model.buckets[0], np.int32)
+    tokens = np.zeros(model.buckets[-1], np.int32)  # the largest chunk (16): any prompt here fits
     tokens[: len(prompt)] = prompt
-    x = model._embed(w.embed, tokens[None])  # [1, C, E]
-    x = model._prefill_through(x, np.int32(0), np.int32(0))
+    x = model._steps.embed(w.embed, tokens[None])  # [1, C, E]
+    x = model._through(model._steps.prefill_layers, x, np.int32(0), np.int32(0))
     out = jax.jit(transformer.logits, static_argnames="cfg")(x[0, len(prompt) - 1], w.final_norm, w.lm_head, cfg=model.config)
     return np.asarray(out)[: model._head_size].tolist()  # V': a padded head cut back, as sampling does
 

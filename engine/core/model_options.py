@@ -1,0 +1,42 @@
+"""`ModelOptions`: how the engine loads a model, with the defaults `decode-server` serves.
+
+One source of defaults: `SERVED` is what `tokenwire decode-server` runs with no flags. The
+CLI's model flags take their defaults from it (services/cli.py), `services.config.model_options`
+builds one from the flags, and `JaxModel.load` takes it as its default (engine.jax_backend), so a
+test that loads a model with no options runs what ships. A field left None is decided by the
+backend (engine.jax_backend.backend_profile) once the model's devices are known.
+
+Here, in engine.core, because services.config may not import the JAX backend (pyproject.toml's
+import-linter contracts) and the backend imports the core.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the engine loads a model; the same for decode-server and `generate --local`."""
+
+    max_context_length: int | None = None  # None: min(the model's, 2048)
+    dtype: str | None = None  # None: the backend's (float32 on CPU, bfloat16 on GPU)
+    cpu_kernels: bool = True  # the C++ decode kernels where they apply (CPU, float32)
+    cache_dir: Path | None = None  # models and the built kernels; None: ~/.cache/tokenwire
+    compiler: str | None = None  # the C++ compiler for the kernels ($CXX); None: g++ or clang++
+    max_prefill_chunk: int = 512  # the largest prompt piece one prefill call runs
+    prefix_cache_tokens: int = 4096  # prompt positions whose KV is kept for prefix caching; 0: none
+    tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)
+    # JAX's persistent compilation cache in <cache>/xla: process-wide, so the process's entry point
+    # turns it on (services.cli), not JaxModel.load
+    compilation_cache: bool = True
+    weights: str = "auto"  # "float32", "int8" (CPU kernels), "auto": int8 where the kernels run and the model has its GGUF
+    cpu_threads: int | None = None  # threads per CPU kernel call; None: the CPUs the process may use
+    memory_limit_bytes: int | None = None  # the memory check's limit per device; None: what the device reports
+    # the scheduler's prompt budget per step, and the longest chunk a decode step takes along; None:
+    # the backend's (8 on CPU, 512 on an accelerator); below 16 the smallest chunk shape follows it
+    max_step_tokens: int | None = None
+
+
+SERVED = ModelOptions()  # what decode-server runs with no flags

@@ -1,0 +1,226 @@
+"""Loading a model: a Hugging Face directory into a `JaxModel`, with the served defaults.
+
+Data flow: `load` resolves what to run from `ModelOptions` (default: engine.core.model_options.
+SERVED, what decode-server runs with no flags) and the backend's profile
+(engine.jax_backend.backend_profile): whether the CPU kernels run (`kernel_state`, decided here
+once), the weights' format (`auto_weights`), then checks the sizes on config.json and the memory
+they take against the device (engine.jax_backend.memory_plan) before any weight is placed, reads
+the weights (float32 or bfloat16, int8, or split over a mesh) and builds the model.
+
+Its keywords are `ModelOptions` fields (three under the names JaxModel.load has always taken them:
+`LOAD_NAMES`) and the compile-time `ShapeKnobs`; anything not given is the served choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from engine.core.model import ModelInfo
+from engine.core.model_options import ModelOptions
+from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize
+from engine.jax_backend.backend_profile import BackendProfile, profile
+from engine.jax_backend.prefix_pool import PREFIX_BLOCK
+from engine.jax_backend.shapes import ShapeKnobs
+from engine.jax_backend.weights import load_checkpoint, load_int8, load_sharded
+from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
+
+log = logging.getLogger(__name__)
+
+# JaxModel.load's keywords for three ModelOptions fields (the flags' names are the fields')
+LOAD_NAMES = {"kernels": "cpu_kernels", "max_chunk": "max_prefill_chunk", "fused_chunk_tokens": "max_step_tokens"}
+
+
+def settings(options: ModelOptions, overrides: dict) -> tuple[ModelOptions, ShapeKnobs]:
+    """JaxModel's keywords `overrides` applied: -> (the options, the shape knobs). An unknown
+    keyword is a TypeError, as for any function."""
+    knob_names = {f.name for f in dataclasses.fields(ShapeKnobs)}
+    knobs = ShapeKnobs(**{k: v for k, v in overrides.items() if k in knob_names})
+    changes = {LOAD_NAMES.get(k, k): v for k, v in overrides.items() if k not in knob_names}
+    return dataclasses.replace(options, **changes), knobs
+
+
+def build_options(options: ModelOptions) -> cpu_kernels.BuildOptions:
+    """Where the kernels are looked for and built, and with which compiler."""
+    return cpu_kernels.BuildOptions(options.cache_dir, options.compiler)
+
+
+def kernel_state(
+    requested: bool, dtype: jnp.dtype, build: cpu_kernels.BuildOptions, tensor_parallel: int, backend: BackendProfile
+) -> str:
+    """Whether a model's decode steps use the CPU kernels, as `JaxModel.kernel_state` says it:
+    "on: ...", "off: <reason>" or "not applicable: <reason>"; the log says the same (at WARNING
+    when they would apply here but cannot be loaded, engine.jax_backend.cpu_kernels.status)."""
+    if not requested:
+        log.info("CPU decode kernels off: turned off by configuration; using plain JAX")
+        return f"{cpu_kernels.OFF}: turned off by configuration"
+    if tensor_parallel > 1 and backend.cpu:
+        # An XLA custom call is opaque to the SPMD partitioner; the kernels read whole packed
+        # weights and whole cache rows, so under a mesh they would need shard_map wrappers.
+        reason = f"tensor parallelism over {tensor_parallel} devices (the partitioner cannot split their custom calls)"
+        log.info("CPU decode kernels off: %s; using plain JAX", reason)
+        return f"{cpu_kernels.OFF}: {reason}"
+    if backend.cpu and dtype != jnp.float32:
+        log.info("CPU decode kernels not applicable: they are float32 only, the dtype is %s; using plain JAX", dtype)
+        return f"{cpu_kernels.NOT_APPLICABLE}: the dtype is {dtype}, and they are float32 only"
+    return cpu_kernels.status(build).state
+
+
+def cpu_kernels_for(
+    o: ModelOptions, dtype: jnp.dtype, devices: int, backend: BackendProfile, state: str | None,
+    build: cpu_kernels.BuildOptions | None,
+) -> tuple[str, int]:
+    """A model's kernel state (`state` when `load` decided it already, else decided here) and
+    its threads per kernel call (the CPUs this process may use, or options.cpu_threads; set in
+    the library), or 1 without the kernels."""
+    build = build or build_options(o)
+    state = state or kernel_state(o.cpu_kernels, dtype, build, devices, backend)
+    if not kernels_on(state):
+        return state, 1
+    threads = o.cpu_threads or cpu_kernels.available_cpus()
+    cpu_kernels.set_threads(cpu_kernels.status(build).kernels, threads)
+    return state, threads
+
+
+def kernels_on(state: str) -> bool:
+    return state.split(":", 1)[0] == cpu_kernels.ON
+
+
+def auto_weights(model_dir: Path, kernels: bool) -> str:
+    """What `weights="auto"` (the servers' default) serves: "int8" where the CPU kernels run
+    (`kernels`: the CPU backend, one device, float32, a library loaded; as `kernel_state`
+    decides, and says why not) for a model that brings its own GGUF (a pulled model keeps it as
+    model.gguf, whose Q8_0, Q4_0/1 and Q5_0/1 blocks are served as the file has them: the values
+    float32 holds). There int8 decodes faster than float32 in less memory and passes the quality
+    gates (docs/benchmarks.md, issue 15). Elsewhere "float32", also for a checkpoint with no GGUF
+    (its int8 would be our own quantization of it, not gated on that model). Logs the choice."""
+    from engine.model_store.gguf_convert import GGUF_NAME  # (gguf_convert imports the gguf package: only here)
+
+    reasons = []
+    if not kernels:
+        reasons.append("the CPU kernels are off")
+    if not (model_dir / GGUF_NAME).is_file():
+        reasons.append(f"no {GGUF_NAME} in the model directory")
+    choice = "float32" if reasons else "int8"
+    log.info("weights auto: %s (%s)", choice, ", ".join(reasons) or f"the CPU kernels and the model's {GGUF_NAME}")
+    return choice
+
+
+def int8_layout(model_dir: Path, cfg) -> quantize.Int8Layout | None:
+    """The formats `--weights int8` holds this directory's matrices in, for the memory check:
+    from its model.gguf's header (engine.model_store.gguf_blocks), or None (no GGUF: 8 bits and a
+    scale everywhere)."""
+    from engine.model_store import gguf_blocks, gguf_convert  # (the gguf package: only here)
+
+    path = model_dir / gguf_convert.GGUF_NAME
+    return quantize.gguf_layout(gguf_blocks.block_formats(path), cfg) if path.is_file() else None
+
+
+def _check_weights(o: ModelOptions) -> None:
+    """The weight format against the rest, before anything is read."""
+    if o.weights not in (*quantize.WEIGHTS, quantize.AUTO):
+        raise ValueError(f"weights must be one of {', '.join((*quantize.WEIGHTS, quantize.AUTO))}, got {o.weights!r}")
+    if o.weights == "int8" and o.tensor_parallel > 1:
+        raise ValueError("int8 weights run on one device: they cannot be combined with tensor parallelism")
+
+
+def _context(cfg: ModelConfig, max_batch_size: int, max_context_length: int | None) -> int:
+    """The context a model of `cfg` serves (checked against it)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if max_context_length is not None and not 1 <= max_context_length <= cfg.max_position_embeddings:
+        raise ValueError(
+            f"max_context_length must be in 1..{cfg.max_position_embeddings} (the model's "
+            f"max_position_embeddings), got {max_context_length}"
+        )
+    context = max_context_length or min(cfg.max_position_embeddings, 2048)
+    if cfg.sliding_window is not None and cfg.sliding_window < context:
+        raise CheckpointError(f"{cfg.architecture}: sliding_window {cfg.sliding_window} < context {context} is not supported")
+    return context
+
+
+def _check_memory(model_dir: Path, cfg: ModelConfig, settings: memory_plan.Settings, limit_bytes: int | None) -> None:
+    """The memory check (engine.jax_backend.memory_plan): MemoryPlanError before any weight is read."""
+    if limit_bytes:
+        limit = memory_plan.MemoryLimit(limit_bytes, "the limit stated by configuration")
+    else:
+        limit = memory_plan.device_limit(jax.local_devices()[0])
+    head_size = tokenizer_size(model_dir, cfg.vocab_size)
+    if limit is None:
+        log.info("memory check skipped: %s reports no memory limit", jax.local_devices()[0])
+        return
+    need = memory_plan.check(cfg, head_size, settings, limit, profile().name)
+    log.info(
+        "memory plan per device: weights %s + KV cache %s + prefix pool %s + temporaries %s = %s of %s, %s",
+        *map(memory_plan.gib, (need.weights, need.kv_cache, need.prefix_pool, need.temporaries, need.total, limit.bytes)),
+        limit.source,
+    )
+
+
+def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: int, model_id: str | None,
+         kernel_build: cpu_kernels.BuildOptions | None, split_sampler: bool | None, **overrides):
+    """`cls` (JaxModel) read from the Hugging Face directory `model_dir`; the context defaults to
+    min(max_position_embeddings, 2048). `options` (engine.core.model_options says what each field
+    does), changed by `overrides`: ModelOptions fields (`kernels`, `max_chunk` and
+    `fused_chunk_tokens` for cpu_kernels, max_prefill_chunk and max_step_tokens: LOAD_NAMES),
+    and the compile-time knobs of engine.jax_backend.shapes.ShapeKnobs (`min_bucket`,
+    `min_attend`, `min_rows`, `min_packed`; fewer shapes warm up faster). The compilation cache
+    is the process's (services.cli turns it on before anything compiles), not the model's.
+
+    `kernel_build`: where the CPU kernels are looked for and built (default: options.cache_dir
+    and options.compiler); the model's `kernels` says whether they are on and `kernel_state` why.
+    With them, attention reads each row's live keys in place, and the weight products of up to
+    cpu_kernels.PANEL_ROWS rows run on panel-packed copies of the projections (held besides the
+    originals; none with cpu_kernels False). `weights`: "float32" (the dtype's own), "int8"
+    (engine.jax_backend.quantize: weight-only int8 with float32 activations, CPU kernels only;
+    ValueError elsewhere) or "auto" (`auto_weights`). `max_step_tokens`: also the longest chunk
+    a decode step takes along (`dispatch`), padded to the smallest prompt bucket that holds it;
+    None: with the CPU kernels on, the backend's budget, otherwise 0 (each chunk its own calls).
+    `split_sampler`: a decode step as two executables, the layers and then the head and sampling
+    in a greedy and a full variant the host picks per step (the greedy one when every row is
+    greedy and wants no alternatives); default: the backend's (on an accelerator, whose
+    one-executable step computes every piece of sampling every step; off on the CPU, whose step
+    skips them with conditionals). A size the model's dimensions or the devices refuse raises
+    ValueError (mesh.TensorParallelError; memory_plan.MemoryPlanError, one line, when the
+    configuration cannot fit `memory_limit_bytes` or what the device offers) before any weight
+    is read.
+    """
+    model_dir = Path(model_dir)
+    o, knobs = settings(options, overrides)
+    build = kernel_build or build_options(o)
+    _check_weights(o)
+    cfg = parse_config(json.loads((model_dir / "config.json").read_text()))
+    context = _context(cfg, max_batch_size, o.max_context_length)
+    if o.tensor_parallel > 1 and not jax.distributed.is_initialized():
+        mesh.request_cpu_devices(o.tensor_parallel)  # (as load_sharded does) before the backend starts below
+    dtype = jnp.dtype(o.dtype or profile().dtype)
+    if o.weights == "int8" and dtype != jnp.float32:
+        raise ValueError(f"int8 weights run with float32 activations, not {o.dtype}")
+    state = kernel_state(o.cpu_kernels, dtype, build, o.tensor_parallel, profile())
+    weights = auto_weights(model_dir, kernels_on(state)) if o.weights == quantize.AUTO else o.weights
+    _check_memory(model_dir, cfg, memory_plan.Settings(
+        max_batch_size, context, o.max_prefill_chunk, o.prefix_cache_tokens, PREFIX_BLOCK, dtype.itemsize,
+        int8=weights == "int8",
+        int8_layout=int8_layout(model_dir, cfg) if weights == "int8" else None,
+        panel_copies=kernels_on(state) and weights != "int8",
+        devices=o.tensor_parallel,
+    ), o.memory_limit_bytes)
+    plan = None
+    if weights == "int8":
+        ckpt = load_int8(model_dir)
+        cfg = ckpt.config
+    elif o.tensor_parallel == 1:
+        ckpt = load_checkpoint(model_dir, o.dtype)
+        cfg = ckpt.config
+    else:
+        ckpt, cfg, plan = load_sharded(model_dir, o.dtype, o.tensor_parallel)
+    info = ModelInfo(model_id or model_dir.name, cfg.vocab_size, context, max_batch_size, ckpt.eos_token_ids)
+    return cls(
+        cfg, ckpt.weights, info, dtype, o, plan=plan, kernel_state=state,
+        kernel_build=build, split_sampler=split_sampler, **dataclasses.asdict(knobs),
+    )

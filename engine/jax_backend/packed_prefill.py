@@ -1,0 +1,64 @@
+"""The host arrays of a packed prefill: several whole prompts end to end in one sequence.
+
+`JaxModel.prefill_packed` runs the prompts of a burst, each into its own slot, as one sequence of
+the smallest packed size that holds them (transformer.packed_prefill_layers reads, per token, its
+slot, its position in its prompt and its prompt's index), then samples every prompt's last
+position in one call of a row bucket. These are the arrays it hands the device, built here.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from engine.core.model import PromptInput
+
+
+def tokens(prompts: Sequence[PromptInput], size: int) -> np.ndarray:
+    """The prompts' ids end to end, padded to `size`: [1, T]."""
+    ids = np.zeros((1, size), np.int32)
+    ids[0, : sum(len(p.prompt_token_ids) for p in prompts)] = [t for p in prompts for t in p.prompt_token_ids]
+    return ids
+
+
+def token_arrays(
+    slots: Sequence[int], lengths: Sequence[int], size: int, pad_slot: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token of a packed sequence of `size`: its slot, its position in its prompt and its
+    prompt's index; the padding continues the last prompt (or, with none, is prompt 0 of
+    `pad_slot` from position 0)."""
+    slot_of, position, prompt = np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, np.int32)
+    at = 0
+    for i, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
+        slot_of[at : at + n], position[at : at + n], prompt[at : at + n] = slot, np.arange(n), i
+        at += n
+    last_slot, last_n, last_i = (slots[-1], lengths[-1], len(slots) - 1) if slots else (pad_slot, 0, 0)
+    slot_of[at:], position[at:], prompt[at:] = last_slot, last_n + np.arange(size - at), last_i
+    return slot_of, position, prompt
+
+
+def ends(lengths: Sequence[int], batch: int) -> np.ndarray:
+    """[B]: one past each prompt's last token in the sequence; 1 for unused rows."""
+    out = np.ones(batch, np.int32)
+    out[: len(lengths)] = np.cumsum(lengths)
+    return out
+
+
+def sample_rows(
+    prompts: Sequence[PromptInput], rows: int, batch: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The sampling call's [rows] slots, active, masked and positions (the prompts first). Rows
+    past the prompts sample for nobody, at a slot none of them holds (so the write of each row's
+    sample into `last` never meets another row's at the same slot)."""
+    m, slots = len(prompts), [p.slot for p in prompts]
+    idle = next((s for s in range(batch) if s not in set(slots)), 0)  # none: no idle rows
+    row_slots = np.full(rows, idle, np.int32)
+    row_slots[:m] = slots
+    active = np.zeros(rows, bool)
+    active[:m] = True
+    masked = np.zeros(rows, bool)
+    masked[:m] = [p.masked for p in prompts]
+    positions = np.zeros(rows, np.int32)
+    positions[:m] = [len(p.prompt_token_ids) for p in prompts]
+    return row_slots, active, masked, positions

@@ -1,0 +1,75 @@
+"""`SlotSamplingState`: each slot's sampling parameters, kept on the host, and the packed columns
+a decode step carries them in.
+
+A request's parameters are written when it takes a slot (`take`) and reset when it leaves
+(`release`). A prompt's last position reads its rows as a `SlotSampling` (`rows`); a decode step
+packs the first R slots' parameters and inputs into two arrays (`pack`), one [R, 9] i32 and one
+[R, 3] f32, so that two transfers cross to the device per step, not eleven small ones; a prompt
+chunk along with it adds its ids and place (`chunk_arrays`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from engine.core.model import DecodeInput
+from engine.core.request import SamplingParams
+from engine.jax_backend import sampling
+from engine.jax_backend.sampling import SlotSampling
+
+# Columns of a decode step's packed host inputs ([R, 9] i32 and [R, 3] f32).
+GIVEN, USE_GIVEN, POSITION, ACTIVE, MASKED, TOP_K, TOP_N, SEED_HI, SEED_LO = range(9)
+TEMPERATURE, TOP_P, MIN_P = range(3)
+
+
+class SlotSamplingState:
+    """B slots' sampling parameters: idle slots are greedy, with no cuts and no alternatives."""
+
+    def __init__(self, slots: int) -> None:
+        self.temperature = np.zeros(slots, np.float32)
+        self.top_k = np.zeros(slots, np.int32)
+        self.top_p = np.ones(slots, np.float32)
+        self.min_p = np.zeros(slots, np.float32)
+        self.seed = np.zeros((slots, 2), np.uint32)
+        self.top_n = np.zeros(slots, np.int32)  # alternatives each slot's samples report
+
+    def take(self, slot: int, s: SamplingParams) -> None:
+        """A request's parameters into its slot (its seed set: the engine sets one for every request)."""
+        self.temperature[slot], self.top_k[slot] = s.temperature, s.top_k
+        self.top_p[slot], self.min_p[slot] = s.top_p, s.min_p
+        self.seed[slot] = sampling.seed_words(s.seed)
+        self.top_n[slot] = min(s.top_logprobs, sampling.MAX_TOP_LOGPROBS)
+
+    def release(self, slot: int) -> None:
+        self.temperature[slot], self.top_k[slot], self.top_p[slot], self.min_p[slot] = 0.0, 0, 1.0, 0.0
+        self.seed[slot] = 0
+        self.top_n[slot] = 0
+
+    def rows(self, rows: slice) -> SlotSampling:
+        """The rows' sampling parameters (a prompt's last position; a decode step packs its own)."""
+        return SlotSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows], self.seed[rows])
+
+    def pack(self, inputs: Sequence[DecodeInput], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """A step's host inputs for the first `rows` slots as the two packed arrays the step
+        reads (columns GIVEN.. and TEMPERATURE..); rows with no input are idle (greedy, no cuts)."""
+        ints, floats = np.zeros((rows, 9), np.int32), np.zeros((rows, 3), np.float32)
+        floats[:, TOP_P] = 1.0
+        for i in inputs:
+            s = i.slot
+            ints[s, GIVEN] = 0 if i.token_id is None else i.token_id
+            ints[s, USE_GIVEN] = i.token_id is not None
+            ints[s, POSITION], ints[s, ACTIVE], ints[s, MASKED] = i.position, 1, i.masked
+            ints[s, TOP_K], ints[s, TOP_N] = self.top_k[s], self.top_n[s]
+            floats[s] = self.temperature[s], self.top_p[s], self.min_p[s]
+        ints[:, SEED_HI:SEED_LO + 1] = self.seed[:rows].view(np.int32)
+        return ints, floats
+
+
+def chunk_arrays(slot: int, ids: Sequence[int], start: int, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """A prompt chunk along with a decode step: its ids padded to `size` (default: its length), and
+    (slot, start)."""
+    tokens = np.zeros(size or len(ids), np.int32)
+    tokens[: len(ids)] = ids
+    return tokens, np.array([slot, start], np.int32)
