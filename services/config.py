@@ -68,7 +68,7 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs)
             parser.error(f"{env}={value!r}: {e}")
         kwargs.pop("required", None)
     shown = kwargs.get("default")
-    suffix = f" [env {env}" + (f"; default {shown}" if shown not in (None, False, [], "") else "") + "]"
+    suffix = f" [env {env}" + (f"; default {shown}" if not (shown is None or shown is False or shown in ([], "")) else "") + "]"
     parser.add_argument(flag, help=help + suffix, **kwargs)
 
 

@@ -236,7 +236,7 @@ def test_readme_documents_every_flag_as_the_parser_has_it():
     for command, sub in commands:
         for action in sub._actions:
             for flag in (o for o in action.option_strings if o.startswith("--") and o != "--help"):
-                shown = "" if action.default in (None, False, [], "") else str(action.default)
+                shown = "" if action.default is None or action.default is False or action.default in ([], "") else str(action.default)
                 help_text = action.help.rsplit(" [env ", 1)[0]
                 variable, names, _, _ = expected.get(flag, (env_name(flag), set(), shown, help_text))
                 expected[flag] = (variable, names | {command}, shown, help_text)
