@@ -145,6 +145,8 @@ def main() -> None:
     parser.add_argument("--max-context-length", type=int, default=2048)
     parser.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prompt piece one prefill call runs")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--weights", default="float32", choices=["float32", "int8", "auto"],
+                        help="the weights measured (float32: what the figures in docs/benchmarks.md used; auto: as served)")
     parser.add_argument("--min-bucket", type=int, default=None, help="smallest chunk shape (JaxModel.load's min_bucket; "
                         "default: as decode-server sets it for the smallest --max-step-tokens)")
     args = parser.parse_args()
@@ -158,7 +160,7 @@ def main() -> None:
     started = time.perf_counter()
     model = JaxModel.load(
         model_dir, max_batch_size=args.streams + 1, max_context_length=args.max_context_length, dtype=args.dtype,
-        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
+        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens, weights=args.weights,
         min_bucket=args.min_bucket or smallest_chunk(min(budgets, default=None)),
         fused_chunk_tokens=max(budgets, default=None),  # chunks along with decode steps, each budget its own size
     )

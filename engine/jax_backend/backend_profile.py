@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 # Most prompt tokens, all prompts together, in one packed prefill (Model.prefill_packed): the
 # largest prompt bucket up to this. A burst of short prompts is then about one call instead of one
-# each, which on a GPU took a large share of a burst's first window (docs/notes/code-comment-figures.md).
+# each, which on a GPU took a large share of a burst's first window (docs/benchmarks.md, 'Figures behind code comments').
 PACKED_TOKENS = 256
 
 # XLA:CPU hands matmuls with more than one row, batched attention products and reductions to
@@ -41,7 +41,7 @@ class BackendProfile:
     # Smallest decode row bucket. On the CPU a step's products cost more with every row, so rows
     # double from 1. On an accelerator a decode step reads every weight once whatever its rows, and
     # up to ~100 rows the arithmetic hides under that read, so smaller buckets would cost compiles
-    # and save nothing (docs/notes/code-comment-figures.md).
+    # and save nothing (docs/benchmarks.md, 'Figures behind code comments').
     min_rows: int
     # Smallest packed prefill size compiled (the prompt buckets from it up to PACKED_TOKENS): on
     # the CPU a prefill is arithmetic and padding costs its share, so every bucket; on an
@@ -54,7 +54,7 @@ class BackendProfile:
     # (docs/benchmarks.md, "Long prompts"). On the CPU a chunk rides along with the decode step,
     # and 8 of its rows with a few decoding ones stay within one register block of the panel
     # kernel (12 rows), whose cost there is the weights' read: a stream's gaps while a long prompt
-    # was read were closer to its steady gap than with 16 a step (docs/notes/code-comment-figures.md).
+    # was read were closer to its steady gap than with 16 a step (docs/benchmarks.md, 'Figures behind code comments').
     step_tokens: int
     # The decode step's head and sampling as their own executable, in a greedy and a full variant
     # the host picks per step: on an accelerator, where the one-executable step computes every

@@ -359,7 +359,7 @@ class JaxModel:
     def _put(self, tree):
         """Per-step host inputs for the step: as they are on one device (the jitted call copies
         numpy arrays itself, less host work than a device_put first, and on the CPU that work takes
-        cores from the step; docs/notes/code-comment-figures.md), onto every device of the mesh,
+        cores from the step; docs/benchmarks.md, 'Figures behind code comments'), onto every device of the mesh,
         replicated, under tensor parallelism."""
         return tree if self.plan is None else self.plan.put(tree)
 

@@ -9,7 +9,7 @@ the scheduler's step budget is smaller: `smallest_chunk`). Why these shapes (mea
 project's CPU machine; docs/benchmarks.md, "Design measurements"):
 - Decode runs every layer in one jitted call: one dispatch a step, and the host free while the
   device runs. Unrolling all the layers of the default model compiles in about twice the time of
-  the 5-layer groups used before (docs/notes/code-comment-figures.md), and the persistent
+  the 5-layer groups used before (docs/benchmarks.md, 'Figures behind code comments'), and the persistent
   compilation cache pays that once per machine. Prefill, compute-bound, runs one layer per call.
 - With the CPU kernel the decode shapes are the row buckets alone (the kernel reads the live
   length), far fewer compilations than rows x attend buckets without it.
@@ -64,7 +64,7 @@ def prompt_pieces(start: int, end: int, buckets: tuple[int, ...], context: int) 
     largest bucket that it fills (no padding) and the last the smallest that holds the rest,
     unless the rest fits one bucket no larger than those pieces together: then it is that one
     call (10 tokens over buckets 8, 16: one call of 16 rather than two of 8, the same rows for
-    half the calls, and faster; docs/notes/code-comment-figures.md). A last piece whose
+    half the calls, and faster; docs/benchmarks.md, 'Figures behind code comments'). A last piece whose
     bucket would run past the context starts earlier instead, recomputing (identically) a few
     positions already written, so that every call stays inside the cache."""
     pieces, lo = [], start
