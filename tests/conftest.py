@@ -117,3 +117,16 @@ def _real_model_marked(request) -> None:
     marker alone makes the model be there (or the test skip or fail, saying why) before it starts."""
     if request.node.get_closest_marker("real_model"):
         request.getfixturevalue("real_model")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory) -> None:
+    """JAX's persistent compilation cache, on as decode-server serves it (ModelOptions'
+    compilation_cache), in a directory of this run's own: a test that loads a model another
+    test already compiled reads its executables back instead of compiling them again. Counts of
+    compilations (`JaxModel.compilations`) are the jit caches' and do not change."""
+    if os.environ.get("TOKENWIRE_TEST_NO_XLA_CACHE"):
+        return
+    from engine.jax_backend import compilation_cache
+
+    assert compilation_cache.enable(tmp_path_factory.mktemp("xla"))
