@@ -203,7 +203,7 @@ def test_int8_greedy_ids_follow_float32_with_a_quarter_of_the_bytes_and_no_compi
     warm-up."""
     path = ASSETS / "tiny-llama"
     prompts = [(1, 5, 7, 9, 11), (3, 100, 200), (42, 43, 44, 45, 46, 47)]
-    f32 = JaxModel.load(path, max_batch_size=4, max_context_length=64)
+    f32 = JaxModel.load(path, max_batch_size=4, max_context_length=64, weights="float32")
     int8 = JaxModel.load(path, max_batch_size=4, max_context_length=64, weights="int8")
     assert int8.int8 and int8.kernels
     assert quantize.weight_bytes(int8._weights) <= 0.3 * quantize.weight_bytes(f32._weights)
@@ -324,7 +324,7 @@ def test_a_gguf_directory_serves_int8_from_its_blocks_in_the_float32_layout(tmp_
             np.testing.assert_array_equal(np.asarray(quantize.dequantize(getattr(b, field))).T, np.asarray(getattr(a, field)), err_msg=field)
         np.testing.assert_array_equal(np.asarray(b.attn_norm), np.asarray(a.attn_norm))
     prompts = [(5, 70, 80, 90), (100, 101)]
-    want = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32), prompts, 12)
+    want = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="float32"), prompts, 12)
     got = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="int8"), prompts, 12)
     assert got == want
 
@@ -364,7 +364,7 @@ def test_a_q4_1_gguf_serves_its_own_values_and_a_directory_without_one_is_quanti
             assert getattr(b, field).offset is not None, field
             np.testing.assert_array_equal(np.asarray(quantize.dequantize(getattr(b, field))).T, np.asarray(getattr(a, field)), err_msg=field)
     prompts = [(5, 70, 80, 90), (100, 101)]
-    want = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32), prompts, 12)
+    want = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="float32"), prompts, 12)
     got = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="int8"), prompts, 12)
     assert got == want
     (model_dir / gguf_convert.GGUF_NAME).unlink()
@@ -395,7 +395,7 @@ def test_the_default_model_served_int8_from_its_gguf_follows_float32(real_model)
     assert (model_dir / gguf_convert.GGUF_NAME).is_file()
     prompts = [tuple(p) for p in agreement_prompts(model_dir)]
     kw = dict(max_batch_size=8, max_context_length=256)
-    want = _greedy(JaxModel.load(model_dir, **kw), prompts, AGREEMENT_TOKENS)
+    want = _greedy(JaxModel.load(model_dir, weights="float32", **kw), prompts, AGREEMENT_TOKENS)  # (served: int8)
     int8 = JaxModel.load(model_dir, weights="int8", **kw)
     assert agreement(want, _greedy(int8, prompts, AGREEMENT_TOKENS)) >= 0.95
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
