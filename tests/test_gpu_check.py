@@ -121,6 +121,7 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert [b["batch"] for b in decode["batches"]] == [1, 2]
     assert all(b["tok_s"] > 0 and 0 < b["mbu"] and b["floor_s"] > 0 for b in decode["batches"])
     assert decode["bandwidth_gbs"] > 0 and decode["compilations_at_warm_up"] > 0
+    assert decode["attention"] == "cpu kernels"  # (the report says which attention ran; "pallas" on a GPU)
     profile = decode["batch1_profile"]
     assert set(profile) == {"step, read at once", "step, host one behind", "host: dispatch", "host: collect a finished step"}
     assert all(p["s"] > 0 for p in profile.values()) and profile["step, read at once"]["bytes"] > 0

@@ -238,6 +238,8 @@ def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
         "weight_bytes": w_bytes, "kv_bytes_per_token": kv_token, "bandwidth_gbs": statistics.median(gbs),
         "bandwidth_gbs_range": [min(gbs), max(gbs)], "batches": rows, "batch1_profile": profile,
         "row_buckets": list(model.row_buckets), "executables_per_step": 2 if model.split_sampler else 1,
+        # which decode attention ran: the Pallas kernel (ragged), the CPU kernels, or XLA's
+        "attention": "pallas" if model.ragged else "cpu kernels" if model.kernels else "xla",
     }
 
 
