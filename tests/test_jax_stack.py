@@ -41,6 +41,9 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures(
 async def stack(request):
     """Both services over tiny-llama, served with float32 weights and with int8 (issue 15: every
     invariant holds with int8 too)."""
+    # Off the served configuration where it only costs warm-up: one prompt shape (the context,
+    # min_bucket) instead of the served 8..128 ladder; the invariants here are the streams', and
+    # chunked prompts have their own tests (test_prefill_chunked). weights: both, said above.
     model = JaxModel.load(TINY, max_batch_size=4, max_context_length=128, min_bucket=128, dtype="float32", weights=request.param)
     assert model.int8 == (request.param == "int8")
     decode = await start_decode_server(model, EngineConfig(max_queue_size=16))

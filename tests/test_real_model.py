@@ -30,6 +30,8 @@ def model_dir(real_model) -> Path:
 
 
 async def test_chat_answer_ends_on_eos_with_no_control_token_in_text(model_dir):
+    # served weights (int8 from the model's GGUF) and prefix cache; two prompt shapes (64, 128)
+    # instead of the served ladder from 8, for a shorter warm-up of the 30-layer model
     model = JaxModel.load(model_dir, max_batch_size=2, max_context_length=128, min_bucket=64)
     tokenizer = TextTokenizer.from_dir(model_dir)
     decode = await start_decode_server(model)
