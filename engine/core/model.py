@@ -58,6 +58,15 @@ class ModelInfo:
         return tuple(ids)
 
 
+@dataclass(frozen=True)
+class KvLayout:
+    """A model's KV page pool (issue 41): `num_pages` pages of `page_size` positions, page 0 the
+    null page that pads block tables (so `num_pages - 1` hold KV), as engine.core.kv_pages counts."""
+
+    page_size: int
+    num_pages: int
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
     token_id: int

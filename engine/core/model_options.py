@@ -27,6 +27,10 @@ class ModelOptions:
     compiler: str | None = None  # the C++ compiler for the kernels ($CXX); None: g++ or clang++
     max_prefill_chunk: int = 512  # the largest prompt piece one prefill call runs
     prefix_cache_tokens: int = 4096  # prompt positions whose KV is kept for prefix caching; 0: none
+    # positions of KV the page pool holds, all sequences together (issue 41); 0: max_batch_size x
+    # max_context_length, the slot cache's size
+    kv_cache_tokens: int = 0
+    kv_page_size: int = 16  # positions per KV page
     tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)
     # JAX's persistent compilation cache in <cache>/xla: process-wide, so the process's entry point
     # turns it on (services.cli), not JaxModel.load
