@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import grpc
@@ -23,7 +25,7 @@ from engine.core.engine import EngineConfig
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2_grpc
 from services.decode_server import start_decode_server
-from support import prerequisites
+from support import cpu_alone, prerequisites
 from support.backend import require_cpu
 from support.examples import FULL
 
@@ -121,14 +123,45 @@ def _real_model_marked(request) -> None:
         request.getfixturevalue("real_model")
 
 
+_RUN_DIR = "TOKENWIRE_TEST_RUN_DIR"
+
+
+def pytest_configure(config) -> None:
+    """A directory of this run's own, made by the process that starts the run and shared by all
+    its pytest-xdist workers (they inherit the variable): JAX's compilation cache and the CPU lock."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ[_RUN_DIR] = tempfile.mkdtemp(prefix="tokenwire-test-run-")
+    cpu_alone.open_lock(Path(os.environ[_RUN_DIR]) / "cpu.lock")
+
+
+def pytest_unconfigure(config) -> None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        shutil.rmtree(os.environ.pop(_RUN_DIR, ""), ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test, its set-up (models its module loads) and tear-down included, holds the run's CPU
+    lock shared, so a stretch that needs the CPUs alone (`support.cpu_alone.alone`) waits for the
+    other workers' tests and holds them off."""
+    cpu_alone.shared()
+    try:
+        yield
+    finally:
+        cpu_alone.release()
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _compilation_cache(tmp_path_factory) -> None:
+def _compilation_cache() -> None:
     """JAX's persistent compilation cache, on as decode-server serves it (ModelOptions'
-    compilation_cache), in a directory of this run's own: a test that loads a model another
-    test already compiled reads its executables back instead of compiling them again. Counts of
-    compilations (`JaxModel.compilations`) are the jit caches' and do not change."""
+    compilation_cache), in this run's directory, which its workers share (JAX's cache is made for
+    several processes): a test that loads a model another test already compiled reads its
+    executables back instead of compiling them again. Counts of compilations
+    (`JaxModel.compilations`) are the jit caches' and do not change."""
     if os.environ.get("TOKENWIRE_TEST_NO_XLA_CACHE"):
         return
     from engine.jax_backend import compilation_cache
 
-    assert compilation_cache.enable(tmp_path_factory.mktemp("xla"))
+    directory = Path(os.environ[_RUN_DIR]) / "xla"
+    directory.mkdir(exist_ok=True)
+    assert compilation_cache.enable(directory)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from engine.jax_backend import cpu_kernels
+from support.cpu_alone import alone
 
 T = TypeVar("T")
 
@@ -15,13 +16,16 @@ def on_threads(kernels: cpu_kernels.Kernels, threads: int, call: Callable[[], T]
     """Sets the pool to `threads` and runs `call` (which must wait for its result) until one call
     ran on all of them, at most `tries` times; asserts that one did and that none ran on fewer
     than one. A worker that is not scheduled in time leaves its chunks to the others, so the most
-    of a few calls is what is checked. -> the last call's result. The caller restores the count."""
+    of a few calls is what is checked, with the CPUs to this test alone (`support.cpu_alone`:
+    another pytest-xdist worker's load would keep the pool's threads waiting). -> the last call's
+    result. The caller restores the count."""
     cpu_kernels.set_threads(kernels, threads)
     seen = []
-    for _ in range(tries):
-        result = call()
-        seen.append(cpu_kernels.last_threads(kernels))
-        if max(seen) == threads:
-            break
+    with alone():
+        for _ in range(tries):
+            result = call()
+            seen.append(cpu_kernels.last_threads(kernels))
+            if max(seen) == threads:
+                break
     assert max(seen) == threads and min(seen) >= 1, seen
     return result
