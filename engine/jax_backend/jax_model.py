@@ -190,7 +190,7 @@ class JaxModel:
         zero = np.int32(0)
         for t in self.shapes.prompt:
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
-            self._through(self._steps.prefill_layers, x, self._put(self._null_table), zero, zero, zero, layers=1)
+            self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, layers=1)
             last = self._steps.last_hidden(x, np.int32(1))
         self._mask = self._steps.write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
         one = np.zeros(1, np.int32)
