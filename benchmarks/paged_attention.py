@@ -4,8 +4,15 @@ decode attention at the Llama-3.1-8B shape by default.
 
     python benchmarks/paged_attention.py [--batch 64] [--context 4096] [--page 16]
         [--heads 32] [--kv-heads 8] [--head-dim 128] [--dtype bfloat16]
-        [--rounds 5] [--steps 20] [--json PATH]
+        [--rounds 5] [--steps 20] [--jax-kernel] [--json PATH]
     python benchmarks/paged_attention.py --smoke   # a tiny shape on the CPU, Pallas interpret mode
+
+A script of its own, not a phase of scripts/gpu_check: the check's phases measure whole models
+against a plan and a report; this is one kernel against another, and needs only JAX and numpy
+(the GPU machine's preinstalled JAX runs it as is). Its run time on a GPU is not measured yet
+(none was lent while it was written); a few compiles and 2 x 5 x 20 calls per kernel.
+`--jax-kernel` also times `jax.experimental.pallas.ops.gpu.paged_attention` (q pre-scaled, as it
+applies no 1/sqrt(D)); its difference from the contiguous kernel is reported, not checked.
 
 Both kernels read the same keys and values: random pages in a pool of B x context / P + 1 pages
 (page 0 the null page), handed to the rows in a shuffled order as a pool is after many
