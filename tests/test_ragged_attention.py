@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from engine.jax_backend import ragged_attention
+from support.lowering import host_syncs
 
 TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-5), jnp.bfloat16: dict(atol=8e-3, rtol=8e-3)}
 INTERPRET = jax.default_backend() != "gpu"
@@ -145,14 +146,17 @@ def test_the_kernel_applies_on_a_gpu_only():
 def test_kernel_lowers_for_a_cuda_gpu(dtype):
     """Cross-lowering from this CPU: JAX's Pallas Triton lowering accepts the kernel (power-of-two
     tensors, the page gather, supported ops) and emits one Triton call with grid (rows, kv heads,
-    splits) at the 8B shape, 16-token pages, 1024 positions a row. Triton's own compile to GPU code
-    happens only on a GPU and is not tested here."""
+    splits) at the 8B shape, 16-token pages, 1024 positions a row, and nothing around it that makes
+    XLA:GPU wait on the host (interpret=None: the platform's pick is folded away). Triton's own
+    compile to GPU code happens only on a GPU and is not tested here."""
     rows, heads, kv_heads, head_dim, page, pages = 8, 32, 8, 128, 16, 600
     q = jax.ShapeDtypeStruct((rows, heads, head_dim), dtype)
     pool = jax.ShapeDtypeStruct((kv_heads, pages, page, head_dim), dtype)
     tables = jax.ShapeDtypeStruct((rows, 1024 // page), jnp.int32)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
     step = jax.jit(ragged_attention.decode_attention, static_argnames=("block_k", "splits", "interpret"))
-    text = step.trace(q, pool, pool, tables, lengths, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = step.trace(q, pool, pool, tables, lengths).lower(lowering_platforms=("cuda",))
+    assert host_syncs(lowered.compiler_ir("stablehlo")) == []
+    text = lowered.as_text()
     assert text.count("xla.gpu.triton") == 1
     assert "grid_x = 8 : i32, grid_y = 8 : i32, grid_z = 4 : i32" in text  # 8 x 8 x 4 splits = 256 programs

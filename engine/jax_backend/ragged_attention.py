@@ -59,7 +59,7 @@ from engine.jax_backend.backend_profile import profile
 
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
 DEFAULT_BLOCK_K = 64  # keys per loop iteration (whole pages: more when a page is larger)
-MAX_PAGE = 128  # a larger page would be one key block past what a program's registers hold at D = 128
+MAX_PAGE = 128  # a key block is at least a page; blocks past 128 keys at D = 128 would likely spill registers (untried)
 MIN_GROUP = 16  # query rows per program: the G heads of a kv head, zero-padded up to this
 TARGET_PROGRAMS = 256  # split the context until rows x kv heads x splits reaches this (about 2 per SM)
 MAX_SPLITS = 16
