@@ -39,7 +39,9 @@ Where it runs: `applies()` says whether the decode layers use it (a GPU backend,
 Triton lowering importable, a head dim and page size it takes). On the CPU the engine keeps its
 own paths; there this module runs only in Pallas interpret mode, for tests (`interpret=None`
 picks it off a GPU). The GPU lowering was written against JAX 0.10's Triton lowering; nothing
-GPU-only is imported until a kernel is lowered for a GPU.
+GPU-only is imported until a kernel is lowered for a GPU. The tests lower it for CUDA from the
+CPU; Triton's own compile and a run on a GPU have not happened yet (no GPU was lent while it was
+written): benchmarks/paged_attention.py is the check to run first where one is.
 
 Shapes: R rows, H query heads, K kv heads, G = H / K, Gp G padded, D head dim, N pages in the
 pool, P page size, W table entries per row, S splits, Bp pages per key block, Bk = Bp x P keys.
