@@ -101,7 +101,7 @@ class JaxModel:
             raise ValueError(f"int8 weights need the CPU kernels, which are {self.kernel_state}")
         # On a GPU, decode attention is the ragged Pallas kernel (engine.jax_backend.ragged_attention),
         # which reads each row's live length too; not under a mesh, whose partitioner cannot split it.
-        self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, s)
+        self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, self.kv.page_size)
         self.shapes = Shapes.plan(
             b, s, options.max_prefill_chunk, options.max_step_tokens, knobs, backend,
             one_attend=self.kernels or self.ragged, kernels=self.kernels, mesh=plan is not None,

@@ -451,9 +451,9 @@ def _chunk_seen(
     return chunk_attention(q, k_pool, v_pool, table, start, cfg)
 
 
-def _ragged(ragged: bool | None, cfg: ModelConfig, tables: jax.Array, page_size: int) -> bool:
-    """`ragged` as given, or (None) whether the Pallas kernel applies to this head dim and context."""
-    return ragged_attention.applies(cfg.head_dim, tables.shape[1] * page_size) if ragged is None else ragged
+def _ragged(ragged: bool | None, cfg: ModelConfig, page_size: int) -> bool:
+    """`ragged` as given, or (None) whether the Pallas kernel applies to this head dim and page size."""
+    return ragged_attention.applies(cfg.head_dim, page_size) if ragged is None else ragged
 
 
 def decode_layers(
@@ -477,7 +477,7 @@ def decode_layers(
     `attend`; None: where it `applies()` (a GPU backend and shapes it takes). Off, the XLA
     attention over the pages of `attend` positions. Inactive rows compute garbage and write it to
     the null page (`_decode_writer`)."""
-    ragged = _ragged(ragged, cfg, tables, k_pages[0].shape[2])
+    ragged = _ragged(ragged, cfg, k_pages[0].shape[2])
     write = _decode_writer(tables, positions, active, k_pages[0].shape[2])
     pos = positions[:, None]  # [R, 1]
     ks, vs = [], []
@@ -521,7 +521,7 @@ def mixed_layers(
     query sees, so the order of the two writes does not matter)."""
     r, c = x.shape[0], chunk.shape[0]
     p = k_pages[0].shape[2]
-    ragged = _ragged(ragged, cfg, tables, p)
+    ragged = _ragged(ragged, cfg, p)
     write = _decode_writer(tables, positions, active, p)
     use_kernel = _chunk_kernel(kernels, cfg, chunk.dtype, k_pages[0].dtype)
     chunk_pos = start + jnp.arange(c)  # [C]
