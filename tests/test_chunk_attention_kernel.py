@@ -205,16 +205,18 @@ def test_prefill_layers_with_the_kernel_equal_plain_jax(name):
     results = {}
     for kernels in (False, True):
         cache = transformer.init_cache(cfg, 2, 64, np.float32)
-        ks, vs, outs = cache.k, cache.v, []
+        ks, vs, outs, table = cache.k, cache.v, [], cache.tables[1]  # slot 1's pages
         for lo in range(0, len(prompt), 5):
             tokens = np.zeros(8, np.int32)
             piece = prompt[lo : lo + 5]
             tokens[: len(piece)] = piece
             x = transformer.embed(ckpt.weights.embed, tokens)[None]  # [1, 8, E]
-            x, ks, vs = run(layers, ks, vs, x, np.int32(1), np.int32(lo), cfg=cfg, kernels=kernels)
+            x, ks, vs = run(layers, ks, vs, x, table, np.int32(lo), np.int32(lo), np.int32(lo + len(piece)), cfg=cfg, kernels=kernels)
             outs.append(np.asarray(x[0, : len(piece)]))
-        results[kernels] = (np.concatenate(outs), np.asarray(ks[-1][1, :, : len(prompt)]))
-        text = run.lower(layers, ks, vs, x, np.int32(1), np.int32(0), cfg=cfg, kernels=kernels).as_text()
+        written = transformer.gather_pages(ks[-1], table)[:, : len(prompt)]  # [K, T, D]
+        results[kernels] = (np.concatenate(outs), np.asarray(written))
+        zero = np.int32(0)
+        text = run.lower(layers, ks, vs, x, table, zero, zero, zero, cfg=cfg, kernels=kernels).as_text()
         assert (cpu_kernels.CHUNK_TARGET in text) == kernels
     np.testing.assert_allclose(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(results[True][1], results[False][1], atol=1e-5, rtol=1e-5)
