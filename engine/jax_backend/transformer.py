@@ -109,7 +109,7 @@ def init_cache(
 def gather_pages(pages: jax.Array, table: jax.Array) -> jax.Array:
     """The positions a table names, in order: pages [K, N, P, D], table [..., n] -> [..., K, n * P, D]."""
     k, _, p, d = pages.shape
-    got = pages[:, table]  # [K, ..., n, P, D]
+    got = jnp.asarray(pages)[:, table]  # [K, ..., n, P, D]
     got = jnp.moveaxis(got, 0, -4)  # [..., K, n, P, D]
     return got.reshape(*got.shape[:-3], table.shape[-1] * p, d)
 
