@@ -26,6 +26,7 @@ from engine.jax_backend.jax_model import JaxModel
 from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.gated_steps import GatedSteps
+from support.pages import own_pages
 from support.recording_sink import Recorder
 
 ASSETS = Path(__file__).parent / "assets"
@@ -213,9 +214,13 @@ def test_a_packed_prefill_samples_and_writes_what_one_call_a_prompt_does(model):
             model.release(s)
 
     try:
+        for s in slots:
+            own_pages(model, s)
         want = [model.prefill(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)]
         want_steps = steps()
         release()
+        for s in slots:
+            own_pages(model, s)
         with compile_events() as compiled:
             got = model.prefill_packed([PromptInput(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)])
             got_steps = steps()
@@ -231,6 +236,7 @@ def test_a_packed_prefill_samples_and_writes_what_one_call_a_prompt_does(model):
 
 def test_a_packed_prefill_refuses_a_slot_in_use_and_too_many_tokens(model):
     packed = model
+    own_pages(packed, 0), own_pages(packed, 1)
     with pytest.raises(ModelUsageError, match="tokens in one packed prefill"):
         packed.prefill_packed([PromptInput(0, (1,) * 40, GREEDY, False), PromptInput(1, (1,) * 30, GREEDY, False)])
     packed.prefill(0, (1, 2), GREEDY, False)
