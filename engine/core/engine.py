@@ -531,6 +531,7 @@ class Engine:
             written = live.prompt[:written]
         del self._active[live.slot]
         self.model.release(live.slot)
+        self._pages.grow(live.ticket, len(written))  # (the length its pages hold: `_grow` asks only at page starts)
         self._pages.preempt(live.ticket, written)
         live.prompt = live.request.prompt_token_ids + tuple(live.output)
         live.resumed, live.slot, live.cached, live.steps = len(live.output), -1, 0, 0
