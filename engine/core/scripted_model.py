@@ -255,6 +255,10 @@ class ScriptedModel:
         self._ids[slot] = -1
         self._written[slot] = 0
 
+    def table(self, slot: int) -> tuple[int, ...]:
+        """The slot's block table as the model holds it (the pages `set_pages` named last)."""
+        return tuple(int(page) for page in self._tables[slot, : self._pages[slot]])
+
     @property
     def slots_held(self) -> int:
         return len(self._masked)
