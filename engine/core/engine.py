@@ -1,14 +1,26 @@
-"""The engine core: a bounded admission queue, a slot table and one scheduler loop.
+"""The engine core: a bounded admission queue, a slot table, a KV page pool and one scheduler loop.
+
+The KV cache is a pool of pages (engine.core.kv_pages, `KvPages`, sized by `Model.kv`): a request
+holds pages for the positions it has, not a whole context, so more requests run than the pool
+holds contexts, and full prompt pages are shared by prompts that start alike (prefix caching,
+with no copy). The scheduler decides every page; the model only reads and writes through the
+tables it is given (`Model.set_pages`).
 
 Data flow, on the engine thread, once per iteration:
-  1. take aborts and admissions under the lock (admit waiting requests into free slots, which
-     they hold from then on, so the queue bound never counts a promised slot as free);
-  2. for each aborted request: release its slot;
-  3. prefill: requests whose prompt is not yet all in the cache, oldest admission first. A
-     request's first turn here takes the longest prefix of whole blocks that the prefix cache
-     holds (`model.load_prefix`; engine.core.prefix_cache), then `model.prefill_chunk` calls of
-     at most `step_tokens` (the config's `max_step_tokens`, or the model's default) prompt
-     tokens in all this iteration while other requests decode
+  1. take aborts and admissions under the lock: waiting requests, oldest first (a preempted one
+     is at the front), each into a free slot while the pool takes its prompt
+     (`KvPages.can_admit`, leaving the reserve free for running requests to grow into; with
+     none running, no reserve); the first that does not fit stops the rest (FIFO). Admission
+     (`KvPages.admit`) shares the pages of the prompt's longest cached prefix and takes pages
+     for the rest of the prompt, so no prefill ever waits for a page; the slot gets its table
+     (`model.set_pages`). Slots are held from here, so the queue bound never counts a promised
+     slot as free. A request that could never fit in the pool, even alone, was refused at
+     submit (InvalidArgument naming the field and the pool's size: `check_fits`);
+  2. for each aborted request: release its slot and free its pages;
+  3. prefill: requests whose prompt is not yet all in the cache, oldest admission first, from
+     the end of the prefix hit (those positions' KV is in the shared pages), in
+     `model.prefill_chunk` calls of at most `step_tokens` (the config's `max_step_tokens`, or
+     the model's default) prompt tokens in all this iteration while other requests decode
      (chunked prefill: a long prompt is read over several iterations, each followed by a
      decode step, so running streams keep their pace; with nothing decoding, nobody waits, and
      a prompt is read whole). The budget protects the streams that decode from the prompts
@@ -18,7 +30,7 @@ Data flow, on the engine thread, once per iteration:
      requests for waiting ones on a similar rule, its waiting_served_ratio). A burst of 32
      short prompts is then read in one iteration, instead of trickling in at `step_tokens` a
      step while the first requests run to their end. In such an iteration (and with no budget
-     at all) the prompts not yet started and with no cached prefix go, in admission order, as
+     at all) the prompts not yet started and with no prefix hit go, in admission order, as
      many as fit in the model's `packed_prefill_tokens`, into one `model.prefill_packed` call
      (at least two; `_prefill_packed`): one pass over the weights and one read of the samples
      for all of them, where an accelerator's fixed cost a call would otherwise be paid a
@@ -30,17 +42,27 @@ Data flow, on the engine thread, once per iteration:
      step of step 4 instead (`model.dispatch(inputs, chunk)`) when the model takes one along
      (`Model.fused_chunk_tokens`): one pass over the weights for the step and the chunk, so the
      running streams wait for one step, not a chunk and then a step (at most one chunk a step;
-     with no step to carry it, it is a `prefill_chunk` call). The chunk that completes a prompt stores its whole blocks in the
-     prefix cache (`model.save_prefix`) and samples its first token -> `decide` -> events; a
-     request that finishes there (a control token, or max_output_tokens = 1) releases its slot
-     at once and never joins a decode step;
-  4. dispatch one decode step (`model.dispatch`) for every active slot whose prompt is complete
+     with no step to carry it, it is a `prefill_chunk` call). The chunk that completes a prompt
+     publishes its full pages for later prompts to share (`KvPages.publish`; a page another
+     request computed meanwhile is swapped for that one, and the table sent again) and samples
+     its first token -> `decide` -> events; a request that finishes there (a control token, or
+     max_output_tokens = 1) releases its slot and pages at once and never joins a decode step;
+  4. growth: each request of the next step whose position starts a new page gets one
+     (`KvPages.grow`, evicting cached pages if need be) and its table is sent again. When none
+     is left, the step in flight is read first (finished requests free theirs), then the most
+     recently admitted request is preempted until every row has its page (`_make_room`): its
+     slot is released, its written full pages stay cached (`KvPages.preempt`), and it goes back
+     to the front of the queue with its prompt and the tokens it produced as a new prompt.
+     Readmitted (mostly a prefix hit), its prefill samples its next token, and its counts and
+     stop rule go on: its client sees no duplicate, no gap, only the time it waited;
+  5. dispatch one decode step (`model.dispatch`) for every active slot whose prompt is complete
      and whose output may still grow, then read the previous iteration's step (`model.collect`)
-     -> `decide` per slot -> events; finished slots are released in the same iteration. The
-     host thus runs one step behind the device: step N+1 is enqueued before step N is read, and
-     its inputs (each slot's last sample) never leave the device. A request that step N finished
-     was also in step N+1; that sample is discarded (never decided, never sent), and a request
-     is never dispatched a step that could only pass its length cap.
+     -> `decide` per slot -> events; finished slots are released (and their pages freed) in the
+     same iteration. The host thus runs one step behind the device: step N+1 is enqueued before
+     step N is read, and its inputs (each slot's last sample) never leave the device. A request
+     that step N finished was also in step N+1; that sample is discarded (never decided, never
+     sent), and a request is never dispatched a step that could only pass its length cap.
+     Positions, and so growth, follow the steps dispatched, not the steps read.
 A request cancelled between or during its chunks is released at step 2 or at the end of its
 chunk, with no events, before the next step.
 After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
