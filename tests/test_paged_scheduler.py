@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from engine.core.engine import Engine, EngineConfig
 from engine.core.errors import InvalidArgument
-from engine.core.events import Finished, FinishReason, Token
+from engine.core.events import Finished, FinishReason
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
