@@ -161,6 +161,50 @@ async def test_overcommitted_streams_through_a_decode_server():
     assert preemptions >= 4
 
 
+class Ordered(Recorder):
+    """A Recorder that also notes, in one list shared by many, each first token and each finish."""
+
+    def __init__(self, log: list[tuple[str, int]], key: int) -> None:
+        super().__init__()
+        self.log, self.key = log, key
+
+    def events(self, events) -> None:
+        if not self.started.is_set():
+            self.log.append(("first", self.key))
+        super().events(events)
+        if self.done.is_set():
+            self.log.append(("finished", self.key))
+
+
+@pytest.mark.parametrize("output, preempted", [(200, False), (550, True)])
+def test_the_issue_shapes_64_streams_in_16384_positions(output, preempted):
+    """Issue 41's capacity and overcommit shapes on the scheduler: --max-batch-size 64,
+    --max-context-length 2048, --kv-cache-tokens 16384 (what 8 full contexts took). 64 streams
+    of ~250 positions all decode together: each gets its first token before any finishes. 64 of
+    ~600 (38,400 positions) all complete with their own ids, through preemptions."""
+    model = ScriptedModel(vocab_size=VOCAB, eos_token_ids=EOS, max_batch_size=64, max_context_length=2048,
+                          kv_cache_tokens=16384)
+    engine = Engine(model, EngineConfig(max_queue_size=64, max_step_tokens=0))
+    log: list[tuple[str, int]] = []
+    sinks = [Ordered(log, i) for i in range(64)]
+    engine.start()
+    try:
+        for i, sink in enumerate(sinks):
+            engine.submit(request([i, 3 + i] * 24 + [7 * i], output), sink)  # 49 prompt tokens
+        for sink in sinks:
+            assert sink.done.wait(60) and sink.error is None
+    finally:
+        engine.stop()
+    for i, sink in enumerate(sinks):
+        assert sink.tokens == [(7 * i + 1 + k) % VOCAB for k in range(output)]
+        assert sink.batches[-1][-1].usage.completion_tokens == output
+    if not preempted:
+        first_finish = log.index(next(entry for entry in log if entry[0] == "finished"))
+        assert sum(kind == "first" for kind, _ in log[:first_finish]) == 64
+    assert (engine.stats().preemptions > 0) == preempted
+    assert engine.stats().pages.used == 0
+
+
 # -- refusals -----------------------------------------------------------------------------------
 
 
