@@ -107,7 +107,7 @@ class Metrics:
         self.clock = clock
         r = self.registry
         self.slots_in_use = Gauge("tokenwire_slots_in_use", "Engine slots holding a request (decode-server only).", registry=r)
-        self.queue_depth = Gauge("tokenwire_queue_depth", "Requests waiting for a slot (decode-server only).", registry=r)
+        self.queue_depth = Gauge("tokenwire_queue_depth", "Requests waiting for a slot and KV pages, preempted ones included (decode-server only).", registry=r)
         self.requests = Counter(
             "tokenwire_requests", "Generation requests by how they ended: stop, length, error, cancelled.", ["reason"], registry=r
         )
