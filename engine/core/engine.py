@@ -401,17 +401,14 @@ class Engine:
         return next(s for s in range(self.model.info.max_batch_size) if s not in self._active)
 
     def _drop(self, tickets: set[int]) -> bool:
-        """Release the slots of aborted requests; whether any was released. (A request preempted
-        after its abort was taken is in the queue: it leaves it here.)"""
+        """Release the slots of aborted requests; whether any was released. (A waiting request,
+        preempted ones included, left the queue in `abort`; one preempted after its abort, in
+        `_preempt`.)"""
         dropped = False
         for slot, live in list(self._active.items()):
             if live.ticket in tickets:
                 self._release(live)
                 dropped = True
-        if tickets:
-            with self._cond:
-                for ticket in tickets:
-                    dropped |= self._waiting.pop(ticket, None) is not None
         return dropped
 
     def _release(self, live: _Live) -> None:
