@@ -19,7 +19,7 @@ import threading
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from engine.core.engine import Engine, EngineConfig
@@ -31,6 +31,7 @@ from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from services.client import decode_request
 from services.decode_server import start_decode_server
 from support.examples import examples
+from support.gated_steps import GatedSteps
 from support.recording_sink import Recorder
 from support.waiting import until_sync
 
@@ -111,26 +112,29 @@ def test_streams_far_past_the_pool_all_complete_with_what_they_get_alone():
 
 
 def test_a_preempted_request_keeps_its_masking_and_counts():
-    """min_output_tokens masks the EOS at token numbers below it: a recompute samples token number
-    `emitted` next, so it masks by that count, not from 0. A request whose ids reach EOS (2) at
-    its 3rd token, min 40: the 3rd and a later one are masked, whether it was preempted or not."""
-    model = ScriptedModel(vocab_size=VOCAB, eos_token_ids=EOS, max_batch_size=2, max_context_length=140,
-                          kv_cache_tokens=8 * 16)
+    """min_output_tokens masks the EOS at token numbers below it, so the recompute after a
+    preemption must mask by the tokens emitted in all, not since it resumed. The late request's
+    ids reach EOS (2) at its 66th token (936 -> 937 ... 999, 0, 1, 2), past min 60: it stops there,
+    preempted on the way or not; counted from its resumption, the EOS would be masked."""
+    model = GatedSteps(lambda step: step == 1, vocab_size=VOCAB, eos_token_ids=EOS, max_batch_size=2,
+                       max_context_length=96, kv_cache_tokens=26 * 4, page_size=4)
     engine = Engine(model, EngineConfig(max_step_tokens=0))
     engine.start()
     try:
-        eater = Recorder()  # started first: the other is the victim when they outgrow 8 pages
-        engine.submit(request([5, 300], 70), eater)
-        masked = Recorder()
-        engine.submit(Request("m", (999,), stopping=StoppingCriteria(70, min_output_tokens=40)), masked)
-        assert eater.done.wait(10) and masked.done.wait(10)
+        big, late = Recorder(), Recorder()
+        engine.submit(request(range(100, 176), 20), big)  # 76 + 20 positions: 24 of the 26 pages
+        assert model.entered.wait(5)  # its first step held, so that the other runs beside it from here
+        engine.submit(Request("m", (936,), stopping=StoppingCriteria(80, min_output_tokens=60)), late)
+        model.gate.set()
+        assert big.done.wait(10) and late.done.wait(10)
     finally:
+        model.gate.set()
         engine.stop()
-    assert engine.stats().preemptions >= 1
-    assert eater.tokens == list(range(301, 371))
-    # 999 -> 0, 1, (2 masked) 3, ...; the count wraps at 1000, so no EOS comes again before 70
-    assert masked.tokens == [0, 1] + list(range(3, 71))
-    assert masked.batches[-1][-1].usage.completion_tokens == 70
+    assert engine.stats().preemptions == 1
+    assert big.tokens == list(range(176, 196))
+    assert late.tokens == list(range(937, 1000)) + [0, 1]
+    end = late.batches[-1][-1]
+    assert (end.reason, end.stop_token_id, end.usage.completion_tokens) == (FinishReason.STOP, 2, 65)
 
 
 async def test_overcommitted_streams_through_a_decode_server():
@@ -203,6 +207,41 @@ def test_the_issue_shapes_64_streams_in_16384_positions(output, preempted):
         assert sum(kind == "first" for kind, _ in log[:first_finish]) == 64
     assert (engine.stats().preemptions > 0) == preempted
     assert engine.stats().pages.used == 0
+
+
+@pytest.mark.parametrize("fused", [0, 8])
+def test_a_request_preempted_mid_prefill_goes_on_from_its_cached_pages(fused):
+    """A decoding request that outgrows the pool while a later one is still reading its prompt
+    (2 tokens a step beside it; with `fused`, its pending chunk riding on the step that never
+    comes) preempts that one: readmitted, the victim's prompt goes on from the full pages it had
+    written, which stayed cached, and both get exactly their ids."""
+    model = GatedSteps(lambda step: step == 1, vocab_size=VOCAB, eos_token_ids=EOS, max_batch_size=2,
+                       max_context_length=96, kv_cache_tokens=30 * 4, page_size=4, fused_chunk_tokens=fused)
+    engine = Engine(model, EngineConfig(max_step_tokens=2))
+    engine.start()
+    try:
+        big, late = Recorder(), Recorder()
+        engine.submit(request(range(100, 176), 20), big)  # 76 + 20 positions: 24 of the 30 pages
+        assert model.entered.wait(5)  # its first step held, so the other arrives at position 77
+        engine.submit(request(range(300, 332), 3), late)  # 8 pages, read in 2-token chunks
+        model.gate.set()
+        assert big.done.wait(10) and late.done.wait(10)
+    finally:
+        model.gate.set()
+        engine.stop()
+    assert big.tokens == list(range(176, 196)) and late.tokens == [332, 333, 334]
+    assert engine.stats().preemptions == 1
+    chunks = [c[1:] for c in model.calls if c[0] == "prefill"][1:]  # the late one's (the big one's is whole, first)
+    # read in slot 1 up to its preemption (a pending chunk dropped unread), then again once the big
+    # one freed slot 0: from the end of the full pages it had written, which stayed cached, so
+    # only the written part of a partial page is computed twice
+    written = chunks[-2][2]
+    assert chunks[0][0] == 1 and chunks[-2][0] == 1 and chunks[-1][0] == 0
+    assert [start for _, start, _ in chunks[:-1]] == [0] + [end for _, _, end in chunks[:-2]]
+    assert chunks[-1][1] == written // 4 * 4 > 0
+    assert model.prefill_tokens == 76 + 32 + written % 4
+    stats = engine.stats()
+    assert (stats.preemptions, stats.pages.used, stats.pages.hit_tokens) == (1, 0, chunks[-1][1])
 
 
 # -- refusals -----------------------------------------------------------------------------------
@@ -309,11 +348,15 @@ def test_a_cancel_mid_decode_frees_every_page():
 class Checked(ScriptedModel):
     """The scripted model that also checks the engine's bookkeeping at every prefill and step
     (on the engine thread, so it sees a consistent state): each active slot's table in the model
-    is the allocator's, and the allocator holds exactly the active requests."""
+    is the allocator's, and the allocator holds exactly the active requests. Its first call
+    waits for `gate`, so that a whole workload is queued before anything runs (the pool is then
+    contended from the start, not request by request)."""
 
     engine: Engine
+    gate: threading.Event
 
     def _engine_agrees(self) -> None:
+        assert self.gate.wait(10)
         pages = self.engine._pages
         active = self.engine._active
         for slot, live in active.items():
@@ -340,19 +383,27 @@ requests_st = st.lists(
     st.tuples(
         st.sampled_from(range(len(PREFIXES))),
         st.lists(st.integers(3, VOCAB - 1), min_size=1, max_size=12),  # the prompt's own tail
-        st.one_of(st.none(), st.integers(1, 60)),  # max_output_tokens
+        st.one_of(st.none(), st.integers(1, 80), st.integers(1, 80)),  # max_output_tokens
         st.booleans(),  # ignore_eos
         st.one_of(st.none(), st.integers(0, 20)),  # aborted after this many tokens (None: never)
     ),
-    min_size=1, max_size=14,
+    min_size=1, max_size=20,
 )
 
 
+HEAVY = [(i % 4, [30 + i, 40 + 7 * i], 70 + i % 3, True, None) for i in range(10)]  # ~21 pages of 4 each
+
+
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@example(work=HEAVY, page_size=4, pool_pages=30, batch=4, step_tokens=0, fused=0, packed=64)  # preemption by decode
+@example(  # long prompts read in chunks of 4 beside decoding streams: victims mid-prefill, a chunk pending
+    work=[(2, list(range(50, 50 + 20 + i)), 30, True, 40 if i == 3 else None) for i in range(8)],
+    page_size=4, pool_pages=40, batch=5, step_tokens=4, fused=8, packed=0,
+)
 @given(
     work=requests_st,
     page_size=st.sampled_from([4, 8, 16]),
-    pool_pages=st.integers(8, 40),
+    pool_pages=st.integers(4, 30),
     batch=st.integers(1, 5),
     step_tokens=st.sampled_from([0, 4, 16]),
     fused=st.sampled_from([0, 8]),
@@ -367,7 +418,7 @@ def test_a_random_workload_keeps_every_invariant(work, page_size, pool_pages, ba
                     kv_cache_tokens=pool_pages * page_size, page_size=page_size,
                     fused_chunk_tokens=fused, packed_prefill_tokens=packed)
     engine = Engine(model, EngineConfig(max_queue_size=len(work), max_step_tokens=step_tokens))
-    model.engine = engine
+    model.engine, model.gate = engine, threading.Event()
     engine.start()
     results = []
     try:
@@ -381,11 +432,13 @@ def test_a_random_workload_keeps_every_invariant(work, page_size, pool_pages, ba
                 continue
             sink.given(engine.submit(request(prompt, n, ignore_eos), sink))
             results.append((sink, expected(prompt, n, ignore_eos, context)))
+        model.gate.set()
         for sink, _ in results:
             sink.ended.wait(10)
         assert all(sink.ended.is_set() for sink, _ in results)
         until_sync(lambda: engine.stats().slots_in_use == engine.stats().queue_depth == 0, "the aborted ones freed")
     finally:
+        model.gate.set()
         engine.stop()
     for sink, (ids, reason) in results:
         assert sink.error is None
