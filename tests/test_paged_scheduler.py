@@ -5,7 +5,9 @@ feeds other ids raises in the engine loop, which fails every request of these te
 
 - Overcommit: streams whose KV together far exceeds the pool all complete with exactly the ids,
   finish and usage they get alone; requests were preempted (counted), and no client saw a
-  duplicate or a missing token. In process and through a real decode server.
+  duplicate or a missing token. In process, at issue 41's shapes (64 streams in 16,384
+  positions), and through a real decode server. A request preempted mid-prompt goes on from its
+  cached pages; a recompute masks control tokens by its whole count.
 - A request that could never fit is refused at submit, naming the field and the pool's size.
 - A cancel mid-prefill or mid-decode frees every page.
 - A random workload (Hypothesis) over submits, aborts, pools, page sizes and prefill modes, the
