@@ -519,7 +519,7 @@ class Engine:
         rows before it got theirs)."""
         size = self._pages.page_size
         for live in lives:
-            position = len(live.prompt) + live.steps  # positions 0..position-1 fill its pages exactly
+            position = len(live.prompt) + live.steps  # its pages hold 0..position-1, ceil(position / size) of them
             if position % size == 0:
                 if not self._pages.grow(live.ticket, position + 1):
                     return False
@@ -541,13 +541,13 @@ class Engine:
         far as a new prompt (mostly a prefix hit: `KvPages.preempt` keeps its full pages cached).
         Its client sees only the time: the recompute's prefill samples the next token, and its
         counts (`emitted`, the stop rule's) go on."""
-        chunk, written = self._chunk, live.prefilled
-        if chunk is not None and chunk.slot == live.slot:
-            self._chunk, written = None, chunk.start  # its chunk never reaches the model
-        if not live.filling:  # the prompt, then every output id fed to a step (not the last sample)
+        end = live.prefilled
+        if self._chunk is not None and self._chunk.slot == live.slot:
+            end, self._chunk = self._chunk.start, None  # its chunk never reaches the model
+        if live.filling:
+            written = live.prompt[:end]
+        else:  # the prompt, then every output id fed to a step (not the last sample: no step wrote it)
             written = live.prompt + tuple(live.output[live.resumed : live.resumed + live.steps])
-        else:
-            written = live.prompt[:written]
         del self._active[live.slot]
         self.model.release(live.slot)
         self._pages.grow(live.ticket, len(written))  # (the length its pages hold: `_grow` asks only at page starts)
