@@ -20,7 +20,8 @@ prefill chunk ("prefill", slot, start, end), packed prefill ("packed", ((slot, p
 ...)) and decode step ("decode", slots), in order, so scheduler tests can
 check how chunks and steps interleave; `reads` records, for each `collect`, (the step read, the
 steps dispatched by then), so they can check that the host reads a step only after the next one
-is enqueued; `prefill_tokens` counts the prompt positions computed (a prefix hit's are not).
+is enqueued; `prefill_tokens` counts the prompt positions computed (a prefix hit's are not), and
+`table(slot)` is a slot's block table as the model holds it.
 
 **Its KV pages make the scheduler's mistakes loud.** The pool (`kv`: `kv_cache_tokens`
 positions in pages of `page_size`; 0: max_batch_size x max_context_length) stores, per page and
@@ -78,7 +79,6 @@ class ScriptedModel:
         self._pages = np.zeros(max_batch_size, np.int64)  # [B]: pages each table names (the rest is the null page)
         self._ids = np.full((max_batch_size, width * page_size), -1, np.int64)  # [B, W * P]: each slot's own ids (-1: none)
         self._written = [0] * max_batch_size  # slot -> positions its sequence holds (what the next write must follow)
-        self.set_pages_calls = 0
         self.prefill_tokens = 0  # prompt positions computed (written by a prefill), all calls together
         self.default_step_tokens = 256
         self.fused_chunk_tokens = fused_chunk_tokens
@@ -169,7 +169,6 @@ class ScriptedModel:
         self._tables[slot] = 0
         self._tables[slot, : len(pages)] = pages
         self._pages[slot] = len(pages)
-        self.set_pages_calls += 1
         self._check()
 
     def _write(self, slot: int, position: int, ids: Sequence[int]) -> None:
