@@ -11,8 +11,11 @@ kernels and, on tiny-llama, with the XLA attention too:
   wrote those pages goes on decoding beside them;
 - a call that would write or read a position its slot's table has no page for is refused
   (ModelUsageError), changing nothing;
-- none of it compiles after warm-up: a table is an input of one shape.
-The scheduler's side (which pages, when) is tests/test_paged_scheduler.py's.
+- none of it compiles after warm-up: a table is an input of one shape;
+- through a real Engine (the scheduler's pages): prompts with prefix hits beside a decoding
+  stream, and a pool too small for every stream (preemption and recompute), give the ids each
+  prompt gets alone, and compile nothing.
+Which pages the scheduler hands out, and when, is tests/test_paged_scheduler.py's.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engine.core.engine import Engine, EngineConfig
 from engine.core.model import ChunkInput, DecodeInput, ModelUsageError, PromptInput, SlotSetup
-from engine.core.request import SamplingParams
+from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.jax_backend.jax_model import JaxModel
 from support import prerequisites
 from support.compile_watch import compile_events
 from support.pages import own_pages, width
+from support.recording_sink import Recorder
 
 ASSETS = Path(__file__).parent / "assets"
 GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
@@ -186,3 +191,86 @@ def test_a_call_past_its_slots_table_is_refused_and_changes_nothing(model):
     model.release(1)
     with pytest.raises(ModelUsageError, match="no page"):  # release cleared the table
         model.prefill(0, (1, 2), GREEDY, False)
+
+
+# -- through the engine: the scheduler's pages ---------------------------------------------------
+
+
+def _through_engine(model: JaxModel, requests: list[tuple[tuple[int, ...], int]], step_tokens: int):
+    """Greedy ids of each (prompt, n) through a real Engine, one after the other beside a
+    background stream that decodes throughout; -> (ids per request, the engine's stats)."""
+    engine = Engine(model, EngineConfig(max_step_tokens=step_tokens))
+    engine.start()
+    try:
+        background = Recorder()
+        engine.submit(Request("bg", (11, 12, 13), SamplingParams(temperature=0.0), StoppingCriteria(40)), background)
+        got = []
+        for prompt, n in requests:
+            sink = Recorder()
+            engine.submit(Request("r", prompt, SamplingParams(temperature=0.0), StoppingCriteria(n)), sink)
+            assert sink.done.wait(60)
+            got.append(sink.tokens)
+        assert background.done.wait(60)
+        return got, engine.stats()
+    finally:
+        engine.stop()
+
+
+def test_prefix_hits_through_the_engine_give_the_same_ids_and_compile_nothing(model):
+    """Prompts that share starts of 0 to 5 pages, run through the engine (chunked prefill beside a
+    decoding stream, hits starting after their shared pages): each gives the ids the model gives
+    it alone with pages of its own; the repeated prompt is a hit; nothing compiles."""
+    rng = np.random.default_rng(1)
+    system = tuple(int(t) for t in rng.integers(3, 250, 40))
+    prompts = [
+        system + (5, 6, 7),
+        system[:25] + tuple(int(t) for t in rng.integers(3, 250, 12)),
+        system + (9,) * 12,
+        system[:16],
+        tuple(int(t) for t in rng.integers(3, 250, 30)),
+        system + (5, 6, 7),
+    ]
+    want = [_alone(model, p, 6) for p in prompts]
+    before = model.compilations()
+    with compile_events() as compiles:
+        got, stats = _through_engine(model, [(p, 6) for p in prompts], step_tokens=16)
+    assert got == want
+    assert stats.pages.hit_tokens >= 40  # the repeated prompt's 5 pages, at least
+    assert model.compilations() == before and compiles == []
+
+
+def test_a_pool_too_small_for_every_stream_preempts_and_changes_no_id():
+    """tiny-llama with the served kernels and a pool of 14 pages of 8 (112 positions) for 4
+    slots, 4 streams of 12-token prompts and 36 tokens each (4 x 6 pages in all): all four are
+    admitted (2 pages each), then outgrow the pool; the engine preempts and recomputes, and
+    every stream gets the ids it gets alone, with no compile."""
+    prerequisites.cpu_kernels()
+    m = JaxModel.load(
+        ASSETS / "tiny-llama", max_batch_size=SLOTS, max_context_length=CONTEXT, kv_page_size=PAGE,
+        kv_cache_tokens=14 * PAGE, min_bucket=8, max_chunk=32, dtype="float32",
+    )
+    m.warm_up()
+    rng = np.random.default_rng(5)
+    prompts = [tuple(int(t) for t in rng.integers(3, 250, 12)) for _ in range(4)]
+    want = []
+    for p in prompts:
+        m.set_pages(3, list(range(1, 8)))  # 7 pages: 56 positions, enough for one stream alone
+        ids = {3: [m.prefill(3, p, GREEDY, False).token_id]}
+        _decode_until(m, ids, {3: len(p)}, {3: 36})
+        m.release(3)
+        want.append(ids[3])
+    engine = Engine(m, EngineConfig(max_step_tokens=16))
+    sinks = [Recorder() for _ in prompts]
+    before = m.compilations()
+    with compile_events() as compiles:
+        engine.start()
+        try:
+            for p, sink in zip(prompts, sinks):
+                engine.submit(Request("r", p, SamplingParams(temperature=0.0), StoppingCriteria(36)), sink)
+            assert all(sink.done.wait(120) for sink in sinks)
+            stats = engine.stats()
+        finally:
+            engine.stop()
+    assert [sink.tokens for sink in sinks] == want
+    assert stats.preemptions > 0
+    assert m.compilations() == before and compiles == []
