@@ -23,3 +23,9 @@ def own_pages(model, slot: int) -> list[int]:
         raise ValueError(f"slot {slot}'s {w} pages do not fit a pool of {model.kv.num_pages}")
     model.set_pages(slot, pages)
     return pages
+
+
+def own_pages_all(model) -> None:
+    """Every slot its own pages (`own_pages`)."""
+    for slot in range(model.info.max_batch_size):
+        own_pages(model, slot)
