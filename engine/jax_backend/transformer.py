@@ -1,14 +1,15 @@
-"""The decoder forward pass in pure JAX, over a slot-based KV cache updated in place.
+"""The decoder forward pass in pure JAX, over a paged KV cache updated in place.
 
 The pass is cut into pieces that the caller jits separately, so that a group of layers compiles
 once and runs for every group of the same shape (see engine.jax_backend.jax_model for why):
 - `prefill_layers`: one chunk of a request's prompt (padded to a bucket of C tokens) at positions
-  start..start+C-1 through a group of layers; writes the slot's K/V there and attends, blocked
-  and causal (`chunk_attention`), to the slot's keys up to the chunk's end: a whole prompt is one
-  chunk at start 0, a long one several (chunked prefill). Cost grows with start + C, not with S.
+  start..start+C-1 through a group of layers; writes the slot's K/V into the pages its block
+  table names and attends, blocked and causal (`chunk_attention`), to the slot's keys up to the
+  chunk's end: a whole prompt is one chunk at start 0, a long one several (chunked prefill), a
+  prompt with a shared prefix starts after the prefix's pages. Cost grows with start + C, not S.
 - `decode_layers`: one token for each of the first R slots through a group of layers; writes each
-  active slot's K/V at its position and reads only the first R slots and the first `attend`
-  positions, so a step costs what the live batch and lengths need, not what the cache could hold.
+  active slot's K/V at its position's page and reads only the pages of the first R slots' first
+  `attend` positions, so a step costs what the live batch and lengths need, not what the pool holds.
 - `mixed_layers`: both at once, a decode step's rows and one prompt chunk of another slot, each
   projection taking all their rows together, so that the weights are read once for both (the
   scheduler's chunk rides along with the step that the streams decoding beside it wait for).
@@ -19,22 +20,28 @@ Layers are unrolled over separate per-layer weights and per-layer cache buffers.
 stacked weights compiles faster but decodes slower, because XLA:CPU copies each layer's slice of a
 stacked array before the matmul reads it; decode is memory-bound, so we take the speed (and cut
 compile time by compiling a group of layers once and calling it for every group instead). The
-figures behind this file's choices are in docs/benchmarks.md, "Design measurements". Each cache buffer is written with
-a scatter/dynamic-update-slice on the donated input, which XLA performs in place: step time does
-not grow with the context or the slot count at equal live rows and length (see
-tests/test_jax_model.py). Positions past a slot's live length hold stale values; they are never
-attended because every query masks later positions.
+figures behind this file's choices are in docs/benchmarks.md, "Design measurements".
 
-The cache is kv-head-major, [B, K, S, D], so a decode step's read of its rows and attended
-positions feeds the batched attention products without a transpose (with [B, S, K, D] XLA
-transposed that slice in every layer). Even so, at 32 rows the XLA attention is a large part of a
-step on XLA:CPU: it copies the sliced window, then runs each of the R x K [G, D] x [D, A] products
-as a separate small matmul. On the CPU the engine therefore uses
-a C++ kernel for decode attention (`kernels=True`, engine.jax_backend.cpu_kernels), which reads each row's
-live keys in place; `decode_attention` below is the same computation in JAX (the reference the
-kernel is tested against, and the path where neither kernel applies). On a GPU the decode
-layers use a Pallas kernel (engine.jax_backend.ragged_attention) that likewise reads each row's
-live keys in place instead of a bucketed window. The projections of up to cpu_kernels.PANEL_ROWS
+The KV cache is a pool of pages per layer (issue 41): K and V each [K, N, P, D] (kv heads, pages,
+page size, head dim), page 0 the null page. A sequence's position p lives in page table[p // P]
+at offset p % P of its block table (`KVCache.tables`; JaxModel passes each call its slots'
+tables, engine.jax_backend.slot_table). Each pool is written with a scatter on the donated input
+(`write_pages`), which XLA performs in place: step time does not grow with the pool at equal live
+rows and length (see tests/test_jax_model.py). A write meant for nobody (padding, an idle row)
+goes to the null page; positions past a sequence's live length, the null page and a page's
+unwritten tail hold stale values that are never attended, because every query masks later
+positions. Pages shared by several tables (a prefix hit) are only read: a sequence writes only
+positions past what it shares.
+
+The pool is kv-head-major, so a page of one kv head is P x D contiguous values, as the paged
+kernels read it. At 32 rows the XLA attention is a large part of a step on XLA:CPU: it gathers
+each row's pages into a window, then runs each of the R x K [G, D] x [D, A] products as a
+separate small matmul. On the CPU the engine therefore uses a C++ kernel for decode attention
+(`kernels=True`, engine.jax_backend.cpu_kernels), which reads each row's pages in place through
+its table; `decode_attention` below is the same computation in JAX (the reference the kernel is
+tested against, and the path where neither kernel applies). On a GPU the decode layers use a
+Pallas kernel (engine.jax_backend.ragged_attention) that likewise reads each row's pages in place
+instead of a gathered window. The projections of up to cpu_kernels.PANEL_ROWS
 rows (decode steps, short prompt chunks) go to a second kernel when the layer carries
 panel-packed copies (`weights.with_panels`, `_project`), which streams the weights at about the
 memory's speed where XLA:CPU's GEMM of a few rows did not; and a prefill chunk's attention to a
@@ -46,8 +53,8 @@ split over a mesh; XLA's partitioner adds the collectives. The fused projections
 (engine.model_store.checkpoint: q/k/v grouped per kv head, gate/up interleaved) keep every
 device's heads and features local, so a layer adds only an all-reduce after o and one after down.
 
-Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S cache positions (max
-context), A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
+Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S context, N pool pages
+(the null page included), P page size, W = ceil(S / P) block table width, A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
 <= V), E hidden, F ffn, H heads, K kv heads, G = H / K query heads per kv head, D head dim, L layers.
 """
 
@@ -177,7 +184,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: M
     """Causal GQA attention of queries at `q_pos` over keys at positions 0..A-1.
 
     q [B, T, H, D], k/v [B, A, K, D], q_pos [B, T] -> [B, T, H * D]. A key is seen iff its
-    position <= the query's, which also hides stale cache rows past a slot's live length.
+    position <= the query's, which also hides stale positions past a sequence's live length.
     """
     b, t, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
