@@ -184,6 +184,11 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     `min_attend`, `min_rows`, `min_packed`; fewer shapes warm up faster). The compilation cache
     is the process's (services.cli turns it on before anything compiles), not the model's.
 
+    `kv_cache_tokens` / `kv_page_size`: the KV page pool, `pool_pages` of `kv_page_size`
+    positions (the scheduler hands them out, engine.core.kv_pages); `max_batch_size` and the
+    context then bound what is decoded together and how long a sequence grows, and reserve no
+    memory of their own.
+
     `kernel_build`: where the CPU kernels are looked for and built (default: options.cache_dir
     and options.compiler); the model's `kernels` says whether they are on and `kernel_state` why.
     With them, attention reads each row's live keys in place, and the weight products of up to
