@@ -94,7 +94,9 @@ def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: Pr
 SCRIPTED_PREFIX = "scripted:"
 
 
-def scripted_model(model_dir: Path, *, max_batch_size: int, max_context_length: int | None, step_ms: float):
+def scripted_model(
+    model_dir: Path, *, max_batch_size: int, max_context_length: int | None, step_ms: float, kv_cache_tokens: int = 0
+):
     """The scripted model (engine.core.scripted_model: the token after t is t + 1) with a fixed
     step time, in place of a real one: a stand-in for an accelerator when measuring the transport
     (`decode-server --model scripted:DIR`, and benchmarks/transport.py in process). Its vocabulary
@@ -107,6 +109,7 @@ def scripted_model(model_dir: Path, *, max_batch_size: int, max_context_length: 
     if not (model_dir / "tokenizer.json").is_file():
         raise ValueError(f"--model scripted:DIR takes its vocabulary from DIR/tokenizer.json, and {model_dir} has none")
     return ScriptedModel(
+        kv_cache_tokens=kv_cache_tokens,
         vocab_size=tokenizer_size(model_dir, 1 << 31),
         eos_token_ids=eos_token_ids(model_dir),
         max_batch_size=max_batch_size,
@@ -180,6 +183,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         spawn_model = functools.partial(
             scripted_model, model_dir, max_batch_size=config.max_batch_size,
             max_context_length=config.model_options.max_context_length, step_ms=config.step_ms,
+            kv_cache_tokens=config.model_options.kv_cache_tokens,
         )
     else:
         spawn_model = functools.partial(_load_model, model_dir, config.max_batch_size, config.model_options, config.group)
@@ -292,7 +296,7 @@ async def _generator(a: argparse.Namespace):
     from tokenizer_svc.tokenizer import TextTokenizer
 
     model_dir = _model_dir(a.model, cache_dir(a))
-    model = _load_model(model_dir, 1, model_options(a))
+    model = _load_model(model_dir, 1, model_options(a, 1))
     tokenizer = TextTokenizer.from_dir(model_dir)
     check_tokenizer_matches(tokenizer, model.info)
     model.warm_up()
@@ -431,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_flag(p, f"--{prefix}tls-key", help="PEM private key of the client certificate", default=None)
 
     def engine_flags(p):
-        add_flag(p, "--max-context-length", help="tokens per request (prompt + output), at most the model's max_position_embeddings; default min(that, 2048)", type=positive, default=SERVED.max_context_length)
+        add_flag(p, "--max-context-length", help="the longest sequence, tokens per request (prompt + output), at most the model's max_position_embeddings; reserves no memory (--kv-cache-tokens does); default min(that, 2048)", type=positive, default=SERVED.max_context_length)
         add_flag(p, "--dtype", help="weights/compute dtype; default float32 on CPU, bfloat16 on GPU", choices=["float32", "bfloat16"], default=SERVED.dtype)
         add_flag(
             p, "--cpu-kernels", help="C++ decode kernels on CPU with float32: prebuilt in the package (images), else built "
@@ -448,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
                  choices=["auto", "float32", "int8"], default=SERVED.weights)
         add_flag(p, "--cpu-threads", help="threads per CPU kernel call, weight product or attention (0 = the CPUs this process may use: "
                  "affinity and cgroup quota)", type=non_negative, default=SERVED.cpu_threads or 0)
-        add_flag(p, "--memory-limit-bytes", help="the memory check at load: weights + KV cache + prefix pool + the largest "
+        add_flag(p, "--memory-limit-bytes", help="the memory check at load: weights + KV cache + the largest "
                  "temporaries must fit in this many bytes per device, or the start fails in one line naming the numbers "
                  "(0 = what the device offers: on a GPU JAX's bytes_limit, i.e. its memory x XLA_PYTHON_CLIENT_MEM_FRACTION; "
                  "on a CPU the host's available memory)", type=non_negative, default=SERVED.memory_limit_bytes or 0)
@@ -462,15 +466,14 @@ def build_parser() -> argparse.ArgumentParser:
                  "vocabulary, the KV cache by kv heads; each device holds about 1/N); must divide the model's heads, kv heads "
                  "(or be a multiple of them), intermediate size and vocabulary. With --num-processes, every process's devices "
                  "together. On a CPU host it asks JAX for N CPU devices (to try it; not faster)", type=positive, default=SERVED.tensor_parallel)
-        add_flag(p, "--prefix-cache-tokens", help="prompt positions whose KV is kept, in blocks of 16, so that a prompt "
-                 "starting like an earlier one (a system prompt, earlier chat turns) skips computing that start; least "
-                 "recently used blocks go first; each position takes as much memory as one in the KV cache (0: off)",
-                 type=non_negative, default=SERVED.prefix_cache_tokens)
+        add_flag(p, "--kv-cache-tokens", help="positions of KV allocated at load, shared by every sequence in pages of 16 "
+                 "as it grows; pages no sequence holds keep prompt prefixes for reuse (0 = --max-batch-size x "
+                 "--max-context-length)", type=non_negative, default=SERVED.kv_cache_tokens)
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
     model_flags(p, scripted=True)
     server_flags(p, DEFAULT_DECODE_PORT)
-    add_flag(p, "--max-batch-size", help="slots decoded together per step (KV cache is preallocated for them)", type=positive, default=8)
+    add_flag(p, "--max-batch-size", help="the most sequences decoded together per step; reserves no KV memory (--kv-cache-tokens does)", type=positive, default=8)
     add_flag(p, "--max-queue-size", help="requests waiting for a slot; past it, RESOURCE_EXHAUSTED", type=non_negative, default=64)
     add_flag(p, "--max-connection-age", help="seconds after which a client connection is asked to reconnect (GOAWAY, "
              "with jitter; its open calls run on), so that clients re-resolve and find new replicas (0 = never)",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.engine import EngineConfig
-from engine.core.model_options import ModelOptions
+from engine.core.model_options import SERVED, ModelOptions
 from services.security import ClientTlsConfig, ServerTlsConfig, check_server_auth, read_token_file
 from services.server import ServerOptions
 
@@ -123,8 +123,10 @@ def cache_dir(a: argparse.Namespace) -> Path | None:
     return Path(a.cache).expanduser() if a.cache else None
 
 
-def model_options(a: argparse.Namespace) -> ModelOptions:
-    """How the engine loads the model, from the model flags (whose defaults are SERVED's)."""
+def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
+    """How the engine loads the model, from the model flags (whose defaults are SERVED's), for
+    `max_batch_size` sequences decoded together; ValueError for a KV cache that cannot serve them."""
+    check_kv_cache(a.kv_cache_tokens, SERVED.kv_page_size, max_batch_size)
     return ModelOptions(
         max_context_length=a.max_context_length,
         dtype=a.dtype,
@@ -132,7 +134,7 @@ def model_options(a: argparse.Namespace) -> ModelOptions:
         cache_dir=cache_dir(a),
         compiler=os.environ.get("CXX") or None,
         max_prefill_chunk=a.max_prefill_chunk,
-        prefix_cache_tokens=a.prefix_cache_tokens,
+        kv_cache_tokens=a.kv_cache_tokens,
         tensor_parallel=a.tensor_parallel,
         compilation_cache=a.compilation_cache == "on",
         weights=a.weights,
@@ -140,6 +142,20 @@ def model_options(a: argparse.Namespace) -> ModelOptions:
         memory_limit_bytes=a.memory_limit_bytes or None,
         max_step_tokens=getattr(a, "max_step_tokens", None),  # (generate --local has no such flag)
     )
+
+
+def check_kv_cache(kv_cache_tokens: int, page_size: int, max_batch_size: int) -> None:
+    """Refuse a --kv-cache-tokens too small for --max-batch-size: admission keeps a page free for
+    each sequence that may decode to grow into (engine.core.engine.reserve_pages), so a pool of
+    max_batch_size pages or fewer could admit a request only when none runs. 0 (the default,
+    max_batch_size x max_context_length) is always large enough."""
+    pages = -(-kv_cache_tokens // page_size)
+    if kv_cache_tokens and pages < max_batch_size + 1:
+        raise ValueError(
+            f"--kv-cache-tokens {kv_cache_tokens} is {pages} pages of {page_size} tokens; --max-batch-size "
+            f"{max_batch_size} needs at least {max_batch_size + 1} ({(max_batch_size + 1) * page_size} tokens): one "
+            f"kept free for each sequence to grow into, and one to admit a request with"
+        )
 
 
 @dataclass(frozen=True)
@@ -193,7 +209,7 @@ class DecodeServerConfig:
             server=dataclasses.replace(server_options(a), max_connection_age_s=a.max_connection_age),
             engine=EngineConfig(max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens),
             max_batch_size=a.max_batch_size,
-            model_options=model_options(a),
+            model_options=model_options(a, a.max_batch_size),
             stall_timeout_s=a.stall_timeout,
             grace_period_s=a.grace_period,
             metrics_port=a.metrics_port,

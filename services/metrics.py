@@ -53,41 +53,49 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
-class PrefixStatsLike(Protocol):
+class PageStatsLike(Protocol):
+    total: int
+    used: int
+    cached: int
     queried_tokens: int
     hit_tokens: int
-    cached_tokens: int
-    capacity_tokens: int
 
 
 class EngineStatsLike(Protocol):
     queue_depth: int
     slots_in_use: int
-    prefix: PrefixStatsLike
+    pages: PageStatsLike
+    preemptions: int
 
 
-class _PrefixCacheCollector:
-    """The engine's prefix cache counts, read at scrape time: cumulative counts kept by the
-    engine (in another process) are counters that this process only reports, which a
+class _KvCacheCollector:
+    """The engine's KV page pool and its counts, read at scrape time: cumulative counts kept by
+    the engine (in another process) are counters that this process only reports, which a
     prometheus_client Counter (incremented here) cannot express."""
 
     def __init__(self, stats: Callable[[], EngineStatsLike]) -> None:
         self._stats = stats
 
     def collect(self):
-        s = self._stats().prefix
+        stats = self._stats()
+        s = stats.pages
+        yield GaugeMetricFamily("tokenwire_kv_pages_total", "KV cache pages, each of 16 positions (decode-server only).", value=s.total)
+        yield GaugeMetricFamily("tokenwire_kv_pages_used", "KV cache pages held by running requests (a shared page once).", value=s.used)
+        yield GaugeMetricFamily(
+            "tokenwire_kv_pages_cached", "KV cache pages no request holds that keep a prompt prefix for reuse (evictable).",
+            value=s.cached,
+        )
+        yield CounterMetricFamily(
+            "tokenwire_preemptions", "Requests paused for want of KV pages and recomputed later (invisible to clients but for time).",
+            value=stats.preemptions,
+        )
         yield CounterMetricFamily(
             "tokenwire_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache (decode-server only).",
             value=s.queried_tokens,
         )
         yield CounterMetricFamily(
-            "tokenwire_prefix_cache_hit_tokens", "Prompt tokens whose KV came from the prefix cache instead of being computed.",
+            "tokenwire_prefix_cache_hit_tokens", "Prompt tokens whose KV was found in cached pages instead of being computed.",
             value=s.hit_tokens,
-        )
-        yield GaugeMetricFamily("tokenwire_prefix_cache_tokens", "Prompt positions the prefix cache holds now.", value=s.cached_tokens)
-        yield GaugeMetricFamily(
-            "tokenwire_prefix_cache_capacity_tokens", "Prompt positions the prefix cache can hold (--prefix-cache-tokens).",
-            value=s.capacity_tokens,
         )
 
 
@@ -99,7 +107,7 @@ class Metrics:
         self.clock = clock
         r = self.registry
         self.slots_in_use = Gauge("tokenwire_slots_in_use", "Engine slots holding a request (decode-server only).", registry=r)
-        self.queue_depth = Gauge("tokenwire_queue_depth", "Requests waiting for a slot (decode-server only).", registry=r)
+        self.queue_depth = Gauge("tokenwire_queue_depth", "Requests waiting for a slot and KV pages, preempted ones included (decode-server only).", registry=r)
         self.requests = Counter(
             "tokenwire_requests", "Generation requests by how they ended: stop, length, error, cancelled.", ["reason"], registry=r
         )
@@ -148,10 +156,10 @@ class Metrics:
             self.requests.labels(reason)
 
     def watch_engine(self, stats: Callable[[], EngineStatsLike]) -> None:
-        """Read the slot and queue gauges from `stats()` (e.g. `engine.stats`) at every scrape."""
+        """Read the slot, queue and KV cache metrics from `stats()` (e.g. `engine.stats`) at every scrape."""
         self.slots_in_use.set_function(lambda: stats().slots_in_use)
         self.queue_depth.set_function(lambda: stats().queue_depth)
-        self.registry.register(_PrefixCacheCollector(stats))
+        self.registry.register(_KvCacheCollector(stats))
 
     def track(self, request_id: str = "", prompt_tokens: int = 0) -> "RequestTracker":
         """Start timing one generation request; use as `with metrics.track(...) as tracker:`."""

@@ -7,7 +7,8 @@ mocks, through a real stack (text server -> decode server, scripted model, tiny-
     strings, keep_special_tokens, early client cancels, deadlines, and invalid requests (some
     refused before the stream exists, some by the decoder after it does). While they run, the
     live state is bounded by what is in flight; afterwards none is alive, the engine holds no
-    slot and no queued request, the model no slot, and neither server counts a request in flight;
+    slot, no queued request and no KV page (its pool half what 4 contexts take, so requests are
+    preempted too), the model no slot, and neither server counts a request in flight;
   * every way a request can end frees its state as it ends, by reference counting: state kept
     alive by a reference cycle waits for the cycle collector, which may not run for a long time.
 And directly: a detokenizer holds at most CONTEXT_TOKENS ids plus the current run of byte-fallback
@@ -39,6 +40,7 @@ from protos.text.v1 import text_pb2_grpc
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
 from support.idle import until_nothing_held
+from support.waiting import until
 from tokenizer_svc.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
 from tokenizer_svc.stop_strings import StopStringMatcher
 from tokenizer_svc.text_stream import TextStream
@@ -67,8 +69,10 @@ def by_class(objects: list[object]) -> dict[str, int]:
 
 @pytest.fixture
 async def stack():
+    # slow enough that cancels and deadlines land mid-stream; a KV pool of 8 pages (half of 4
+    # contexts) so that requests are also preempted and recomputed, and their pages freed
     model = ScriptedModel(vocab_size=VOCAB, eos_token_ids=EOS, max_batch_size=4, max_context_length=CONTEXT,
-                          step_delay_s=0.001)  # slow enough that cancels and deadlines land mid-stream
+                          step_delay_s=0.001, kv_cache_tokens=8 * 16)
     decode = await start_decode_server(model, EngineConfig(max_queue_size=CONCURRENCY))
     text = await start_text_server(tiny_tokenizer(), f"127.0.0.1:{decode.port}")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{text.port}")
@@ -178,6 +182,8 @@ async def test_no_state_is_left_after_1000_mixed_requests_with_cancels(stack):
     assert peak > 0, "sampling never saw a live TextStream: it would not see a leak either"
 
     await until_nothing_held(decode, text, model)
+    await until(lambda: decode.engine.stats().pages.used == 0, "every KV page free")
+    assert decode.engine.stats().preemptions > 0  # the pool was short: preempted requests were freed too
     gc.collect()
     assert by_class(live_state(before)) == {}, "per-request state still alive after every request ended"
 

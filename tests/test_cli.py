@@ -273,3 +273,13 @@ def test_commands_that_run_the_model_say_how_to_get_jax_when_it_is_missing(argv)
 def test_step_ms_is_refused_without_the_scripted_model(capsys):
     code, _, err = in_process(capsys, "decode-server", "--model", str(TINY), "--step-ms", "2", "--port", "0")
     assert code == 2 and "--step-ms" in err and "scripted:DIR" in err and "Traceback" not in err
+
+
+def test_a_kv_cache_too_small_for_the_batch_is_refused_in_one_line(capsys):
+    """A pool of 8 pages cannot keep a page free for each of 8 sequences and admit one: refused
+    before anything loads, naming the flags and the least that works; 9 pages start loading."""
+    code, _, err = in_process(capsys, "decode-server", "--model", "m", "--kv-cache-tokens", "128", "--max-batch-size", "8")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "--kv-cache-tokens 128" in last and "--max-batch-size 8" in last and "144 tokens" in last, err
+    code, _, err = in_process(capsys, "decode-server", "--model", "no-such-model", "--kv-cache-tokens", "144", "--max-batch-size", "8")
+    assert code == 2 and "unknown model 'no-such-model'" in err and "kv-cache" not in err, err

@@ -1,5 +1,7 @@
-"""engine.jax_backend.cpu_kernels: the C++ decode attention equals transformer.decode_attention (the JAX
-reference) on random inputs of many shapes, on one thread and split across the pool; the product
+"""engine.jax_backend.cpu_kernels: the C++ decode attention over paged KV equals a float64 reference
+that gathers each row's keys through its block table (ragged lengths, page boundaries, shuffled and
+shared pages, GQA, page sizes 8, 16 and 32, both ISAs), on one thread and split across the pool,
+never reading a position past a row's keys, and refusing a table entry outside the pools; the product
 of a few rows over panel-packed weights equals x @ w, with each row's bits independent of the
 call's other rows and of the ISA; and a machine that cannot build the kernels gets None (the engine then runs
 plain JAX), never an error.
@@ -32,17 +34,14 @@ import pytest
 
 from engine.jax_backend import cpu_kernels, transformer
 from engine.jax_backend.jax_model import JaxModel
-from engine.model_store.checkpoint import ModelConfig
-from support import prerequisites
-from support.attention_config import attention_config
+from support import paged_kv, prerequisites
 from support.pool_threads import on_threads
 from engine.model_store.registry import default_cache_dir
 
 pytestmark = pytest.mark.usefixtures("loaded_kernels")  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
-
-
-def _config(heads: int, kv_heads: int, head_dim: int) -> ModelConfig:
-    return attention_config(heads, kv_heads, head_dim, context=64)
+# What a custom call's error surfaces as: JaxRuntimeError from a jitted call's first (compiling)
+# run, ValueError (INVALID_ARGUMENT) from a later run through JAX's C++ dispatch.
+KERNEL_ERROR = (jax.errors.JaxRuntimeError, ValueError)
 
 
 ISAS = ["avx2"] + (["avx512"] if "avx512f" in cpu_kernels._cpu_flags() else [])
@@ -66,31 +65,58 @@ attention_isa = _each_isa(cpu_kernels.decode_attention_isa)  # decode_attention'
 panel_isa = _each_isa(cpu_kernels.panel_matmul_isa)  # panel_matmul's tile
 
 
+def _paged_case(seed: int, lengths: list[int], heads: int, kv_heads: int, head_dim: int, page_size: int, shared: int = 0):
+    """Queries, pools, tables and positions for rows of `lengths` keys (support.paged_kv: shuffled
+    pages, NaN wherever no row has a key), and the float64 reference output [R, H * D]."""
+    rng = np.random.default_rng(seed)
+    width = max(-(-n // page_size) for n in lengths) + 2  # entries past a row's pages are 0
+    tables, pages = paged_kv.tables(rng, lengths, page_size, width, shared)
+    k_pages, v_pages = paged_kv.pools(rng, tables, lengths, kv_heads, pages, page_size, head_dim)
+    q = rng.standard_normal((len(lengths), heads, head_dim), np.float32)
+    positions = np.array(lengths, np.int32) - 1
+    want = np.stack([
+        paged_kv.attention(q[r], paged_kv.gather(k_pages, tables[r], n), paged_kv.gather(v_pages, tables[r], n), n)
+        for r, n in enumerate(lengths)
+    ])
+    return (q, k_pages, v_pages, tables, positions), want
+
+
+_decode = jax.jit(cpu_kernels.decode_attention)
+
+
 @pytest.mark.parametrize(
-    "rows, heads, kv_heads, head_dim, slots, context",
+    "lengths, heads, kv_heads, head_dim, page_size, shared",
     [
-        (1, 9, 3, 64, 4, 64),  # SmolLM2's heads, one row
-        (5, 4, 4, 16, 8, 40),  # no grouping (G = 1), a context that is no power of two
-        (3, 8, 2, 12, 3, 17),  # a head dim that is no multiple of 8 (the plain loops); every slot a row
-        (2, 8, 1, 128, 2, 300),  # G = 8 (several P . V passes of heads), D = 128 (of column vectors)
-        (4, 6, 3, 80, 4, 33),  # D = 80: five AVX-512 vectors (passes of 4 and 1), ten AVX2 ones
-        (32, 9, 3, 64, 32, 512),  # enough keys to split across the pool
+        # SmolLM2's heads; one key, a length ending exactly on a page boundary and one past it, two
+        # rows sharing a prefix page
+        ([1, 16, 17, 40, 64], 9, 3, 64, 16, 1),
+        ([8, 9, 33, 7], 9, 3, 64, 8, 1),  # pages of 8: a page is half an AVX-512 group of keys
+        ([32, 33, 100, 1], 9, 3, 64, 32, 1),  # pages of 32
+        ([5, 40, 39], 4, 4, 16, 16, 0),  # no grouping (G = 1)
+        ([17, 16, 3], 8, 2, 12, 16, 1),  # a head dim that is no multiple of 8 (the plain loops)
+        ([15, 25, 8], 8, 2, 12, 8, 1),
+        ([300, 257], 8, 1, 128, 16, 0),  # G = 8 (several P . V passes of heads), D = 128
+        ([33, 32, 31, 48], 6, 3, 80, 16, 0),  # D = 80: five AVX-512 vectors (passes of 4 and 1), ten AVX2 ones
+        ([64, 512, 200, 65, 448, 128, 96, 500], 9, 3, 64, 16, 2),  # served lengths, shared 2 pages
     ],
 )
-def test_kernel_attention_equals_the_jax_reference(attention_isa, rows, heads, kv_heads, head_dim, slots, context):
-    rng = np.random.default_rng(rows * 1000 + context)
-    cfg = _config(heads, kv_heads, head_dim)
-    q = rng.standard_normal((rows, heads, head_dim), np.float32)
-    k_cache = rng.standard_normal((slots, kv_heads, context, head_dim), np.float32)
-    v_cache = rng.standard_normal((slots, kv_heads, context, head_dim), np.float32)
-    positions = rng.integers(0, context, rows).astype(np.int32)
-    positions[0], positions[-1] = 0, context - 1  # one key only, and the whole context
-    got = jax.jit(cpu_kernels.decode_attention)(q, k_cache, v_cache, positions)
-    want = jax.jit(transformer.decode_attention, static_argnames="cfg")(
-        q, k_cache[:rows], v_cache[:rows], positions, cfg=cfg
-    )
-    assert got.shape == (rows, heads * head_dim)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+def test_kernel_attention_equals_the_paged_reference(attention_isa, lengths, heads, kv_heads, head_dim, page_size, shared):
+    """Each row attends its keys through its table, exactly positions 0..positions[r]: the pools
+    hold NaN everywhere else, which would show in the output if it were read."""
+    args, want = _paged_case(sum(lengths) + head_dim, lengths, heads, kv_heads, head_dim, page_size, shared)
+    got = np.asarray(_decode(*args))
+    assert got.shape == (len(lengths), heads * head_dim)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_rows_sharing_pages_read_the_same_keys():
+    """Two rows whose tables name the same pages and the same queries give the same bits."""
+    args, _ = _paged_case(3, [40, 40], 9, 3, 64, 16, shared=3)
+    q, k_pages, v_pages, tables, positions = args
+    q[1] = q[0]
+    got = np.asarray(_decode(q, k_pages, v_pages, tables, positions))
+    np.testing.assert_array_equal(tables[0], tables[1])
+    np.testing.assert_array_equal(got[0], got[1])
 
 
 def test_decode_attention_splits_its_units_over_the_pool_with_the_same_bits():
@@ -98,23 +124,48 @@ def test_decode_attention_splits_its_units_over_the_pool_with_the_same_bits():
     where the attention once stayed on the caller), and each unit's result is the same bits
     whichever thread computed it."""
     kernels = cpu_kernels.load()
-    rng = np.random.default_rng(7)
-    heads, kv_heads, head_dim, context = 9, 3, 64, 4096  # SmolLM2's heads; keys enough for a worker to join in time
-    q = rng.standard_normal((1, heads, head_dim), np.float32)
-    k_cache = rng.standard_normal((1, kv_heads, context, head_dim), np.float32)
-    v_cache = rng.standard_normal((1, kv_heads, context, head_dim), np.float32)
-    positions = np.array([context - 1], np.int32)
-    attend = jax.jit(cpu_kernels.decode_attention)
+    args, want = _paged_case(7, [4096], 9, 3, 64, 16)  # SmolLM2's heads; keys enough for a worker to join in time
     results = {}
     try:
         for threads in (1, 2):
-            results[threads] = on_threads(kernels, threads, lambda: np.asarray(jax.block_until_ready(attend(q, k_cache, v_cache, positions))))
+            results[threads] = on_threads(kernels, threads, lambda: np.asarray(jax.block_until_ready(_decode(*args))))
     finally:
         cpu_kernels.set_threads(kernels, cpu_kernels.available_cpus())
     np.testing.assert_array_equal(results[1], results[2])
-    cfg = _config(heads, kv_heads, head_dim)
-    want = jax.jit(transformer.decode_attention, static_argnames="cfg")(q, k_cache, v_cache, positions, cfg=cfg)
-    np.testing.assert_allclose(results[2], np.asarray(want), atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(results[2], want, atol=2e-6, rtol=1e-5)
+
+
+def test_a_position_past_the_table_is_clamped_into_it(attention_isa):
+    """A padding row's position past its table (or below 0) reads the table's positions (or key 0)
+    only: its output is finite and equals the clamped position's."""
+    args, _ = _paged_case(5, [48, 48, 48], 9, 3, 64, 16)
+    q, k_pages, v_pages, tables, _ = args
+    width = tables.shape[1]
+    tables[:, 3:] = tables[0, 0]  # every position of the table holds a key
+    clamped = np.asarray(_decode(q, k_pages, v_pages, tables, np.array([width * 16 - 1, 0, 7], np.int32)))
+    got = np.asarray(_decode(q, k_pages, v_pages, tables, np.array([width * 16 + 100, -5, 7], np.int32)))
+    np.testing.assert_array_equal(got, clamped)
+
+
+@pytest.mark.parametrize("entry", [-1, "pages"])
+def test_a_table_entry_outside_the_pools_is_an_error_and_the_process_goes_on(entry):
+    args, want = _paged_case(9, [40, 20], 9, 3, 64, 16)
+    q, k_pages, v_pages, tables, positions = args
+    bad = tables.copy()
+    bad[1, 1] = k_pages.shape[1] if entry == "pages" else entry
+    for _ in range(2):  # the first run and a cached one
+        with pytest.raises(KERNEL_ERROR, match=rf"tables\[1, 1\] = {bad[1, 1]} is not a page of the pools \(0..{k_pages.shape[1] - 1}\)"):
+            np.asarray(_decode(q, k_pages, v_pages, bad, positions))
+    np.testing.assert_allclose(np.asarray(_decode(*args)), want, atol=2e-6, rtol=1e-5)
+
+
+def test_shapes_that_do_not_fit_are_a_clear_error():
+    args, _ = _paged_case(11, [20, 20], 9, 3, 64, 16)
+    q, k_pages, v_pages, tables, positions = args
+    with pytest.raises(KERNEL_ERROR, match=r"expected q \[R, H, D\], k_pages and v_pages \[K, N, P, D\].*got q \[2, 9, 64\], k_pages \[3, \d+, 16, 64\], v_pages .*, tables \[1, 4\]"):
+        np.asarray(_decode(q, k_pages, v_pages, tables[:1], positions))
+    with pytest.raises(KERNEL_ERROR, match="expected q"):  # a pool of another page size
+        np.asarray(_decode(q, k_pages, v_pages[:, :, :8], tables, positions))
 
 
 @pytest.mark.parametrize(
@@ -174,21 +225,6 @@ def test_panels_are_used_up_to_panel_rows_only():
         np.testing.assert_allclose(transformer._project(x, w, None), x @ w, rtol=1e-6)
     many = jnp.ones((1, cpu_kernels.PANEL_ROWS + 1, 8))  # a prefill chunk past the limit
     np.testing.assert_allclose(transformer._project(many, w, zeros), many @ w, rtol=1e-6)
-
-
-def test_keys_past_a_rows_position_are_never_read(attention_isa):
-    """Whatever the cache holds past position p (stale values from an earlier request), the row's
-    output is the same: NaNs there would show up in the result if they were read."""
-    rng = np.random.default_rng(7)
-    q = rng.standard_normal((2, 4, 8), np.float32)
-    k_cache = rng.standard_normal((2, 2, 16, 8), np.float32)
-    v_cache = rng.standard_normal((2, 2, 16, 8), np.float32)
-    positions = np.array([3, 10], np.int32)
-    clean = np.asarray(cpu_kernels.decode_attention(q, k_cache, v_cache, positions))
-    k_cache[0, :, 4:], v_cache[0, :, 4:] = np.nan, np.nan
-    k_cache[1, :, 11:], v_cache[1, :, 11:] = np.nan, np.nan
-    dirty = np.asarray(cpu_kernels.decode_attention(q, k_cache, v_cache, positions))
-    np.testing.assert_array_equal(dirty, clean)
 
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"

@@ -31,7 +31,7 @@ import pytest
 from engine.core.async_engine import AsyncEngine
 from engine.core.engine import Engine, EngineConfig
 from engine.core.engine_process import EngineProcess, ModelLoadFailed
-from engine.core.errors import EngineStopped, QueueFull
+from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
 from engine.core.events import Finished, FinishReason, Token, Usage
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
@@ -351,16 +351,30 @@ def test_stats_show_the_slot_freed_by_an_abort_that_no_step_follows(spawn):
         wait_until(lambda: process.stats().slots_in_use == 0, "the aborted slot shows free")
 
 
-def test_the_prefix_cache_counts_reach_the_parent(spawn):
-    process, _ = spawn(prefix_blocks=4, prefix_block_tokens=16)
-    prompt = tuple(range(3, 40))  # two whole blocks
+def test_the_page_counts_reach_the_parent(spawn):
+    """The KV pool's stats cross the pipe: a prompt's two full pages found cached the second
+    time, kept cached after; and two requests that outgrow a pool of 8 pages (5 pages each), one
+    of them preempted and recomputed, each with exactly its own ids."""
+    process, _ = spawn(max_batch_size=2)
+    prompt = tuple(range(3, 40))  # two full pages of 16 and 5 more
     for _ in range(2):
         sink = Recorder()
         process.submit(Request("p", prompt, stopping=StoppingCriteria(max_output_tokens=2)), sink)
         sink.wait_ended()
-    wait_until(lambda: process.stats().prefix.hit_tokens == 32)
-    prefix = process.stats().prefix
-    assert (prefix.queried_tokens, prefix.cached_tokens, prefix.capacity_tokens) == (74, 32, 64)
+    wait_until(lambda: process.stats().pages.hit_tokens == 32)
+    pages = process.stats().pages
+    assert (pages.queried_tokens, pages.total, pages.used, pages.cached) == (74, 2 * 256 // 16, 0, 2)
+
+    process, _ = spawn(max_batch_size=2, kv_cache_tokens=128)
+    sinks = [Recorder() for _ in range(2)]
+    for last, sink in zip((100, 500), sinks):
+        process.submit(long_request(last, 70), sink)
+    for last, sink in zip((100, 500), sinks):
+        sink.wait_ended()
+        assert sink.tokens() == list(range(last + 1, last + 71))
+    wait_until(lambda: process.stats().preemptions >= 1 and process.stats().pages.used == 0)
+    with pytest.raises(InvalidArgument, match="KV cache of 128 tokens"):  # refused in the parent, from the child's layout
+        process.submit(long_request(7, 127), Recorder())
 
 
 def test_aborting_a_waiting_request_delivers_nothing_for_it(spawn):
@@ -598,7 +612,7 @@ def test_the_engine_thread_sends_a_step_itself_when_the_pipe_takes_it():
             outbox.step(0.01)
             outbox.flush()
             assert parent.poll(LIMIT_S)
-            kind, deliveries, steps, queue_depth, slots, _ = parent.recv()
+            kind, deliveries, steps, queue_depth, slots, _, _ = parent.recv()
             assert (kind, deliveries, steps, queue_depth, slots) == ("batch", [(7, [100 + step])], [0.01], 0, 1)
         assert outbox.direct_sends == 3
 

@@ -143,6 +143,29 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert "| int8 |" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table
 
 
+def test_the_paged_attention_benchmark_runs_its_smoke_shape_and_the_kernels_agree(tmp_path):
+    """benchmarks/paged_attention.py, issue 41's GPU micro-benchmark (paged against contiguous
+    decode attention), in its --smoke shape (Pallas interpret mode off a GPU, ~3 s of CPU): both
+    kernels run on both cases over the same KV and agree, and each case reports its ratio.
+    Without a GPU, the full shape is refused rather than run for hours in interpret mode."""
+    import jax
+
+    from benchmarks import paged_attention
+
+    out = tmp_path / "paged.json"
+    assert paged_attention.main(["--smoke", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["ok"] and result["interpret"] == (jax.default_backend() != "gpu")
+    assert set(result["cases"]) == {"full", "ragged"}
+    for case in result["cases"].values():
+        assert set(case) == {"paged", "contiguous"}
+        assert case["paged"]["agree"] and case["paged"]["max_abs_diff"] <= 1e-5
+        assert all(len(row["s"]) == 1 and row["s"][0] > 0 for row in case.values())
+        assert case["paged"]["median_ratio"] > 0 and "target_met" in case["paged"]
+    if jax.default_backend() != "gpu":
+        assert paged_attention.main([]) == 2
+
+
 def test_the_two_stage_top_k_measured_against_lax_top_k_gives_the_same_values_and_ids():
     """phases.two_stage_top_k is timed beside lax.top_k on the device; it must be the same
     selection, ties included (to the lower id), or the comparison means nothing."""

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import tiny_gguf
+from support.pages import own_pages_all
 from support.pool_threads import on_threads
 
 from engine.core.model import DecodeInput, SlotSetup
@@ -185,6 +186,7 @@ def test_the_thread_count_is_respected():
 def _greedy(model: JaxModel, prompts: list[tuple[int, ...]], n: int, fed: list[list[int]] | None = None) -> list[list[int]]:
     """Greedy ids; with `fed`, each step is fed fed[slot][i] instead of the model's own last pick
     (teacher forcing: the picks are then compared at equal histories)."""
+    own_pages_all(model)
     ids = [[model.prefill(slot, p, GREEDY, False).token_id] for slot, p in enumerate(prompts)]
     for i in range(n - 1):
         last = [(fed[slot][i] if fed else ids[slot][-1]) for slot in range(len(prompts))]

@@ -2,8 +2,8 @@
 context 32: prompt and attend buckets 16 and 32): batch invariance across row buckets, seeds,
 masks, padding ids never sampled, no compilation after warm-up, and a cache that is updated in
 place rather than copied per step; each with decode attention in JAX and in the CPU kernel. The
-models run decode-server's configuration (engine.core.model_options.SERVED: a prefix cache, the
-served smallest chunk) but where a test says otherwise; the one such deviation is the module
+models run decode-server's configuration (engine.core.model_options.SERVED: a page pool of a
+whole context per slot, the served smallest chunk) but where a test says otherwise; the one such deviation is the module
 fixture's smallest prompt bucket, 16, so that a 32-position context has two prompt buckets and
 two attend buckets to cross.
 
@@ -37,6 +37,7 @@ from engine.core.request import SamplingParams
 from support import prerequisites
 from support.compile_watch import compile_events
 from support.lowering import host_syncs
+from support.pages import own_pages
 
 ASSETS = Path(__file__).parent / "assets"
 LLAMA = ASSETS / "tiny-llama"
@@ -84,6 +85,7 @@ def drive(model: JaxModel, plans: list[Plan]) -> list[list[int]]:
         for i, p in enumerate(plans):
             if p.start == step:
                 setup = SlotSetup(p.sampling, p.masked_ids)
+                own_pages(model, p.slot)
                 out[i].append(model.prefill(p.slot, p.prompt, setup, masked=bool(p.masked_ids)).token_id)
                 position[i] = len(p.prompt)
         ready = [
@@ -175,8 +177,9 @@ def test_info_defaults(model):
     assert model.info.eos_token_ids == frozenset({0, 2})
     served = JaxModel.load(LLAMA, max_batch_size=1, model_id="x")
     assert served.info.max_context_length == 256  # config's 256
-    # what decode-server serves: a prefix cache, the smallest chunk of the backend's step budget, weights auto
-    assert served.prefix_pool.tokens == SERVED.prefix_cache_tokens == 4096
+    # what decode-server serves: a pool of a whole context of 16-position pages per slot (and the
+    # null page), the smallest chunk of the backend's step budget, weights auto
+    assert (served.kv.page_size, served.kv.num_pages) == (16, 256 // 16 + 1) and SERVED.kv_cache_tokens == 0
     assert served.buckets[0] == (8 if backend_profile.profile().step_tokens == 8 else 16)
     assert served.int8 is False  # weights auto: tiny-llama brings no model.gguf
 
@@ -250,12 +253,11 @@ def test_nothing_compiles_after_warm_up(model):
     layers = rows * attend * (1 + along) + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
     samplers = 2 * rows if model.split_sampler else 0  # an accelerator's decode step: greedy and full samplers apart
     small = prompts + prompts + 1 + 1  # embed and last of a prompt; write_mask; a prompt's head and sampling
-    copies = 2 if model.prefix_pool.blocks else 0  # the prefix pool's two copies (served: a pool of 4096 positions)
     packed = model.packed_prefill_sizes  # a packed prefill: one layer and the last positions per size
     every = tuple(t for t in model.buckets if t <= 256)  # the CPU packs every prompt bucket, an accelerator the largest
     assert packed == (every if jax.default_backend() == "cpu" else every[-1:])
     assert model.packed_prefill_rows == tuple(r for r in model.row_buckets if r >= 2)
-    assert before == layers + samplers + small + copies + 2 * len(packed) + len(model.packed_prefill_rows)  # and its samples per rows
+    assert before == layers + samplers + small + 2 * len(packed) + len(model.packed_prefill_rows)  # and its samples per rows
     with compile_events() as compiles:
         drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
         drive(model, [Plan(3, _prompt(9, 1), 30, SamplingParams(temperature=0.7, top_k=3, seed=3))])  # rows 4
@@ -285,19 +287,21 @@ def test_decode_donates_the_cache_and_never_copies_it(model):
 
 
 def test_a_step_writes_only_its_active_rows_at_their_positions():
-    """Inactive rows (free, idle or past the live ones) must leave their slot's cache untouched,
-    whatever their position says; active rows write exactly one position each."""
+    """Inactive rows (free, idle or past the live ones) must leave their slot's pages untouched,
+    whatever their position says (their writes go to the null page); active rows write exactly one
+    position each, in the page their table names for it."""
     ckpt = load_checkpoint(LLAMA, "float32")
     step = jax.jit(transformer.decode, static_argnames=("cfg", "attend"), donate_argnums=1)
     rng = np.random.default_rng(0)
-    shape = transformer.init_cache(ckpt.config, 4, 32, jnp.float32).k[0].shape  # [B, K, S, D]
-    before = [rng.random(shape, np.float32) for _ in range(2 * ckpt.config.n_layers)]
-    cache = transformer.KVCache(*(tuple(map(jnp.asarray, half)) for half in (before[::2], before[1::2])))
+    empty = transformer.init_cache(ckpt.config, 4, 32, jnp.float32)  # pools [K, 9, 16, D], tables [4, 2]
+    tables = np.asarray(empty.tables)  # (the step donates the cache, tables included)
+    before = [rng.random(empty.k[0].shape, np.float32) for _ in range(2 * ckpt.config.n_layers)]
+    cache = transformer.KVCache(*(tuple(map(jnp.asarray, half)) for half in (before[::2], before[1::2])), empty.tables)
     positions, active = np.array([0, 17, 3, 31], np.int32), np.array([False, True, False, True])
     _, cache = step(ckpt.weights, cache, np.arange(4, dtype=np.int32), positions, active, cfg=ckpt.config, attend=32)
     for old, new in zip(before[::2] + before[1::2], cache.k + cache.v):
-        changed = {(b, s) for b, _, s, _ in np.argwhere(old != np.asarray(new))}
-        assert changed == {(1, 17), (3, 31)}, changed
+        changed = {(n, o) for _, n, o, _ in np.argwhere(old != np.asarray(new)) if n != 0}  # (page, offset)
+        assert changed == {(tables[1, 1], 1), (tables[3, 1], 15)}, changed
 
 
 PADDED = 576
@@ -340,6 +344,7 @@ def test_a_broken_model_contract_raises_even_under_python_O(model):
     """The checks that JAX would otherwise clamp away raise ModelUsageError (not `assert`, which
     `python -O` strips); the model's state is untouched by a refused call."""
     setup = SlotSetup(GREEDY, frozenset())
+    own_pages(model, 0), own_pages(model, 1)
     first = model.prefill(0, (1, 2, 3), setup, masked=False)
     try:
         with pytest.raises(ModelUsageError, match="in use"):
@@ -369,6 +374,7 @@ def test_a_decode_step_is_one_call_of_one_executable(model):
         return call
 
     prompt = _prompt(21, 5)
+    own_pages(model, 0)
     first = model.prefill(0, prompt, SlotSetup(GREEDY, frozenset()), False).token_id
     try:
         for name, fn in jitted.items():
@@ -390,6 +396,7 @@ def test_the_host_one_step_behind_gets_the_ids_of_a_step_at_a_time(model):
     a, b, c = _prompt(31, 6), _prompt(32, 11), _prompt(33, 4)
     alone = {p: drive(model, [Plan(1, p, 8)])[0] for p in (a, c)}
     b_alone = drive(model, [Plan(0, b, 8)])[0]
+    own_pages(model, 0), own_pages(model, 1)
     ids = {0: [model.prefill(0, b, setup, False).token_id], 1: [model.prefill(1, a, setup, False).token_id]}
     length = {0: len(b), 1: len(a)}
 
@@ -405,6 +412,7 @@ def test_the_host_one_step_behind_gets_the_ids_of_a_step_at_a_time(model):
             ids[s].append(sample.token_id)
     assert ids[1] == alone[a][:7]
     model.release(1)  # its 8th step is in flight: that sample is the engine's to discard
+    own_pages(model, 1)
     ids[1] = [model.prefill(1, c, setup, False).token_id]
     length[1] = len(c)
     ids[0].append(model.collect()[0].token_id)
@@ -431,7 +439,7 @@ def test_the_decode_step_lowered_for_the_gpu_waits_on_the_host_for_nothing():
     )
     w = model._weights
     for rows in model.row_buckets:
-        ints, floats = model._sampling.pack([], rows)
+        ints, floats = model._sampling.pack([], rows, model._slots.tables)
         lowered = step.trace(
             w.embed, w.final_norm, w.lm_head, model._decode_weights, model.cache.k, model.cache.v, model._last,
             model._mask, ints, floats, cfg=model.config, attend=model.info.max_context_length,

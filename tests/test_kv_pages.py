@@ -202,6 +202,8 @@ def test_a_prompt_that_could_never_fit_is_told_apart():
     assert pool.could_ever_fit(20, 32)
     assert not pool.could_ever_fit(20, 33)  # its output would outgrow the pool
     assert not pool.could_ever_fit(29, 30)  # its prompt would need the reserve
+    assert pool.could_ever_fit(29, 30, reserve_pages=0)  # ...which an admission into an empty pool waives
+    assert not pool.could_ever_fit(29, 33, reserve_pages=0)
 
 
 def test_the_victim_is_the_most_recently_admitted_and_its_prefix_stays_cached():

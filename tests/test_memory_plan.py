@@ -18,7 +18,7 @@ import pytest
 from support import tiny_gguf
 
 from engine.jax_backend import memory_plan, quantize, sampling, transformer
-from engine.jax_backend.jax_model import PREFIX_BLOCK, JaxModel
+from engine.jax_backend.jax_model import JaxModel
 from engine.jax_backend.memory_plan import MemoryLimit, MemoryPlanError, Settings
 from engine.jax_backend.weights import load_checkpoint, load_int8, packed_head, with_panels
 from engine.model_store.checkpoint import ModelConfig
@@ -37,15 +37,20 @@ LLAMA3_8B = ModelConfig(
 )
 
 
+PAGE = 16  # the served page size
+
+
 def settings(batch: int = 4, context: int = 32, **kw) -> Settings:
-    return Settings(batch, context, 512, kw.pop("prefix", 0), PREFIX_BLOCK, kw.pop("dtype_bytes", 4), **kw)
+    """Settings with the served pool (a whole context of pages per slot and the null page) unless `pages` says."""
+    pages = kw.pop("pages", batch * -(-context // PAGE) + 1)
+    return Settings(batch, context, 512, pages, PAGE, kw.pop("dtype_bytes", 4), **kw)
 
 
 @pytest.mark.parametrize("name", TINY)
 @pytest.mark.parametrize("kind", ["float32", "bfloat16", "float32+copies", "int8"])
 def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
     """The arithmetic against the arrays themselves: the loader's weights (with the CPU kernels'
-    panel-packed copies, or as int8 blocks), and the engine's cache, pool and banned-id rows."""
+    panel-packed copies, or as int8 blocks), and the engine's page pool and banned-id rows."""
     d = ASSETS / name
     if kind == "int8":
         ckpt, s = load_int8(d), settings(int8=True)
@@ -56,14 +61,12 @@ def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
         if s.panel_copies:
             w = ckpt.weights
             ckpt = replace(ckpt, weights=replace(w, layers=tuple(map(with_panels, w.layers)), lm_head=packed_head(w.lm_head)))
-    s = replace(s, prefix_cache_tokens=40)  # 2 whole blocks of 16; the rest is not held
+    s = replace(s, kv_pages=7)  # a pool of 6 pages and the null page, whatever the batch and context
     cache_dtype = jnp.float32 if s.int8 else jnp.dtype(kind.split("+")[0])
-    cache = transformer.init_cache(ckpt.config, s.max_batch_size, s.context, cache_dtype)
-    pool = transformer.init_cache(ckpt.config, 2, PREFIX_BLOCK, cache_dtype)
+    k, v = transformer.init_pool(ckpt.config, 7, PAGE, cache_dtype)
     plan = memory_plan.plan(ckpt.config, ckpt.tokenizer_size, s)
     assert plan.weights == quantize.weight_bytes(ckpt.weights)
-    assert plan.kv_cache == sum(a.nbytes for a in cache.k + cache.v) + s.max_batch_size * ckpt.tokenizer_size  # + bool rows
-    assert plan.prefix_pool == sum(a.nbytes for a in pool.k + pool.v)
+    assert plan.kv_cache == sum(a.nbytes for a in k + v) + s.max_batch_size * ckpt.tokenizer_size  # + bool rows
 
 
 def test_int8_blocks_of_every_format_are_counted_from_the_gguf(tmp_path):
@@ -115,20 +118,23 @@ def test_the_temporaries_bound_xla_cpus_own_figure(name, batch, context):
 
 
 def test_an_8b_model_at_batch_64_and_context_8192_is_refused_naming_the_numbers():
-    s = settings(64, 8192, dtype_bytes=2, prefix=4096)  # bfloat16
+    s = settings(64, 8192, dtype_bytes=2)  # bfloat16; the served pool: 64 x 8192 positions
     limit = MemoryLimit(72 * GIB, "cuda:0 bytes_limit")  # an 80 GiB GPU at memory fraction 0.9
     plan = memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, s)
-    assert plan.kv_cache == 64 * GIB + 64 * LLAMA3_8B.vocab_size  # K/V: 128 KiB a position; a banned-id row per slot
+    page = 128 * 1024 * PAGE  # K/V: 128 KiB a position
+    assert plan.kv_cache == 64 * GIB + page + 64 * LLAMA3_8B.vocab_size  # and the null page; a banned-id row per slot
     with pytest.raises(MemoryPlanError) as refused:
         memory_plan.check(LLAMA3_8B, LLAMA3_8B.vocab_size, s, limit, "gpu")
     message = str(refused.value)
-    fits = max(b for b in range(1, 64) if memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, replace(s, max_batch_size=b)).total <= limit.bytes)
-    assert 40 < fits < 64
+    fits = (limit.bytes - plan.total + plan.kv_cache - 64 * LLAMA3_8B.vocab_size) // page - 1  # pages, the null one aside
+    assert memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, replace(s, kv_pages=fits + 1)).total <= limit.bytes
+    assert memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, replace(s, kv_pages=fits + 2)).total > limit.bytes
+    assert 20_000 < fits * PAGE < 64 * 8192
     assert message == (
-        f"the model does not fit in memory: weights {memory_plan.gib(plan.weights)} + KV cache 64.01 GiB (batch 64 x "
-        f"context 8192) + prefix pool 512.00 MiB + temporaries {memory_plan.gib(plan.temporaries)} = "
-        f"{memory_plan.gib(plan.total)} > 72.00 GiB, cuda:0 bytes_limit; lower max batch size 64 (at most {fits} fits), "
-        "context length 8192, prefix cache tokens 4096"
+        f"the model does not fit in memory: weights {memory_plan.gib(plan.weights)} + KV cache 64.01 GiB (32769 pages "
+        f"of 16 = 524288 tokens) + temporaries {memory_plan.gib(plan.temporaries)} = "
+        f"{memory_plan.gib(plan.total)} > 72.00 GiB, cuda:0 bytes_limit; lower KV cache tokens 524288 (at most "
+        f"{fits * PAGE} fit), max batch size 64, context length 8192"
     )
     assert "\n" not in message
 
@@ -137,10 +143,10 @@ def test_the_limit_is_inclusive_and_what_to_lower_follows_the_settings():
     cfg, s = LLAMA3_8B, settings(8, 2048, panel_copies=True)  # float32 with the CPU kernels' copies
     total = memory_plan.plan(cfg, cfg.vocab_size, s).total
     assert memory_plan.check(cfg, cfg.vocab_size, s, MemoryLimit(total, "stated"), "cpu").total == total
-    with pytest.raises(MemoryPlanError, match=r"\(1 does not fit either\), context length 2048, the weights' size "
+    with pytest.raises(MemoryPlanError, match=r"\(none fit\), max batch size 8, context length 2048, the weights' size "
                        r"\(dtype bfloat16, or weights int8\), CPU kernels off \(drops the projections' second copy\)$"):
         memory_plan.check(cfg, cfg.vocab_size, s, MemoryLimit(GIB, "stated"), "cpu")
-    with pytest.raises(MemoryPlanError, match=r"at most 7 fits\), context length 2048$"):  # bfloat16: nothing smaller to offer
+    with pytest.raises(MemoryPlanError, match=r"at most 16368 fit\), max batch size 8, context length 2048$"):  # bfloat16: nothing smaller to offer
         s = settings(8, 2048, dtype_bytes=2)
         memory_plan.check(cfg, cfg.vocab_size, s, MemoryLimit(memory_plan.plan(cfg, cfg.vocab_size, s).total - 1, ""), "gpu")
 
@@ -148,7 +154,7 @@ def test_the_limit_is_inclusive_and_what_to_lower_follows_the_settings():
 def test_tensor_parallelism_splits_weights_and_cache_over_the_devices():
     one, four = (memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, settings(8, 2048, devices=n)) for n in (1, 4))
     assert four.weights * 4 - one.weights < 4 and four.kv_cache < one.kv_cache / 3.9
-    sixteen = memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, settings(8, 2048, devices=16, prefix=0))
+    sixteen = memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, settings(8, 2048, devices=16))
     assert sixteen.kv_cache > one.kv_cache / 16  # 8 kv heads replicated to 16: one head per device, not half
 
 
@@ -190,14 +196,14 @@ def test_jax_model_load_refuses_before_reading_a_weight(tmp_path):
     d = tmp_path / "tiny-llama"
     shutil.copytree(ASSETS / "tiny-llama", d)
     (d / "model.safetensors").unlink()
-    # no prefix pool (served: 4096 positions, 2 MiB here): the limits are sized so that the batch is what must give
-    with pytest.raises(MemoryPlanError, match=r"^the model does not fit in memory: weights 0\.53 MiB \+ KV cache 0\.50 MiB "
-                       r".* > 3\.81 MiB, the limit stated by configuration; lower max batch size 4 \(at most 2 fits\)"):
-        JaxModel.load(d, max_batch_size=4, max_context_length=256, dtype="float32", kernels=False, memory_limit_bytes=4_000_000,
-                      prefix_cache_tokens=0)
+    # the served pool, 4 x 256 positions: the limit is sized so that the pool is what must give
+    with pytest.raises(MemoryPlanError, match=r"^the model does not fit in memory: weights 0\.53 MiB \+ KV cache 0\.51 MiB "
+                       r"\(65 pages of 16 = 1024 tokens\) .* > 5\.15 MiB, the limit stated by configuration; lower KV "
+                       r"cache tokens 1024 \(at most 432 fit\)"):
+        JaxModel.load(d, max_batch_size=4, max_context_length=256, dtype="float32", kernels=False, memory_limit_bytes=5_400_000)
     model = JaxModel.load(ASSETS / "tiny-llama", max_batch_size=4, max_context_length=256, dtype="float32", kernels=False,
-                          memory_limit_bytes=5_500_000, prefix_cache_tokens=0)
-    assert model.info.max_batch_size == 4
+                          memory_limit_bytes=5_400_000, kv_cache_tokens=256)  # a smaller pool fits
+    assert model.info.max_batch_size == 4 and model.kv.num_pages == 256 // 16 + 1
 
 
 def test_decode_server_refuses_an_impossible_configuration_in_one_line():
@@ -214,4 +220,4 @@ def test_decode_server_refuses_an_impossible_configuration_in_one_line():
     refusals = [line for line in result.stderr.splitlines() if "does not fit in memory" in line]
     assert refusals == result.stderr.splitlines()[-1:], result.stderr
     assert "CRITICAL tokenwire.decode refusing to serve: the model does not fit" in refusals[0]
-    assert "lower max batch size 4" in refusals[0] and "Traceback" not in result.stderr
+    assert "lower KV cache tokens 1024" in refusals[0] and "Traceback" not in result.stderr

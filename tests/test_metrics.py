@@ -18,7 +18,8 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.core.engine import EngineConfig, EngineStats, PrefixStats
+from engine.core.engine import EngineConfig, EngineStats
+from engine.core.kv_pages import PageStats
 from engine.core.events import FinishReason
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2, decode_pb2_grpc
@@ -107,17 +108,19 @@ def test_each_metrics_has_its_own_registry(served):
 def test_engine_gauges_are_read_at_scrape_time(served):
     metrics, port = served
 
-    stats = EngineStats(0, 0, True, 0.0, PrefixStats(capacity_tokens=4096))
+    stats = EngineStats(0, 0, True, 0.0, PageStats(total=1024, used=0, cached=0, free=1024))
     metrics.watch_engine(lambda: stats)
     families = scrape(port)
     assert value(families, "tokenwire_prefix_cache_hit_tokens_total") == 0
-    assert value(families, "tokenwire_prefix_cache_capacity_tokens") == 4096
-    stats = EngineStats(5, 3, True, 0.0, PrefixStats(queried_tokens=300, hit_tokens=120, cached_tokens=96, capacity_tokens=4096))
+    assert value(families, "tokenwire_kv_pages_total") == 1024 and value(families, "tokenwire_preemptions_total") == 0
+    pages = PageStats(total=1024, used=40, cached=6, free=978, queried_tokens=300, hit_tokens=120)
+    stats = EngineStats(5, 3, True, 0.0, pages, preemptions=2)
     families = scrape(port)
     assert value(families, "tokenwire_queue_depth") == 5 and value(families, "tokenwire_slots_in_use") == 3
     assert value(families, "tokenwire_prefix_cache_queried_tokens_total") == 300
     assert value(families, "tokenwire_prefix_cache_hit_tokens_total") == 120
-    assert value(families, "tokenwire_prefix_cache_tokens") == 96
+    assert value(families, "tokenwire_kv_pages_used") == 40 and value(families, "tokenwire_kv_pages_cached") == 6
+    assert value(families, "tokenwire_preemptions_total") == 2
     stats = dataclasses.replace(stats, queue_depth=0)
     assert value(scrape(port), "tokenwire_queue_depth") == 0
 
@@ -252,6 +255,7 @@ async def test_decode_server_end_to_end(served):
     assert value(f, "tokenwire_completion_tokens_total") >= 3 + 0 + 1  # the cancelled one ran a few steps
     assert value(f, "tokenwire_time_to_first_token_seconds_count") == 2  # the STOP-at-prefill one had no token
     assert value(f, "tokenwire_slots_in_use") == 0 and value(f, "tokenwire_queue_depth") == 0
+    assert value(f, "tokenwire_kv_pages_total") == 2 * 64 // 16 and value(f, "tokenwire_kv_pages_used") == 0
     decode = "/tokenwire.decode.v1.Decoder/Decode"
     assert value(f, "tokenwire_responses_total", method=decode, code="OK") == 2
     assert value(f, "tokenwire_responses_total", method=decode, code="INVALID_ARGUMENT") == 1

@@ -50,6 +50,15 @@ def start(process_id: int, port: int, coordinator: str, log: Path) -> subprocess
     )
 
 
+def test_every_call_of_the_model_contract_is_published_block_tables_included():
+    """A follower that missed `set_pages` would write its KV into other pages than the leader's
+    (or refuse the call), and the group's collectives would part: the table is published like
+    every other call of the contract."""
+    assert multihost.STEPS == {
+        "warm_up", "set_pages", "prefill", "prefill_chunk", "prefill_packed", "decode", "dispatch", "collect", "release",
+    }
+
+
 def test_two_processes_decode_like_one_and_a_dead_one_takes_the_other_down(tmp_path):
     leader_port, follower_port, coordinator = free_port(), free_port(), f"127.0.0.1:{free_port()}"
     logs = [tmp_path / "process-0.log", tmp_path / "process-1.log"]

@@ -15,6 +15,7 @@ from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import MAX_TOP_LOGPROBS, SamplingParams
 from engine.jax_backend import sampling
 from engine.jax_backend.jax_model import JaxModel
+from support.pages import own_pages_all
 from services.client import decode_request
 
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
@@ -41,6 +42,7 @@ def test_the_real_model_reports_top_logprobs_per_slot_with_no_compile_after_warm
     model = JaxModel.load(TINY, max_batch_size=2, max_context_length=64)
     model.warm_up()
     compiled = model.compilations()
+    own_pages_all(model)
     asks = model.prefill(0, [1, 5, 7, 9], SlotSetup(SamplingParams(seed=1, top_logprobs=5), frozenset()), False)
     plain = model.prefill(1, [1, 5, 7], SlotSetup(SamplingParams(seed=1), frozenset()), False)
     samples = [asks, plain] + model.decode([DecodeInput(0, asks.token_id, 4, False), DecodeInput(1, plain.token_id, 3, False)])

@@ -3,7 +3,7 @@
 The scheduler side (ScriptedModel): a burst of short prompts that the iteration reads whole is
 one packed call, and every request gets exactly the events it gets when each prompt is its own
 call; prompts past `packed_prefill_tokens` are read one call each; a prompt with a cached prefix
-is not packed, and each prompt is looked up in the prefix cache once; a request cancelled during
+(pages shared at admission) is not packed, and each prompt is looked up in the prefix cache once; a request cancelled during
 the packed call gets no events and its slot is free before the next step.
 The model side (JaxModel on the tiny checkpoints): a packed call samples what one call per
 prompt samples (ids, logprobs, alternatives, masking), leaves the same KV (the decode steps after
@@ -26,6 +26,7 @@ from engine.jax_backend.jax_model import JaxModel
 from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.gated_steps import GatedSteps
+from support.pages import own_pages
 from support.recording_sink import Recorder
 
 ASSETS = Path(__file__).parent / "assets"
@@ -79,11 +80,11 @@ def test_prompts_past_the_packed_limit_are_read_one_call_each():
 
 
 def _beside_a_cached_prefix(prompts: list[list[int]]):
-    """A request caches `SYSTEM`'s two blocks and its first step is held while `prompts` arrive
+    """A request caches `SYSTEM`'s two pages and its first step is held while `prompts` arrive
     (every prompt read whole); -> the model's prefill calls after the first request's and the
     prefix stats."""
     model = GatedSteps(lambda step: step == 1, vocab_size=1000, max_batch_size=4, max_context_length=256,
-                       prefix_blocks=8, prefix_block_tokens=16, packed_prefill_tokens=128)
+                       packed_prefill_tokens=128)
     engine = Engine(model, EngineConfig(max_step_tokens=0))
     engine.start()
     try:
@@ -95,27 +96,27 @@ def _beside_a_cached_prefix(prompts: list[list[int]]):
             engine.submit(_request(prompt, 2), sink)
         model.gate.set()
         assert warm.done.wait(5) and all(s.done.wait(5) for s in sinks)
-        stats = engine.stats().prefix
+        stats = engine.stats().pages
     finally:
         engine.stop()
     assert [s.tokens for s in sinks] == [[p[-1] + 1, p[-1] + 2] for p in prompts]
-    calls = [c[:2] if c[0] == "load" else c for c in model.calls if c[0] in ("packed", "prefill", "load")]
+    calls = [c for c in model.calls if c[0] in ("packed", "prefill")]
     return calls[1:], stats
 
 
-SYSTEM = list(range(100, 132))  # two whole blocks of 16
+SYSTEM = list(range(100, 132))  # two whole pages of 16
 
 
 def test_a_prompt_with_a_cached_prefix_is_not_packed_and_each_prompt_is_looked_up_once():
     calls, stats = _beside_a_cached_prefix([[1, 2, 300], SYSTEM + [8, 400], [3, 500]])
-    # the lookup (a hit: its blocks loaded) comes as the packed group is made; the rest of that prompt after
-    assert calls == [("load", 2), ("packed", ((1, 3), (3, 2))), ("prefill", 2, 32, 34)]
+    # the hit (its pages shared at admission) is left out of the group; the rest of that prompt after
+    assert calls == [("packed", ((1, 3), (3, 2))), ("prefill", 2, 32, 34)]
     assert (stats.queried_tokens, stats.hit_tokens) == (33 + 3 + 34 + 2, 32)  # once each
 
 
 def test_a_lone_prompt_left_by_a_hit_is_a_plain_prefill_looked_up_once():
     calls, stats = _beside_a_cached_prefix([[1, 2, 300], SYSTEM + [8, 400]])
-    assert calls == [("load", 2), ("prefill", 1, 0, 3), ("prefill", 2, 32, 34)]  # one left to pack: no packed call
+    assert calls == [("prefill", 1, 0, 3), ("prefill", 2, 32, 34)]  # one left to pack: no packed call
     assert (stats.queried_tokens, stats.hit_tokens) == (33 + 3 + 34, 32)
 
 
@@ -213,9 +214,13 @@ def test_a_packed_prefill_samples_and_writes_what_one_call_a_prompt_does(model):
             model.release(s)
 
     try:
+        for s in slots:
+            own_pages(model, s)
         want = [model.prefill(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)]
         want_steps = steps()
         release()
+        for s in slots:
+            own_pages(model, s)
         with compile_events() as compiled:
             got = model.prefill_packed([PromptInput(s, p, u, m) for s, p, u, m in zip(slots, prompts, setups, masked)])
             got_steps = steps()
@@ -231,6 +236,7 @@ def test_a_packed_prefill_samples_and_writes_what_one_call_a_prompt_does(model):
 
 def test_a_packed_prefill_refuses_a_slot_in_use_and_too_many_tokens(model):
     packed = model
+    own_pages(packed, 0), own_pages(packed, 1)
     with pytest.raises(ModelUsageError, match="tokens in one packed prefill"):
         packed.prefill_packed([PromptInput(0, (1,) * 40, GREEDY, False), PromptInput(1, (1,) * 30, GREEDY, False)])
     packed.prefill(0, (1, 2), GREEDY, False)

@@ -28,6 +28,7 @@ from engine.core.scripted_model import ScriptedModel
 from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.gated_steps import GatedSteps
+from support.pages import own_pages
 from support.recording_sink import Recorder
 from engine.jax_backend import transformer
 from engine.jax_backend.jax_model import JaxModel
@@ -43,23 +44,28 @@ class _Heads:
     n_heads, n_kv_heads, head_dim = 6, 2, 8
 
 
-@pytest.mark.parametrize("context, block, chunk, start", [(64, 16, 16, 0), (64, 16, 16, 32), (100, 32, 24, 70), (100, 128, 7, 50)])
-def test_chunk_attention_equals_full_causal_attention(context, block, chunk, start):
-    """Queries at start..start+C-1 over the slot's keys: the blocked online softmax (blocks that
-    do not divide the context, a block larger than it) matches softmax over every earlier key.
+@pytest.mark.parametrize(
+    "context, page, block, chunk, start",
+    [(64, 16, 16, 16, 0), (64, 8, 16, 16, 32), (100, 16, 32, 24, 70), (100, 4, 128, 7, 50), (100, 16, 8, 7, 50)],
+)
+def test_chunk_attention_equals_full_causal_attention(context, page, block, chunk, start):
+    """Queries at start..start+C-1 over the slot's keys, read through a shuffled block table:
+    the blocked online softmax (blocks that do not divide the context, a block larger than it or
+    smaller than a page) matches softmax over every earlier key.
     Both run with full float32 products: a GPU's default for float32 dots is TensorFloat-32 (a
     10-bit mantissa), which alone put the two 1e-3 apart on an H200 (scripts/gpu_check)."""
     cfg = _Heads()
     rng = np.random.default_rng(start)
-    k_cache = rng.standard_normal((3, 2, context, 8)).astype(np.float32)
-    v_cache = rng.standard_normal((3, 2, context, 8)).astype(np.float32)
+    w = -(-context // page)
+    k_pages = rng.standard_normal((2, 2 * w + 1, page, 8)).astype(np.float32)  # [K, N, P, D], room for others' pages
+    v_pages = rng.standard_normal((2, 2 * w + 1, page, 8)).astype(np.float32)
+    table = rng.permutation(np.arange(1, 2 * w + 1))[:w].astype(np.int32)  # [W], pages in no order
     q = rng.standard_normal((chunk, 6, 8)).astype(np.float32)
-    slot = 1
     end = start + chunk
-    k = k_cache[slot, :, :end].swapaxes(0, 1)[None]  # [1, A, K, D]
-    v = v_cache[slot, :, :end].swapaxes(0, 1)[None]
+    k = np.asarray(transformer.gather_pages(k_pages, table))[:, :end].swapaxes(0, 1)[None]  # [1, A, K, D]
+    v = np.asarray(transformer.gather_pages(v_pages, table))[:, :end].swapaxes(0, 1)[None]
     with jax.default_matmul_precision("float32"):
-        got = transformer.chunk_attention(q, k_cache, v_cache, np.int32(slot), np.int32(start), cfg, block=block)
+        got = transformer.chunk_attention(q, k_pages, v_pages, table, np.int32(start), cfg, block=block)
         want = transformer.attention(q[None], k, v, jnp.arange(start, end)[None], cfg)[0]
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)
 
@@ -67,6 +73,7 @@ def test_chunk_attention_equals_full_causal_attention(context, block, chunk, sta
 def _greedy(model: JaxModel, prompt: tuple[int, ...], n: int, cuts: list[int] | None) -> tuple[list[int], float]:
     """Greedy ids of `prompt` in slot 1 (slot 0 holds another request), prefilled whole or cut
     at `cuts`; -> ids and the first token's logprob."""
+    own_pages(model, 0), own_pages(model, 1)
     model.prefill(0, (5, 6, 7), GREEDY, masked=False)
     if cuts is None:
         first = model.prefill(1, prompt, GREEDY, masked=False)
@@ -122,6 +129,7 @@ def test_nothing_compiles_after_warm_up_with_chunks_in_the_mix(pair):
         prompt = tuple(range(3, 58))
         _greedy(model, prompt, 3, [5, 6, 29, 50])
         _greedy(model, prompt[:23], 10, None)
+        own_pages(model, 0)
         model.prefill_chunk(0, prompt, 0, 17, GREEDY, masked=False)  # cancelled mid-prefill
         model.release(0)
     assert model.compilations() == before
@@ -131,12 +139,14 @@ def test_nothing_compiles_after_warm_up_with_chunks_in_the_mix(pair):
 def test_a_slot_mid_prefill_cannot_decode_or_skip_a_chunk(pair):
     _, model = pair
     prompt = tuple(range(3, 30))
+    own_pages(model, 0)
     model.prefill_chunk(0, prompt, 0, 10, GREEDY, masked=False)
     with pytest.raises(ModelUsageError):
         model.decode([DecodeInput(0, 5, 10, False)])
     with pytest.raises(ModelUsageError):
         model.prefill_chunk(0, prompt, 11, 20, GREEDY, masked=False)
     model.release(0)
+    own_pages(model, 0)
     assert model.prefill_chunk(0, prompt, 0, len(prompt), GREEDY, masked=False) is not None
     model.release(0)
 
@@ -152,6 +162,7 @@ def test_chunks_carried_by_decode_steps_change_no_id(pair):
     want, want_logprob = _greedy(whole, prompt, 6, None)
 
     def decode_slot_0(chunks) -> list[int]:
+        own_pages(model, 0), own_pages(model, 1)
         ids = [model.prefill(0, (5, 6, 7), GREEDY, masked=False).token_id]
         for chunk in chunks:
             model.dispatch([DecodeInput(0, None, 2 + len(ids), False)], chunk)
@@ -173,19 +184,19 @@ def test_chunks_carried_by_decode_steps_change_no_id(pair):
     assert beside == alone
     assert ids == want and abs(first.logprob - want_logprob) < 1e-4
     assert model.compilations() == before and compiles == []
-    with pytest.raises(ModelUsageError):  # a last chunk samples: it cannot ride along
-        model.prefill(0, (5, 6, 7), GREEDY, masked=False)
-        model.dispatch([DecodeInput(0, None, 3, False)], ChunkInput(1, prompt[:10], 0, 10, GREEDY))
+    own_pages(model, 0), own_pages(model, 1)
+    model.prefill(0, (5, 6, 7), GREEDY, masked=False)
+    with pytest.raises(ModelUsageError, match="last chunk"):  # a last chunk samples: it cannot ride along
+        model.dispatch([DecodeInput(0, None, 3, False)], ChunkInput(1, prompt[:8], 0, 8, GREEDY))
     model.release(0)
+    model.release(1)
 
 
 @pytest.mark.real_model
 def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_model(real_model):
     require_cpu()
     path = real_model
-    model = JaxModel.load(
-        path, max_batch_size=2, max_context_length=1024, max_chunk=256, prefix_cache_tokens=1024, dtype="float32"
-    )
+    model = JaxModel.load(path, max_batch_size=2, max_context_length=1024, max_chunk=256, dtype="float32")
     rng = np.random.default_rng(0)
     prompt = tuple(int(t) for t in rng.integers(3, 49152, 700))
     want, want_logprob = _greedy(model, prompt, 8, None)  # 700 = 256 + 256 + 128 + 32 + 16 + 12 (16)
@@ -194,6 +205,7 @@ def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_
     assert abs(got_logprob - want_logprob) < 1e-3
     # its first 24 tokens in three chunks along with slot 0's decode steps, the rest in one call
     assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (8,)  # the CPU's default budget, the served smallest chunk
+    own_pages(model, 0), own_pages(model, 1)
     fed = [model.prefill(0, (5, 6, 7), GREEDY, masked=False).token_id]
     for lo in (0, 8, 16):
         model.dispatch([DecodeInput(0, fed[-1], 2 + len(fed), False)], ChunkInput(1, prompt, lo, lo + 8, GREEDY))
@@ -205,15 +217,17 @@ def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_
     model.release(0)
     model.release(1)
     assert got == want and abs(first.logprob - want_logprob) < 1e-3
-    # a prompt sharing the first 600 tokens: 37 blocks of 16 from the pool, the rest computed
+    # a prompt sharing the first 600 tokens: its first 37 pages of 16 are the very pages that
+    # hold `prompt`'s KV (a prefix hit: no copy), the rest computed into pages of its own
     other = prompt[:600] + tuple(int(t) for t in rng.integers(3, 49152, 90))
     want, want_logprob = _greedy(model, other, 8, None)
+    pages = own_pages(model, 1)
     model.prefill(1, prompt, GREEDY, masked=False)
-    model.save_prefix(1, [(i, 10 + i) for i in range(700 // 16)])
     model.release(1)
-    blocks = [10 + i for i in range(600 // 16)]
-    model.load_prefix(1, blocks, GREEDY)
-    first = model.prefill_chunk(1, other, len(blocks) * 16, len(other), GREEDY, masked=False)
+    hit, spare = 600 // 16, own_pages(model, 0)  # slot 0's pages, unused: the rest goes there
+    model.release(0)
+    model.set_pages(1, pages[:hit] + spare[hit:])
+    first = model.prefill_chunk(1, other, hit * 16, len(other), GREEDY, masked=False)
     got = [first.token_id]
     for step in range(7):
         got.append(model.decode([DecodeInput(1, got[-1], len(other) + step, False)])[0].token_id)

@@ -1,171 +1,162 @@
-"""engine.jax_backend.ragged_attention: the Pallas decode-attention kernel (on the CPU in Pallas
-interpret mode; on a GPU host the same tests run it compiled by Triton) equals the plain-JAX reference and the engine's own XLA decode attention
-(transformer.decode_attention) for ragged lengths, idle rows, GQA and several block and split
-sizes, in float32 and bfloat16; stale or NaN cache contents past a row's length never reach it;
-wired into transformer.decode (ragged=True) a tiny model decodes the same logits as the XLA path;
-the decode layers' default choice is the kernel on a GPU only, and on the CPU leaves the lowered
-step exactly as before; and JAX's Triton lowering accepts the kernel (cross-lowered for CUDA).
+"""engine.jax_backend.ragged_attention: the paged Pallas decode-attention kernel (on the CPU in
+Pallas interpret mode; on a GPU host the same tests run it compiled by Triton) equals the
+plain-JAX reference, which gathers each row's pages through its block table, for ragged lengths,
+lengths ending on and one past a page boundary, shuffled pages, two rows sharing pages, idle
+rows, GQA at SmolLM2's (H/K = 3) and Llama-3.1-8B's (H/K = 4) head shapes, page sizes 16 and 32,
+several block and split sizes, in float32 and bfloat16; stale or NaN contents of the pool that
+no row reads (the null page, pages' unwritten tails, free pages) never reach it; and JAX's
+Triton lowering accepts the kernel (cross-lowered for CUDA).
 
-No GPU runs in CI, so there the Triton code is lowered but never compiled or run. Float32
-comparisons run under "highest" matmul precision, so a GPU's XLA products are not TF32.
+No GPU runs in CI, so there the Triton code is lowered but never compiled or run. The shapes are
+small (a handful of pages) because interpret mode runs every program one after another.
 
 Tolerances: float32 within 1e-6 absolute + 1e-5 relative (the online softmax sums in another
-order; products are exact float32; 1.5e-7 seen). bfloat16 within 8e-3 absolute + 8e-3 relative,
-two bf16 steps at outputs near 1 (4e-3 seen): both sides read the same bf16 values, but each
-rounds its probabilities to bf16 before the value product at a different point (the kernel's are
-unnormalised) and the output is rounded to bf16."""
+order; products are exact float32; ~5e-7 seen). bfloat16 within 8e-3 absolute + 8e-3 relative,
+two bf16 steps at outputs near 1 (~4e-3 seen): both sides read the same bf16 values, but the
+kernel rounds its (unnormalised) probabilities to bf16 before the value product while the
+reference keeps them float32, and both outputs are rounded to bf16."""
 
 from __future__ import annotations
-
-from dataclasses import replace
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.jax_backend import ragged_attention, transformer
-from engine.jax_backend.weights import load_checkpoint
+from engine.jax_backend import ragged_attention
+from support.lowering import host_syncs
 
-TINY = Path(__file__).parent / "assets" / "tiny-llama"
-SLOTS, CONTEXT, HEAD_DIM = 6, 64, 16
-LENGTHS = np.array([37, 0, 1, 64, 32], np.int32)  # mid-block, idle, one key, the whole context, a block edge
 TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-5), jnp.bfloat16: dict(atol=8e-3, rtol=8e-3)}
-
 INTERPRET = jax.default_backend() != "gpu"
+WIDTH = 5  # table entries per row: every row below ends with null entries
 kernel = jax.jit(ragged_attention.decode_attention, static_argnames=("block_k", "splits", "interpret"))
 
 
-def _inputs(heads: int, kv_heads: int, dtype, seed: int = 0):
+def _layout(page: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
+    """Block tables [R, WIDTH] and lengths [R] over a pool of N pages whose ids are shuffled:
+    row 0 ends one past a page boundary (2P + 1), row 1 is idle, row 2 ends on a boundary (2P),
+    row 3 holds one key, row 4 shares row 0's first two pages and goes on in its own (3P + 5:
+    mid-page). Entries past a row's pages are the null page 0; one page is held by nobody."""
+    lengths = np.array([2 * page + 1, 0, 2 * page, 1, 3 * page + 5], np.int32)
+    own = [3, 0, 2, 1, 2]  # pages each row holds alone
+    n = 1 + sum(own) + 1
+    ids = iter(np.random.default_rng(seed).permutation(np.arange(1, n)))
+    tables = np.zeros((len(lengths), WIDTH), np.int32)
+    for row, count in enumerate(own):
+        tables[row, :count] = [next(ids) for _ in range(count)]
+    tables[4, 2:4] = tables[4, :2]
+    tables[4, :2] = tables[0, :2]  # the shared prefix
+    assert all((tables[r, : -(-lengths[r] // page)] > 0).all() for r in range(len(lengths)))
+    return tables, lengths, n
+
+
+def _inputs(heads: int, kv_heads: int, head_dim: int, page: int, dtype, seed: int = 0):
+    tables, lengths, n = _layout(page, seed)
     rng = np.random.default_rng(seed)
-    rows = len(LENGTHS)
-    q = rng.standard_normal((rows, heads, HEAD_DIM), np.float32)
-    k_cache = rng.standard_normal((SLOTS, kv_heads, CONTEXT, HEAD_DIM), np.float32)
-    v_cache = rng.standard_normal((SLOTS, kv_heads, CONTEXT, HEAD_DIM), np.float32)
-    return (jnp.asarray(a, dtype) for a in (q, k_cache, v_cache))
-
-
-def _config(heads: int, kv_heads: int):
-    """The fields transformer.decode_attention reads, from a real tiny checkpoint's config."""
-    cfg = load_checkpoint(TINY, dtype="float32").config
-    return replace(cfg, n_heads=heads, n_kv_heads=kv_heads)
+    q = rng.standard_normal((len(lengths), heads, head_dim), np.float32)
+    k_pages = rng.standard_normal((kv_heads, n, page, head_dim), np.float32)
+    v_pages = rng.standard_normal((kv_heads, n, page, head_dim), np.float32)
+    q, k_pages, v_pages = (jnp.asarray(a, dtype) for a in (q, k_pages, v_pages))
+    return q, k_pages, v_pages, jnp.asarray(tables), jnp.asarray(lengths)
 
 
 @pytest.mark.parametrize(
-    "heads, kv_heads, block_k, splits, dtype",
+    "heads, kv_heads, head_dim, page, block_k, splits, dtype",
     [
-        (4, 2, 16, 1, jnp.float32),  # GQA, G = 2
-        (4, 2, 16, 4, jnp.float32),  # split-K: rows with no key in some spans
-        (4, 4, 32, 2, jnp.float32),  # H = K
-        (6, 2, None, None, jnp.float32),  # G = 3 (padded to 16), the default block and splits
-        (8, 1, 64, 1, jnp.float32),  # MQA, one block for the whole context
-        (4, 2, 16, 2, jnp.bfloat16),
-        (4, 4, 32, 1, jnp.bfloat16),
+        (9, 3, 64, 16, None, None, jnp.float32),  # SmolLM2's heads; default block (4 pages) and splits
+        (9, 3, 64, 16, 16, 3, jnp.float32),  # a page per block, 3 splits (the table padded to 6 entries)
+        (9, 3, 64, 32, None, None, jnp.bfloat16),  # page 32: two pages per block
+        (32, 8, 128, 16, None, None, jnp.bfloat16),  # Llama-3.1-8B's heads
+        (32, 8, 128, 32, 32, 2, jnp.float32),  # a page per block, one row's keys in both splits
     ],
 )
-def test_kernel_equals_reference_and_xla_attention(heads, kv_heads, block_k, splits, dtype):
-    q, k_cache, v_cache = _inputs(heads, kv_heads, dtype)
-    got = kernel(q, k_cache, v_cache, LENGTHS, block_k=block_k, splits=splits, interpret=INTERPRET)
-    assert got.shape == (len(LENGTHS), heads * HEAD_DIM) and got.dtype == dtype
+def test_kernel_equals_the_gathering_reference(heads, kv_heads, head_dim, page, block_k, splits, dtype):
+    q, k_pages, v_pages, tables, lengths = _inputs(heads, kv_heads, head_dim, page, dtype)
+    got = kernel(q, k_pages, v_pages, tables, lengths, block_k=block_k, splits=splits, interpret=INTERPRET)
+    assert got.shape == (len(lengths), heads * head_dim) and got.dtype == dtype
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
-    np.testing.assert_array_equal(got[LENGTHS == 0], 0.0)  # an idle row: zeros, never NaN
-    want = np.asarray(ragged_attention.reference(q, k_cache, v_cache, LENGTHS), np.float32)
+    np.testing.assert_array_equal(got[lengths == 0], 0.0)  # an idle row: zeros, never NaN
+    want = np.asarray(ragged_attention.reference(q, k_pages, v_pages, tables, lengths), np.float32)
     np.testing.assert_allclose(got, want, **TOL[dtype])
-    # The engine's XLA path over the whole context, for the rows with keys (query at position length - 1).
-    live = LENGTHS > 0
-    rows = len(LENGTHS)
-    with jax.default_matmul_precision("highest"):
-        xla = transformer.decode_attention(
-            q, k_cache[:rows], v_cache[:rows], np.maximum(LENGTHS - 1, 0), _config(heads, kv_heads)
-        )
-    np.testing.assert_allclose(got[live], np.asarray(xla, np.float32)[live], **TOL[dtype])
 
 
-def test_nothing_past_a_rows_length_is_read():
-    q, k_cache, v_cache = _inputs(4, 2, jnp.float32, seed=1)
-    clean = np.asarray(kernel(q, k_cache, v_cache, LENGTHS, block_k=32, splits=2, interpret=INTERPRET))
-    stale = np.arange(CONTEXT)[None, None, :, None] >= np.pad(LENGTHS, (0, SLOTS - len(LENGTHS)))[:, None, None, None]
-    k_dirty = jnp.where(stale, jnp.nan, k_cache)  # NaN everywhere past each slot's length
-    v_dirty = jnp.where(stale, jnp.nan, v_cache)
-    dirty = np.asarray(kernel(q, k_dirty, v_dirty, LENGTHS, block_k=32, splits=2, interpret=INTERPRET))
+def test_the_reference_reads_the_pages_the_tables_name():
+    """The reference itself, against attention written out by hand for row 4 (shared pages, then
+    its own, mid-page), so the kernel is not checked against a gather with the same mistake."""
+    q, k_pages, v_pages, tables, lengths = _inputs(4, 2, 16, 16, jnp.float32)
+    row, length, g = 4, int(lengths[4]), 2
+    pos = np.arange(length)
+    page_ids = np.asarray(tables)[row, pos // 16]  # [length]
+    k = np.asarray(k_pages)[:, page_ids, pos % 16]  # [K, length, D]
+    v = np.asarray(v_pages)[:, page_ids, pos % 16]
+    qr = np.asarray(q)[row].reshape(2, g, 16)  # [K, G, D]
+    scores = np.einsum("kgd,ksd->kgs", qr, k) / 4.0
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    want = np.einsum("kgs,ksd->kgd", probs / probs.sum(-1, keepdims=True), v).reshape(-1)
+    got = np.asarray(ragged_attention.reference(q, k_pages, v_pages, tables, lengths))
+    np.testing.assert_allclose(got[row], want, atol=1e-5, rtol=1e-5)
+
+
+def test_nothing_no_row_reads_reaches_the_output():
+    """NaN in every pool position that no row's table and length reach (the null page, the tails
+    of last pages, the free page) gives the same bits as a clean pool."""
+    page = 16
+    q, k_pages, v_pages, tables, lengths = _inputs(9, 3, 64, page, jnp.float32, seed=1)
+    read = np.zeros(k_pages.shape[1:3], bool)  # [N, P]
+    for table, length in zip(np.asarray(tables), np.asarray(lengths)):
+        pos = np.arange(length)
+        read[table[pos // page], pos % page] = True
+    assert not read[0].any() and not read.all()
+    args = dict(block_k=32, splits=2, interpret=INTERPRET)
+    clean = np.asarray(kernel(q, k_pages, v_pages, tables, lengths, **args))
+    stale = ~read[None, :, :, None]  # [1, N, P, 1]
+    k_dirty, v_dirty = jnp.where(stale, jnp.nan, k_pages), jnp.where(stale, jnp.nan, v_pages)
+    dirty = np.asarray(kernel(q, k_dirty, v_dirty, tables, lengths, **args))
     np.testing.assert_array_equal(dirty, clean)
 
 
-def test_unsupported_shapes_fail_in_one_line():
-    q = jnp.zeros((1, 2, 24), jnp.float32)
-    cache = jnp.zeros((1, 1, 64, 24), jnp.float32)
+def test_bad_shapes_fail_in_one_line():
+    q = jnp.zeros((2, 4, 24), jnp.float32)
+    pages = jnp.zeros((2, 4, 16, 24), jnp.float32)
+    tables, lengths = jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32)
     with pytest.raises(ValueError, match="power-of-two head dim"):
-        ragged_attention.decode_attention(q, cache, cache, jnp.ones(1, jnp.int32), interpret=True)
-    assert not ragged_attention.supported(24, 64) and not ragged_attention.supported(16, 72)
-    assert ragged_attention.supported(128, 8192)
+        ragged_attention.decode_attention(q, pages, pages, tables, lengths, interpret=True)
+    q, pages = jnp.zeros((2, 4, 16)), jnp.zeros((2, 4, 12, 16))
+    with pytest.raises(ValueError, match="page size 12"):
+        ragged_attention.decode_attention(q, pages, pages, tables, lengths, interpret=True)
+    pages = jnp.zeros((3, 4, 16, 16))
+    with pytest.raises(ValueError, match="not a multiple of 3 kv heads"):
+        ragged_attention.decode_attention(q, pages, pages, tables, lengths, interpret=True)
+    pages = jnp.zeros((2, 4, 16, 16))
+    with pytest.raises(ValueError, match=r"must be \[2, W\] and \[2\]"):
+        ragged_attention.decode_attention(q, pages, pages, tables[:1], lengths, interpret=True)
+    assert ragged_attention.supported(128, 16) and ragged_attention.supported(64, 32)
+    assert not ragged_attention.supported(24, 16) and not ragged_attention.supported(64, 12)
+    assert not ragged_attention.supported(64, 2 * ragged_attention.MAX_PAGE)
 
 
-def test_the_default_is_the_kernel_on_a_gpu_only():
-    """The decode layers' default (ragged=None) is the kernel on a GPU; on the CPU it never
-    applies, and the default lowers to exactly the step lowered before the kernel existed."""
+def test_the_kernel_applies_on_a_gpu_only():
     on_gpu = jax.default_backend() == "gpu"
-    assert ragged_attention.available() == ragged_attention.applies(HEAD_DIM, CONTEXT) == on_gpu
-    ckpt = load_checkpoint(TINY, dtype="float32")
-    cache = transformer.init_cache(ckpt.config, 2, CONTEXT, jnp.float32)
-    args = (ckpt.weights, cache, np.zeros(2, np.int32), np.zeros(2, np.int32), np.ones(2, bool))
-
-    def lowered(ragged):
-        step = jax.jit(transformer.decode, static_argnames=("cfg", "attend", "kernels", "ragged"))
-        return step.lower(*args, cfg=ckpt.config, attend=32, ragged=ragged).as_text()
-
-    assert lowered(None) == lowered(on_gpu)
-    assert lowered(True) != lowered(False)  # so the line above can fail: the kernel changes the step
-
-
-def test_model_decodes_the_same_with_the_kernel():
-    """tiny-llama (H=4, K=2, D=16): two slots prefilled with prompts of different lengths and an
-    idle slot between them decode four steps; logits with the kernel (interpret mode on the CPU) equal the
-    XLA attention's within float32 noise, and the greedy ids are the same."""
-    with jax.default_matmul_precision("highest"):
-        _decode_both_ways()
-
-
-def _decode_both_ways():
-    ckpt = load_checkpoint(TINY, dtype="float32")
-    cfg, weights = ckpt.config, ckpt.weights
-    prefill = jax.jit(transformer.prefill, static_argnames="cfg")
-    decode = jax.jit(transformer.decode, static_argnames=("cfg", "attend", "ragged"))
-    cache = transformer.init_cache(cfg, 3, CONTEXT, jnp.float32)
-    prompts = {0: [5, 17, 300, 42, 7, 9, 11], 2: [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19]}
-    ids = np.zeros(3, np.int32)
-    for slot, prompt in prompts.items():
-        tokens = np.zeros(32, np.int32)
-        tokens[: len(prompt)] = prompt
-        logits, cache = prefill(weights, cache, tokens, np.int32(len(prompt)), np.int32(slot), cfg=cfg)
-        ids[slot] = int(np.argmax(logits))
-    active = np.array([True, False, True])
-    positions = np.array([len(prompts[0]), 0, len(prompts[2])], np.int32)
-    caches = {False: cache, True: jax.tree.map(jnp.copy, cache)}
-    tokens = {False: ids.copy(), True: ids.copy()}
-    for _ in range(4):
-        out = {}
-        for ragged in (False, True):
-            out[ragged], caches[ragged] = decode(
-                weights, caches[ragged], tokens[ragged], positions, active, cfg=cfg, attend=CONTEXT, ragged=ragged
-            )
-            tokens[ragged] = np.where(active, np.argmax(np.asarray(out[ragged]), axis=-1), 0).astype(np.int32)
-        np.testing.assert_allclose(np.asarray(out[True])[active], np.asarray(out[False])[active], atol=1e-4, rtol=0)
-        np.testing.assert_array_equal(tokens[True], tokens[False])
-        positions = positions + active
+    assert ragged_attention.available() == ragged_attention.applies(64, 16) == on_gpu
+    assert not ragged_attention.applies(64, 12)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_lowers_for_a_cuda_gpu(dtype):
     """Cross-lowering from this CPU: JAX's Pallas Triton lowering accepts the kernel (power-of-two
-    tensors, supported ops) and emits one Triton call with grid (rows, kv heads, splits) at an
-    8B-like shape. Triton's own compile to GPU code happens only on a GPU and is not tested here."""
-    rows, heads, kv_heads, context, head_dim = 8, 32, 8, 1024, 128
+    tensors, the page gather, supported ops) and emits one Triton call with grid (rows, kv heads,
+    splits) at the 8B shape, 16-token pages, 1024 positions a row, and nothing around it that makes
+    XLA:GPU wait on the host (interpret=None: the platform's pick is folded away). Triton's own
+    compile to GPU code happens only on a GPU and is not tested here."""
+    rows, heads, kv_heads, head_dim, page, pages = 8, 32, 8, 128, 16, 600
     q = jax.ShapeDtypeStruct((rows, heads, head_dim), dtype)
-    cache = jax.ShapeDtypeStruct((16, kv_heads, context, head_dim), dtype)
+    pool = jax.ShapeDtypeStruct((kv_heads, pages, page, head_dim), dtype)
+    tables = jax.ShapeDtypeStruct((rows, 1024 // page), jnp.int32)
     lengths = jax.ShapeDtypeStruct((rows,), jnp.int32)
     step = jax.jit(ragged_attention.decode_attention, static_argnames=("block_k", "splits", "interpret"))
-    text = step.trace(q, cache, cache, lengths, interpret=False).lower(lowering_platforms=("cuda",)).as_text()
+    lowered = step.trace(q, pool, pool, tables, lengths).lower(lowering_platforms=("cuda",))
+    assert host_syncs(lowered.compiler_ir("stablehlo")) == []
+    text = lowered.as_text()
     assert text.count("xla.gpu.triton") == 1
     assert "grid_x = 8 : i32, grid_y = 8 : i32, grid_z = 4 : i32" in text  # 8 x 8 x 4 splits = 256 programs

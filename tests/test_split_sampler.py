@@ -19,6 +19,7 @@ from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
 from support import forced_devices
 from support.backend import require_cpu
+from support.pages import own_pages
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "tests" / "assets"
@@ -41,6 +42,8 @@ def _run(model: JaxModel) -> list:
     masked = SlotSetup(GREEDY, frozenset(range(model.info.vocab_size)) - {100, 200, 300})  # masked: one of these 3
     setups = [masked, SlotSetup(SAMPLED, frozenset()), SlotSetup(ALTERNATIVES, frozenset())]
     out, length = [], {}
+    for slot in range(4):
+        own_pages(model, slot)
     for slot, setup in enumerate(setups):
         prompt = [5 + slot, 17, 40 + slot]
         out.append(model.prefill(slot, prompt, setup, slot == 0))
@@ -77,6 +80,7 @@ def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_no
 def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alternatives():
     model = _load("tiny-llama", True)
     for slot, params in enumerate([GREEDY, GREEDY, SAMPLED, ALTERNATIVES]):
+        own_pages(model, slot)
         model.prefill(slot, [5, 6, 7], SlotSetup(params, frozenset()), False)
     length = dict.fromkeys(range(4), 3)
 

@@ -81,7 +81,7 @@ def test_each_device_holds_a_share_of_the_weights_and_the_cache(runs, name, size
     # the head is padded to a multiple of N (none here: 512 ids), kv heads replicated at 4 > 2
     assert all(held == run["sharded_total"] // size for held in run["sharded_per_device"].values())
     assert set(run["specs"]) <= {"P('tp', None)", "P(None, 'tp')", "P('tp',)"}
-    assert run["cache_specs"] == ["P(None, 'tp')"]  # [B, K, S, D] split on K
+    assert run["cache_specs"] == ["P('tp',)"]  # the page pools [K, N, P, D] split on K
     kv = run["kv_heads"]
     assert kv == max(2, size)  # the tiny models have 2 kv heads: at 4 devices each is copied twice
     assert all(held == run["cache_total"] // size for held in run["cache_per_device"].values())

@@ -1,14 +1,26 @@
-"""The engine core: a bounded admission queue, a slot table and one scheduler loop.
+"""The engine core: a bounded admission queue, a slot table, a KV page pool and one scheduler loop.
+
+The KV cache is a pool of pages (engine.core.kv_pages, `KvPages`, sized by `Model.kv`): a request
+holds pages for the positions it has, not a whole context, so more requests run than the pool
+holds contexts, and full prompt pages are shared by prompts that start alike (prefix caching,
+with no copy). The scheduler decides every page; the model only reads and writes through the
+tables it is given (`Model.set_pages`).
 
 Data flow, on the engine thread, once per iteration:
-  1. take aborts and admissions under the lock (admit waiting requests into free slots, which
-     they hold from then on, so the queue bound never counts a promised slot as free);
-  2. for each aborted request: release its slot;
-  3. prefill: requests whose prompt is not yet all in the cache, oldest admission first. A
-     request's first turn here takes the longest prefix of whole blocks that the prefix cache
-     holds (`model.load_prefix`; engine.core.prefix_cache), then `model.prefill_chunk` calls of
-     at most `step_tokens` (the config's `max_step_tokens`, or the model's default) prompt
-     tokens in all this iteration while other requests decode
+  1. take aborts and admissions under the lock: waiting requests, oldest first (a preempted one
+     is at the front), each into a free slot while the pool takes its prompt
+     (`KvPages.can_admit`, leaving the reserve free for running requests to grow into; with
+     none running, no reserve); the first that does not fit stops the rest (FIFO). Admission
+     (`KvPages.admit`) shares the pages of the prompt's longest cached prefix and takes pages
+     for the rest of the prompt, so no prefill ever waits for a page; the slot gets its table
+     (`model.set_pages`). Slots are held from here, so the queue bound never counts a promised
+     slot as free. A request that could never fit in the pool, even alone, was refused at
+     submit (InvalidArgument naming the field and the pool's size: `check_fits`);
+  2. for each aborted request: release its slot and free its pages;
+  3. prefill: requests whose prompt is not yet all in the cache, oldest admission first, from
+     the end of the prefix hit (those positions' KV is in the shared pages), in
+     `model.prefill_chunk` calls of at most `step_tokens` (the config's `max_step_tokens`, or
+     the model's default) prompt tokens in all this iteration while other requests decode
      (chunked prefill: a long prompt is read over several iterations, each followed by a
      decode step, so running streams keep their pace; with nothing decoding, nobody waits, and
      a prompt is read whole). The budget protects the streams that decode from the prompts
@@ -18,7 +30,7 @@ Data flow, on the engine thread, once per iteration:
      requests for waiting ones on a similar rule, its waiting_served_ratio). A burst of 32
      short prompts is then read in one iteration, instead of trickling in at `step_tokens` a
      step while the first requests run to their end. In such an iteration (and with no budget
-     at all) the prompts not yet started and with no cached prefix go, in admission order, as
+     at all) the prompts not yet started and with no prefix hit go, in admission order, as
      many as fit in the model's `packed_prefill_tokens`, into one `model.prefill_packed` call
      (at least two; `_prefill_packed`): one pass over the weights and one read of the samples
      for all of them, where an accelerator's fixed cost a call would otherwise be paid a
@@ -30,17 +42,27 @@ Data flow, on the engine thread, once per iteration:
      step of step 4 instead (`model.dispatch(inputs, chunk)`) when the model takes one along
      (`Model.fused_chunk_tokens`): one pass over the weights for the step and the chunk, so the
      running streams wait for one step, not a chunk and then a step (at most one chunk a step;
-     with no step to carry it, it is a `prefill_chunk` call). The chunk that completes a prompt stores its whole blocks in the
-     prefix cache (`model.save_prefix`) and samples its first token -> `decide` -> events; a
-     request that finishes there (a control token, or max_output_tokens = 1) releases its slot
-     at once and never joins a decode step;
-  4. dispatch one decode step (`model.dispatch`) for every active slot whose prompt is complete
+     with no step to carry it, it is a `prefill_chunk` call). The chunk that completes a prompt
+     publishes its full pages for later prompts to share (`KvPages.publish`; a page another
+     request computed meanwhile is swapped for that one, and the table sent again) and samples
+     its first token -> `decide` -> events; a request that finishes there (a control token, or
+     max_output_tokens = 1) releases its slot and pages at once and never joins a decode step;
+  4. growth: each request of the next step whose position starts a new page gets one
+     (`KvPages.grow`, evicting cached pages if need be) and its table is sent again. When none
+     is left, the step in flight is read first (finished requests free theirs), then the most
+     recently admitted request is preempted until every row has its page (`_make_room`): its
+     slot is released, its written full pages stay cached (`KvPages.preempt`), and it goes back
+     to the front of the queue with its prompt and the tokens it produced as a new prompt.
+     Readmitted (mostly a prefix hit), its prefill samples its next token, and its counts and
+     stop rule go on: its client sees no duplicate, no gap, only the time it waited;
+  5. dispatch one decode step (`model.dispatch`) for every active slot whose prompt is complete
      and whose output may still grow, then read the previous iteration's step (`model.collect`)
-     -> `decide` per slot -> events; finished slots are released in the same iteration. The
-     host thus runs one step behind the device: step N+1 is enqueued before step N is read, and
-     its inputs (each slot's last sample) never leave the device. A request that step N finished
-     was also in step N+1; that sample is discarded (never decided, never sent), and a request
-     is never dispatched a step that could only pass its length cap.
+     -> `decide` per slot -> events; finished slots are released (and their pages freed) in the
+     same iteration. The host thus runs one step behind the device: step N+1 is enqueued before
+     step N is read, and its inputs (each slot's last sample) never leave the device. A request
+     that step N finished was also in step N+1; that sample is discarded (never decided, never
+     sent), and a request is never dispatched a step that could only pass its length cap.
+     Positions, and so growth, follow the steps dispatched, not the steps read.
 A request cancelled between or during its chunks is released at step 2 or at the end of its
 chunk, with no events, before the next step.
 After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
@@ -62,10 +84,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from engine.core.errors import EngineStopped, QueueFull
+from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
-from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, PromptInput, Sample, SlotSetup
-from engine.core.prefix_cache import PrefixCache
+from engine.core.kv_pages import KvPages, PageStats
+from engine.core.model import ChunkInput, DecodeInput, KvLayout, Model, ModelInfo, PromptInput, Sample, SlotSetup
 from engine.core.request import Request
 from engine.core.stopping import StopRule, decide, resolve
 
@@ -99,55 +121,83 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class PrefixStats:
-    """Prefix cache counts since start: prompt tokens looked up, and how many of them were found
-    (hit rate = hit_tokens / queried_tokens); `cached_tokens` is what the pool holds now."""
-
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    cached_tokens: int = 0
-    capacity_tokens: int = 0
-
-
-@dataclass(frozen=True)
 class EngineStats:
-    queue_depth: int
+    queue_depth: int  # waiting for a slot and pages, preempted requests included
     slots_in_use: int
     alive: bool
     stalled_s: float  # seconds since the loop last made progress while work was pending; 0 when idle
-    prefix: PrefixStats = PrefixStats()
+    # the KV page pool now, and its prefix-cache counts since start (engine.core.kv_pages)
+    pages: PageStats = PageStats(0, 0, 0, 0)
+    preemptions: int = 0  # requests preempted since start (each recomputed, unseen by its client)
 
 
 @dataclass(slots=True)
 class _Live:
-    """A request that holds a slot. Freed (dropped from the table) the step it ends.
+    """A request the engine holds: waiting (slot -1), or in a slot. Freed (dropped from the
+    table) the step it ends.
 
     `filling` is read for every request on every iteration, so it is kept as a field, set with
-    `prefilled` by `fill_to` alone (a property recomputing it stood out in the loop's profile)."""
+    `prefilled` by `fill_to` alone (a property recomputing it stood out in the loop's profile).
+    After a preemption `prompt` is the request's prompt and its output so far (`resumed` ids of
+    it): the recompute writes their KV again and samples the next token, so the stop rule, the
+    counts and the client's stream go on where they were."""
 
     ticket: int
     request: Request
     rule: StopRule
     sink: EventSink
+    prompt: tuple[int, ...]  # what the slot's prefill writes
     slot: int = -1
     emitted: int = 0
+    output: list[int] = dataclasses.field(default_factory=list)  # the ids emitted (a recompute's prompt)
+    resumed: int = 0  # output ids at the end of `prompt` (0 until preempted)
+    cached: int = 0  # prompt positions its prefix hit covers (their KV is in shared pages)
     prefilled: int = 0  # prompt positions in the cache; the request decodes once all are
-    steps: int = 0  # decode steps dispatched for it (read or in flight)
+    steps: int = 0  # decode steps dispatched for it since its prefill (read or in flight)
     filling: bool = True  # prefilled < the prompt's length (a prompt has at least one id)
-    looked_up: bool = False  # its prompt was matched against the prefix cache (once per request)
 
     def fill_to(self, positions: int) -> None:
         self.prefilled = positions
-        self.filling = positions < len(self.request.prompt_token_ids)
+        self.filling = positions < len(self.prompt)
 
 
-def admit(request: Request, info: ModelInfo) -> tuple[Request, StopRule]:
+def admit(request: Request, info: ModelInfo, kv: KvLayout) -> tuple[Request, StopRule]:
     """A request as the engine runs it: its stop rule resolved against the model (ValueError
-    when the prompt leaves no room), and a seed drawn if it has none."""
+    when the prompt leaves no room), refused with InvalidArgument when its prompt and output
+    could never fit in the KV page pool (`kv`) even alone, and a seed drawn if it has none."""
     rule = resolve(request.stopping, info.eos_token_ids, len(request.prompt_token_ids), info.max_context_length)
+    check_fits(len(request.prompt_token_ids), rule.max_output_tokens, request.stopping.max_output_tokens, kv)
     if request.sampling.seed is None:
         request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=random.getrandbits(63)))
     return request, rule
+
+
+def check_fits(prompt_tokens: int, max_output: int, asked: int | None, kv: KvLayout) -> None:
+    """Refuse a request the pool could never hold: alone in it (admitted with no reserve), its
+    prompt and all its output must fit (`KvPages.could_ever_fit` with no reserve), or no
+    preemption would ever make room and it would wait forever. The error names the field to
+    change and the pool's size in tokens; `asked` is the request's own max_output_tokens (None:
+    up to the context)."""
+    tokens = (kv.num_pages - 1) * kv.page_size  # the pool, the null page not counted
+    if prompt_tokens + max_output <= tokens:  # (whole pages: the pool is a whole number of them)
+        return
+    if prompt_tokens >= tokens:
+        raise InvalidArgument(
+            "prompt_token_ids", f"{prompt_tokens} tokens leave no room for output in the KV cache of {tokens} tokens"
+        )
+    wanted = "unset (up to the context)" if asked is None else str(asked)
+    raise InvalidArgument(
+        "stopping.max_output_tokens",
+        f"{wanted}: prompt ({prompt_tokens} tokens) + {max_output} output tokens exceed the KV cache of {tokens} "
+        f"tokens; at most {tokens - prompt_tokens} fit",
+    )
+
+
+def reserve_pages(kv: KvLayout, max_batch_size: int) -> int:
+    """Pages admission leaves free for running sequences to grow into: one for each sequence
+    that may decode, so that every running sequence can take its next page before anyone is
+    preempted (at most all but one page of a pool too small for that)."""
+    return min(max_batch_size, kv.num_pages - 2)
 
 
 class Engine:
@@ -184,13 +234,15 @@ class Engine:
         self._dead: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.step_tokens = model.default_step_tokens if config.max_step_tokens is None else config.max_step_tokens
+        kv = model.kv
+        self._pages = KvPages(kv.num_pages, kv.page_size, reserve_pages(kv, model.info.max_batch_size))  # engine thread
+        self._page_stats = self._pages.stats()  # a snapshot for other threads, taken on the engine thread
+        self._preemptions = 0
         log.info(
-            "prefill budget: %s prompt tokens a step while requests decode; prefix cache: %d tokens",
-            self.step_tokens or "unlimited", model.prefix_pool.tokens,
+            "prefill budget: %s prompt tokens a step while requests decode; KV cache: %d pages of %d tokens "
+            "(%d kept free at admission)",
+            self.step_tokens or "unlimited", self._pages.usable_pages, kv.page_size, self._pages.reserve_pages,
         )
-        pool = model.prefix_pool
-        self._prefix = PrefixCache(pool) if pool.blocks else None
-        self._prefix_stats = PrefixStats(capacity_tokens=pool.tokens)
 
     # -- caller side (any thread) -------------------------------------------------------
 
@@ -213,9 +265,10 @@ class Engine:
 
     def submit(self, request: Request, sink: EventSink) -> int:
         """Queue a validated request; returns a ticket for `abort`. Raises QueueFull, EngineStopped,
-        and ValueError when the prompt leaves no room in the context."""
+        ValueError when the prompt leaves no room in the context, and InvalidArgument when the
+        request could never fit in the KV cache."""
         info = self.model.info
-        request, rule = admit(request, info)
+        request, rule = admit(request, info, self.model.kv)
         with self._cond:
             if self._dead is not None or not self._running:
                 raise EngineStopped("the engine is not running")
@@ -225,7 +278,7 @@ class Engine:
             ticket = next(self._tickets)
             if not (self._waiting or self._active):
                 self._progress_at = time.monotonic()  # an idle engine is not stalled
-            self._waiting[ticket] = _Live(ticket, request, rule, sink)
+            self._waiting[ticket] = _Live(ticket, request, rule, sink, request.prompt_token_ids)
             self._cond.notify_all()
         return ticket
 
@@ -249,7 +302,8 @@ class Engine:
             pending = bool(self._waiting or self._active)
             stalled = time.monotonic() - self._progress_at if pending else 0.0
             return EngineStats(
-                len(self._waiting), len(self._active), self._dead is None and self._running, stalled, self._prefix_stats
+                len(self._waiting), len(self._active), self._dead is None and self._running, stalled,
+                self._page_stats, self._preemptions,
             )
 
     def _progressed(self) -> None:
@@ -267,11 +321,9 @@ class Engine:
                     if not self._running:
                         break
                     aborts, self._aborts = self._aborts, set()
-                    free = self.model.info.max_batch_size - len(self._active)
-                    admitted = [self._waiting.popitem(last=False)[1] for _ in range(min(free, len(self._waiting)))]
-                    for live in admitted:  # the slot is held from here, so submit never counts it free
-                        live.slot = self._free_slot()
-                        self._active[live.slot] = live
+                    admitted = self._admit()
+                for live in admitted:
+                    self.model.set_pages(live.slot, self._pages.pages(live.ticket))
                 if self._drop(aborts):
                     self._after_delivery()  # nothing to deliver, but a slot was freed: stats changed
                 budget = self.step_tokens or None  # None: no limit
@@ -318,14 +370,40 @@ class Engine:
             self._after_delivery()
 
     def _after_delivery(self) -> None:
+        stats = self._pages.stats()
+        with self._cond:
+            self._page_stats = stats
         for callback in self._delivered:
             callback()
+
+    def _admit(self) -> list[_Live]:
+        """Under the lock: waiting requests, oldest first (preempted ones are at the front), into
+        free slots while the pool can take their prompts (`KvPages.admit`: a prefix hit's pages
+        shared, pages for the rest taken); the first that cannot wait stops the rest (FIFO, so a
+        long prompt is not starved by short ones behind it). Into an empty engine a request is
+        admitted with no reserve: nothing runs that could need it, and a recompute's prompt may
+        be nearly the pool. The slot is held from here, so submit never counts it free."""
+        admitted = []
+        while self._waiting and len(self._active) < self.model.info.max_batch_size:
+            live = next(iter(self._waiting.values()))
+            reserve = None if self._active else 0
+            if not self._pages.can_admit(live.prompt, reserve):
+                break
+            del self._waiting[live.ticket]
+            live.slot = self._free_slot()
+            live.cached = self._pages.admit(live.ticket, live.prompt, reserve)
+            live.fill_to(live.cached)
+            self._active[live.slot] = live
+            admitted.append(live)
+        return admitted
 
     def _free_slot(self) -> int:
         return next(s for s in range(self.model.info.max_batch_size) if s not in self._active)
 
     def _drop(self, tickets: set[int]) -> bool:
-        """Release the slots of aborted requests; whether any was released."""
+        """Release the slots of aborted requests; whether any was released. (A waiting request,
+        preempted ones included, left the queue in `abort`; one preempted after its abort, in
+        `_preempt`.)"""
         dropped = False
         for slot, live in list(self._active.items()):
             if live.ticket in tickets:
@@ -336,29 +414,29 @@ class Engine:
     def _release(self, live: _Live) -> None:
         del self._active[live.slot]
         self.model.release(live.slot)
+        self._pages.free(live.ticket)
 
     def _prefill(self, live: _Live, budget: int | None) -> int:
         """Prefill the next chunk of `live`'s prompt, at most `budget` tokens (None: the rest),
         or the rest when that is under `budget` plus one more budget (after any cached prefix):
         its last piece would otherwise wait a step for a call of its own, so an iteration reads
-        under twice the budget. The chunk that ends the prompt samples its first token. A chunk
+        under twice the budget. The first chunk starts after the prefix hit, on pages that
+        already hold its KV. The chunk that ends the prompt samples its first token. A chunk
         that does not end the prompt, under a budget (others decode), goes with the next decode
         step when the model takes one along (`Model.fused_chunk_tokens`): one pass over the
         weights for both, so the streams decoding beside a long prompt wait for one step, not a
-        chunk and a step.
+        chunk and a step. Every chunk's pages were taken at admission.
         -> tokens prefilled."""
-        prompt = live.request.prompt_token_ids
+        prompt = live.prompt
         setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
-        if not live.looked_up and self._prefix is not None:
-            self._load_prefix(live, setup)
         start = live.prefilled
         if budget is not None and len(prompt) - start < budget + self.step_tokens:
             budget = None  # less than two budgets left: to its end now, in one call
         end = len(prompt) if budget is None else min(len(prompt), start + budget)
-        masked = live.rule.masks_control_tokens(0)
+        masked = live.rule.masks_control_tokens(live.resumed)
         sample: Sample | None = None
         if budget is not None and end < len(prompt) and self._chunk is None and end - start <= self.model.fused_chunk_tokens:
-            self._chunk = ChunkInput(live.slot, tuple(prompt), start, end, setup)
+            self._chunk = ChunkInput(live.slot, prompt, start, end, setup)
         elif start == 0 and end == len(prompt):  # the whole prompt at once
             sample = self.model.prefill(live.slot, prompt, setup, masked)
         else:
@@ -371,11 +449,11 @@ class Engine:
 
     def _read_to(self, live: _Live, end: int, sample: Sample | None) -> None:
         """`live`'s prompt is in its slot up to `end` (`sample`: the first token, when that is its
-        end): its whole blocks go into the prefix cache once all of it is there; a request
+        end): its full pages are published as a cached prefix once all of it is there; a request
         aborted meanwhile is freed and sent nothing; otherwise its first token is decided."""
         live.fill_to(end)
-        if end == len(live.request.prompt_token_ids) and self._prefix is not None:
-            self._save_prefix(live)
+        if end == len(live.prompt):
+            self._publish(live)
         with self._cond:  # aborted while prefilling: free the slot, send nothing
             aborted = live.ticket in self._aborts
             if aborted:
@@ -386,75 +464,120 @@ class Engine:
         if not aborted and sample is not None:
             self._advance(live, sample)
 
+    def _publish(self, live: _Live) -> None:
+        """Key the full pages of `live`'s prompt, all written, for later prompts to share; a page
+        another request computed first is swapped for that one (`KvPages.publish`), so the
+        slot's table is sent again."""
+        before = self._pages.pages(live.ticket)
+        self._pages.publish(live.ticket, live.prompt)
+        after = self._pages.pages(live.ticket)
+        if after != before:
+            self.model.set_pages(live.slot, after)
+
     def _prefill_packed(self, filling: list[_Live]) -> list[_Live]:
         """Read whole, in one `model.prefill_packed` call, the prompts of an iteration that reads
         every prompt whole: from the oldest, while they fit in `packed_prefill_tokens` and until
-        one that has started (a chunk read earlier), those with no cached prefix (at least two,
-        else none: one prompt is a plain `prefill`). Each then goes on as after `_prefill` of its whole prompt (prefix saved, a
-        cancel honoured, its first token decided), and the iteration's deliveries go out once.
-        -> the requests read."""
+        one that has started (a chunk read earlier), those with no prefix hit (at least two,
+        else none: one prompt is a plain `prefill`; one with a hit is a `prefill_chunk` from
+        its hit's end). Each then goes on as after `_prefill` of its whole prompt (its pages
+        published, a cancel honoured, its first token decided), and the iteration's deliveries
+        go out once. -> the requests read."""
         group: list[tuple[_Live, SlotSetup]] = []
         tokens = 0
         for live in filling:
-            prompt = live.request.prompt_token_ids
-            if live.prefilled or tokens + len(prompt) > self.model.packed_prefill_tokens:
-                break  # (the prefix lookup below only for a prompt that fits, so none is looked up twice)
-            setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
-            if self._prefix is not None and not live.looked_up:
-                self._load_prefix(live, setup)
-                if live.prefilled:  # a cached prefix: the rest of its prompt is a prefill_chunk
-                    continue
-            group.append((live, setup))
-            tokens += len(prompt)
+            if live.prefilled > live.cached or tokens + len(live.prompt) > self.model.packed_prefill_tokens:
+                break
+            if live.cached:
+                continue
+            group.append((live, SlotSetup(live.request.sampling, live.rule.control_token_ids)))
+            tokens += len(live.prompt)
         if len(group) < 2:
             return []
         samples = self.model.prefill_packed([
-            PromptInput(live.slot, live.request.prompt_token_ids, setup, live.rule.masks_control_tokens(0))
+            PromptInput(live.slot, live.prompt, setup, live.rule.masks_control_tokens(live.resumed))
             for live, setup in group
         ])
         self._read_at = time.perf_counter()
         self._read_in_flight = bool(self._in_flight)
         for (live, _), sample in zip(group, samples, strict=True):
-            self._read_to(live, len(live.request.prompt_token_ids), sample)
+            self._read_to(live, len(live.prompt), sample)
         self._after_delivery()
         self._progressed()
         return [live for live, _ in group]
 
-    def _load_prefix(self, live: _Live, setup: SlotSetup) -> None:
-        """Start `live` from the longest cached prefix of its prompt, if any (whole blocks, and
-        at least one prompt token left to compute: its last chunk samples the first token)."""
-        assert self._prefix is not None
-        live.looked_up = True
-        prompt = live.request.prompt_token_ids
-        blocks = self._prefix.match(prompt, (len(prompt) - 1) // self._prefix.block_tokens)
-        if blocks:
-            self.model.load_prefix(live.slot, blocks, setup)
-            live.fill_to(len(blocks) * self._prefix.block_tokens)
-        s = self._prefix_stats
-        self._prefix_stats = dataclasses.replace(
-            s, queried_tokens=s.queried_tokens + len(prompt), hit_tokens=s.hit_tokens + live.prefilled
-        )
+    def _decoding(self) -> list[_Live]:
+        """The requests the next step is for: prompt complete, and a token left to produce after
+        the one each has in flight or holds (1: the prefill's token)."""
+        return [
+            live for live in self._active.values()
+            if not live.filling and live.resumed + 1 + live.steps < live.rule.max_output_tokens
+        ]
 
-    def _save_prefix(self, live: _Live) -> None:
-        """Keep the whole blocks of `live`'s prompt, now all in its slot, in the prefix cache."""
-        assert self._prefix is not None
-        prompt = live.request.prompt_token_ids
-        copies = self._prefix.insert(prompt, len(prompt) // self._prefix.block_tokens)
-        if copies:
-            self.model.save_prefix(live.slot, copies)
-        cached = len(self._prefix) * self._prefix.block_tokens
-        self._prefix_stats = dataclasses.replace(self._prefix_stats, cached_tokens=cached)
+    def _grow(self, lives: list[_Live]) -> bool:
+        """Pages for each row's position in the next step: a row whose position starts a page
+        gets one (`KvPages.grow`) and its table is sent again. False when one could not (the
+        rows before it got theirs)."""
+        size = self._pages.page_size
+        for live in lives:
+            position = len(live.prompt) + live.steps  # its pages hold 0..position-1, ceil(position / size) of them
+            if position % size == 0:
+                if not self._pages.grow(live.ticket, position + 1):
+                    return False
+                self.model.set_pages(live.slot, self._pages.pages(live.ticket))
+        return True
+
+    def _make_room(self) -> list[_Live]:
+        """With no step in flight: preempt the most recently admitted request (`KvPages.victim`)
+        until every row of the next step has its page. -> the rows left."""
+        while True:
+            lives = self._decoding()
+            if self._grow(lives):
+                return lives
+            ticket = self._pages.victim()
+            self._preempt(next(live for live in self._active.values() if live.ticket == ticket))
+
+    def _preempt(self, live: _Live) -> None:
+        """Free `live`'s slot and pages and queue it first, to recompute its prompt and output so
+        far as a new prompt (mostly a prefix hit: `KvPages.preempt` keeps its full pages cached).
+        Its client sees only the time: the recompute's prefill samples the next token, and its
+        counts (`emitted`, the stop rule's) go on."""
+        end = live.prefilled
+        if self._chunk is not None and self._chunk.slot == live.slot:
+            end, self._chunk = self._chunk.start, None  # its chunk never reaches the model
+        if live.filling:
+            written = live.prompt[:end]
+        else:  # the prompt, then every output id fed to a step (not the last sample: no step wrote it)
+            written = live.prompt + tuple(live.output[live.resumed : live.resumed + live.steps])
+        del self._active[live.slot]
+        self.model.release(live.slot)
+        self._pages.grow(live.ticket, len(written))  # (the length its pages hold: `_grow` asks only at page starts)
+        self._pages.preempt(live.ticket, written)
+        live.prompt = live.request.prompt_token_ids + tuple(live.output)
+        live.resumed, live.slot, live.cached, live.steps = len(live.output), -1, 0, 0
+        live.fill_to(0)
+        with self._cond:
+            self._preemptions += 1
+            if live.ticket in self._aborts:  # aborted meanwhile: it goes now, with no events
+                self._aborts.discard(live.ticket)
+            else:
+                self._waiting[live.ticket] = live
+                self._waiting.move_to_end(live.ticket, last=False)
+        log.debug("preempted request %s after %d tokens: no KV page left", live.request.request_id, live.emitted)
 
     def _decode_step(self) -> float | None:
         """Dispatch the next step, then read the one dispatched before it (see the module
         docstring). Each request's next step is predicted from what is dispatched: the step in
         flight emits a token unless it finishes the request, in which case the new step's sample
-        is discarded, so positions and masking follow from the count of steps alone. -> the read
-        step's time (see `on_step`), or None when none was read or it cannot be told apart."""
-        lives = [
-            live for live in self._active.values()
-            if not live.filling and 1 + live.steps < live.rule.max_output_tokens  # 1: the prefill's token
-        ]
+        is discarded, so positions and masking follow from the count of steps alone. When a row
+        cannot get a page, the step in flight is read first (it may finish requests, freeing
+        theirs), then requests are preempted until every row has one (`_make_room`).
+        -> the read step's time (see `on_step`), or None when none was read or it cannot be told apart."""
+        seconds = None
+        lives = self._decoding()
+        if not self._grow(lives):
+            if self._in_flight:
+                seconds = self._read(*self._take_in_flight())
+            lives = self._make_room()
         dispatched_at = time.perf_counter()
         chunk, self._chunk = self._chunk, None
         if lives:
@@ -462,8 +585,8 @@ class Engine:
                 DecodeInput(
                     slot=live.slot,
                     token_id=None,  # the slot's last sample, still on the device
-                    position=len(live.request.prompt_token_ids) + live.steps,
-                    masked=live.rule.masks_control_tokens(1 + live.steps),
+                    position=len(live.prompt) + live.steps,
+                    masked=live.rule.masks_control_tokens(live.resumed + 1 + live.steps),
                 )
                 for live in lives
             ], chunk)
@@ -472,12 +595,23 @@ class Engine:
         elif chunk is not None:  # no step to take it along (every decoding request has its last in flight)
             c = chunk
             self.model.prefill_chunk(c.slot, c.prompt_token_ids, c.start, c.end, c.setup, False)
-        previous, self._in_flight = self._in_flight, lives
-        started = max(self._dispatched_at, self._read_at)
-        timed = not self._read_in_flight
-        self._dispatched_at, self._read_in_flight = dispatched_at, False
-        if not previous:
-            return None
+        previous, started, timed = self._take_in_flight()
+        self._in_flight, self._dispatched_at = lives, dispatched_at
+        if previous:
+            seconds = self._read(previous, started, timed)
+        return seconds
+
+    def _take_in_flight(self) -> tuple[list[_Live], float, bool]:
+        """The step in flight (no longer in flight once this returns), when its time started (its
+        dispatch, or the host's later read), and whether its time can be told apart."""
+        previous, self._in_flight = self._in_flight, []
+        started, timed = max(self._dispatched_at, self._read_at), not self._read_in_flight
+        self._read_in_flight = False
+        return previous, started, timed
+
+    def _read(self, previous: list[_Live], started: float, timed: bool) -> float | None:
+        """Read the step of `previous` (`model.collect`) and decide each request's sample.
+        -> the step's time (see `on_step`), or None."""
         samples = self.model.collect()
         self._read_at = time.perf_counter()
         with self._cond:  # requests aborted during the step are freed now, with no more events
@@ -498,6 +632,7 @@ class Engine:
         events: list[Event] = []
         if decision.emit:
             live.emitted += 1
+            live.output.append(sample.token_id)
             if live.request.return_logprobs:
                 events.append(Token(sample.token_id, sample.logprob, sample.top_logprobs))
             else:

@@ -12,16 +12,18 @@ Data flow (multiprocessing, spawn; one duplex pipe):
   submit/abort -> ("submit", key, request) ----> command loop -> Engine.submit / Engine.abort
                   ("abort", key)
   reader thread <- ("batch", deliveries, steps,  <- after each prefill and step, what the engine
-                    queue_depth, slots, prefix)      delivered: sent by the engine thread itself
+                    queue_depth, slots, pages,       delivered: sent by the engine thread itself
+                    preemptions)
     -> each key's sink, then after_delivery          when the pipe takes it at once, else by the
                                                      sender thread, with everything delivered
                                                      since (several steps when the parent is behind)
 The child loads and warms up the model from `factory` (a picklable callable: spawn starts a
-fresh interpreter; `engine.core.model.load`), then answers ("ready", info) or ("failed", the
-ModelLoadFailed, which `start` raises again).
+fresh interpreter; `engine.core.model.load`), then answers ("ready", info, kernel state, KV
+layout) or ("failed", the ModelLoadFailed, which `start` raises again).
 
 What holds, as with the in-process `Engine`:
-  * submit refuses synchronously: the stop rule is resolved here (ValueError), and QueueFull when
+  * submit refuses synchronously: the stop rule is resolved here (ValueError), a request the KV
+    cache could never hold is refused here (InvalidArgument, from the child's KV layout), and QueueFull when
     requests not yet ended reach max_batch_size + max_queue_size (the in-process bound).
   * abort: no event is delivered for the request after it, and the child frees the slot before
     its next step.
@@ -50,10 +52,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
-from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, PrefixStats, admit
+from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, admit
 from engine.core.errors import EngineStopped, ModelLoadFailed, QueueFull
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
-from engine.core.model import ModelFactory, ModelInfo, load
+from engine.core.kv_pages import PageStats
+from engine.core.model import KvLayout, ModelFactory, ModelInfo, load
 from engine.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -144,7 +147,7 @@ class _Outbox:
     def _message(self, deliveries: list[tuple], steps: list[float]) -> bytes:
         stats = self.stats()  # not under the lock: the engine's own lock is taken inside
         deliveries = [(key, _encode(p) if isinstance(p, list) else p) for key, p in deliveries]
-        return _frame(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use, stats.prefix))
+        return _frame(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use, stats.pages, stats.preemptions))
 
     def flush(self) -> None:
         """After each prefill and step (even an empty step, which the parent counts as progress):
@@ -263,7 +266,7 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     sender = threading.Thread(target=outbox.run, name="tokenwire-engine-sender", daemon=True)
     engine.start()
     # before the outbox opens: one thread writes at a time
-    conn.send(("ready", model.info, getattr(model, "kernel_state", None)))
+    conn.send(("ready", model.info, getattr(model, "kernel_state", None), model.kv))
     outbox.open()
     sender.start()
     tickets = _Tickets()
@@ -317,6 +320,7 @@ class EngineProcess:
         self._log_setup = log_setup
         self.info: ModelInfo | None = None
         self.kernel_state: str | None = None  # the model's `kernel_state`, if it has one (JaxModel)
+        self.kv: KvLayout | None = None  # the model's page pool (submit refuses what could never fit)
         self._conn: Connection | None = None
         self._process: multiprocessing.Process | None = None
         self._reader: threading.Thread | None = None
@@ -329,7 +333,8 @@ class EngineProcess:
         self._progress_at = time.monotonic()
         self._queue_depth = 0
         self._slots_in_use = 0
-        self._prefix = PrefixStats()
+        self._pages = PageStats(0, 0, 0, 0)
+        self._preemptions = 0
         self._running = False
         self._dead: BaseException | None = None
 
@@ -357,7 +362,7 @@ class EngineProcess:
         if answer[0] != "ready":
             self._process.join()
             raise answer[1]
-        self.info, self.kernel_state = answer[1], answer[2]
+        self.info, self.kernel_state, self.kv = answer[1], answer[2], answer[3]
         with self._lock:
             self._running = True
         self._reader = threading.Thread(target=self._read, name="tokenwire-engine-reader", daemon=True)
@@ -381,10 +386,11 @@ class EngineProcess:
 
     def submit(self, request: Request, sink: EventSink) -> int:
         """Queue a validated request; returns a ticket for `abort`. Raises QueueFull, EngineStopped,
-        and ValueError when the prompt leaves no room in the context."""
+        ValueError when the prompt leaves no room in the context, and InvalidArgument when the
+        request could never fit in the KV cache."""
         if self.info is None:
             raise EngineStopped("the engine is not running")
-        request, _ = admit(request, self.info)
+        request, _ = admit(request, self.info, self.kv)
         with self._lock:
             if self._dead is not None or not self._running:
                 raise EngineStopped("the engine is not running")
@@ -417,7 +423,7 @@ class EngineProcess:
             pending = bool(self._sinks)
             stalled = time.monotonic() - self._progress_at if pending else 0.0
             alive = self._running and self._dead is None
-            return EngineStats(self._queue_depth, self._slots_in_use, alive, stalled, self._prefix)
+            return EngineStats(self._queue_depth, self._slots_in_use, alive, stalled, self._pages, self._preemptions)
 
     # -- reader thread ---------------------------------------------------------------------
 
@@ -427,8 +433,8 @@ class EngineProcess:
                 message = self._conn.recv()
                 if message[0] == "dead":
                     raise EngineStopped(f"the engine loop died: {message[1]}")
-                _, deliveries, steps, queue_depth, slots, prefix = message
-                self._deliver(deliveries, queue_depth, slots, prefix)
+                _, deliveries, steps, queue_depth, slots, pages, preemptions = message
+                self._deliver(deliveries, queue_depth, slots, pages, preemptions)
                 if self._on_step is not None:
                     for seconds in steps:
                         self._on_step(seconds)
@@ -448,10 +454,11 @@ class EngineProcess:
             if self._on_death is not None:
                 self._on_death(error)
 
-    def _deliver(self, deliveries: list[tuple], queue_depth: int, slots: int, prefix: PrefixStats) -> None:
+    def _deliver(self, deliveries: list[tuple], queue_depth: int, slots: int, pages: PageStats, preemptions: int) -> None:
         with self._lock:
             self._progress_at = time.monotonic()
-            self._queue_depth, self._slots_in_use, self._prefix = queue_depth, slots, prefix
+            self._queue_depth, self._slots_in_use = queue_depth, slots
+            self._pages, self._preemptions = pages, preemptions
             for key, payload in deliveries:
                 sink = self._sinks.get(key)
                 if sink is None:

@@ -1,8 +1,8 @@
 """`KvPages`: which physical KV pages each sequence's block table names, and which full pages
-are shared as a cached prefix (issue 41, step 1: the allocator alone; the scheduler and the
-model do not use it yet).
+are shared as a cached prefix (issue 41). The scheduler (engine.core.engine) owns one and tells
+the model each slot's table (`Model.set_pages`).
 
-The model will keep K and V, per layer, in one pool of `num_pages` pages of `page_size`
+The model keeps K and V, per layer, in one pool of `num_pages` pages of `page_size`
 positions. A sequence's position p lives in page `table[p // page_size]` at offset
 `p % page_size`. Page 0 is the null page: it pads block tables (`table`) and is never handed out.
 This class is the bookkeeping alone, pure Python on the engine thread: it hands out and takes
@@ -54,7 +54,11 @@ pages. They count free pages plus evictable ones, less the hit's own pages that 
 into; `grow`, the decode-time path, may use the reserve. When `grow` fails, the scheduler
 preempts `victim()` (the most recently admitted sequence, perhaps the one growing), publishes
 what it has written and frees it (`preempt`): its full pages stay cached, so its recompute
-(prompt plus the tokens produced so far, as a new prompt) is mostly a hit.
+(prompt plus the tokens produced so far, as a new prompt) is mostly a hit. The scheduler admits
+with no reserve when no sequence is admitted (a pool that is all free or cached has nothing to
+grow into it), so `could_ever_fit(..., reserve_pages=0)` is the test of a request that will
+run: alone in the pool it is admitted and every page is there to grow into, and while others
+run beside it the oldest is never the victim, so the oldest always moves on.
 """
 
 from __future__ import annotations
@@ -127,12 +131,14 @@ class KvPages:
         """Pages a sequence of `tokens` positions holds."""
         return -(-tokens // self.page_size)
 
-    def could_ever_fit(self, prompt_tokens: int, total_tokens: int) -> bool:
-        """Whether a sequence alone in the pool could be admitted with `prompt_tokens` and grow to
-        `total_tokens` (prompt + max output): one that could not must be refused at admission,
-        since no preemption would ever make room for it."""
+    def could_ever_fit(self, prompt_tokens: int, total_tokens: int, reserve_pages: int | None = None) -> bool:
+        """Whether a sequence alone in the pool could be admitted with `prompt_tokens` (leaving
+        `reserve_pages`, default the pool's) and grow to `total_tokens` (prompt + max output):
+        one that could not must be refused at admission, since no preemption would ever make room
+        for it."""
+        reserve = self.reserve_pages if reserve_pages is None else reserve_pages
         return (
-            self.pages_for(prompt_tokens) + self.reserve_pages <= self.usable_pages
+            self.pages_for(prompt_tokens) + reserve <= self.usable_pages
             and self.pages_for(total_tokens) <= self.usable_pages
         )
 

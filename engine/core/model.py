@@ -1,17 +1,23 @@
 """The `Model` interface the scheduler drives, and what crosses it.
 
-A model owns a slot-based KV cache of `max_batch_size` slots x `max_context_length`
-positions. The scheduler prefills one request into a free slot (whole, or in chunks over several
-steps: `prefill_chunk`, or a chunk carried by a decode step, `dispatch(inputs, chunk)`), then calls `decode` once per step for every active slot whose prompt is
-complete, and releases a slot when its request ends (or is cancelled, mid-prefill included).
+A model runs up to `max_batch_size` slots (sequences decoded together) of at most
+`max_context_length` positions each, and keeps their KV in one pool of pages (`kv`: a
+`KvLayout`; issue 41). Which pages a slot's positions live in is the scheduler's decision
+(engine.core.kv_pages): it names a slot's pages with `set_pages` before any call writes or reads
+a position past the slot's previous table, so a model never allocates; it writes and reads
+through the table, and refuses (ModelUsageError) a position its table has no page for. Pages may
+be shared by several slots (a cached prompt prefix): a slot never writes a shared page, because
+the scheduler shares only full pages that hold positions before the slot's first write.
+
+The scheduler prefills one request into a free slot (whole, or in chunks over several steps:
+`prefill_chunk`, or a chunk carried by a decode step, `dispatch(inputs, chunk)`), from position
+0 or, when its prompt starts with cached pages, from the end of those pages; then calls `decode`
+once per step for every active slot whose prompt is complete, and releases a slot when its
+request ends (or is cancelled, mid-prefill included, or preempted to free its pages).
 A decode step is dispatched (`dispatch`) before the previous one's samples are read (`collect`),
 so the host works one step behind the device: a step's inputs name the slot and position, and its
 token is the slot's last sample, which the model keeps (on the device for the JAX model). A step
 may thus run for a request that the previous step finished; the scheduler discards that sample.
-A model that offers a prefix pool (`prefix_pool.blocks > 0`) also copies whole blocks of a
-slot's prompt KV into it (`save_prefix`) and back into a new slot (`load_prefix`), so a prompt
-that starts like an earlier one skips computing that start (engine.core.prefix_cache decides what
-the pool holds).
 Several whole prompts that are read in the same iteration may go in one call (`prefill_packed`).
 A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
@@ -25,13 +31,12 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from engine.core.errors import InvalidArgument, ModelLoadFailed, ModelRefused, check_token_ids
-from engine.core.prefix_cache import PrefixPool
 from engine.core.request import SamplingParams
 
 
 class ModelUsageError(RuntimeError):
     """A caller broke this contract (a slot prefilled twice, a position that is not the slot's
-    next one, an id outside the vocabulary): a bug upstream, not bad user input, which the services
+    next one or that its block table has no page for, an id outside the vocabulary): a bug upstream, not bad user input, which the services
     refuse earlier. Models raise it rather than assert: JAX would clamp an out-of-range id or
     position silently, and `python -O` strips asserts. In the engine loop it is fatal."""
 
@@ -98,7 +103,8 @@ class ChunkInput:
     """A prompt chunk that rides along with a decode step (`dispatch(inputs, chunk)`): the KV of
     prompt_token_ids[start:end] written into `slot` exactly as `prefill_chunk` would write it,
     in the same pass over the weights as the step's rows. Never a prompt's last chunk (that one
-    samples the first token, and runs as `prefill_chunk`); `start == 0` takes the free slot."""
+    samples the first token, and runs as `prefill_chunk`). On a free slot it takes the slot, as
+    a first `prefill_chunk` does: at `start == 0`, or after a prefix hit at a page-aligned start."""
 
     slot: int
     prompt_token_ids: tuple[int, ...]
@@ -120,7 +126,7 @@ class PromptInput:
 
 class Model(Protocol):
     info: ModelInfo
-    prefix_pool: PrefixPool  # blocks == 0: the model keeps no prefix KV
+    kv: KvLayout  # the page pool that holds every slot's KV
     # prompt tokens to prefill per step while other requests decode, unless configured: about
     # what this model reads in the time of a few of its decode steps on its hardware
     default_step_tokens: int
@@ -140,9 +146,11 @@ class Model(Protocol):
         self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
     ) -> Sample | None:
         """Write the KV of `prompt_token_ids[start:end]` into `slot` at positions start..end-1,
-        attending to the slot's positions [0, start) written by the earlier chunks. `start == 0`
-        takes a free slot (and `setup`, as `prefill` does); otherwise `start` must be where the
-        slot's previous chunk ended. The last chunk (`end == len(prompt_token_ids)`) samples and
+        attending to the slot's positions [0, start) written by the earlier chunks. On a free slot
+        it takes the slot (and `setup`, as `prefill` does): at `start == 0`, or at a `start` that
+        is a multiple of `kv.page_size` whose positions [0, start) the slot's table already names
+        pages for, holding that prompt's KV (a prefix hit). On a taken slot `start` must be where
+        the slot's previous chunk ended. The last chunk (`end == len(prompt_token_ids)`) samples and
         returns the first output token (position len(prompt)), exactly as `prefill` of the whole
         prompt would; earlier chunks return None, and the slot must not decode until its last.
         `prefill(slot, p, setup, masked)` is `prefill_chunk(slot, p, 0, len(p), setup, masked)`."""
@@ -167,18 +175,18 @@ class Model(Protocol):
     def collect(self) -> list[Sample]:
         """Wait for the oldest dispatched step: one sample per input, in input order."""
 
-    def load_prefix(self, slot: int, pool_blocks: Sequence[int], setup: SlotSetup) -> None:
-        """Take a free slot for a request, as a first `prefill_chunk` does (with `setup`), and
-        write the KV of pool block `pool_blocks[i]` at its positions [i*b, (i+1)*b), b being
-        `prefix_pool.block_tokens`. The request's prompt then continues with
-        `prefill_chunk(start=len(pool_blocks)*b)`, which must hold at least one token."""
-
-    def save_prefix(self, slot: int, blocks: Sequence[tuple[int, int]]) -> None:
-        """Copy the KV of the slot's positions [i*b, (i+1)*b) into pool block p, for each (i, p);
-        the slot's prompt must be prefilled past those positions."""
+    def set_pages(self, slot: int, pages: Sequence[int]) -> None:
+        """The slot's block table from now on: `pages[i]` (in 1..kv.num_pages - 1) holds its
+        positions [i * P, (i + 1) * P), P being `kv.page_size`. Called on a free slot before its
+        first prefill (the prompt's pages, a prefix hit's shared ones first), when a decode
+        step's position reaches a page past the table's end, and when the scheduler swaps a page
+        for a cached twin holding the same KV. It may be called while a step is in flight; the
+        steps dispatched after it use the new table."""
 
     def release(self, slot: int) -> None:
-        """Forget the slot's request; the slot may be prefilled again."""
+        """Forget the slot's request and clear its block table; the slot may be prefilled again
+        (after `set_pages`). Also for a slot given pages whose prefill never came (cancelled or
+        preempted before it)."""
 
 
 ModelFactory = Callable[[], Model]  # builds the model; picklable where an engine process calls it

@@ -26,9 +26,9 @@ class ModelOptions:
     cache_dir: Path | None = None  # models and the built kernels; None: ~/.cache/tokenwire
     compiler: str | None = None  # the C++ compiler for the kernels ($CXX); None: g++ or clang++
     max_prefill_chunk: int = 512  # the largest prompt piece one prefill call runs
-    prefix_cache_tokens: int = 4096  # prompt positions whose KV is kept for prefix caching; 0: none
-    # positions of KV the page pool holds, all sequences together (issue 41); 0: max_batch_size x
-    # max_context_length, the slot cache's size
+    # positions of KV the page pool holds, all sequences together, rounded up to whole pages; 0:
+    # max_batch_size x max_context_length. A cached prompt prefix lives in pages no sequence holds
+    # (engine.core.kv_pages), so it costs no memory of its own
     kv_cache_tokens: int = 0
     kv_page_size: int = 16  # positions per KV page
     tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)

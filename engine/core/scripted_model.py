@@ -20,11 +20,19 @@ prefill chunk ("prefill", slot, start, end), packed prefill ("packed", ((slot, p
 ...)) and decode step ("decode", slots), in order, so scheduler tests can
 check how chunks and steps interleave; `reads` records, for each `collect`, (the step read, the
 steps dispatched by then), so they can check that the host reads a step only after the next one
-is enqueued. With `prefix_blocks` it offers a prefix pool of that many
-blocks of `prefix_block_tokens`: it keeps the prompt ids each pool block was saved from and checks
-that a loaded block holds exactly the ids of the positions it is loaded at (its KV would be wrong
-otherwise), and `calls` records ("load", slot, pool blocks) and ("save", slot, ((block, pool
-block), ...)).
+is enqueued; `prefill_tokens` counts the prompt positions computed (a prefix hit's are not), and
+`table(slot)` is a slot's block table as the model holds it.
+
+**Its KV pages make the scheduler's mistakes loud.** The pool (`kv`: `kv_cache_tokens`
+positions in pages of `page_size`; 0: max_batch_size x max_context_length) stores, per page and
+offset, the token id written there: what a real model's KV at that position would encode. A
+prefill writes its prompt ids, a decode step the id it feeds, each through the slot's block table
+(`set_pages`); a position past the table raises ModelUsageError (a real model would write page 0).
+After every call that writes, every active slot's table must read back exactly its own
+sequence's ids at each position it has written or took from a prefix hit, else ModelUsageError.
+So a prefix shared with the wrong prompt, a live page handed to another sequence, a table not
+refreshed after growth or a swap, or a recompute that feeds other ids fails the test at once,
+not as wrong output somewhere later.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ import collections
 import time
 from typing import Sequence
 
-from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup
-from engine.core.prefix_cache import PrefixPool
+import numpy as np
+
+from engine.core.model import ChunkInput, DecodeInput, KvLayout, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup
 
 
 def _sleep_until(t: float) -> None:
@@ -54,20 +63,27 @@ class ScriptedModel:
         step_delay_s: float = 0.0,
         model_id: str = "scripted",
         fail_at_step: int | None = None,
-        prefix_blocks: int = 0,
-        prefix_block_tokens: int = 16,
+        kv_cache_tokens: int = 0,
+        page_size: int = 16,
         fused_chunk_tokens: int = 0,
         packed_prefill_tokens: int = 0,
     ) -> None:
         self.info = ModelInfo(model_id, vocab_size, max_context_length, max_batch_size, frozenset(eos_token_ids))
-        self.prefix_pool = PrefixPool(prefix_block_tokens, prefix_blocks)
+        if kv_cache_tokens < 0 or page_size < 1:
+            raise ValueError(f"kv_cache_tokens must be >= 0 and page_size >= 1, got {kv_cache_tokens}, {page_size}")
+        positions = kv_cache_tokens or max_batch_size * max_context_length
+        self.kv = KvLayout(page_size, -(-positions // page_size) + 1)  # + the null page
+        width = -(-max_context_length // page_size)  # W: pages in a full table
+        self._store = np.full((self.kv.num_pages, page_size), -1, np.int64)  # [N, P]: the id written at each position
+        self._tables = np.zeros((max_batch_size, width), np.int32)  # [B, W]: each slot's block table
+        self._pages = np.zeros(max_batch_size, np.int64)  # [B]: pages each table names (the rest is the null page)
+        self._ids = np.full((max_batch_size, width * page_size), -1, np.int64)  # [B, W * P]: each slot's own ids (-1: none)
+        self._written = [0] * max_batch_size  # slot -> positions its sequence holds (what the next write must follow)
+        self.prefill_tokens = 0  # prompt positions computed (written by a prefill), all calls together
         self.default_step_tokens = 256
         self.fused_chunk_tokens = fused_chunk_tokens
         self.packed_prefill_tokens = packed_prefill_tokens
         self.fused_chunks = 0  # chunks that came with a decode step (recorded in `calls` as a prefill before it)
-        self._pool: dict[int, tuple[int, ...]] = {}  # pool block -> the prompt ids [0, end of block) it was saved from
-        self._loaded: dict[int, tuple[int, ...]] = {}  # slot -> the prompt ids its loaded blocks hold
-        self._prompts: dict[int, tuple[int, ...]] = {}  # slot -> its prompt, once a chunk was written
         self.step_delay_s = step_delay_s
         self.fail_at_step = fail_at_step  # decode step number (1-based) that raises, to test failures
         self._masked: dict[int, frozenset[int]] = {}  # slot -> ids masked while a step says so
@@ -117,14 +133,17 @@ class ScriptedModel:
         n = len(prompt_token_ids)
         if not 0 <= start < end <= n:
             raise ModelUsageError(f"a chunk [{start}, {end}) of a prompt of {n} tokens")
-        if start == 0:
+        if slot not in self._masked:  # a free slot, taken here: at 0, or after a prefix hit's pages
+            if start % self.kv.page_size:
+                raise ModelUsageError(f"a first chunk of slot {slot} at {start}, not at 0 or a page boundary")
             self._take(slot, setup)
+            self._ids[slot, :start] = prompt_token_ids[:start]  # the hit: its pages must hold these ids
+            self._written[slot] = start
         elif self._filling.get(slot) != start:
             raise ModelUsageError(f"a chunk at {start} is not slot {slot}'s next one")
-        loaded = self._loaded.pop(slot, ())
-        if tuple(prompt_token_ids[: len(loaded)]) != loaded:
-            raise ModelUsageError(f"slot {slot} was loaded with the KV of another prefix")
-        self._prompts[slot] = tuple(prompt_token_ids)
+        self._write(slot, start, prompt_token_ids[start:end])
+        self.prefill_tokens += end - start
+        self._check()
         if end < n:
             self._filling[slot] = end
             return None
@@ -141,26 +160,44 @@ class ScriptedModel:
         self._masked[slot] = setup.masked_token_ids
         self._top[slot] = min(setup.sampling.top_logprobs, self.info.vocab_size)
 
-    def load_prefix(self, slot: int, pool_blocks: Sequence[int], setup: SlotSetup) -> None:
-        b = self.prefix_pool.block_tokens
-        self._take(slot, setup)
-        ids: tuple[int, ...] = ()
-        for i, p in enumerate(pool_blocks):
-            saved = self._pool.get(p)
-            if saved is None or len(saved) != (i + 1) * b or (i and saved[: i * b] != ids):
-                raise ModelUsageError(f"pool block {p} does not hold block {i} of this prefix")
-            ids = saved
-        self._loaded[slot] = ids
-        self._filling[slot] = len(ids)
-        self.calls.append(("load", slot, tuple(pool_blocks)))
+    def set_pages(self, slot: int, pages: Sequence[int]) -> None:
+        width = self._tables.shape[1]
+        if not 0 <= slot < self.info.max_batch_size or len(pages) > width:
+            raise ModelUsageError(f"{len(pages)} pages for slot {slot}: at most {width}, for one of {self.info.max_batch_size} slots")
+        if any(not 0 < page < self.kv.num_pages for page in pages):
+            raise ModelUsageError(f"slot {slot}'s pages {list(pages)} are not all in 1..{self.kv.num_pages - 1}")
+        self._tables[slot] = 0
+        self._tables[slot, : len(pages)] = pages
+        self._pages[slot] = len(pages)
+        self._check()
 
-    def save_prefix(self, slot: int, blocks: Sequence[tuple[int, int]]) -> None:
-        b, prompt = self.prefix_pool.block_tokens, self._prompts.get(slot, ())
-        for i, p in blocks:
-            if not 0 <= p < self.prefix_pool.blocks or (i + 1) * b > len(prompt) or slot in self._filling:
-                raise ModelUsageError(f"saving block {i} of slot {slot} into pool block {p}")
-            self._pool[p] = prompt[: (i + 1) * b]
-        self.calls.append(("save", slot, tuple(blocks)))
+    def _write(self, slot: int, position: int, ids: Sequence[int]) -> None:
+        """Write `ids` at the slot's positions from `position` (its next one) through its table."""
+        size, end = self.kv.page_size, position + len(ids)
+        if position != self._written[slot]:
+            raise ModelUsageError(f"slot {slot} writes at {position}, but its next position is {self._written[slot]}")
+        if -(-end // size) > self._pages[slot]:
+            raise ModelUsageError(f"slot {slot} writes position {end - 1}, past its block table of {self._pages[slot]} pages")
+        positions = np.arange(position, end)  # [T]
+        self._store[self._tables[slot, positions // size], positions % size] = ids
+        self._ids[slot, position:end] = ids
+        self._written[slot] = end
+
+    def _check(self) -> None:
+        """Every active slot's table reads back its own ids at every position it holds."""
+        slots = sorted(self._masked)
+        if not slots:
+            return
+        held = self._ids[slots, : max(self._written[s] for s in slots)]  # [S, T]
+        read = self._store[self._tables[slots]].reshape(len(slots), -1)[:, : held.shape[1]]  # [S, W * P] -> [S, T]
+        wrong = np.argwhere((held >= 0) & (read != held))
+        if len(wrong):
+            row, position = (int(x) for x in wrong[0])
+            page = int(self._tables[slots[row], position // self.kv.page_size])
+            raise ModelUsageError(
+                f"slot {slots[row]} reads id {read[row, position]} at position {position} (page {page}), "
+                f"but its sequence holds {held[row, position]} there"
+            )
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
         if self._pending:
@@ -187,9 +224,12 @@ class ScriptedModel:
                 raise ModelUsageError(f"slot {i.slot} decoded past the context")
         samples = []
         for i in inputs:
-            sample = self._next(i.slot, self._last[i.slot] if i.token_id is None else i.token_id, i.masked)
+            fed = self._last[i.slot] if i.token_id is None else i.token_id
+            self._write(i.slot, i.position, (fed,))
+            sample = self._next(i.slot, fed, i.masked)
             self._last[i.slot] = sample.token_id
             samples.append(sample)
+        self._check()
         self._next_free = max(self._next_free, time.perf_counter()) + self.step_delay_s
         self._pending.append((self.decode_steps, self._next_free, samples))
 
@@ -204,12 +244,19 @@ class ScriptedModel:
         return samples
 
     def release(self, slot: int) -> None:
-        del self._masked[slot]
+        """(A slot whose request never reached its prefill, only `set_pages`, is released too.)"""
+        self._masked.pop(slot, None)
         self._last.pop(slot, None)
         self._top.pop(slot, None)
         self._filling.pop(slot, None)
-        self._loaded.pop(slot, None)
-        self._prompts.pop(slot, None)
+        self._tables[slot] = 0
+        self._pages[slot] = 0
+        self._ids[slot] = -1
+        self._written[slot] = 0
+
+    def table(self, slot: int) -> tuple[int, ...]:
+        """The slot's block table as the model holds it (the pages `set_pages` named last)."""
+        return tuple(int(page) for page in self._tables[slot, : self._pages[slot]])
 
     @property
     def slots_held(self) -> int:

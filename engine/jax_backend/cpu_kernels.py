@@ -47,7 +47,9 @@ loaded: logged at WARNING, with the reason) or `not applicable: ...` (GPU, not x
 without AVX2, FMA and F16C: logged at INFO). Off or not applicable, the engine runs plain JAX. Nothing
 here runs on the GPU path.
 
-Shapes: R rows in a step, H query heads, K kv heads, D head dim, B cache slots, S cache positions.
+Shapes: R rows in a step, H query heads, K kv heads, D head dim, N pages in a pool (the null page 0
+included), P positions a page, W pages a block table (engine.core.kv_pages; the layout is paged KV's,
+issue 41).
 """
 
 from __future__ import annotations
@@ -129,31 +131,39 @@ class Untrusted(Exception):
     """A library (or its sha256 record) that is not loaded; the message says why."""
 
 
-def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array) -> jax.Array:
-    """Causal GQA attention of one query per row over its slot's cached keys at positions
-    0..positions[r]: q [R, H, D] f32, caches [B, K, S, D] f32 (row r is slot r), positions [R] i32
-    -> [R, H * D] f32. Equal (to float rounding) to transformer.decode_attention over the same
-    window; needs `load()` to have succeeded."""
+def decode_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, positions: jax.Array
+) -> jax.Array:
+    """Causal GQA attention of one query per row over its sequence's paged keys at positions
+    0..positions[r]: q [R, H, D] f32, k_pages / v_pages [K, N, P, D] f32 (the layer's pools),
+    tables [R, W] i32 (row r's position p is in page tables[r, p // P] at offset p % P), positions
+    [R] i32 -> [R, H * D] f32. Equal (to float rounding) to the attention over the pages gathered
+    into a window. Reads only the pages a row's positions need, in place; a position past the
+    table is clamped into it (padding rows), and a table entry read that is not a page of the
+    pools fails the call with InvalidArgument (kernels/decode_attention.cc says why). Needs
+    `load()` to have succeeded."""
     r, h, d = q.shape
     call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((r, h * d), jnp.float32))
-    return call(q, k_cache, v_cache, positions.astype(jnp.int32))
+    return call(q, k_pages, v_pages, jnp.asarray(tables, jnp.int32), jnp.asarray(positions, jnp.int32))
 
 
 def chunk_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slot: jax.Array, start: jax.Array
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array
 ) -> jax.Array:
-    """Causal GQA attention of one slot's prefill chunk over its cached keys: q [C, H, D] f32 (the
-    queries at positions start..start+C-1), caches [B, K, S, D] f32 (the chunk's own keys already
-    written), slot [] and start [] i32 -> [C, H * D] f32; query i sees positions 0..start+i.
-    Equal (to float rounding) to transformer.chunk_attention; reads only positions [0, start + C)
-    of the slot, in place, each key block loaded once for the G x 8 (AVX2) or G x 16 (AVX-512)
-    queries of a kv head and tile of chunk positions (kernels/chunk_attention.cc says why). D must
-    be a multiple of 8 (`chunk_attention_applies`); needs `load()` to have succeeded."""
+    """Causal GQA attention of one sequence's prefill chunk over its paged keys: q [C, H, D] f32
+    (the queries at positions start..start+C-1), k_pages / v_pages [K, N, P, D] f32 (the chunk's
+    own keys already written), table [W] i32 (position p: page table[p // P], offset p % P) and
+    start [] i32 -> [C, H * D] f32; query i sees positions 0..start+i. Equal (to float rounding)
+    to transformer.chunk_attention over the pages gathered into a window; reads only positions
+    [0, start + C), in place, each key block loaded once for the G x 8 (AVX2) or G x 16 (AVX-512)
+    queries of a kv head and tile of chunk positions (kernels/chunk_attention.cc says why, and
+    what happens to a position past the table or a table entry outside the pools). D must be a
+    multiple of 8 (`chunk_attention_applies`); needs `load()` to have succeeded."""
     c, h, d = q.shape
     if not chunk_attention_applies(d):  # checked while tracing
         raise ValueError(f"chunk_attention takes a head dim that is a multiple of 8, got {d}")
     call = jax.ffi.ffi_call(CHUNK_TARGET, jax.ShapeDtypeStruct((c, h * d), jnp.float32))
-    return call(q, k_cache, v_cache, jnp.asarray(slot, jnp.int32), jnp.asarray(start, jnp.int32))
+    return call(q, k_pages, v_pages, jnp.asarray(table, jnp.int32), jnp.asarray(start, jnp.int32))
 
 
 def chunk_attention_applies(head_dim: int) -> bool:

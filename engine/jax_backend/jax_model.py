@@ -1,14 +1,17 @@
-"""`JaxModel`: the real model behind engine.core.model.Model, a JAX decoder with a slot-based KV
-cache; this file is the execution, its parts each in a file of their own.
+"""`JaxModel`: the real model behind engine.core.model.Model, a JAX decoder with a paged KV cache;
+this file is the execution, its parts each in a file of their own.
 
 Data flow: `load` (engine.jax_backend.loading) reads a checkpoint with the served defaults and
-builds the model, which allocates the device state once: the KV cache (L buffers of [B, K, S, D])
-and each slot's banned-id row [B, V']. `prefill_chunk` writes positions [start, end) of a prompt
-into a slot (the scheduler's chunked prefill; `prefill` is the whole prompt as one chunk) as calls
-of the compiled chunk sizes (engine.jax_backend.shapes: `prompt_pieces`); each call attends,
-blocked and causal, only to the slot's keys up to its end (transformer.chunk_attention), so a
-prompt's cost grows with its length, not with the context; the chunk that ends the prompt
-samples its first token. `decode` runs one token for the first R slots, R being the smallest row
+builds the model, which allocates the device state once: the KV page pool (L buffers of
+[K, N, P, D] for K and as many for V, `kv`) and each slot's banned-id row [B, V']. The scheduler
+says which pages hold each slot's positions (`set_pages`); the block tables stay on the host
+(engine.jax_backend.slot_table) and travel with every call as inputs of fixed shape, so a new
+table never compiles. `prefill_chunk` writes positions [start, end) of a prompt into a slot's
+pages (the scheduler's chunked prefill; `prefill` is the whole prompt as one chunk; a free slot
+may start after a shared prefix whose pages its table already names) as calls of the compiled
+chunk sizes (engine.jax_backend.shapes: `prompt_pieces`); each call attends, blocked and causal,
+only to the slot's keys up to its end (transformer.chunk_attention), so a prompt's cost grows
+with its length, not with the context; the chunk that ends the prompt samples its first token. `decode` runs one token for the first R slots, R being the smallest row
 bucket above the highest active slot (the scheduler fills the lowest free slot first, so live
 slots sit low), attending over the smallest attend bucket that covers every active position (on
 the CPU in float32 a C++ kernel reads each row's live keys in place, engine.jax_backend.cpu_kernels:
@@ -19,15 +22,17 @@ enqueues step N+1 with no wait (its inputs are the samples of step N, which neve
 device, and host arrays packed into two transfers), and only then does `collect` read step N's
 ids and logprobs; the scheduler decides on them while the device computes. Per-slot sampling
 parameters live on the host (engine.jax_backend.slot_sampling) and travel with each step as [R]
-columns; the prefix cache's blocks live in engine.jax_backend.prefix_pool.
+columns.
 
 The service validates requests; here `ModelUsageError` guards the Model contract, because JAX
-would clamp an out-of-range id or position silently instead of failing. Ids at or past the
+would clamp an out-of-range id or position silently instead of failing, and would write a
+position whose page the table does not name into the null page. Ids at or past the
 tokenizer's size (padding rows of the embedding) have no head column, so no sampling mode can
 ever choose one.
 
-Shapes: B slots, R rows in a step, T prompt tokens, S context, A attended positions, V embedding
-rows, V' ids the tokenizer can produce, E hidden, K kv heads, D head dim, L layers.
+Shapes: B slots, R rows in a step, T prompt tokens, S context, A attended positions, N pool
+pages, P page size, W block table width, V embedding rows, V' ids the tokenizer can produce, E
+hidden, K kv heads, D head dim, L layers.
 """
 
 from __future__ import annotations
@@ -40,12 +45,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.core.model import ChunkInput, DecodeInput, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup
+from engine.core.model import (
+    ChunkInput, DecodeInput, KvLayout, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup,
+)
 from engine.core.model_options import SERVED, ModelOptions
 from engine.jax_backend import cpu_kernels, host_memory, loading, mesh, packed_prefill, quantize, ragged_attention, transformer
 from engine.jax_backend.backend_profile import PACKED_TOKENS, profile
 from engine.jax_backend.loading import auto_weights, int8_layout
-from engine.jax_backend.prefix_pool import PREFIX_BLOCK, DevicePrefixPool
 from engine.jax_backend.shapes import (
     MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk,
 )
@@ -56,7 +62,7 @@ from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
 
 __all__ = [  # what callers import from here (the rest lives in the modules above)
-    "JaxModel", "MAX_CHUNK", "MIN_ATTEND", "MIN_BUCKET", "PACKED_TOKENS", "PREFIX_BLOCK", "auto_weights",
+    "JaxModel", "MAX_CHUNK", "MIN_ATTEND", "MIN_BUCKET", "PACKED_TOKENS", "auto_weights",
     "int8_layout", "length_buckets", "prompt_pieces", "smallest_chunk",
 ]
 
@@ -78,14 +84,13 @@ class JaxModel:
         self.info, self.config, self._weights, self.plan = info, config, weights, plan
         self._head_size = weights.lm_head.shape[1] if plan is None else plan.head_size  # V'
         sharding, replicated = (None, None) if plan is None else (plan.cache, plan.replicated)
-        cache = transformer.init_cache(config, b, s, dtype, sharding)
-        self._k, self._v = list(cache.k), list(cache.v)  # per layer; each call swaps in new buffers
+        self.kv = KvLayout(options.kv_page_size, loading.pool_pages(options, b, s))
+        k, v = transformer.init_pool(config, self.kv.num_pages, self.kv.page_size, dtype, sharding)
+        self._k, self._v = list(k), list(v)  # per layer [K, N, P, D]; each call swaps in new buffers
         self._mask = jnp.zeros((b, self._head_size), bool, device=replicated)
         self._last = jnp.zeros(b, jnp.int32, device=replicated)  # [B] last samples
         self._pending: collections.deque[Pending] = collections.deque()  # dispatched steps, oldest first
         jit_options = dict(compiler_options=backend.compiler_options)
-        self._prefix = DevicePrefixPool(config, options.prefix_cache_tokens, s, dtype, sharding, jit_options)
-        self.prefix_pool = self._prefix.pool
         # For operators: "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>".
         self.kernel_state, self.cpu_threads = loading.cpu_kernels_for(
             options, dtype, 1 if plan is None else plan.size, backend, kernel_state, kernel_build
@@ -96,7 +101,7 @@ class JaxModel:
             raise ValueError(f"int8 weights need the CPU kernels, which are {self.kernel_state}")
         # On a GPU, decode attention is the ragged Pallas kernel (engine.jax_backend.ragged_attention),
         # which reads each row's live length too; not under a mesh, whose partitioner cannot split it.
-        self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, s)
+        self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, self.kv.page_size)
         self.shapes = Shapes.plan(
             b, s, options.max_prefill_chunk, options.max_step_tokens, knobs, backend,
             one_attend=self.kernels or self.ragged, kernels=self.kernels, mesh=plan is not None,
@@ -111,7 +116,7 @@ class JaxModel:
         self.sampler_calls: collections.Counter[str] = collections.Counter()  # split: steps per variant
         # a decode step reads every layer; with the kernels, panel copies for products of a few rows
         self._decode_weights, self._lm_head = decode_weights(weights, self.kernels and not self.int8)
-        self._slots = SlotTable(b, s, config.vocab_size)
+        self._slots = SlotTable(b, s, config.vocab_size, self.kv.page_size, self.kv.num_pages)
         self._sampling = SlotSamplingState(b)
         if backend.host_scratch:  # each call's scratch reuses the last one's pages
             host_memory.keep_scratch_resident()
@@ -143,8 +148,9 @@ class JaxModel:
 
     @property
     def cache(self) -> transformer.KVCache:
-        """The current KV cache; each step consumes (donates) its buffers and installs the next."""
-        return transformer.KVCache(tuple(self._k), tuple(self._v))
+        """The current page pools (each step consumes (donates) their buffers and installs the
+        next) and a copy of the slots' block tables."""
+        return transformer.KVCache(tuple(self._k), tuple(self._v), jnp.asarray(self._slots.tables))
 
     def decode_hlo(self, rows: int, attend: int, chunk: bool = False) -> str:
         """The compiled decode step (with `chunk`, the one that takes a chunk along; with
@@ -154,8 +160,8 @@ class JaxModel:
         return self._lower_step(rows, attend, chunk).compile().as_text()
 
     def _lower_step(self, rows: int, attend: int, chunk: bool = False):
-        ints, floats = self._put(self._sampling.pack([], rows))
-        along = self._put(chunk_arrays(0, [0] * self.shapes.fused[-1], 0)) if chunk else None
+        ints, floats = self._put(self._pack([], rows))
+        along = self._put(chunk_arrays(self._null_table, [0] * self.shapes.fused[-1], 0)) if chunk else None
         if self.split_sampler:
             return self._steps.layers_step.lower(*self._layers_args(ints, along), cfg=self.config, attend=attend)
         return self._steps.step.lower(*self._step_args(ints, floats, along), cfg=self.config, attend=attend)
@@ -172,39 +178,38 @@ class JaxModel:
 
     def compilations(self) -> int:
         """How many (function, shape) variants this model has compiled so far."""
-        return sum(f._cache_size() for f in (*self._steps.jitted(), *self._prefix.jitted))
+        return sum(f._cache_size() for f in self._steps.jitted())
 
     def warm_up(self) -> None:
         """Compile every shape serving can use: each prompt bucket (one prefill layer; all
         layers share its shape), a prompt's head and sampling, and a decode step for each (rows,
-        attend) pair, run with every row idle. Only with no request in flight: writes slot 0."""
-        if self._slots.length.any():
+        attend) pair, run with every row idle. Only with no request in flight: every write goes to
+        the null page."""
+        if self._slots.length.any() or self._slots.held.any():
             raise ModelUsageError("warm_up with requests in flight")
+        zero = np.int32(0)
         for t in self.shapes.prompt:
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
-            self._through(self._steps.prefill_layers, x, np.int32(0), np.int32(0), layers=1)
+            self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, layers=1)
             last = self._steps.last_hidden(x, np.int32(1))
         self._mask = self._steps.write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
-        zero = np.zeros(1, np.int32)
-        self._sample(self._steps.sample, last, zero, np.ones(1, bool), np.zeros(1, bool), zero)
+        one = np.zeros(1, np.int32)
+        self._sample(self._steps.sample, last, one, np.ones(1, bool), np.zeros(1, bool), one)
         for rows in self.shapes.rows:  # a step with every row idle writes nothing and samples for nobody
             for attend in self.shapes.attend:
                 for variant in (True, False) if self.split_sampler else (None,):  # split: both samplers
-                    self._launch(np.zeros(0, np.int64), *self._sampling.pack([], rows), attend, greedy_only=variant)
+                    self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, greedy_only=variant)
                     self.collect()
-                for size in self.shapes.fused:  # and with a chunk along (padding, into slot 0, released below)
-                    self._launch(np.zeros(0, np.int64), *self._sampling.pack([], rows), attend, chunk_arrays(0, [0] * size, 0))
+                for size in self.shapes.fused:  # and with a chunk along (padding, into the null page)
+                    self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, chunk_arrays(self._null_table, [0] * size, 0))
                     self.collect()
-        for t in self.shapes.packed:  # packed prefill: one layer per size (padding into slot 0), the ends
+        for t in self.shapes.packed:  # packed prefill: one layer per size (padding into the null page), the ends
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
-            x = self._through(self._steps.packed_layers, x, *packed_prefill.token_arrays([], [], t, 0), layers=1)
+            x = self._through(self._steps.packed_layers, x, *self._packed_arrays([], [], t), layers=1)
             ends = self._steps.packed_ends(x, np.ones(self.info.max_batch_size, np.int32))
         for rows in self.shapes.packed_rows:  # and its samples, every row idle
             idle = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), np.zeros(rows, np.int32)
             self._sample(self._steps.packed_sample, ends, *idle)
-        if self.prefix_pool.blocks:  # copies of 0 blocks: only the compiles
-            self._k, self._v = self._prefix.into_slot(self._k, self._v, 0, [])
-            self._prefix.from_slot(self._k, self._v, 0, [], [])
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
@@ -217,15 +222,16 @@ class JaxModel:
     ) -> Sample | None:
         n = len(prompt_token_ids)
         self._slots.check_chunk(slot, prompt_token_ids, start, end)
-        if start == 0:
+        if self._slots.free(slot):  # from 0, or after a prefix hit's pages
             self._take(slot, setup)
-        x, last = None, 0
+        table = self._put_once(self._slots.tables[slot].copy())  # [W], once for every layer's call
+        x, last, new = None, 0, start
         for lo, hi, size in prompt_pieces(start, end, self.shapes.prompt, self.info.max_context_length):  # [lo, lo + size)
             tokens = np.zeros(size, np.int32)
             tokens[: hi - lo] = prompt_token_ids[lo:hi]
             x = self._steps.embed(self._weights.embed, tokens[None])  # [1, C, E]
-            x = self._through(self._steps.prefill_layers, x, np.int32(slot), np.int32(lo))
-            last = hi - lo  # the last real token's index in the piece, plus one
+            x = self._through(self._steps.prefill_layers, x, table, np.int32(lo), np.int32(new), np.int32(hi))
+            last, new = hi - lo, hi  # the last real token's index in the piece, plus one; where new positions begin
         self._slots.length[slot] = end
         if end < n:
             return None
@@ -251,7 +257,7 @@ class JaxModel:
             self._take(p.slot, p.setup)
         size = bucket(self.shapes.packed, sum(lengths))
         x = self._steps.embed(self._weights.embed, packed_prefill.tokens(prompts, size))  # [1, T, E]
-        x = self._through(self._steps.packed_layers, x, *packed_prefill.token_arrays(slots, lengths, size, 0))
+        x = self._through(self._steps.packed_layers, x, *self._packed_arrays(slots, lengths, size))
         for p in prompts:
             self._slots.length[p.slot] = len(p.prompt_token_ids)
             self._slots.filling[p.slot] = False
@@ -270,22 +276,9 @@ class JaxModel:
         self._mask = self._steps.write_mask(self._mask, mask_row, np.int32(slot))
         self._slots.filling[slot] = True
 
-    def load_prefix(self, slot: int, pool_blocks: Sequence[int], setup: SlotSetup) -> None:
-        n = len(pool_blocks) * PREFIX_BLOCK
-        self._slots.check_free(slot)
-        require(0 < n < self.info.max_context_length, f"a prefix of {n} positions in a context of {self.info.max_context_length}")
-        require(all(0 <= p < self.prefix_pool.blocks for p in pool_blocks), "a pool block outside the prefix pool")
-        self._take(slot, setup)
-        self._k, self._v = self._prefix.into_slot(self._k, self._v, slot, pool_blocks)
-        self._slots.length[slot] = n
-
-    def save_prefix(self, slot: int, blocks: Sequence[tuple[int, int]]) -> None:
-        if not blocks:
-            return
-        numbers, pool_blocks = zip(*blocks)
-        require(self._slots.length[slot] >= (max(numbers) + 1) * PREFIX_BLOCK, f"a block of slot {slot} not yet written")
-        require(all(0 <= p < self.prefix_pool.blocks for p in pool_blocks), "a pool block outside the prefix pool")
-        self._prefix.from_slot(self._k, self._v, slot, numbers, pool_blocks)
+    def set_pages(self, slot: int, pages: Sequence[int]) -> None:
+        """The slot's block table from now on (host only: each call takes the table along)."""
+        self._slots.set_pages(slot, pages)
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
         require(not self._pending, "decode with a dispatched step not yet collected")
@@ -310,10 +303,10 @@ class JaxModel:
             require(c.start + size <= self.info.max_context_length, "a chunk along with a step past the context")
             self._slots.check_chunk(c.slot, c.prompt_token_ids, c.start, c.end)
             require(c.end < len(c.prompt_token_ids), "a prompt's last chunk along with a step (it samples)")
-            if c.start == 0:
+            if self._slots.free(c.slot):  # from 0, or after a prefix hit's pages
                 self._take(c.slot, c.setup)
-            arrays = chunk_arrays(c.slot, c.prompt_token_ids[c.start : c.end], c.start, size)
-        self._launch(slots, *self._sampling.pack(inputs, rows), attend, arrays)
+            arrays = chunk_arrays(self._slots.tables[c.slot], c.prompt_token_ids[c.start : c.end], c.start, size)
+        self._launch(slots, *self._pack(inputs, rows), attend, arrays)
         self._slots.length[slots] += 1
         if chunk is not None:
             self._slots.length[chunk.slot] = chunk.end
@@ -355,6 +348,23 @@ class JaxModel:
     def release(self, slot: int) -> None:
         self._slots.release(slot)
         self._sampling.release(slot)
+
+    @property
+    def _null_table(self) -> np.ndarray:
+        """A block table naming no page [W]: every write through it goes to the null page."""
+        return np.zeros(self._slots.tables.shape[1], np.int32)
+
+    def _pack(self, inputs: Sequence[DecodeInput], rows: int) -> tuple[np.ndarray, np.ndarray]:
+        """A step's packed host inputs, the rows' block tables among them (slot_sampling.pack)."""
+        return self._sampling.pack(inputs, rows, self._slots.tables)
+
+    def _packed_arrays(self, slots: Sequence[int], lengths: Sequence[int], size: int) -> tuple[np.ndarray, ...]:
+        """A packed prefill's per-token pages, positions and prompts (packed_prefill.token_arrays)."""
+        return packed_prefill.token_arrays(self._slots.tables, slots, lengths, size, self.kv.page_size)
+
+    def _put_once(self, array: np.ndarray) -> jax.Array:
+        """A host input that several calls read (a prefill's table, for each layer): on the device once."""
+        return jax.device_put(array) if self.plan is None else self.plan.put(array)
 
     def _put(self, tree):
         """Per-step host inputs for the step: as they are on one device (the jitted call copies

@@ -25,7 +25,6 @@ from engine.core.model import ModelInfo
 from engine.core.model_options import ModelOptions
 from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize
 from engine.jax_backend.backend_profile import BackendProfile, profile
-from engine.jax_backend.prefix_pool import PREFIX_BLOCK
 from engine.jax_backend.shapes import ShapeKnobs
 from engine.jax_backend.weights import load_checkpoint, load_int8, load_sharded
 from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
@@ -144,6 +143,19 @@ def _context(cfg: ModelConfig, max_batch_size: int, max_context_length: int | No
     return context
 
 
+def pool_pages(o: ModelOptions, max_batch_size: int, context: int) -> int:
+    """N, the KV pool's pages, the null page 0 included: `kv_cache_tokens` in whole pages, or
+    with 0 a whole context's pages for each of the `max_batch_size` slots (today's slot cache: B
+    sequences of the longest length fit at once, so nothing is ever preempted)."""
+    if o.kv_page_size < 1:
+        raise ValueError(f"kv_page_size must be >= 1, got {o.kv_page_size}")
+    if o.kv_cache_tokens < 0:
+        raise ValueError(f"kv_cache_tokens must be >= 0, got {o.kv_cache_tokens}")
+    if o.kv_cache_tokens == 0:
+        return max_batch_size * -(-context // o.kv_page_size) + 1
+    return -(-o.kv_cache_tokens // o.kv_page_size) + 1
+
+
 def _check_memory(model_dir: Path, cfg: ModelConfig, settings: memory_plan.Settings, limit_bytes: int | None) -> None:
     """The memory check (engine.jax_backend.memory_plan): MemoryPlanError before any weight is read."""
     if limit_bytes:
@@ -156,9 +168,9 @@ def _check_memory(model_dir: Path, cfg: ModelConfig, settings: memory_plan.Setti
         return
     need = memory_plan.check(cfg, head_size, settings, limit, profile().name)
     log.info(
-        "memory plan per device: weights %s + KV cache %s + prefix pool %s + temporaries %s = %s of %s, %s",
-        *map(memory_plan.gib, (need.weights, need.kv_cache, need.prefix_pool, need.temporaries, need.total, limit.bytes)),
-        limit.source,
+        "memory plan per device: weights %s + KV cache %s (%s) + temporaries %s = %s of %s, %s",
+        memory_plan.gib(need.weights), memory_plan.gib(need.kv_cache), memory_plan.pool_words(settings),
+        *map(memory_plan.gib, (need.temporaries, need.total, limit.bytes)), limit.source,
     )
 
 
@@ -171,6 +183,11 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     and the compile-time knobs of engine.jax_backend.shapes.ShapeKnobs (`min_bucket`,
     `min_attend`, `min_rows`, `min_packed`; fewer shapes warm up faster). The compilation cache
     is the process's (services.cli turns it on before anything compiles), not the model's.
+
+    `kv_cache_tokens` / `kv_page_size`: the KV page pool, `pool_pages` of `kv_page_size`
+    positions (the scheduler hands them out, engine.core.kv_pages); `max_batch_size` and the
+    context then bound what is decoded together and how long a sequence grows, and reserve no
+    memory of their own.
 
     `kernel_build`: where the CPU kernels are looked for and built (default: options.cache_dir
     and options.compiler); the model's `kernels` says whether they are on and `kernel_state` why.
@@ -204,7 +221,8 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     state = kernel_state(o.cpu_kernels, dtype, build, o.tensor_parallel, profile())
     weights = auto_weights(model_dir, kernels_on(state)) if o.weights == quantize.AUTO else o.weights
     _check_memory(model_dir, cfg, memory_plan.Settings(
-        max_batch_size, context, o.max_prefill_chunk, o.prefix_cache_tokens, PREFIX_BLOCK, dtype.itemsize,
+        max_batch_size, context, o.max_prefill_chunk, pool_pages(o, max_batch_size, context), o.kv_page_size,
+        dtype.itemsize,
         int8=weights == "int8",
         int8_layout=int8_layout(model_dir, cfg) if weights == "int8" else None,
         panel_copies=kernels_on(state) and weights != "int8",

@@ -15,19 +15,20 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
   CPU kernel of products of a few rows reads when the CPU kernels are on (each output count
   rounded up to whole panels of 32) (tests/test_memory_plan.py checks these
   figures against the loaded arrays);
-- KV cache: L x 2 buffers of [B, K, S, D] in the cache dtype, and each slot's banned-id row [B, V'];
-- prefix pool: the same per position, for the prefix cache's whole blocks;
+- KV cache: the page pool, L x 2 buffers of [K, N, P, D] in the cache dtype (N pages of P
+  positions, the null page included: `--kv-cache-tokens`, by default B x S positions), and each
+  slot's banned-id row [B, V']; prefix caching keeps pages of this pool and costs nothing more;
 - temporaries: the larger of the two biggest calls' working sets, from the model's dimensions:
   one prefill chunk of C = min(S, max_chunk) tokens through one layer (activations, q/k/v, the
   blocked attention's float32 scores, the MLP's 2F features, rope in float32) and one decode
   step of B rows (the same per row, plus float32 scores over S positions, the head's [B, V']
-  float32 logits with the sampler's copies of them and its exact select's tables); with int8
+  float32 logits with the sampler's copies of them and its exact select's tables, and the K and V
+  of S positions per row that the XLA attention gathers from the pages); with int8
   weights, a matrix dequantized to float32 where more than quantize.SLICED_ROWS rows multiply
   it. Counted whole under tensor parallelism. This is an estimate of the largest arrays alive at
   once, not XLA's buffer assignment: the sampler's share is calibrated on XLA:CPU's own figures
   (docs/benchmarks.md, "Design measurements"), and tests/test_memory_plan.py checks that it bounds
-  XLA:CPU's figure for whole prefill and decode steps of the tiny checkpoints. Decode attention
-  reads the cache in place (a copied window of the cache is not counted).
+  XLA:CPU's figure for whole prefill and decode steps of the tiny checkpoints.
 Not counted: XLA's and the CUDA libraries' own workspaces, which live in the part of the GPU
 that JAX's memory fraction leaves out (compose.gpu.yaml sets XLA_PYTHON_CLIENT_MEM_FRACTION).
 
@@ -39,7 +40,7 @@ the temporaries all live in host memory and none of it is placed yet when the ch
 (no check, said in the log) where neither can be read. An operator or a test may state the
 limit instead (`JaxModel.load(memory_limit_bytes=...)`, `--memory-limit-bytes`).
 
-Shapes: B slots, S context, C prompt chunk, L layers, E hidden, F ffn, H heads, K kv heads, D head
+Shapes: B slots, S context, N pool pages, P page size, C prompt chunk, L layers, E hidden, F ffn, H heads, K kv heads, D head
 dim, V embedding rows, V' head columns.
 """
 
@@ -75,8 +76,8 @@ class Settings:
     max_batch_size: int  # B
     context: int  # S
     max_chunk: int  # the largest prompt chunk one prefill call runs (capped at S)
-    prefix_cache_tokens: int  # positions asked for the prefix pool; it holds whole blocks of them
-    prefix_block: int  # positions per prefix-pool block (prefix_pool.PREFIX_BLOCK)
+    kv_pages: int  # N: pages in the KV pool, the null page included (loading.pool_pages)
+    kv_page_size: int  # P: positions per page
     dtype_bytes: int  # the serving dtype: 4 float32, 2 bfloat16 (activations and cache)
     int8: bool = False  # weight-only int8 (activations and cache float32)
     int8_layout: Int8Layout | None = None  # int8 from a GGUF: each matrix's format; None: 8 bits and a scale
@@ -90,12 +91,11 @@ class MemoryPlan:
 
     weights: int
     kv_cache: int
-    prefix_pool: int
     temporaries: int
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.prefix_pool + self.temporaries
+        return self.weights + self.kv_cache + self.temporaries
 
 
 @dataclass(frozen=True)
@@ -112,13 +112,11 @@ def plan(cfg: ModelConfig, head_size: int, s: Settings) -> MemoryPlan:
     n = s.devices
     kv = max(cfg.n_kv_heads, n) if n > 1 else cfg.n_kv_heads  # kv heads are replicated up to N
     act = 4 if s.int8 else s.dtype_bytes  # activations and cache: float32 under int8 weights
-    position = 2 * cfg.n_layers * kv * cfg.head_dim * act  # one cached position of one slot, K and V
-    cache = s.max_batch_size * s.context * position // n + s.max_batch_size * head_size  # + banned-id rows [B, V'] bool
-    pool = s.prefix_cache_tokens // s.prefix_block * s.prefix_block * position // n
+    position = 2 * cfg.n_layers * kv * cfg.head_dim * act  # one cached position, K and V
+    cache = s.kv_pages * s.kv_page_size * position // n + s.max_batch_size * head_size  # + banned-id rows [B, V'] bool
     return MemoryPlan(
         weights=-(-_weight_bytes(cfg, head_size, s, kv) // n),
         kv_cache=cache,
-        prefix_pool=pool,
         temporaries=_temporaries(cfg, head_size, s, act),
     )
 
@@ -159,7 +157,8 @@ def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int
     prefill = chunk * per_token + 4 * h * chunk * (2 * block + d + 2)  # scores and p per block, acc, m and l (f32)
     b = s.max_batch_size
     sampler = SAMPLER_COPIES * 4 * head_size + SELECT_TABLE_BYTES  # per row
-    decode = b * per_token + 4 * 2 * b * h * s.context + b * sampler
+    window = 2 * kv * -(-s.context // s.kv_page_size) * s.kv_page_size * d * act  # K and V gathered per row
+    decode = b * per_token + 4 * 2 * b * h * s.context + b * sampler + b * window
     if s.int8:  # the many-row path dequantizes a whole matrix to float32 (quantize.matmul)
         widest = max(e * (h + 2 * kv) * d, h * d * e, e * 2 * f, f * e)
         prefill += 4 * widest if chunk > INT8_SLICED_ROWS else 0
@@ -204,30 +203,38 @@ def host_limit(meminfo: Path, cgroup: Path) -> MemoryLimit | None:
 
 def check(cfg: ModelConfig, head_size: int, s: Settings, limit: MemoryLimit, backend: str) -> MemoryPlan:
     """The plan when it fits `limit`; else MemoryPlanError, one line: the parts, the total, the
-    limit and its source, the largest batch that would fit with the rest unchanged, and the other
-    settings that lower it (those not already at their smallest)."""
+    limit and its source, the largest KV pool that would fit with the rest unchanged, and the
+    other settings that lower it (those not already at their smallest)."""
     need = plan(cfg, head_size, s)
     if need.total <= limit.bytes:
         return need
-    fits = max((b for b in range(1, s.max_batch_size) if _fits(cfg, head_size, s, b, limit)), default=0)
-    batch = f"max batch size {s.max_batch_size} (at most {fits} fits)" if fits else f"max batch size {s.max_batch_size} (1 does not fit either)"
-    lower = [batch, f"context length {s.context}"]
-    if s.prefix_cache_tokens:
-        lower.append(f"prefix cache tokens {s.prefix_cache_tokens}")
+    tokens = (s.kv_pages - 1) * s.kv_page_size
+    fits = _most_pages(cfg, head_size, s, limit)
+    pool = f"KV cache tokens {tokens} (" + (f"at most {fits * s.kv_page_size} fit)" if fits else "none fit)")
+    lower = [pool, f"max batch size {s.max_batch_size}", f"context length {s.context}"]
     if s.dtype_bytes == 4 and not s.int8:
         lower.append("the weights' size (dtype bfloat16" + (", or weights int8)" if backend == "cpu" and s.devices == 1 else ")"))
     if s.panel_copies:
         lower.append("CPU kernels off (drops the projections' second copy)")
     raise MemoryPlanError(
         f"the model does not fit in memory: weights {gib(need.weights)} + KV cache {gib(need.kv_cache)} "
-        f"(batch {s.max_batch_size} x context {s.context}) + prefix pool {gib(need.prefix_pool)} + temporaries "
-        f"{gib(need.temporaries)} = {gib(need.total)} > {gib(limit.bytes)}, {limit.source}; lower "
-        + ", ".join(lower)
+        f"({pool_words(s)}) + temporaries {gib(need.temporaries)} = {gib(need.total)} > {gib(limit.bytes)}, "
+        f"{limit.source}; lower " + ", ".join(lower)
     )
 
 
-def _fits(cfg: ModelConfig, head_size: int, s: Settings, batch: int, limit: MemoryLimit) -> bool:
-    return plan(cfg, head_size, replace(s, max_batch_size=batch)).total <= limit.bytes
+def pool_words(s: Settings) -> str:
+    """The pool for people: "1025 pages of 16 = 16384 tokens" (the null page not counted in tokens)."""
+    return f"{s.kv_pages} pages of {s.kv_page_size} = {(s.kv_pages - 1) * s.kv_page_size} tokens"
+
+
+def _most_pages(cfg: ModelConfig, head_size: int, s: Settings, limit: MemoryLimit) -> int:
+    """The most KV pages (the null page not counted) that fit with the rest of `s` unchanged; 0: none."""
+    lo, hi = 0, s.kv_pages - 1  # lo fits (or is 0), hi does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(cfg, head_size, replace(s, kv_pages=mid + 1)).total <= limit.bytes else (lo, mid)
+    return lo
 
 
 def gib(n: int) -> str:

@@ -6,8 +6,8 @@ What lives where, on the mesh's one axis `tp` of N devices (a spec names the sha
   them out per kv head, so N contiguous parts are N sets of whole groups), o by rows (the heads),
   gate/up by columns (features, interleaved, so again whole features), down by rows;
 - the embedding and the head split by vocabulary, the norms replicated;
-- the KV cache split on its kv-head axis ([B, K, S, D] -> K/N per device), and so is every
-  buffer laid out like it (the prefix pool).
+- the KV page pool split on its kv-head axis ([K, N, P, D] -> K/N per device); the block tables,
+  small per-call inputs, are replicated.
 A layer then computes its heads and features locally; XLA adds one all-reduce after o and one
 after down, and gathers the logits for sampling. Those two products add their partial sums in
 float32 before rounding (transformer._dot), so bfloat16 steps stay those of one device (seen on
@@ -101,10 +101,10 @@ class Plan:
 
     @property
     def cache(self) -> NamedSharding:
-        """[B, K, S, D] buffers (the KV cache, the prefix pool): split on the kv-head axis. (Spelt
-        as jit spells its outputs, without trailing Nones: a jitted step keys its compiled code
-        on the spec, so a fresh buffer and a returned one must match.)"""
-        return self.sharding(None, AXIS)
+        """[K, N, P, D] buffers (the KV page pools): split on the kv-head axis. (Spelt as jit
+        spells its outputs, without trailing Nones: a jitted step keys its compiled code on the
+        spec, so a fresh buffer and a returned one must match.)"""
+        return self.sharding(AXIS)
 
     def put(self, tree):
         """Host values (numpy) onto every device of the mesh, replicated: the per-step inputs."""

@@ -3,7 +3,7 @@
 The mesh (engine.jax_backend.mesh) spans every process's devices, so every jitted call is a
 collective: each process must make the same calls, with the same host arguments, in the same
 order. Process 0 runs the gRPC server and the scheduler; its model is wrapped in a `Leader`,
-which publishes each call the scheduler makes (prefill, decode, release, ...) to JAX's
+which publishes each call the scheduler makes (set_pages, prefill, decode, release, ...) to JAX's
 coordination key-value store (the service `jax.distributed.initialize` starts in process 0) under
 a numbered key, then makes it. Every other process runs `follow`: it reads key 0, 1, 2, ... and
 makes the same call on its own copy of the model. The per-step decisions thus travel through
@@ -53,8 +53,9 @@ log = logging.getLogger(__name__)
 STEP_KEY = "tokenwire/step/"
 STOP = "stop"
 # Every method of the Model contract steps the devices or changes what later steps do, so every
-# process makes them (a method added to the contract is published too); anything else (info,
-# prefix_pool, kernel_state, compilations, ...) is read locally.
+# process makes them (a method added to the contract is published too: set_pages changes no device
+# array, but every later call reads the table it sets, so followers replay it); anything else
+# (info, kv, kernel_state, compilations, ...) is read locally.
 STEPS = frozenset(name for name, value in vars(Model).items() if not name.startswith("_") and inspect.isfunction(value))
 
 

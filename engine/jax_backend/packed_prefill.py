@@ -2,7 +2,7 @@
 
 `JaxModel.prefill_packed` runs the prompts of a burst, each into its own slot, as one sequence of
 the smallest packed size that holds them (transformer.packed_prefill_layers reads, per token, its
-slot, its position in its prompt and its prompt's index), then samples every prompt's last
+page, its position in its prompt and its prompt's index), then samples every prompt's last
 position in one call of a row bucket. These are the arrays it hands the device, built here.
 """
 
@@ -23,19 +23,21 @@ def tokens(prompts: Sequence[PromptInput], size: int) -> np.ndarray:
 
 
 def token_arrays(
-    slots: Sequence[int], lengths: Sequence[int], size: int, pad_slot: int
+    tables: np.ndarray, slots: Sequence[int], lengths: Sequence[int], size: int, page_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per token of a packed sequence of `size`: its slot, its position in its prompt and its
-    prompt's index; the padding continues the last prompt (or, with none, is prompt 0 of
-    `pad_slot` from position 0)."""
-    slot_of, position, prompt = np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, np.int32)
+    """Per token of a packed sequence of `size`: the page its K/V goes to (through its slot's row
+    of `tables` [B, W]), its position in its prompt and its prompt's index; the padding continues
+    the last prompt's positions (or, with none, those of prompt 0 from position 0), its K/V for
+    the null page."""
+    page, position, prompt = np.zeros(size, np.int32), np.zeros(size, np.int32), np.zeros(size, np.int32)
     at = 0
     for i, (slot, n) in enumerate(zip(slots, lengths, strict=True)):
-        slot_of[at : at + n], position[at : at + n], prompt[at : at + n] = slot, np.arange(n), i
+        positions = np.arange(n)
+        page[at : at + n], position[at : at + n], prompt[at : at + n] = tables[slot, positions // page_size], positions, i
         at += n
-    last_slot, last_n, last_i = (slots[-1], lengths[-1], len(slots) - 1) if slots else (pad_slot, 0, 0)
-    slot_of[at:], position[at:], prompt[at:] = last_slot, last_n + np.arange(size - at), last_i
-    return slot_of, position, prompt
+    last_n, last_i = (lengths[-1], len(slots) - 1) if slots else (0, 0)
+    position[at:], prompt[at:] = last_n + np.arange(size - at), last_i
+    return page, position, prompt
 
 
 def ends(lengths: Sequence[int], batch: int) -> np.ndarray:

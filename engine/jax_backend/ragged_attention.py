@@ -1,34 +1,50 @@
-"""Ragged decode attention for the GPU: a Pallas kernel where each row reads only its own live
-keys, in place from the slot KV cache.
+"""Paged decode attention for the GPU (issue 41): a Pallas kernel where each row reads only its
+own live keys, in place from the paged KV pool, through its block table.
 
-Why: without it a GPU decode step attends over an "attend bucket", a window of the cache up to a
-power of two above the longest row, for every row, and XLA may copy that sliced window before its
-products; at large batch and context that is most of the cache read every step, whatever the rows'
-real lengths. Here the cache goes to the kernel whole and untouched: program (row r, kv head k,
-split j) walks split j's keys of slot r, kv head k in blocks of `block_k`, and stops at the row's
-live length, so a step reads sum(lengths) keys, not R x bucket, and nothing is copied.
+The layout (issue 41's, the same on every backend): per layer, K and V each in one pool
+[K, N, P, D] (kv heads, pages, page size, head dim; page 0 the null page). Row r's position p
+lives in page `tables[r, p // P]` at offset `p % P`. Program (row r, kv head k, split j) walks
+split j's table entries of row r in blocks of whole pages, gathers those pages of kv head k, and
+stops at the row's live length, so a step reads sum(lengths) keys (rounded up to blocks) and
+copies nothing.
+
+Why our own kernel and not `jax.experimental.pallas.ops.gpu.paged_attention` (JAX 0.10.2),
+which takes this very layout and from which the page gather here is learnt:
+- It keeps each split's unnormalised partial output in q's dtype, so in bfloat16 every split's
+  sums are rounded to 8 bits before they are combined, and the combine itself runs in bfloat16;
+  here the partials and the combine are float32 and only the output is rounded.
+- It applies no 1/sqrt(D) scale (the caller would scale q, rounding it once more in bfloat16).
+- Its split count is fixed (16 by default) and must divide the table width; here the splits are
+  fitted to the batch (few rows still fill the GPU, many rows are not cut into needless
+  spans) and the table is padded with null pages to a whole number of spans, so any width works.
+- Its float32 products use Triton's default dot (TF32 on Ampere and later); here float32 is
+  exact, so the engine's float32 path matches its CPU reference.
+- It masks scores past a row's length but multiplies their values by a zero weight, so a NaN or
+  inf left in a reused page's tail or in the null page would reach the output (0 x NaN); here
+  those values are zeroed first.
+Kept from the contiguous kernel this one replaces: GQA by one program per kv head, the online
+softmax in float32, split-K with a plain-JAX combine, and the block and split defaults.
 
 What holds:
 - GQA: one program serves the G = H / K query heads of a kv head, so each key block is read once
   for all of them. G is padded with zero queries to `Gp` (a power of two, at least 16: Triton's
   dot wants 16 rows); the padding's outputs are dropped.
-- Online softmax (flash attention) over key blocks, in float32 whatever the cache dtype. Keys
-  past the live length in the last block are masked, and their values zeroed, so stale (even NaN)
-  cache contents past a row's length never reach its output.
-- Split-K (flash decoding): the context is cut into `splits` spans so that few rows still fill
-  the GPU; each span returns its partial sums and running max, combined in plain JAX after.
+- A key block is `pages_per_block` whole pages (at least 64 keys by default, one page when a
+  page is larger): positions inside it past the live length are masked, and their values zeroed.
+- Page ids outside [0, N) are clamped to the pool: a Triton load has no bounds check, and a bad
+  table must read a wrong page (masked or wrong numbers), never outside the pool's memory.
 - An idle row (length 0) reads nothing and gets zeros: finite, and ignored by the caller.
 
 Where it runs: `applies()` says whether the decode layers use it (a GPU backend, the Pallas
-Triton lowering importable, shapes it supports); engine.jax_backend.transformer.decode_layers
-calls `decode_attention` then. On the CPU the engine keeps its own paths (the C++ kernel,
-engine.jax_backend.cpu_kernels, or the bucketed XLA attention), bit for bit. On the CPU this
-module runs only in Pallas interpret mode, for tests (`interpret=None` picks it off a GPU).
-The GPU lowering was written against JAX 0.10's Triton lowering; nothing GPU-only is imported
-until a kernel is lowered for a GPU.
+Triton lowering importable, a head dim and page size it takes). On the CPU the engine keeps its
+own paths; there this module runs only in Pallas interpret mode, for tests (`interpret=None`
+picks it off a GPU). The GPU lowering was written against JAX 0.10's Triton lowering; nothing
+GPU-only is imported until a kernel is lowered for a GPU. The tests lower it for CUDA from the
+CPU; Triton's own compile and a run on a GPU have not happened yet (no GPU was lent while it was
+written): benchmarks/paged_attention.py is the check to run first where one is.
 
-Shapes: B cache slots, R rows (the first R slots), H query heads, K kv heads, G = H / K, Gp G
-padded, D head dim, S cache positions, P splits, Bk keys per block.
+Shapes: R rows, H query heads, K kv heads, G = H / K, Gp G padded, D head dim, N pages in the
+pool, P page size, W table entries per row, S splits, Bp pages per key block, Bk = Bp x P keys.
 """
 
 from __future__ import annotations
@@ -44,7 +60,8 @@ from jax.experimental import pallas as pl
 from engine.jax_backend.backend_profile import profile
 
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
-DEFAULT_BLOCK_K = 64  # keys per loop iteration
+DEFAULT_BLOCK_K = 64  # keys per loop iteration (whole pages: more when a page is larger)
+MAX_PAGE = 128  # a key block is at least a page; blocks past 128 keys at D = 128 would likely spill registers (untried)
 MIN_GROUP = 16  # query rows per program: the G heads of a kv head, zero-padded up to this
 TARGET_PROGRAMS = 256  # split the context until rows x kv heads x splits reaches this (about 2 per SM)
 MAX_SPLITS = 16
@@ -67,68 +84,67 @@ def available() -> bool:
     return True
 
 
-def supported(head_dim: int, context: int) -> bool:
+def supported(head_dim: int, page_size: int) -> bool:
     """Whether the kernel takes these shapes: Triton tensors have power-of-two sizes, so D must be
-    a power of two >= 16, and key blocks of >= 16 must tile the context S."""
-    return _power_of_two(head_dim) and head_dim >= MIN_BLOCK and context % MIN_BLOCK == 0
+    a power of two >= 16, and a key block of whole pages needs a power-of-two page size (at most
+    MAX_PAGE)."""
+    return _power_of_two(head_dim) and head_dim >= MIN_BLOCK and _power_of_two(page_size) and page_size <= MAX_PAGE
 
 
-def applies(head_dim: int, context: int) -> bool:
-    """The one predicate for "decode attention is the ragged Pallas kernel here": `available()`
-    and `supported()`. When it holds, a decode step's attention ignores the attend bucket, so
-    one attend shape (the context) is enough. Not under tensor parallelism: a Pallas call is
-    opaque to XLA's partitioner (the caller passes `ragged=False` to the decode layers then)."""
-    return available() and supported(head_dim, context)
+def applies(head_dim: int, page_size: int) -> bool:
+    """The one predicate for "decode attention is the paged Pallas kernel here": `available()`
+    and `supported()`. Not under tensor parallelism: a Pallas call is opaque to XLA's
+    partitioner (the caller must not use it then)."""
+    return available() and supported(head_dim, page_size)
 
 
-def _block_k(context: int, block_k: int | None) -> int:
-    """The largest power of two <= `block_k` (default DEFAULT_BLOCK_K) that divides the context."""
+def _pages_per_block(page_size: int, block_k: int | None) -> int:
+    """Pages per key block: `block_k` keys (default DEFAULT_BLOCK_K) in whole pages, one page
+    when a page holds more."""
     want = DEFAULT_BLOCK_K if block_k is None else block_k
     if not _power_of_two(want) or want < MIN_BLOCK:
         raise ValueError(f"block_k must be a power of two >= {MIN_BLOCK}, got {want}")
-    b = want
-    while context % b:
-        b //= 2
-    if b < MIN_BLOCK:
-        raise ValueError(f"the context {context} is not a multiple of {MIN_BLOCK}")
-    return b
+    return max(1, want // page_size)
 
 
-def _splits(rows: int, kv_heads: int, context: int, block_k: int, splits: int | None) -> int:
-    """Spans the context is cut into: as given, or the fewest powers of two that bring the
-    programs to TARGET_PROGRAMS (MAX_SPLITS at most); each span a whole number of key blocks."""
-    blocks = context // block_k
+def _splits(rows: int, kv_heads: int, blocks: int, splits: int | None) -> int:
+    """Spans the table is cut into: as given, or the fewest powers of two that bring the programs
+    to TARGET_PROGRAMS (MAX_SPLITS at most, and no more than the row's key blocks)."""
     if splits is not None:
-        if splits < 1 or blocks % splits:
-            raise ValueError(f"splits must divide the {blocks} key blocks of {block_k}, got {splits}")
+        if splits < 1:
+            raise ValueError(f"splits must be >= 1, got {splits}")
         return splits
-    p = 1
-    while rows * kv_heads * p < TARGET_PROGRAMS and p < MAX_SPLITS and blocks % (2 * p) == 0:
-        p *= 2
-    return p
+    s = 1
+    while rows * kv_heads * s < TARGET_PROGRAMS and s < MAX_SPLITS and 2 * s <= blocks:
+        s *= 2
+    return s
 
 
-def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k: int, scale: float, precision):
-    """One (row, kv head, split): lengths_ref [] (the row's live keys), q_ref [Gp, D], k_ref/v_ref
-    [S / P, D] (this split's positions of the row's slot and kv head, read in place) -> o_ref
-    [Gp, D] unnormalised float32 sums, m_ref [Gp] the running max, l_ref [Gp] the softmax
-    denominator. A split with no live keys runs no iteration: o = 0, l = 0, m = float32 min."""
-    span = k_ref.shape[0]
+def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, pages_per_block: int,
+            scale: float, precision):
+    """One (row, kv head, split): lengths_ref [] (the row's live keys), tables_ref [W' / S] (this
+    split's page ids of the row), q_ref [Gp, D], k_ref/v_ref [N, P, D] (kv head k's pool, read
+    through the table) -> o_ref [Gp, D] unnormalised float32 sums, m_ref [Gp] the running max,
+    l_ref [Gp] the softmax denominator. A split with no live keys runs no iteration: o = 0, l = 0,
+    m = float32 min."""
+    _, page, d = k_ref.shape
+    bk = pages_per_block * page
+    span = tables_ref.shape[0] * page  # positions in this split
     live = jnp.clip(lengths_ref[()] - pl.program_id(2) * span, 0, span)  # live keys in this split
     q = q_ref[...]  # [Gp, D]
-    gp, d = q.shape
+    gp = q.shape[0]
 
     def body(i, carry):
         o, m, l = carry  # [Gp, D], [Gp], [Gp] float32
-        at = pl.multiple_of(i * block_k, block_k)
-        seen = at + jnp.arange(block_k) < live  # [Bk]
-        k = k_ref[pl.ds(at, block_k), :]  # [Bk, D]
+        ids = tables_ref[pl.ds(pl.multiple_of(i * pages_per_block, pages_per_block), pages_per_block)]  # [Bp]
+        seen = i * bk + jnp.arange(bk) < live  # [Bk]
+        k = k_ref[ids].reshape(bk, d)  # [Bk, D]: the block's pages, gathered
         s = _dot(q, k, 1, precision) * scale  # [Gp, Bk] float32
         s = jnp.where(seen[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))  # finite: every block walked holds a live key
         corr = jnp.exp(m - m_new)  # [Gp]
         p = jnp.exp(s - m_new[:, None])  # [Gp, Bk]
-        v = jnp.where(seen[:, None], v_ref[pl.ds(at, block_k), :], 0)  # [Bk, D]; stale values never count
+        v = jnp.where(seen[:, None], v_ref[ids].reshape(bk, d), 0)  # [Bk, D]; stale values never count
         pv = _dot(p.astype(v.dtype), v, 0, precision)  # [Gp, D] float32
         return o * corr[:, None] + pv, m_new, l * corr + p.sum(axis=1)
 
@@ -137,7 +153,7 @@ def _kernel(lengths_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k: i
         jnp.full((gp,), jnp.finfo(jnp.float32).min, jnp.float32),  # not -inf: the combine subtracts maxima
         jnp.zeros((gp,), jnp.float32),
     )
-    o, m, l = jax.lax.fori_loop(0, pl.cdiv(live, block_k), body, init)
+    o, m, l = jax.lax.fori_loop(0, pl.cdiv(live, bk), body, init)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
@@ -149,55 +165,74 @@ def _dot(a: jax.Array, b: jax.Array, b_contracting: int, precision) -> jax.Array
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+def _check(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array) -> None:
+    """Shapes the kernel takes, or a ValueError that says which one is wrong."""
+    r, h, d = q.shape
+    kv, _, page, dk = k_pages.shape
+    if v_pages.shape != k_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    if dk != d:
+        raise ValueError(f"q's head dim {d} is not the pages' {dk}")
+    if h % kv:
+        raise ValueError(f"{h} query heads are not a multiple of {kv} kv heads")
+    if tables.ndim != 2 or tables.shape[0] != r or lengths.shape != (r,):
+        raise ValueError(f"tables {tables.shape} and lengths {lengths.shape} must be [{r}, W] and [{r}] for {r} rows")
+    if not supported(d, page):
+        raise ValueError(f"paged attention needs a power-of-two head dim >= {MIN_BLOCK} and a power-of-two page size "
+                         f"<= {MAX_PAGE}, got head dim {d} and page size {page}")
+
+
 def decode_attention(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    tables: jax.Array,
     lengths: jax.Array,
     *,
     block_k: int | None = None,
     splits: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """One query per row over the first lengths[r] keys of slot r: q [R, H, D], k/v caches
-    [B, K, S, D] (R <= B; row r is slot r), lengths [R] in [0, S] -> [R, H * D] in q's dtype.
+    """One query per row over the first lengths[r] positions of row r's block table: q [R, H, D],
+    k/v pages [K, N, P, D], tables [R, W] int32 page ids, lengths [R] in [0, W x P] -> [R, H * D]
+    in q's dtype.
 
-    `block_k` keys per iteration and `splits` spans of the context (static; defaults fitted to
-    the shapes); `interpret`: run the kernel in Pallas interpret mode (None: unless lowered for a
-    GPU, decided per platform at lowering, so that a step lowered for CUDA on a CPU host, as the
-    tests do, holds the compiled kernel).
+    `block_k` keys per iteration (rounded to whole pages) and `splits` spans of the table
+    (static; defaults fitted to the shapes); `interpret`: run the kernel in Pallas interpret mode
+    (None: unless lowered for a GPU, decided per platform at lowering, so that a step lowered for
+    CUDA on a CPU host, as the tests do, holds the compiled kernel).
     A length of 0 gives a zero row. Float32 products are exact float32 (no TF32)."""
-    r, h, d = q.shape
-    _, kv, s, _ = k_cache.shape
-    if h % kv:
-        raise ValueError(f"{h} query heads are not a multiple of {kv} kv heads")
-    if not supported(d, s):
-        raise ValueError(f"ragged attention needs a power-of-two head dim >= {MIN_BLOCK} and a context "
-                         f"that is a multiple of {MIN_BLOCK}, got head dim {d} and context {s}")
+    _check(q, k_pages, v_pages, tables, lengths)
     if interpret is None:
         run = functools.partial(decode_attention, block_k=block_k, splits=splits)
         return jax.lax.platform_dependent(
-            q, k_cache, v_cache, lengths,
+            q, k_pages, v_pages, tables, lengths,
             cuda=functools.partial(run, interpret=False), rocm=functools.partial(run, interpret=False),
             default=functools.partial(run, interpret=True),
         )
+    r, h, d = q.shape
+    kv, n, page, _ = k_pages.shape
+    w = tables.shape[1]
     g = h // kv
     gp = max(MIN_GROUP, pl.next_power_of_2(g))
-    bk = _block_k(s, block_k)
-    p = _splits(r, kv, s, bk, splits)
-    span = s // p
+    bp = _pages_per_block(page, block_k)
+    s = _splits(r, kv, pl.cdiv(w, bp), splits)
+    span_pages = pl.cdiv(pl.cdiv(w, bp), s) * bp  # table entries per split: whole key blocks
+    tables = jnp.clip(tables.astype(jnp.int32), 0, n - 1)  # [R, W]; see the module docstring
+    tables = jnp.pad(tables, ((0, 0), (0, s * span_pages - w)))  # [R, S x span]: null pages, never live
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, w * page)  # [R]
     qg = jnp.pad(q.reshape(r, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [R, K, Gp, D]
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, s)  # [R]
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, block_k=bk, scale=1.0 / math.sqrt(d), precision=precision)
+    kernel = functools.partial(_kernel, pages_per_block=bp, scale=1.0 / math.sqrt(d), precision=precision)
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(r, kv, p),
+        grid=(r, kv, s),
         in_specs=[
             pl.BlockSpec((None,), lambda i, k, j: (i,)),  # lengths
+            pl.BlockSpec((None, span_pages), lambda i, k, j: (i, j)),  # this split's table entries
             pl.BlockSpec((None, None, gp, d), lambda i, k, j: (i, k, 0, 0)),  # q
-            pl.BlockSpec((None, None, span, d), lambda i, k, j: (i, k, j, 0)),  # k cache, in place
-            pl.BlockSpec((None, None, span, d), lambda i, k, j: (i, k, j, 0)),  # v cache, in place
+            pl.BlockSpec((None, n, page, d), lambda i, k, j: (k, 0, 0, 0)),  # k pool of kv head k, in place
+            pl.BlockSpec((None, n, page, d), lambda i, k, j: (k, 0, 0, 0)),  # v pool
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, gp, d), lambda i, k, j: (j, i, k, 0, 0)),
@@ -205,20 +240,25 @@ def decode_attention(
             pl.BlockSpec((None, None, None, gp), lambda i, k, j: (j, i, k, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((p, r, kv, gp, d), jnp.float32),  # o
-            jax.ShapeDtypeStruct((p, r, kv, gp), jnp.float32),  # m
-            jax.ShapeDtypeStruct((p, r, kv, gp), jnp.float32),  # l
+            jax.ShapeDtypeStruct((s, r, kv, gp, d), jnp.float32),  # o
+            jax.ShapeDtypeStruct((s, r, kv, gp), jnp.float32),  # m
+            jax.ShapeDtypeStruct((s, r, kv, gp), jnp.float32),  # l
         ],
         compiler_params=None if interpret else _gpu_params(),
         interpret=interpret,
-        name="tokenwire_ragged_decode_attention",
-    )(lengths, qg, k_cache, v_cache)
-    # Combine the splits: rescale each to the common max, then normalise once.
+        name="tokenwire_paged_decode_attention",
+    )(lengths, tables, qg, k_pages, v_pages)
+    return _combine(o, m, l)[:, :, :g].reshape(r, h * d).astype(q.dtype)
+
+
+def _combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """The splits' partials o [S, R, K, Gp, D], m and l [S, R, K, Gp] -> the normalised output
+    [R, K, Gp, D] float32: rescale each split to the common max, then divide once. An empty
+    split (o = l = 0) adds nothing; a row with no key at all gets zeros."""
     top = jax.lax.optimization_barrier(m.max(axis=0))  # [R, K, Gp]; the barrier as in JAX's own decode op
-    w = jnp.exp(m - top[None])  # [P, R, K, Gp]; an empty split has o = l = 0
+    w = jnp.exp(m - top[None])  # [S, R, K, Gp]
     denom = (l * w).sum(axis=0)  # [R, K, Gp]
-    out = (o * w[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]  # [R, K, Gp, D]
-    return out[:, :, :g].reshape(r, h * d).astype(q.dtype)
+    return (o * w[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 def _gpu_params():
@@ -228,14 +268,27 @@ def _gpu_params():
     return plgpu.CompilerParams(num_warps=4, num_stages=2)
 
 
-def reference(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, lengths: jax.Array) -> jax.Array:
-    """The same attention in plain JAX, in float32, for tests: q [R, H, D], caches [B, K, S, D],
-    lengths [R] -> [R, H * D] in q's dtype; zero rows where the length is 0."""
+def gather_pages(pages: jax.Array, tables: jax.Array) -> jax.Array:
+    """A pool [K, N, P, D] read through tables [R, W] -> each row's positions contiguous,
+    [R, K, W x P, D] (the reference's input, and the contiguous cache a benchmark compares to)."""
+    kv, _, page, d = pages.shape
+    r, w = tables.shape
+    rows = pages[:, tables]  # [K, R, W, P, D]
+    return rows.reshape(kv, r, w * page, d).swapaxes(0, 1)
+
+
+def reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array) -> jax.Array:
+    """The same attention in plain JAX, in float32, for tests: the pages gathered through the
+    tables, then softmax attention over each row's first lengths[r] positions. q [R, H, D],
+    pages [K, N, P, D], tables [R, W], lengths [R] -> [R, H * D] in q's dtype; zero rows where
+    the length is 0."""
     r, h, d = q.shape
-    kv, s = k_cache.shape[1], k_cache.shape[2]
+    kv = k_pages.shape[0]
     g = h // kv
+    kf = gather_pages(k_pages, tables).astype(jnp.float32)  # [R, K, S, D], S = W x P
+    vf = gather_pages(v_pages, tables).astype(jnp.float32)
+    s = kf.shape[2]
     qf = q.astype(jnp.float32).reshape(r, kv, g, d)  # [R, K, G, D]
-    kf, vf = k_cache[:r].astype(jnp.float32), v_cache[:r].astype(jnp.float32)  # [R, K, S, D]
     seen = jnp.arange(s)[None, :] < lengths[:, None]  # [R, S]
     scores = jnp.einsum("rkgd,rksd->rkgs", qf, kf, precision="highest") / np.sqrt(d)  # [R, K, G, S]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)

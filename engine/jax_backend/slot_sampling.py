@@ -3,9 +3,9 @@ a decode step carries them in.
 
 A request's parameters are written when it takes a slot (`take`) and reset when it leaves
 (`release`). A prompt's last position reads its rows as a `SlotSampling` (`rows`); a decode step
-packs the first R slots' parameters and inputs into two arrays (`pack`), one [R, 9] i32 and one
-[R, 3] f32, so that two transfers cross to the device per step, not eleven small ones; a prompt
-chunk along with it adds its ids and place (`chunk_arrays`).
+packs the first R slots' parameters, inputs and block tables into two arrays (`pack`), one
+[R, 9 + W] i32 and one [R, 3] f32, so that two transfers cross to the device per step, not twelve
+small ones; a prompt chunk along with it adds its ids, place and table (`chunk_arrays`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from engine.core.request import SamplingParams
 from engine.jax_backend import sampling
 from engine.jax_backend.sampling import SlotSampling
 
-# Columns of a decode step's packed host inputs ([R, 9] i32 and [R, 3] f32).
-GIVEN, USE_GIVEN, POSITION, ACTIVE, MASKED, TOP_K, TOP_N, SEED_HI, SEED_LO = range(9)
+# Columns of a decode step's packed host inputs ([R, 9 + W] i32 and [R, 3] f32): the row's block
+# table [W] fills the i32 columns from TABLE on.
+GIVEN, USE_GIVEN, POSITION, ACTIVE, MASKED, TOP_K, TOP_N, SEED_HI, SEED_LO, TABLE = range(10)
 TEMPERATURE, TOP_P, MIN_P = range(3)
 
 
@@ -51,10 +52,12 @@ class SlotSamplingState:
         """The rows' sampling parameters (a prompt's last position; a decode step packs its own)."""
         return SlotSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows], self.seed[rows])
 
-    def pack(self, inputs: Sequence[DecodeInput], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    def pack(self, inputs: Sequence[DecodeInput], rows: int, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A step's host inputs for the first `rows` slots as the two packed arrays the step
-        reads (columns GIVEN.. and TEMPERATURE..); rows with no input are idle (greedy, no cuts)."""
-        ints, floats = np.zeros((rows, 9), np.int32), np.zeros((rows, 3), np.float32)
+        reads (columns GIVEN.., the slots' block tables [B, W] from TABLE, and TEMPERATURE..);
+        rows with no input are idle (greedy, no cuts)."""
+        ints, floats = np.zeros((rows, TABLE + tables.shape[1]), np.int32), np.zeros((rows, 3), np.float32)
+        ints[:, TABLE:] = tables[:rows]
         floats[:, TOP_P] = 1.0
         for i in inputs:
             s = i.slot
@@ -67,9 +70,12 @@ class SlotSamplingState:
         return ints, floats
 
 
-def chunk_arrays(slot: int, ids: Sequence[int], start: int, size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """A prompt chunk along with a decode step: its ids padded to `size` (default: its length), and
-    (slot, start)."""
+def chunk_arrays(
+    table: np.ndarray, ids: Sequence[int], start: int, size: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A prompt chunk along with a decode step: its ids padded to `size` (default: its length),
+    (start, end) of its real tokens, and its slot's block table [W] (a copy: the call may read it
+    after the host has changed the slot's row)."""
     tokens = np.zeros(size or len(ids), np.int32)
     tokens[: len(ids)] = ids
-    return tokens, np.array([slot, start], np.int32)
+    return tokens, np.array([start, start + len(ids)], np.int32), np.array(table, np.int32)

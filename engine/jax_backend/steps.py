@@ -3,14 +3,14 @@ compiled forms for one model.
 
 A decode step is one executable (`decode_step`): embed the slots' inputs (the token the host
 gives, or the slot's last sample, already on the device), every layer, head and sampling, with
-the cache buffers and the slots' last samples donated and handed back written in place. With
+the page pools and the slots' last samples donated and handed back written in place. With
 `split_sampler` it is two (`decode_layers`, then `step_sample` in a greedy or a full variant the
 host picks). A prompt runs one layer per call (transformer.prefill_layers, or
 packed_prefill_layers for several prompts end to end), then `head_and_sample` for its last
 position. `fetch` reads a sampling call's outputs back, its alternatives only when a row asks.
 
-Shapes: B slots, R rows in a step, T prompt tokens, S context, V embedding rows, V' ids the
-tokenizer can produce, E hidden, K kv heads, D head dim, L layers.
+Shapes: B slots, R rows in a step, T prompt tokens, W block table width, N pool pages, P page
+size, V embedding rows, V' ids the tokenizer can produce, E hidden, K kv heads, D head dim, L layers.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 from engine.jax_backend import sampling, transformer
 from engine.jax_backend.sampling import SlotSampling
 from engine.jax_backend.slot_sampling import (
-    ACTIVE, GIVEN, MASKED, MIN_P, POSITION, SEED_HI, SEED_LO, TEMPERATURE, TOP_K, TOP_N, TOP_P, USE_GIVEN,
+    ACTIVE, GIVEN, MASKED, MIN_P, POSITION, SEED_HI, SEED_LO, TABLE, TEMPERATURE, TOP_K, TOP_N, TOP_P, USE_GIVEN,
 )
 from engine.model_store.checkpoint import ModelConfig
 
@@ -92,13 +92,13 @@ def decode_step(
     final_norm: jax.Array,  # [E]
     lm_head: jax.Array,  # [E, V'] (with its panel copy, weights.PackedHead, where the kernels use it)
     layers: tuple,  # L layer weights (with the panel copies where the kernels use them)
-    k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D], donated
+    k_caches: tuple[jax.Array, ...],  # L x [K, N, P, D] page pools, donated
     v_caches: tuple[jax.Array, ...],
     last: jax.Array,  # [B] i32, each slot's last sampled token, donated
     mask: jax.Array,  # [B, V'] bool
-    ints: jax.Array,  # [R, 9] i32, the columns above
+    ints: jax.Array,  # [R, 9 + W] i32, the columns above and the rows' block tables
     floats: jax.Array,  # [R, 3] f32, the columns above
-    chunk: tuple[jax.Array, jax.Array] | None = None,  # a prompt chunk riding along: ids [C] i32, (slot, start) [2] i32
+    chunk: tuple | None = None,  # a prompt chunk riding along: ids [C] i32, (start, end) [2] i32, table [W] i32
     *,
     cfg: ModelConfig,
     attend: int,
@@ -120,11 +120,11 @@ def decode_step(
 def decode_layers(
     embed_table: jax.Array,  # [V, E] (or its int8 form)
     layers: tuple,  # L layer weights
-    k_caches: tuple[jax.Array, ...],  # L x [B, K, S, D], donated
+    k_caches: tuple[jax.Array, ...],  # L x [K, N, P, D] page pools, donated
     v_caches: tuple[jax.Array, ...],
     last: jax.Array,  # [B] i32, each slot's last sampled token (read, not written)
-    ints: jax.Array,  # [R, 9] i32
-    chunk: tuple[jax.Array, jax.Array] | None = None,
+    ints: jax.Array,  # [R, 9 + W] i32
+    chunk: tuple | None = None,
     *,
     cfg: ModelConfig,
     attend: int,
@@ -136,17 +136,19 @@ def decode_layers(
     r = ints.shape[0]
     active = ints[:, ACTIVE] > 0  # [R]
     positions = ints[:, POSITION]  # [R]
+    tables = ints[:, TABLE:]  # [R, W]
     tokens = jnp.where(ints[:, USE_GIVEN] > 0, ints[:, GIVEN], last[:r])  # [R]
     x = transformer.embed(embed_table, tokens[:, None])  # [R, 1, E]
     if chunk is None:
         x, k_caches, v_caches = transformer.decode_layers(
-            layers, k_caches, v_caches, x, positions, active, cfg=cfg, attend=attend, kernels=kernels, ragged=ragged
+            layers, k_caches, v_caches, x, tables, positions, active, cfg=cfg, attend=attend, kernels=kernels,
+            ragged=ragged,
         )
     else:
-        ids, at = chunk
+        ids, at, table = chunk
         x, k_caches, v_caches = transformer.mixed_layers(
-            layers, k_caches, v_caches, x, positions, active, transformer.embed(embed_table, ids), at[0], at[1],
-            cfg=cfg, attend=attend, kernels=kernels, ragged=ragged,
+            layers, k_caches, v_caches, x, tables, positions, active, transformer.embed(embed_table, ids), table,
+            at[0], at[1], cfg=cfg, attend=attend, kernels=kernels, ragged=ragged,
         )
     return k_caches, v_caches, x
 
@@ -157,7 +159,7 @@ def step_sample(
     lm_head: jax.Array,
     mask: jax.Array,  # [B, V'] bool
     last: jax.Array,  # [B] i32, donated where this is its own executable
-    ints: jax.Array,  # [R, 9] i32
+    ints: jax.Array,  # [R, 9 + W] i32
     floats: jax.Array,  # [R, 3] f32
     *,
     cfg: ModelConfig,
@@ -210,14 +212,14 @@ class Steps:
         def own(fn, **bound):
             return functools.partial(fn, **bound)
 
-        caches = ("k_caches", "v_caches")
+        caches, pools = ("k_caches", "v_caches"), ("k_pages", "v_pages")  # the steps' names, the layers'
         o = options
         self.embed = jax.jit(own(embed), **o)
         self.prefill_layers = jax.jit(
-            own(transformer.prefill_layers, kernels=kernels), static_argnames="cfg", donate_argnames=caches, **o
+            own(transformer.prefill_layers, kernels=kernels), static_argnames="cfg", donate_argnames=pools, **o
         )
         self.packed_layers = jax.jit(
-            own(transformer.packed_prefill_layers), static_argnames="cfg", donate_argnames=caches, **o
+            own(transformer.packed_prefill_layers), static_argnames="cfg", donate_argnames=pools, **o
         )
         self.packed_ends = jax.jit(own(prompt_ends), **o)
         self.step = jax.jit(

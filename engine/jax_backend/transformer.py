@@ -1,14 +1,15 @@
-"""The decoder forward pass in pure JAX, over a slot-based KV cache updated in place.
+"""The decoder forward pass in pure JAX, over a paged KV cache updated in place.
 
 The pass is cut into pieces that the caller jits separately, so that a group of layers compiles
 once and runs for every group of the same shape (see engine.jax_backend.jax_model for why):
 - `prefill_layers`: one chunk of a request's prompt (padded to a bucket of C tokens) at positions
-  start..start+C-1 through a group of layers; writes the slot's K/V there and attends, blocked
-  and causal (`chunk_attention`), to the slot's keys up to the chunk's end: a whole prompt is one
-  chunk at start 0, a long one several (chunked prefill). Cost grows with start + C, not with S.
+  start..start+C-1 through a group of layers; writes the slot's K/V into the pages its block
+  table names and attends, blocked and causal (`chunk_attention`), to the slot's keys up to the
+  chunk's end: a whole prompt is one chunk at start 0, a long one several (chunked prefill), a
+  prompt with a shared prefix starts after the prefix's pages. Cost grows with start + C, not S.
 - `decode_layers`: one token for each of the first R slots through a group of layers; writes each
-  active slot's K/V at its position and reads only the first R slots and the first `attend`
-  positions, so a step costs what the live batch and lengths need, not what the cache could hold.
+  active slot's K/V at its position's page and reads only the pages of the first R slots' first
+  `attend` positions, so a step costs what the live batch and lengths need, not what the pool holds.
 - `mixed_layers`: both at once, a decode step's rows and one prompt chunk of another slot, each
   projection taking all their rows together, so that the weights are read once for both (the
   scheduler's chunk rides along with the step that the streams decoding beside it wait for).
@@ -19,22 +20,28 @@ Layers are unrolled over separate per-layer weights and per-layer cache buffers.
 stacked weights compiles faster but decodes slower, because XLA:CPU copies each layer's slice of a
 stacked array before the matmul reads it; decode is memory-bound, so we take the speed (and cut
 compile time by compiling a group of layers once and calling it for every group instead). The
-figures behind this file's choices are in docs/benchmarks.md, "Design measurements". Each cache buffer is written with
-a scatter/dynamic-update-slice on the donated input, which XLA performs in place: step time does
-not grow with the context or the slot count at equal live rows and length (see
-tests/test_jax_model.py). Positions past a slot's live length hold stale values; they are never
-attended because every query masks later positions.
+figures behind this file's choices are in docs/benchmarks.md, "Design measurements".
 
-The cache is kv-head-major, [B, K, S, D], so a decode step's read of its rows and attended
-positions feeds the batched attention products without a transpose (with [B, S, K, D] XLA
-transposed that slice in every layer). Even so, at 32 rows the XLA attention is a large part of a
-step on XLA:CPU: it copies the sliced window, then runs each of the R x K [G, D] x [D, A] products
-as a separate small matmul. On the CPU the engine therefore uses
-a C++ kernel for decode attention (`kernels=True`, engine.jax_backend.cpu_kernels), which reads each row's
-live keys in place; `decode_attention` below is the same computation in JAX (the reference the
-kernel is tested against, and the path where neither kernel applies). On a GPU the decode
-layers use a Pallas kernel (engine.jax_backend.ragged_attention) that likewise reads each row's
-live keys in place instead of a bucketed window. The projections of up to cpu_kernels.PANEL_ROWS
+The KV cache is a pool of pages per layer (issue 41): K and V each [K, N, P, D] (kv heads, pages,
+page size, head dim), page 0 the null page. A sequence's position p lives in page table[p // P]
+at offset p % P of its block table (`KVCache.tables`; JaxModel passes each call its slots'
+tables, engine.jax_backend.slot_table). Each pool is written with a scatter on the donated input
+(`write_pages`), which XLA performs in place: step time does not grow with the pool at equal live
+rows and length (see tests/test_jax_model.py). A write meant for nobody (padding, an idle row)
+goes to the null page; positions past a sequence's live length, the null page and a page's
+unwritten tail hold stale values that are never attended, because every query masks later
+positions. Pages shared by several tables (a prefix hit) are only read: a sequence writes only
+positions past what it shares.
+
+The pool is kv-head-major, so a page of one kv head is P x D contiguous values, as the paged
+kernels read it. At 32 rows the XLA attention is a large part of a step on XLA:CPU: it gathers
+each row's pages into a window, then runs each of the R x K [G, D] x [D, A] products as a
+separate small matmul. On the CPU the engine therefore uses a C++ kernel for decode attention
+(`kernels=True`, engine.jax_backend.cpu_kernels), which reads each row's pages in place through
+its table; `decode_attention` below is the same computation in JAX (the reference the kernel is
+tested against, and the path where neither kernel applies). On a GPU the decode layers use a
+Pallas kernel (engine.jax_backend.ragged_attention) that likewise reads each row's pages in place
+instead of a gathered window. The projections of up to cpu_kernels.PANEL_ROWS
 rows (decode steps, short prompt chunks) go to a second kernel when the layer carries
 panel-packed copies (`weights.with_panels`, `_project`), which streams the weights at about the
 memory's speed where XLA:CPU's GEMM of a few rows did not; and a prefill chunk's attention to a
@@ -46,8 +53,8 @@ split over a mesh; XLA's partitioner adds the collectives. The fused projections
 (engine.model_store.checkpoint: q/k/v grouped per kv head, gate/up interleaved) keep every
 device's heads and features local, so a layer adds only an all-reduce after o and one after down.
 
-Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S cache positions (max
-context), A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
+Shapes: B slots, R rows in a decode step (the first R slots), T tokens, S context, N pool pages
+(the null page included), P page size, W = ceil(S / P) block table width, A attended positions, V embedding rows, V' head columns (ids the tokenizer can produce,
 <= V), E hidden, F ffn, H heads, K kv heads, G = H / K query heads per kv head, D head dim, L layers.
 """
 
@@ -67,23 +74,68 @@ from engine.model_store.checkpoint import ModelConfig, RopeScaling
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class KVCache:
-    """Every slot's keys and values, one buffer per layer, allocated once; steps take it donated
-    and return it updated."""
+    """The KV page pool (one buffer per layer for K and one for V, allocated once; steps take them
+    donated and return them written) and, for the whole-model calls below (`prefill`, `decode`),
+    every slot's block table. JaxModel keeps its tables on the host and passes each call its own."""
 
-    k: tuple[jax.Array, ...]  # L x [B, K, S, D]
-    v: tuple[jax.Array, ...]  # L x [B, K, S, D]
+    k: tuple[jax.Array, ...]  # L x [K, N, P, D]
+    v: tuple[jax.Array, ...]  # L x [K, N, P, D]
+    tables: jax.Array  # [B, W] i32: slot b's position p is in page tables[b, p // P] at offset p % P
 
 
-def init_cache(
-    cfg: ModelConfig, batch: int, context: int, dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None
-) -> KVCache:
-    """Zeroed buffers, kv-head-major (see the module docstring); made in place as `sharding`
-    says (engine.jax_backend.mesh: split on the kv-head axis) when one is given."""
-    shape = (batch, cfg.n_kv_heads, context, cfg.head_dim)
-    return KVCache(
+def init_pool(
+    cfg: ModelConfig, pages: int, page_size: int, dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    """Zeroed K and V pools of `pages` pages (the null page 0 included), kv-head-major (see the
+    module docstring); made in place as `sharding` says (engine.jax_backend.mesh: split on the
+    kv-head axis) when one is given. -> (L x [K, N, P, D], L x [K, N, P, D])."""
+    shape = (cfg.n_kv_heads, pages, page_size, cfg.head_dim)
+    return (
         tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.n_layers)),
         tuple(jnp.zeros(shape, dtype, device=sharding) for _ in range(cfg.n_layers)),
     )
+
+
+def table_width(context: int, page_size: int) -> int:
+    """W: the pages a block table names for a context of `context` positions."""
+    return -(-context // page_size)
+
+
+def init_cache(
+    cfg: ModelConfig, batch: int, context: int, dtype: jnp.dtype, sharding: jax.sharding.Sharding | None = None,
+    page_size: int = 16,
+) -> KVCache:
+    """A pool with a whole context of pages for each of `batch` slots, each slot's table naming
+    its own pages in order (slot b: pages 1 + b * W .. (b + 1) * W; page 0 is the null page): the
+    slot cache the whole-model calls and their tests use, as pages."""
+    w = table_width(context, page_size)
+    k, v = init_pool(cfg, batch * w + 1, page_size, dtype, sharding)
+    return KVCache(k, v, jnp.asarray(1 + np.arange(batch * w, dtype=np.int32).reshape(batch, w)))
+
+
+def gather_pages(pages: jax.Array, table: jax.Array) -> jax.Array:
+    """The positions a table names, in order: pages [K, N, P, D], table [..., n] -> [..., K, n * P, D]."""
+    k, _, p, d = pages.shape
+    got = jnp.asarray(pages)[:, table]  # [K, ..., n, P, D]
+    got = jnp.moveaxis(got, 0, -4)  # [..., K, n, P, D]
+    return got.reshape(*got.shape[:-3], table.shape[-1] * p, d)
+
+
+def write_pages(pages: jax.Array, page: jax.Array, offset: jax.Array, new: jax.Array) -> jax.Array:
+    """pages [K, N, P, D] with new [T, K, D] written at (page[t], offset[t]) for each t; a write
+    meant for nobody goes to the null page 0, whose content no query ever sees (reads are masked by
+    position). On the donated pool XLA performs the scatter in place."""
+    return pages.at[:, page, offset].set(new.swapaxes(0, 1).astype(pages.dtype))  # [K, T, D] at (:, page, offset)
+
+
+def chunk_writes(table: jax.Array, positions: jax.Array, new_from: jax.Array, new_to: jax.Array, page_size: int):
+    """Where a chunk's keys go: positions [C] through its slot's table [W] -> (page [C], offset
+    [C]); positions outside [new_from, new_to) (padding past the prompt, or positions a piece
+    recomputes that an earlier one wrote, which may sit in pages other slots share) go to the
+    null page."""
+    keep = (positions >= new_from) & (positions < new_to)  # [C]
+    index = jnp.minimum(positions // page_size, table.shape[0] - 1)
+    return jnp.where(keep, table[index], 0), positions % page_size
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -132,7 +184,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: M
     """Causal GQA attention of queries at `q_pos` over keys at positions 0..A-1.
 
     q [B, T, H, D], k/v [B, A, K, D], q_pos [B, T] -> [B, T, H * D]. A key is seen iff its
-    position <= the query's, which also hides stale cache rows past a slot's live length.
+    position <= the query's, which also hides stale positions past a sequence's live length.
     """
     b, t, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
@@ -147,24 +199,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: M
 
 
 def chunk_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slot: jax.Array, start: jax.Array, cfg: ModelConfig,
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array, cfg: ModelConfig,
     block: int = 256,
 ) -> jax.Array:
     """Causal GQA attention of one slot's chunk of C queries at positions start..start+C-1 over
-    the slot's cached keys (the chunk's own already written): q [C, H, D], k/v caches
-    [B, K, S, D], slot [], start [] -> [C, H * D].
+    the slot's keys, read through its block table (the chunk's own already written): q [C, H, D],
+    k/v pools [K, N, P, D], table [W], start [] -> [C, H * D].
 
     Blocked, with an online softmax (flash-attention style): a `fori_loop` walks key blocks of
-    `block` (static) positions up to the chunk's end only, so the cost grows with start + C,
-    never with the context S, and no [T, S] score or mask array is ever built. Each block is
-    one batched product per kv head of the [G * C, D] queries with [D, block] keys, read in place
-    from the cache. A query sees a key iff its position <= the query's (stale or padding cache
-    rows past the chunk are never seen)."""
+    `block` (static, whole pages) positions up to the chunk's end only, so the cost grows with
+    start + C, never with the context, and no [T, S] score or mask array is ever built. Each block
+    gathers its pages through the table and is one batched product per kv head of the [G * C, D]
+    queries with [D, block] keys. A query sees a key iff its position <= the query's (stale
+    positions, the null page's and padding are never seen)."""
     c, h, d = q.shape
-    kv = cfg.n_kv_heads
+    kv, _, p, _ = k_pages.shape
     g = h // kv
-    s = k_cache.shape[2]
-    block = min(block, s)
+    w = table.shape[0]
+    pages = max(1, min(block // p, w))  # pages per key block
+    block = pages * p
     qk = (q.astype(jnp.float32) * (1.0 / np.sqrt(d))).astype(q.dtype)
     qk = qk.reshape(c, kv, g, d).transpose(1, 2, 0, 3).reshape(kv, g * c, d)  # [K, G*C, D], rows g-major
     q_pos = start + jnp.tile(jnp.arange(c), g)  # [G*C]
@@ -173,18 +226,18 @@ def chunk_attention(
     def body(j, carry):
         m, l, acc = carry  # [K, G*C], [K, G*C], [K, G*C, D] (float32)
         lo = j * block
-        at = jnp.minimum(lo, s - block)  # the last block may overlap the one before: mask those keys
-        kb = jax.lax.dynamic_slice(k_cache, (slot, 0, at, 0), (1, kv, block, d))[0]  # [K, Bk, D]
-        vb = jax.lax.dynamic_slice(v_cache, (slot, 0, at, 0), (1, kv, block, d))[0]
+        first = jnp.minimum(j * pages, w - pages)  # the last block may overlap the one before: mask those keys
+        ids = jax.lax.dynamic_slice(table, (first,), (pages,))  # [pages]
+        kb, vb = gather_pages(k_pages, ids), gather_pages(v_pages, ids)  # [K, Bk, D]
         scores = jnp.einsum("kqd,kbd->kqb", qk, kb, preferred_element_type=jnp.float32)  # [K, G*C, Bk]
-        k_pos = at + jnp.arange(block)  # [Bk]
+        k_pos = first * p + jnp.arange(block)  # [Bk]
         seen = (k_pos[None, :] >= lo) & (k_pos[None, :] <= q_pos[:, None])  # [G*C, Bk]
         scores = jnp.where(seen[None], scores, -jnp.inf)
         m_new = jnp.maximum(m, scores.max(axis=-1))  # finite: key 0 (block 0) is seen by every query
-        p = jnp.exp(scores - m_new[..., None])  # [K, G*C, Bk]
+        e = jnp.exp(scores - m_new[..., None])  # [K, G*C, Bk]
         corr = jnp.exp(m - m_new)
-        l = l * corr + p.sum(axis=-1)
-        pv = jnp.einsum("kqb,kbd->kqd", p.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
+        l = l * corr + e.sum(axis=-1)
+        pv = jnp.einsum("kqb,kbd->kqd", e.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l, acc * corr[..., None] + pv
 
     init = (
@@ -197,11 +250,15 @@ def chunk_attention(
     return out.reshape(kv, g, c, d).transpose(2, 0, 1, 3).reshape(c, h * d)
 
 
-def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """One query per row over cached keys at positions 0..A-1: q [R, H, D], k/v [R, K, A, D],
+def decode_attention(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, q_pos: jax.Array, cfg: ModelConfig
+) -> jax.Array:
+    """One query per row over its keys at positions 0..A-1, gathered through its table: q
+    [R, H, D], k/v pools [K, N, P, D], tables [R, A / P] (the pages the attended bucket spans),
     q_pos [R] -> [R, H * D]. A key is seen iff its position <= the query's."""
     r, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
+    k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)  # [R, K, A, D]
     q = q.reshape(r, cfg.n_kv_heads, g, d)  # [R, K, G, D]
     scores = jnp.einsum("rkgd,rkad->rkga", q, k, preferred_element_type=jnp.float32)  # [R, K, G, A]
     scores = scores * (1.0 / np.sqrt(d))
@@ -277,36 +334,38 @@ def embed(table: jax.Array | quantize.Int8Matrix, tokens: jax.Array) -> jax.Arra
 
 def prefill_layers(
     layers: tuple[LayerWeights, ...],
-    k_caches: tuple[jax.Array, ...],
-    v_caches: tuple[jax.Array, ...],
+    k_pages: tuple[jax.Array, ...],
+    v_pages: tuple[jax.Array, ...],
     x: jax.Array,
-    slot: jax.Array,
+    table: jax.Array,
     start: jax.Array,
+    new_from: jax.Array,
+    new_to: jax.Array,
     cfg: ModelConfig,
     kernels: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """One chunk of a prompt through a group of layers: x [1, C, E] (the tokens at positions
-    start..start+C-1, real ones first, padding after), slot [], start [] -> x [1, C, E] and the
-    group's caches, with the slot's K/V written for positions [start, start + C). The chunk
-    attends to the slot's keys at positions [0, start + C): those written by earlier chunks and
-    its own (`chunk_attention`). start + C <= S. Positions written past the prompt are padding,
-    overwritten by the next chunk or by decode before any query can see them. `kernels` (static):
-    the attention by the CPU kernel (engine.jax_backend.cpu_kernels.chunk_attention: GEMM-shaped,
-    on the kernels' thread pool; ~1.5x the plain-JAX blocks' speed for a 16-token chunk over ~1,800
-    keys on a loaded machine, docs/benchmarks.md) where it applies (float32 and a head dim that is
-    a multiple of 8); otherwise, and off, `chunk_attention`, the reference it is tested against."""
+    start..start+C-1, real ones first, padding after), its slot's block table [W], start [] ->
+    x [1, C, E] and the group's pools, with the K/V of positions [new_from, new_to) written into
+    the slot's pages (the rest, padding or positions an earlier piece wrote, to the null page:
+    `chunk_writes`). The chunk attends to the slot's keys at positions [0, start + C): those
+    written by earlier chunks (or a shared prefix's pages) and its own (`chunk_attention`).
+    start + C <= W * P. `kernels` (static): the attention by the CPU kernel
+    (engine.jax_backend.cpu_kernels.chunk_attention: GEMM-shaped, on the kernels' thread pool;
+    ~1.5x the plain-JAX blocks' speed for a 16-token chunk over ~1,800 keys on a loaded machine,
+    docs/benchmarks.md) where it applies (float32 and a head dim that is a multiple of 8);
+    otherwise, and off, `chunk_attention`, the reference it is tested against."""
     c = x.shape[1]
-    use_kernel = _chunk_kernel(kernels, cfg, x.dtype, k_caches[0].dtype)
-    positions = (start + jnp.arange(c))[None, :]  # [1, C]
-    at = (slot, 0, start, 0)
+    use_kernel = _chunk_kernel(kernels, cfg, x.dtype, k_pages[0].dtype)
+    positions = start + jnp.arange(c)  # [C]
+    page, offset = chunk_writes(table, positions, new_from, new_to, k_pages[0].shape[2])
     ks, vs = [], []
-    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
-        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions, cfg)  # [1, C, H|K, D]
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k.swapaxes(1, 2).astype(k_cache.dtype), at)  # [1, K, C, D]
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v.swapaxes(1, 2).astype(v_cache.dtype), at)
-        ks.append(k_cache)
-        vs.append(v_cache)
-        seen = _chunk_seen(q[0], k_cache, v_cache, slot, start, cfg, use_kernel)  # [C, H*D]
+    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
+        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions[None], cfg)  # [1, C, H|K, D]
+        k_pool, v_pool = write_pages(k_pool, page, offset, k[0]), write_pages(v_pool, page, offset, v[0])
+        ks.append(k_pool)
+        vs.append(v_pool)
+        seen = _chunk_seen(q[0], k_pool, v_pool, table, start, cfg, use_kernel)  # [C, H*D]
         x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
@@ -314,30 +373,29 @@ def prefill_layers(
 
 def packed_prefill_layers(
     layers: tuple[LayerWeights, ...],
-    k_caches: tuple[jax.Array, ...],
-    v_caches: tuple[jax.Array, ...],
+    k_pages: tuple[jax.Array, ...],
+    v_pages: tuple[jax.Array, ...],
     x: jax.Array,
-    slots: jax.Array,
+    pages: jax.Array,
     positions: jax.Array,
     prompts: jax.Array,
     cfg: ModelConfig,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Several whole prompts packed end to end through a group of layers, in one pass over the
-    weights: x [1, T, E], and per token slots, positions, prompts [T] (its slot, its position in
-    its prompt, its prompt's index) -> x [1, T, E] and the group's caches, each token's K/V
-    written at (its slot, its position). A token attends to the tokens of its own prompt at
-    positions <= its own; every prompt starts at position 0 here, so nothing is read from the
-    cache. Padding after the last prompt continues that prompt's positions in its slot: places
-    past a prompt, which decode overwrites before any query can see them (as `prefill_layers`)."""
+    weights: x [1, T, E], and per token pages, positions, prompts [T] (the page its position
+    lives in, through its slot's table: the null page for padding; its position in its prompt;
+    its prompt's index) -> x [1, T, E] and the group's pools, each token's K/V written at (its
+    page, its position's offset). A token attends to the tokens of its own prompt at positions <=
+    its own; every prompt starts at position 0 here, so nothing is read from the pool."""
     pos = positions[None]  # [1, T]
+    offset = positions % k_pages[0].shape[2]  # [T]
     seen = (prompts[:, None] == prompts[None, :]) & (positions[None, :] <= positions[:, None])  # [Tq, Tk]
     ks, vs = [], []
-    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
+    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
         q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, T, H|K, D]
-        k_cache = k_cache.at[slots, :, positions].set(k[0].astype(k_cache.dtype))  # [T, K, D] at (slot, :, position)
-        v_cache = v_cache.at[slots, :, positions].set(v[0].astype(v_cache.dtype))
-        ks.append(k_cache)
-        vs.append(v_cache)
+        k_pool, v_pool = write_pages(k_pool, pages, offset, k[0]), write_pages(v_pool, pages, offset, v[0])
+        ks.append(k_pool)
+        vs.append(v_pool)
         out = _masked_attention(q[0], k[0], v[0], seen, cfg)  # [T, H*D]
         x = x + _project(out, w.w_o, getattr(w.panels, "o", None))[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
@@ -356,32 +414,33 @@ def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array,
     return jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.n_heads * d)
 
 
-def _decode_writer(positions: jax.Array, active: jax.Array, context: int):
-    """Writes of one K or V row per decode row into its slot's cache at its position; an inactive
-    row writes nothing (see `decode_layers`). Its index is past the cache, and the scatter drops
-    it: reading back what the slot holds, to write it again, put 2 x L small gathers at the start
-    of every step (on XLA:CPU ~0.15-0.2 ms of a batch-1 step, docs/benchmarks.md)."""
-    r = positions.shape[0]
-    at = jnp.where(active, jnp.minimum(positions, context - 1), context)  # [R]; context: dropped
-    rows = jnp.arange(r)  # [R]
+def _decode_writer(tables: jax.Array, positions: jax.Array, active: jax.Array, page_size: int):
+    """Writes of one K or V row per decode row at its position, through its table [R, W]; an
+    inactive row writes to the null page (whatever its position says), so a slot between prefill
+    and its first decode, or one filling, keeps what it holds."""
+    r, w = tables.shape
+    index = jnp.minimum(positions // page_size, w - 1)  # [R]
+    page = jnp.where(active, tables[jnp.arange(r), index], 0)  # [R]
+    offset = positions % page_size  # [R]
 
-    def write(cache: jax.Array, new: jax.Array) -> jax.Array:  # new [R, K, D] -> [B, K, S, D]
-        return cache.at[rows, :, at].set(new.astype(cache.dtype), mode="drop")
+    def write(pool: jax.Array, new: jax.Array) -> jax.Array:  # new [R, K, D] -> [K, N, P, D]
+        return write_pages(pool, page, offset, new)
 
     return write
 
 
 def _decode_seen(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array, active: jax.Array, cfg: ModelConfig,
-    attend: int, kernels: bool, ragged: bool,
+    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: jax.Array, positions: jax.Array, active: jax.Array,
+    cfg: ModelConfig, attend: int, kernels: bool, ragged: bool,
 ) -> jax.Array:
-    """The decode rows' attention, q [R, H, D] -> [R, H * D], by the kernel `decode_layers` names."""
-    r = q.shape[0]
+    """The decode rows' attention, q [R, H, D] -> [R, H * D], by the kernel `decode_layers` names;
+    the kernels read each row's pages in place, the XLA path gathers the pages of `attend`."""
     if kernels:
-        return cpu_kernels.decode_attention(q, k_cache, v_cache, positions)
+        return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions)
     if ragged:  # an inactive row reads no key (length 0)
-        return ragged_attention.decode_attention(q, k_cache, v_cache, jnp.where(active, positions + 1, 0))
-    return decode_attention(q, k_cache[:r, :, :attend], v_cache[:r, :, :attend], positions, cfg)
+        return ragged_attention.decode_attention(q, k_pool, v_pool, tables, jnp.where(active, positions + 1, 0))
+    pages = table_width(attend, k_pool.shape[2])
+    return decode_attention(q, k_pool, v_pool, tables[:, :pages], positions, cfg)
 
 
 def _chunk_kernel(kernels: bool, cfg: ModelConfig, dtype: jnp.dtype, cache_dtype: jnp.dtype) -> bool:
@@ -390,20 +449,26 @@ def _chunk_kernel(kernels: bool, cfg: ModelConfig, dtype: jnp.dtype, cache_dtype
 
 
 def _chunk_seen(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, slot: jax.Array, start: jax.Array, cfg: ModelConfig,
+    q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array, cfg: ModelConfig,
     use_kernel: bool,
 ) -> jax.Array:
-    """A chunk's attention over its slot's cache, q [C, H, D] -> [C, H * D]."""
+    """A chunk's attention over its slot's pages, q [C, H, D] -> [C, H * D]."""
     if use_kernel:
-        return cpu_kernels.chunk_attention(q, k_cache, v_cache, slot, start)
-    return chunk_attention(q, k_cache, v_cache, slot, start, cfg)
+        return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start)
+    return chunk_attention(q, k_pool, v_pool, table, start, cfg)
+
+
+def _ragged(ragged: bool | None, cfg: ModelConfig, page_size: int) -> bool:
+    """`ragged` as given, or (None) whether the Pallas kernel applies to this head dim and page size."""
+    return ragged_attention.applies(cfg.head_dim, page_size) if ragged is None else ragged
 
 
 def decode_layers(
     layers: tuple[LayerWeights, ...],
-    k_caches: tuple[jax.Array, ...],
-    v_caches: tuple[jax.Array, ...],
+    k_pages: tuple[jax.Array, ...],
+    v_pages: tuple[jax.Array, ...],
     x: jax.Array,
+    tables: jax.Array,
     positions: jax.Array,
     active: jax.Array,
     cfg: ModelConfig,
@@ -411,29 +476,24 @@ def decode_layers(
     kernels: bool = False,
     ragged: bool | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
-    """x [R, 1, E], positions/active [R] for slots 0..R-1 -> x [R, 1, E] and the group's caches.
-    `attend` (static) > every active position. `kernels` (static): attention by the CPU kernel
-    (engine.jax_backend.cpu_kernels), which reads each row's live keys in place and ignores `attend`.
-    `ragged` (static): otherwise, attention by the Pallas kernel (engine.jax_backend.ragged_attention),
-    which also reads each row's live keys in place and ignores `attend`; None: where it
-    `applies()` (a GPU backend and shapes it takes). Off, the XLA attention over `attend` positions.
-
-    Inactive rows compute garbage and write back what their slot already holds, so a slot between
-    prefill and its first decode keeps its prompt intact. (Dropping an out-of-range write instead,
-    as with the [B, S, K, D] layout, corrupted position 2 of inactive rows on XLA:CPU with this
-    layout's scatter.) The caches keep all B slots; only the first R are read or written.
-    """
-    if ragged is None:
-        ragged = ragged_attention.applies(cfg.head_dim, k_caches[0].shape[2])
-    write = _decode_writer(positions, active, k_caches[0].shape[2])
+    """x [R, 1, E], tables [R, W], positions/active [R] for slots 0..R-1 -> x [R, 1, E] and the
+    group's pools. `attend` (static) > every active position. `kernels` (static): attention by
+    the CPU kernel (engine.jax_backend.cpu_kernels), which reads each row's pages in place and
+    ignores `attend`. `ragged` (static): otherwise, attention by the Pallas kernel
+    (engine.jax_backend.ragged_attention), which also reads each row's pages in place and ignores
+    `attend`; None: where it `applies()` (a GPU backend and shapes it takes). Off, the XLA
+    attention over the pages of `attend` positions. Inactive rows compute garbage and write it to
+    the null page (`_decode_writer`)."""
+    ragged = _ragged(ragged, cfg, k_pages[0].shape[2])
+    write = _decode_writer(tables, positions, active, k_pages[0].shape[2])
     pos = positions[:, None]  # [R, 1]
     ks, vs = [], []
-    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
+    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
         q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [R, 1, H|K, D]
-        k_cache, v_cache = write(k_cache, k[:, 0]), write(v_cache, v[:, 0])
-        ks.append(k_cache)
-        vs.append(v_cache)
-        seen = _decode_seen(q[:, 0], k_cache, v_cache, positions, active, cfg, attend, kernels, ragged)  # [R, H*D]
+        k_pool, v_pool = write(k_pool, k[:, 0]), write(v_pool, v[:, 0])
+        ks.append(k_pool)
+        vs.append(v_pool)
+        seen = _decode_seen(q[:, 0], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged)  # [R, H*D]
         x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[:, None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
@@ -441,47 +501,50 @@ def decode_layers(
 
 def mixed_layers(
     layers: tuple[LayerWeights, ...],
-    k_caches: tuple[jax.Array, ...],
-    v_caches: tuple[jax.Array, ...],
+    k_pages: tuple[jax.Array, ...],
+    v_pages: tuple[jax.Array, ...],
     x: jax.Array,
+    tables: jax.Array,
     positions: jax.Array,
     active: jax.Array,
     chunk: jax.Array,
-    slot: jax.Array,
+    table: jax.Array,
     start: jax.Array,
+    end: jax.Array,
     cfg: ModelConfig,
     attend: int,
     kernels: bool = False,
     ragged: bool | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """A decode step and a prompt chunk in one pass over the weights: `decode_layers` for x
-    [R, 1, E] (positions, active [R]) and `prefill_layers` for chunk [C, E] at positions
-    start..start+C-1 of `slot` (not one of the active rows) -> x [R, 1, E] and the caches (the
-    chunk's own hidden states are not returned: a chunk that rides along never samples).
+    [R, 1, E] (tables [R, W], positions, active [R]) and `prefill_layers` for chunk [C, E] at
+    positions start..start+C-1 of another slot (table [W]; its real tokens end at `end`) -> x
+    [R, 1, E] and the pools (the chunk's own hidden states are not returned: a chunk that rides
+    along never samples).
 
     Every projection takes the R + C rows together, so the weights are read once for both
     (on the CPU, by the panel kernel, each row's result the same bits as alone); the writes and
-    the attention are each part's own, the decode rows' writes first (an inactive row writes back
-    what its slot holds, which must not undo the chunk's)."""
+    the attention are each part's own (an inactive row writes to the null page, which no
+    query sees, so the order of the two writes does not matter)."""
     r, c = x.shape[0], chunk.shape[0]
-    if ragged is None:
-        ragged = ragged_attention.applies(cfg.head_dim, k_caches[0].shape[2])
-    write = _decode_writer(positions, active, k_caches[0].shape[2])
-    use_kernel = _chunk_kernel(kernels, cfg, chunk.dtype, k_caches[0].dtype)
+    p = k_pages[0].shape[2]
+    ragged = _ragged(ragged, cfg, p)
+    write = _decode_writer(tables, positions, active, p)
+    use_kernel = _chunk_kernel(kernels, cfg, chunk.dtype, k_pages[0].dtype)
+    chunk_pos = start + jnp.arange(c)  # [C]
+    page, offset = chunk_writes(table, chunk_pos, start, end, p)
     h = jnp.concatenate([x[:, 0], chunk])[None]  # [1, R + C, E]: the decode rows, then the chunk's
-    pos = jnp.concatenate([positions, start + jnp.arange(c)])[None]  # [1, R + C]
-    at = (slot, 0, start, 0)
+    pos = jnp.concatenate([positions, chunk_pos])[None]  # [1, R + C]
     ks, vs = [], []
-    for w, k_cache, v_cache in zip(layers, k_caches, v_caches, strict=True):
+    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
         q, k, v = _qkv(rms_norm(h, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, R + C, H|K, D]
-        k_cache, v_cache = write(k_cache, k[0, :r]), write(v_cache, v[0, :r])
-        k_cache = jax.lax.dynamic_update_slice(k_cache, k[:, r:].swapaxes(1, 2).astype(k_cache.dtype), at)  # [1, K, C, D]
-        v_cache = jax.lax.dynamic_update_slice(v_cache, v[:, r:].swapaxes(1, 2).astype(v_cache.dtype), at)
-        ks.append(k_cache)
-        vs.append(v_cache)
+        k_pool, v_pool = write(k_pool, k[0, :r]), write(v_pool, v[0, :r])
+        k_pool, v_pool = write_pages(k_pool, page, offset, k[0, r:]), write_pages(v_pool, page, offset, v[0, r:])
+        ks.append(k_pool)
+        vs.append(v_pool)
         seen = jnp.concatenate([
-            _decode_seen(q[0, :r], k_cache, v_cache, positions, active, cfg, attend, kernels, ragged),  # [R, H*D]
-            _chunk_seen(q[0, r:], k_cache, v_cache, slot, start, cfg, use_kernel),  # [C, H*D]
+            _decode_seen(q[0, :r], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged),  # [R, H*D]
+            _chunk_seen(q[0, r:], k_pool, v_pool, table, start, cfg, use_kernel),  # [C, H*D]
         ])[None]
         h = h + _project(seen, w.w_o, getattr(w.panels, "o", None))
         h = h + _mlp(rms_norm(h, w.mlp_norm, cfg.rms_eps), w)
@@ -504,9 +567,10 @@ def prefill_chunk(
     padding after), length [] in [1, C] real ones, slot [], start [] (positions [0, start) of the
     slot already written by earlier chunks) -> logits [V'] after the last real token, cache."""
     x = embed(weights.embed, tokens)[None]  # [1, C, E]
-    x, ks, vs = prefill_layers(weights.layers, cache.k, cache.v, x, slot, start, cfg)
+    table = cache.tables[slot]  # [W]
+    x, ks, vs = prefill_layers(weights.layers, cache.k, cache.v, x, table, start, start, start + length, cfg)
     last = jax.lax.dynamic_index_in_dim(x[0], length - 1, keepdims=False)  # [E]
-    return logits(last, weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)
+    return logits(last, weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs, cache.tables)
 
 
 def decode(
@@ -524,5 +588,6 @@ def decode(
     logits [R, V'], cache. `attend` (static) > every active position; `kernels` and `ragged` as
     in `decode_layers`."""
     x = embed(weights.embed, tokens)[:, None]  # [R, 1, E]
-    x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, positions, active, cfg, attend, kernels, ragged)
-    return logits(x[:, 0], weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs)
+    tables = cache.tables[: tokens.shape[0]]  # [R, W]
+    x, ks, vs = decode_layers(weights.layers, cache.k, cache.v, x, tables, positions, active, cfg, attend, kernels, ragged)
+    return logits(x[:, 0], weights.final_norm, weights.lm_head, cfg), KVCache(ks, vs, cache.tables)

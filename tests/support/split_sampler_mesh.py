@@ -9,12 +9,14 @@ from __future__ import annotations
 from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
+from tests.support.pages import own_pages_all
 
 
 def calls(model: JaxModel) -> dict:
     """Prefill slots 0 (greedy) and 1 (sampled), then steps of slot 0 alone and of both; -> the
     ids and logprobs of every sample, in order. Releases both slots."""
     setups = [SlotSetup(SamplingParams(seed=1), frozenset()), SlotSetup(SamplingParams(temperature=1.0, seed=5), frozenset())]
+    own_pages_all(model)
     samples = [model.prefill(slot, [3, 4, 5 + slot], setups[slot], False) for slot in (0, 1)]
     length = {0: 3, 1: 3}
     for slots in ([0], [0], [0, 1], [0, 1], [0]):

@@ -32,6 +32,7 @@ from engine.core.request import SamplingParams  # noqa: E402
 from engine.jax_backend import mesh, transformer  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
 from tests.support import split_sampler_mesh  # noqa: E402
+from tests.support.pages import own_pages_all  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 STEPS = 12
@@ -41,6 +42,7 @@ CONTEXT = 32
 def greedy(model: JaxModel, slot: int, prompt: list[int], steps: int, other: list[int] | None = None) -> tuple[list, list]:
     """Prefill `prompt` into `slot` (and `other` into slot 1 - slot, decoded alongside), decode."""
     setup = SlotSetup(SamplingParams(seed=1), frozenset())
+    own_pages_all(model)
     first = model.prefill(slot, prompt, setup, False)
     ids, logprobs = [first.token_id], [first.logprob]
     if other is not None:
@@ -62,6 +64,7 @@ def greedy(model: JaxModel, slot: int, prompt: list[int], steps: int, other: lis
 
 def sampled(model: JaxModel, prompt: list[int], steps: int) -> list[int]:
     setup = SlotSetup(SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234), frozenset())
+    own_pages_all(model)
     ids = [model.prefill(0, prompt, setup, False).token_id]
     for i in range(steps - 1):
         ids.append(model.decode([DecodeInput(0, ids[-1], len(prompt) + i, False)])[0].token_id)
@@ -76,7 +79,8 @@ def logits(model: JaxModel, prompt: list[int]) -> list[float]:
     tokens = np.zeros(model.buckets[-1], np.int32)  # the largest chunk (16): any prompt here fits
     tokens[: len(prompt)] = prompt
     x = model._steps.embed(w.embed, tokens[None])  # [1, C, E]
-    x = model._through(model._steps.prefill_layers, x, np.int32(0), np.int32(0))
+    zero = np.int32(0)  # the null table: every write to the null page (the head reads x, not the pool)
+    x = model._through(model._steps.prefill_layers, x, model._put_once(model._null_table), zero, zero, zero)
     out = jax.jit(transformer.logits, static_argnames="cfg")(x[0, len(prompt) - 1], w.final_norm, w.lm_head, cfg=model.config)
     return np.asarray(out)[: model._head_size].tolist()  # V': a padded head cut back, as sampling does
 

@@ -1,13 +1,20 @@
 // tokenwire_chunk_attention: one prefill chunk's attention on the CPU, read straight from the
-// slot KV cache.
+// paged KV pools.
 //
-//   q [C, H, D] f32, k_cache / v_cache [B, K, S, D] f32, slot [] s32, start [] s32 -> out [C, H * D] f32
+//   q [C, H, D] f32, k_pages / v_pages [K, N, P, D] f32, table [W] s32, start [] s32
+//   -> out [C, H * D] f32
 //
-// The chunk's queries sit at positions start..start+C-1 of slot `slot`; query i of head
-// h = kv * G + g (G = H / K) attends to the slot's keys of kv head kv at positions 0..start+i
-// (causal; its own chunk's keys are already written). Only positions [0, start + C) are ever read,
-// so whatever the cache holds past the chunk's end (stale values, NaN) changes nothing. D must be a
-// multiple of 8; the caller (transformer.prefill_layers) keeps plain JAX otherwise.
+// The chunk's queries sit at positions start..start+C-1 of the sequence whose block table is
+// `table` (position p: page table[p / P], offset p % P); query i of head h = kv * G + g (G = H / K)
+// attends to the keys of kv head kv at positions 0..start+i (causal; its own chunk's keys are
+// already written). Only positions [0, start + C) are ever read, so whatever the pages hold past
+// the chunk's end (stale values, NaN) changes nothing. D must be a multiple of 8; the caller
+// (transformer.prefill_layers) keeps plain JAX otherwise.
+//
+// Bounds: positions past the table (start + i >= W * P: a bucket's padding rows) are clamped into
+// it, as the contiguous kernel clamped into its cache; their outputs are unused. A table entry the
+// chunk reads that is outside [0, N) is an InvalidArgument error, not clamped: it means a corrupt
+// table, and clamping would silently attend to another sequence's keys.
 //
 // Why a kernel: chunked prefill interleaves small chunks (16 tokens) with decode steps, and near
 // the end of a long prompt the chunk's attention over ~2,000 cached keys is most of its cost. In
@@ -39,6 +46,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "pool.h"
@@ -53,13 +61,15 @@ constexpr int64_t kKeyBlock = 128;  // keys per online-softmax step (a multiple 
 using tokenwire::vec::kNegInf;
 
 struct Shape {
-  int64_t chunk, heads, kv_heads, group, context, dim;
+  int64_t chunk, heads, kv_heads, group, context, dim, page_size;  // C, H, K, G, W * P, D, P
 };
 
 // Per-thread buffers for a unit, all with rows in the last (contiguous) dimension.
 struct Scratch {
   std::vector<float> qt, ot, st, m, l;  // [D][R] queries, [D][R] output, [block][R] scores, [R], [R]
   std::vector<int32_t> last;            // [R] each row's last visible key position
+  const float* keys[kKeyBlock];         // the current key block's key rows, through the table
+  const float* values[kKeyBlock];       // and its value rows
 };
 
 // The body in both widths (vec.h); the micro-tile sizes fill each width's registers.
@@ -116,21 +126,44 @@ void Merge(const Shape& s, const float* parts, int64_t tiles, int64_t tile, int6
   }
 }
 
-ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                          ffi::Buffer<ffi::S32> slot, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), cd = k_cache.dimensions(), vd = v_cache.dimensions();
-  const bool same_caches = vd.size() == cd.size() && std::equal(vd.begin(), vd.end(), cd.begin());
-  if (qd.size() != 3 || cd.size() != 4 || !same_caches || qd[2] != cd[3] || qd[2] % 8 != 0 || qd[0] < 1 ||
-      qd[1] % cd[1] != 0 || slot.element_count() != 1 || start.element_count() != 1 ||
+template <typename Dims>
+std::string Text(const Dims& dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = table.dimensions();
+  const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
+  if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 1 || td[0] < 1 || kd[1] < 1 || kd[2] < 1 ||
+      qd[2] != kd[3] || qd[2] % 8 != 0 || qd[0] < 1 || qd[1] % kd[0] != 0 || start.element_count() != 1 ||
       out->element_count() != q.element_count()) {
     return ffi::Error::InvalidArgument(
-        "tokenwire_chunk_attention: expected q [C, H, D] with D a multiple of 8, caches [B, K, S, D] with K | H, "
-        "slot [], start [], out [C, H * D]");
+        "tokenwire_chunk_attention: expected q [C, H, D] with D a multiple of 8, k_pages and v_pages "
+        "[K, N, P, D] with K | H, table [W], start [], out [C, H * D]; got q " + Text(qd) + ", k_pages " +
+        Text(kd) + ", v_pages " + Text(vd) + ", table " + Text(td) + ", start " + Text(start.dimensions()));
   }
-  const Shape s{qd[0], qd[1], cd[1], qd[1] / cd[1], cd[2], cd[3]};
-  // Clamped into the cache, so nothing is ever read out of bounds (callers keep start + C <= S).
-  const int64_t b = std::clamp<int64_t>(slot.typed_data()[0], 0, cd[0] - 1);
-  const int64_t lo = std::clamp<int64_t>(start.typed_data()[0], 0, s.context - 1);
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], td[0] * kd[2], kd[3], kd[2]};
+  const int64_t lo = std::clamp<int64_t>(start.typed_data()[0], 0, s.context - 1);  // see the header: bounds
+  // Each kv head's pages that the chunk reads, checked to be pages of the pools (the header says
+  // why an entry outside them is an error).
+  const int64_t used = (std::min(lo + s.chunk, s.context) + s.page_size - 1) / s.page_size, pages = kd[1];
+  const int64_t page_values = s.page_size * s.dim;
+  std::vector<const float*> key_pages(static_cast<size_t>(s.kv_heads * used)), value_pages(key_pages.size());
+  for (int64_t i = 0; i < used; ++i) {
+    const int32_t page = table.typed_data()[i];
+    if (page < 0 || page >= pages) {
+      return ffi::Error::InvalidArgument("tokenwire_chunk_attention: table[" + std::to_string(i) + "] = " +
+                                         std::to_string(page) + " is not a page of the pools (0.." +
+                                         std::to_string(pages - 1) + ")");
+    }
+    for (int64_t kv = 0; kv < s.kv_heads; ++kv) {
+      key_pages[kv * used + i] = k_pages.typed_data() + (kv * pages + page) * page_values;
+      value_pages[kv * used + i] = v_pages.typed_data() + (kv * pages + page) * page_values;
+    }
+  }
   const bool wide = UseAvx512();
   const int64_t tile = wide ? avx512::kTile : avx2::kTile;
   const int64_t tiles = (s.chunk + tile - 1) / tile;
@@ -142,7 +175,7 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache
       threads < 2 ? 1 : std::clamp<int64_t>((2 * threads + pairs - 1) / pairs, 1, std::max<int64_t>(1, blocks / 2));
   const int64_t units = pairs * splits, rows = tile * s.group, part_size = rows * (s.dim + 2);
   std::vector<float> parts(splits > 1 ? static_cast<size_t>(units * part_size) : 0);
-  const float *qp = q.typed_data(), *kp = k_cache.typed_data(), *vp = v_cache.typed_data();
+  const float* qp = q.typed_data();
   float* op = out->typed_data();
   // Units scaled by 8: the pool cuts its range into multiples of 8, so one unit is one step of 8.
   tokenwire::Pool::Get().Run(units * 8, 8, [&](int64_t begin, int64_t end) {
@@ -150,13 +183,13 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache
     for (int64_t u = begin / 8; u < end / 8; ++u) {
       const int64_t pair = u / splits, split = u % splits;
       const int64_t t = tiles - 1 - pair / s.kv_heads, kv = pair % s.kv_heads;  // heaviest tiles first
-      const int64_t head = (b * s.kv_heads + kv) * s.context * s.dim;
+      const float *const *kp = &key_pages[kv * used], *const *vp = &value_pages[kv * used];
       const int64_t c0 = t * tile, c1 = std::min(s.chunk, c0 + tile);
       float* part = splits > 1 ? &parts[u * part_size] : nullptr;
       if (wide) {
-        avx512::Unit(s, qp, kp + head, vp + head, lo, op, kv, c0, c1, split, splits, part, scratch);
+        avx512::Unit(s, qp, kp, vp, lo, op, kv, c0, c1, split, splits, part, scratch);
       } else {
-        avx2::Unit(s, qp, kp + head, vp + head, lo, op, kv, c0, c1, split, splits, part, scratch);
+        avx2::Unit(s, qp, kp, vp, lo, op, kv, c0, c1, split, splits, part, scratch);
       }
     }
   });

@@ -8,8 +8,10 @@
 // lie in vector lanes, padded to R, a multiple of kLanes. Queries are transposed once per unit to
 // qt [D][R]; scores and probabilities are st [block][R]; the output is accumulated transposed, ot
 // [D][R]. So both products are outer-product micro-kernels (a vector of rows times a broadcast
-// scalar of a key or value row, read in place from the cache), and the softmax statistics (max,
-// sum, rescale) are vertical: no horizontal reduction and no transpose of K or V anywhere.
+// scalar of a key or value row, read in place from the pools' pages), and the softmax statistics
+// (max, sum, rescale) are vertical: no horizontal reduction and no transpose of K or V anywhere.
+// A key block's rows are found through the table once per block (w.keys, w.values: a pointer a
+// key), so the micro-kernels index keys, not pages.
 
 // st[i][rows] = sum_e qt[e][rows] * k_i[e] for kKeys keys and NV vectors of rows (rows r_stride apart).
 template <int NV>
@@ -29,17 +31,18 @@ TW_TARGET inline void Scores(const float* qt, int64_t r_stride, const float* con
     for (int j = 0; j < NV; ++j) Store(st + i * r_stride + kLanes * j, acc[i][j]);
 }
 
-// ot[c][rows] += sum_{a < n} v[a][c] * pt[a][rows] for kCols columns c of v (row stride d).
+// ot[c][rows] += sum_{a < n} v[a][col + c] * pt[a][rows] for kCols columns c (v[a]: value row a).
 template <int NV>
-TW_TARGET inline void Values(const float* pt, int64_t r_stride, const float* v, int64_t d, int64_t n, float* ot) {
+TW_TARGET inline void Values(const float* pt, int64_t r_stride, const float* const* v, int64_t col, int64_t n, float* ot) {
   Vec acc[kCols][NV];
   for (int i = 0; i < kCols; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = Zero();
   for (int64_t a = 0; a < n; ++a) {
     Vec x[NV];
     for (int j = 0; j < NV; ++j) x[j] = Load(pt + a * r_stride + kLanes * j);
+    const float* row = v[a] + col;
     for (int i = 0; i < kCols; ++i) {
-      const Vec y = Bcast(v + a * d + i);
+      const Vec y = Bcast(row + i);
       for (int j = 0; j < NV; ++j) acc[i][j] = Fma(x[j], y, acc[i][j]);
     }
   }
@@ -50,13 +53,15 @@ TW_TARGET inline void Values(const float* pt, int64_t r_stride, const float* v, 
     }
 }
 
-// One unit: kv head `kv`, chunk positions [c0, c1), keys/values the slot's [S, D] of that kv head,
+// One unit: kv head `kv`, chunk positions [c0, c1), keys/values that kv head's pages of the table
+// (key_pages[i] holds positions [i * P, (i + 1) * P)),
 // split `split` of `splits` of the tile's keys (block-aligned ranges; a row sees only its causal
 // part of its range). With one split the unit writes its rows' outputs into `out`; with several
 // it writes each row's partial softmax to `part` ([rows] max, [rows] sum, [rows][D] unnormalised
 // output, ChunkAttention merges them). Padding rows copy row 0's limit and have zero queries; they
 // are never written out.
-TW_TARGET void Unit(const Shape& s, const float* q, const float* keys, const float* values, int64_t start, float* out,
+TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_pages, const float* const* value_pages,
+                    int64_t start, float* out,
                     int64_t kv, int64_t c0, int64_t c1, int64_t split, int64_t splits, float* part, Scratch& w) {
   const int64_t d = s.dim, g_count = s.group;
   const int64_t rows = (c1 - c0) * g_count, nv = (rows + kLanes - 1) / kLanes, rr = nv * kLanes;
@@ -82,11 +87,16 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* keys, const flo
 
   for (int64_t a0 = b0 * kKeyBlock; a0 < std::min(n_keys, b1 * kKeyBlock); a0 += kKeyBlock) {
     const int64_t nb = std::min(kKeyBlock, n_keys - a0);
+    for (int64_t a = 0; a < nb; ++a) {
+      const int64_t at = (a0 + a) % s.page_size * d, page = (a0 + a) / s.page_size;
+      w.keys[a] = key_pages[page] + at;
+      w.values[a] = value_pages[page] + at;
+    }
     // Scores, kKeys keys at a time; a group running past nb repeats the block's last key (those
     // scores are never used), so nothing past the chunk's end is read.
     for (int64_t a = 0; a < nb; a += kKeys) {
       const float* k[kKeys];
-      for (int i = 0; i < kKeys; ++i) k[i] = keys + (a0 + std::min<int64_t>(a + i, nb - 1)) * d;
+      for (int i = 0; i < kKeys; ++i) k[i] = w.keys[std::min<int64_t>(a + i, nb - 1)];
       int64_t j = 0;
       for (; j + 3 <= nv; j += 3) Scores<3>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
       if (nv - j == 2) Scores<2>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
@@ -128,12 +138,11 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* keys, const flo
       }
     }
     // ot += P . V over the block's keys, kCols value columns at a time.
-    const float* vb = values + a0 * d;
     for (int64_t c = 0; c < d; c += kCols) {
       int64_t j = 0;
-      for (; j + 3 <= nv; j += 3) Values<3>(&w.st[kLanes * j], rr, vb + c, d, nb, &w.ot[c * rr + kLanes * j]);
-      if (nv - j == 2) Values<2>(&w.st[kLanes * j], rr, vb + c, d, nb, &w.ot[c * rr + kLanes * j]);
-      if (nv - j == 1) Values<1>(&w.st[kLanes * j], rr, vb + c, d, nb, &w.ot[c * rr + kLanes * j]);
+      for (; j + 3 <= nv; j += 3) Values<3>(&w.st[kLanes * j], rr, w.values, c, nb, &w.ot[c * rr + kLanes * j]);
+      if (nv - j == 2) Values<2>(&w.st[kLanes * j], rr, w.values, c, nb, &w.ot[c * rr + kLanes * j]);
+      if (nv - j == 1) Values<1>(&w.st[kLanes * j], rr, w.values, c, nb, &w.ot[c * rr + kLanes * j]);
     }
   }
   if (splits > 1) {

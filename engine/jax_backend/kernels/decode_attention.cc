@@ -1,12 +1,14 @@
 // tokenwire_decode_attention: one decode step's attention on the CPU, read straight from the
-// slot KV cache.
+// paged KV pools.
 //
-//   q [R, H, D] f32, k_cache / v_cache [B, K, S, D] f32, positions [R] s32 -> out [R, H * D] f32
+//   q [R, H, D] f32, k_pages / v_pages [K, N, P, D] f32, tables [R, W] s32, positions [R] s32
+//   -> out [R, H * D] f32
 //
-// Row r is slot r (a step runs the first R slots). Query head h = kv * G + g (G = H / K) attends
-// to the slot's keys at positions 0..positions[r]: exactly the live length, not a padded bucket,
-// and no copy of the window (XLA:CPU copies a sliced cache window before its batched products,
-// and runs those [G, D] x [D, A] products one small matmul at a time).
+// Row r's position p lives in page tables[r, p / P] at offset p % P (a page of one kv head is P x D
+// contiguous values). Query head h = kv * G + g (G = H / K) attends to the row's keys at positions
+// 0..positions[r]: exactly the live length, not a padded bucket, and no copy of the window (XLA:CPU
+// gathers the pages and copies a window before its batched products, and runs those [G, D] x [D, A]
+// products one small matmul at a time).
 //
 // The work of a (row, kv head) unit is vectorised along the head dimension
 // (decode_attention_unit.h), in two builds like chunk_attention.cc's: AVX2/FMA and AVX-512, picked
@@ -22,6 +24,11 @@
 // batch 1 (3 units of ~130 keys on the caller alone: 0.83 ms of a ~17 ms float32 step of SmolLM2,
 // 0.64 ms on this pool), and at 8 and 32 rows the step was 1.09x and 1.14x faster on this pool
 // (docs/benchmarks.md, "The decode attention on the products' pool").
+//
+// Bounds: a position past the table (positions[r] >= W * P, or < 0: padding or idle rows, whose
+// output is unused) is clamped into it, as the contiguous kernel clamped into its cache. A table
+// entry that a row would read and that is outside [0, N) is an InvalidArgument error, not clamped:
+// it means a corrupt table, and clamping would silently attend to another sequence's keys.
 
 #include <immintrin.h>
 
@@ -29,6 +36,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "pool.h"
@@ -43,11 +51,20 @@ namespace {
 // never past its live length. Left to the hardware prefetcher alone, SmolLM2's 30 layers at 32
 // rows read their caches at 12.8, 14.3 and 17.0 GB/s at 128, 256 and 448 live keys on a Sapphire
 // Rapids Xeon (2 vCPUs); with this at 14.9, 18.1 and 19.5 (medians of four interleaved runs; 8 KiB
-// measured the same within the noise). A whole 32-row int8 step at 192 keys: 1.026x.
+// measured the same within the noise). A whole 32-row int8 step at 192 keys: 1.026x. (Measured on
+// the contiguous cache; over pages the distance is rounded up to whole pages, AheadPages: one page
+// of 16 rows at D = 64, two of 8, one of 32.)
 constexpr int64_t kAheadBytes = 4096;
 
 struct Shape {
-  int64_t rows, heads, kv_heads, group, context, dim, cache_slots;
+  int64_t rows, heads, kv_heads, group, dim, pages, page_size, width;  // R, H, K, G, D, N, P, W
+};
+
+// One row's keys (or values) of one kv head: page[i] holds its positions [i * size, (i + 1) * size).
+struct Pages {
+  const float* const* page;  // each page's first row ([size, D] contiguous)
+  int64_t size;              // P
+  int64_t ahead;             // pages ahead whose rows are fetched while these are read (>= 1)
 };
 
 inline float Dot(const float* a, const float* b, int64_t n) {
@@ -80,12 +97,12 @@ std::atomic<int> isa_cap{1};
 bool UseAvx512() { return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512f"); }
 
 // The same unit in plain loops, for a head dimension that is no multiple of 8.
-void ScalarUnit(const float* qh, const float* keys, const float* values, int64_t n, int64_t g_count, int64_t d,
+void ScalarUnit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t g_count, int64_t d,
                 float* oh, std::vector<float>& scores) {
   scores.resize(static_cast<size_t>(g_count * n));
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int64_t a = 0; a < n; ++a) {
-    const float* k = keys + a * d;
+    const float* k = keys.page[a / keys.size] + a % keys.size * d;
     for (int64_t g = 0; g < g_count; ++g) scores[g * n + a] = Dot(qh + g * d, k, d) * scale;
   }
   for (int64_t g = 0; g < g_count; ++g) {
@@ -105,7 +122,7 @@ void ScalarUnit(const float* qh, const float* keys, const float* values, int64_t
     std::fill(o, o + d, 0.0f);
     const float* p = scores.data() + g * n;
     for (int64_t a = 0; a < n; ++a) {
-      const float* v = values + a * d;
+      const float* v = values.page[a / values.size] + a % values.size * d;
       const float w = p[a];
 #pragma omp simd
       for (int64_t i = 0; i < d; ++i) o[i] += w * v[i];
@@ -113,17 +130,35 @@ void ScalarUnit(const float* qh, const float* keys, const float* values, int64_t
   }
 }
 
+// Rows that a unit reads ahead of the ones it works on, as whole pages (at least one).
+int64_t AheadPages(const Shape& s) {
+  const int64_t rows = std::max<int64_t>(1, kAheadBytes / (s.dim * static_cast<int64_t>(sizeof(float))));
+  return (rows + s.page_size - 1) / s.page_size;
+}
+
+// How many keys row r attends to: its position + 1, clamped into its table.
+int64_t LiveKeys(const Shape& s, const int32_t* positions, int64_t r) {
+  return std::clamp<int64_t>(int64_t{positions[r]} + 1, 1, s.width * s.page_size);
+}
+
 // Units [from, to) of a call: unit u is row u / K, kv head u % K.
-void RunUnits(const Shape& s, const float* q, const float* k_cache, const float* v_cache, const int32_t* positions,
-              float* out, int64_t from, int64_t to) {
+void RunUnits(const Shape& s, const float* q, const float* k_pages, const float* v_pages, const int32_t* tables,
+              const int32_t* positions, float* out, int64_t from, int64_t to) {
   thread_local std::vector<float> scores;
+  thread_local std::vector<const float*> key_pages, value_pages;
   const bool wide = UseAvx512();
-  const int64_t d = s.dim, g_count = s.group;
+  const int64_t d = s.dim, g_count = s.group, page_values = s.page_size * d, ahead = AheadPages(s);
   for (int64_t u = from; u < to; ++u) {
     const int64_t r = u / s.kv_heads, kv = u % s.kv_heads;
-    const int64_t n = std::clamp<int64_t>(int64_t{positions[r]} + 1, 1, s.context);
-    const float* keys = k_cache + (r * s.kv_heads + kv) * s.context * d;
-    const float* values = v_cache + (r * s.kv_heads + kv) * s.context * d;
+    const int64_t n = LiveKeys(s, positions, r), used = (n + s.page_size - 1) / s.page_size;
+    key_pages.resize(static_cast<size_t>(used));
+    value_pages.resize(static_cast<size_t>(used));
+    for (int64_t i = 0; i < used; ++i) {
+      const int64_t first = (kv * s.pages + tables[r * s.width + i]) * page_values;  // checked in DecodeAttention
+      key_pages[i] = k_pages + first;
+      value_pages[i] = v_pages + first;
+    }
+    const Pages keys{key_pages.data(), s.page_size, ahead}, values{value_pages.data(), s.page_size, ahead};
     const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
     float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
     if (wide && d % avx512::kLanes == 0) {
@@ -136,24 +171,46 @@ void RunUnits(const Shape& s, const float* q, const float* k_cache, const float*
   }
 }
 
-ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_cache, ffi::Buffer<ffi::F32> v_cache,
-                           ffi::Buffer<ffi::S32> positions, ffi::ResultBuffer<ffi::F32> out) {
-  const auto qd = q.dimensions(), cd = k_cache.dimensions(), vd = v_cache.dimensions();
-  const bool same_caches = vd.size() == cd.size() && std::equal(vd.begin(), vd.end(), cd.begin());
-  if (qd.size() != 3 || cd.size() != 4 || !same_caches || qd[2] != cd[3] || qd[0] > cd[0] ||
-      qd[1] % cd[1] != 0 || static_cast<int64_t>(positions.element_count()) != qd[0] ||
-      out->element_count() != q.element_count()) {
+template <typename Dims>
+std::string Text(const Dims& dims) {
+  std::string text = "[";
+  for (size_t i = 0; i < dims.size(); ++i) text += (i ? ", " : "") + std::to_string(dims[i]);
+  return text + "]";
+}
+
+ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = tables.dimensions();
+  const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
+  if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 2 || qd[2] != kd[3] || kd[1] < 1 ||
+      kd[2] < 1 || td[1] < 1 || qd[1] % kd[0] != 0 || td[0] != qd[0] ||
+      static_cast<int64_t>(positions.element_count()) != qd[0] || out->element_count() != q.element_count()) {
     return ffi::Error::InvalidArgument(
-        "tokenwire_decode_attention: expected q [R, H, D], caches [B, K, S, D] with R <= B and K | H, "
-        "positions [R], out [R, H * D]");
+        "tokenwire_decode_attention: expected q [R, H, D], k_pages and v_pages [K, N, P, D] with K | H, "
+        "tables [R, W], positions [R], out [R, H * D]; got q " + Text(qd) + ", k_pages " + Text(kd) +
+        ", v_pages " + Text(vd) + ", tables " + Text(td) + ", positions " + Text(positions.dimensions()));
   }
-  const Shape s{qd[0], qd[1], cd[1], qd[1] / cd[1], cd[2], cd[3], cd[0]};
-  const float *qp = q.typed_data(), *kp = k_cache.typed_data(), *vp = v_cache.typed_data();
-  const int32_t* pp = positions.typed_data();
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], kd[3], kd[1], kd[2], td[1]};
+  const int32_t *tp = tables.typed_data(), *pp = positions.typed_data();
+  // Every table entry a row reads must name a page of the pools (the file's header says why this
+  // is an error and not clamped); R x ceil(n / P) reads, ~1 us at 32 rows of 512 keys.
+  for (int64_t r = 0; r < s.rows; ++r) {
+    const int64_t used = (LiveKeys(s, pp, r) + s.page_size - 1) / s.page_size;
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t page = tp[r * s.width + i];
+      if (page < 0 || page >= s.pages) {
+        return ffi::Error::InvalidArgument("tokenwire_decode_attention: tables[" + std::to_string(r) + ", " +
+                                           std::to_string(i) + "] = " + std::to_string(page) +
+                                           " is not a page of the pools (0.." + std::to_string(s.pages - 1) + ")");
+      }
+    }
+  }
+  const float *qp = q.typed_data(), *kp = k_pages.typed_data(), *vp = v_pages.typed_data();
   float* op = out->typed_data();
   // 8 pool units a (row, kv head) unit: Run's chunks are multiples of 8.
   tokenwire::Pool::Get().Run(s.rows * s.kv_heads * 8, 8, [&](int64_t begin, int64_t end) {
-    RunUnits(s, qp, kp, vp, pp, op, begin / 8, end / 8);
+    RunUnits(s, qp, kp, vp, tp, pp, op, begin / 8, end / 8);
   });
   return ffi::Error::Success();
 }
@@ -165,6 +222,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

@@ -1,5 +1,5 @@
 // The ISA-generic body of decode_attention.cc: one work unit (a row and a kv head: the G query heads
-// that share the slot's keys), written once and included there twice, for AVX2 and for AVX-512,
+// that share the row's keys), written once and included there twice, for AVX2 and for AVX-512,
 // each inside its own namespace, which brings in that width's primitives (vec.h) and defines
 // kValueHeads (query heads per P . V pass), kValueVecs (vectors of value columns per pass) and
 // TW_TARGET. D must be a multiple of kLanes. Deliberately no include guard.
@@ -13,7 +13,10 @@
 // - softmax: vertical over the scores [G][n], with the vectorised exponential;
 // - P . V: each value row is loaded once per pass and multiplied into the accumulators of up to
 //   kValueHeads heads x kValueVecs column vectors, held in registers over all n keys.
-// Keys and values are read in place from the cache, only positions 0..n-1.
+// Keys and values are read in place from the pools' pages (Pages: the row's pages of its kv head,
+// in position order), only positions 0..n-1. The walk goes page by page, so a key's address needs
+// no division; the rows fetched ahead are the same offset `ahead_pages` pages on, whose address
+// the table gives like any other's.
 
 // The kLanes scores q . k_i (unscaled) of query q against the keys k[0..kLanes).
 TW_TARGET inline Vec Scores(const float* q, const float* const* k, int64_t dv) {
@@ -26,33 +29,38 @@ TW_TARGET inline Vec Scores(const float* q, const float* const* k, int64_t dv) {
   return HSums(part);
 }
 
-// Fetch the cache lines of rows [from, to) of a [n, d] array into L1, those before n only.
-TW_TARGET inline void FetchRows(const float* rows, int64_t d, int64_t from, int64_t to, int64_t n) {
-  if (from >= n) return;
-  const char* line = reinterpret_cast<const char*>(rows + from * d);
-  const char* end = reinterpret_cast<const char*>(rows + std::min(to, n) * d);
-  for (; line < end; line += 64) _mm_prefetch(line, _MM_HINT_T0);
+// Fetch the cache lines of one row of d values into L1.
+TW_TARGET inline void FetchRow(const float* row, int64_t d) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(row + d);
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
 }
 
 // o[g][cols] = sum_{a < n} p[g][a] * v[a][cols] for NG heads (p rows np apart, o rows d apart) and
-// NC vectors of columns (v and o point at the first column; v rows are d apart). The rows `ahead`
-// keys on are fetched along the way (the columns this pass reads; none past n).
+// NC vectors of columns from `col` on (value rows are d apart within a page). Row i of the page
+// v.ahead pages on is fetched along with row i of this one (the columns this pass reads; none past n).
 template <int NG, int NC>
-TW_TARGET inline void Values(const float* p, int64_t np, const float* v, int64_t d, int64_t n, float* o, int64_t ahead) {
+TW_TARGET inline void Values(const float* p, int64_t np, const Pages& v, int64_t col, int64_t d, int64_t n, float* o) {
+  constexpr int kVecsPerLine = 64 / static_cast<int>(sizeof(float) * kLanes);  // 1 (AVX-512) or 2 (AVX2)
   Vec acc[NG][NC];
   for (int g = 0; g < NG; ++g)
     for (int j = 0; j < NC; ++j) acc[g][j] = Zero();
-  for (int64_t a = 0; a < n; ++a) {
-    if (a + ahead < n) {
-      constexpr int kVecsPerLine = 64 / static_cast<int>(sizeof(float) * kLanes);  // 1 (AVX-512) or 2 (AVX2)
-      for (int j = 0; j < NC; j += kVecsPerLine)
-        _mm_prefetch(reinterpret_cast<const char*>(v + (a + ahead) * d + j * kLanes), _MM_HINT_T0);
-    }
-    Vec x[NC];
-    for (int j = 0; j < NC; ++j) x[j] = Load(v + a * d + j * kLanes);
-    for (int g = 0; g < NG; ++g) {
-      const Vec w = Bcast(p + g * np + a);
-      for (int j = 0; j < NC; ++j) acc[g][j] = Fma(w, x[j], acc[g][j]);
+  for (int64_t pg = 0, a0 = 0; a0 < n; ++pg, a0 += v.size) {
+    const float* rows = v.page[pg] + col;
+    const int64_t count = std::min(v.size, n - a0);
+    const int64_t fetch = std::min(count, n - a0 - v.ahead * v.size);  // the rows ahead that are before n
+    const float* next = fetch > 0 ? v.page[pg + v.ahead] + col : rows;
+    for (int64_t i = 0; i < count; ++i) {
+      if (i < fetch) {
+        for (int j = 0; j < NC; j += kVecsPerLine)
+          _mm_prefetch(reinterpret_cast<const char*>(next + i * d + j * kLanes), _MM_HINT_T0);
+      }
+      Vec x[NC];
+      for (int j = 0; j < NC; ++j) x[j] = Load(rows + i * d + j * kLanes);
+      for (int g = 0; g < NG; ++g) {
+        const Vec w = Bcast(p + g * np + a0 + i);
+        for (int j = 0; j < NC; ++j) acc[g][j] = Fma(w, x[j], acc[g][j]);
+      }
     }
   }
   for (int g = 0; g < NG; ++g)
@@ -60,33 +68,46 @@ TW_TARGET inline void Values(const float* p, int64_t np, const float* v, int64_t
 }
 
 template <int NG>
-TW_TARGET void ValuesOf(int64_t nc, const float* p, int64_t np, const float* v, int64_t d, int64_t n, float* o,
-                        int64_t ahead) {
+TW_TARGET void ValuesOf(int64_t nc, const float* p, int64_t np, const Pages& v, int64_t col, int64_t d, int64_t n,
+                        float* o) {
   static_assert(kValueVecs == 4, "the cases below go up to 4 column vectors");
   switch (nc) {
-    case 4: return Values<NG, 4>(p, np, v, d, n, o, ahead);
-    case 3: return Values<NG, 3>(p, np, v, d, n, o, ahead);
-    case 2: return Values<NG, 2>(p, np, v, d, n, o, ahead);
-    default: return Values<NG, 1>(p, np, v, d, n, o, ahead);
+    case 4: return Values<NG, 4>(p, np, v, col, d, n, o);
+    case 3: return Values<NG, 3>(p, np, v, col, d, n, o);
+    case 2: return Values<NG, 2>(p, np, v, col, d, n, o);
+    default: return Values<NG, 1>(p, np, v, col, d, n, o);
   }
 }
 
-// One (row, kv head) unit: keys/values [n, D] of the slot's kv head, queries qh [G, D], out oh [G, D].
-TW_TARGET void Unit(const float* qh, const float* keys, const float* values, int64_t n, int64_t g_count, int64_t d,
+// One (row, kv head) unit: the row's keys and values of its kv head through their pages, n of
+// them; queries qh [G, D], out oh [G, D].
+TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t g_count, int64_t d,
                     float* oh, std::vector<float>& scores) {
   const int64_t dv = d / kLanes, np = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(static_cast<size_t>(g_count * np));
   const Vec scale = Set1(1.0f / std::sqrt(static_cast<float>(d)));
-  const int64_t ahead = std::max<int64_t>(1, kAheadBytes / (d * static_cast<int64_t>(sizeof(float))));  // rows
+  const int64_t ahead_rows = keys.ahead * keys.size;
   // Scores, kLanes keys at a time; a group running past n repeats key n - 1 (so nothing past it is
-  // read), and those lanes are set to -inf below. The keys `ahead` rows on are fetched meanwhile.
+  // read), and those lanes are set to -inf below. Each key's row ahead_rows on is fetched meanwhile.
+  int64_t pg = 0, off = 0;  // the page and offset of the next key
   for (int64_t a0 = 0; a0 < n; a0 += kLanes) {
-    FetchRows(keys, d, a0 + ahead, a0 + ahead + kLanes, n);
     const float* k[kLanes];
-    for (int i = 0; i < kLanes; ++i) k[i] = keys + std::min<int64_t>(a0 + i, n - 1) * d;
+    for (int i = 0; i < kLanes; ++i) {
+      if (a0 + i >= n) {
+        k[i] = k[i - 1];  // i >= 1: a0 < n
+        continue;
+      }
+      k[i] = keys.page[pg] + off * d;
+      if (a0 + i + ahead_rows < n) FetchRow(keys.page[pg + keys.ahead] + off * d, d);
+      if (++off == keys.size) {
+        off = 0;
+        ++pg;
+      }
+    }
     for (int64_t g = 0; g < g_count; ++g) Store(&scores[g * np + a0], Mul(Scores(qh + g * d, k, dv), scale));
   }
-  FetchRows(values, d, 0, ahead, n);  // the first values, while the softmax runs
+  // The first values, while the softmax runs.
+  for (int64_t a = 0; a < std::min(n, ahead_rows); ++a) FetchRow(values.page[a / values.size] + a % values.size * d, d);
   // Softmax of each head's scores, normalised in place (the padding lanes: e^-inf = 0).
   for (int64_t g = 0; g < g_count; ++g) {
     float* p = &scores[g * np];
@@ -109,14 +130,13 @@ TW_TARGET void Unit(const float* qh, const float* keys, const float* values, int
     for (int64_t c = 0; c < dv; c += kValueVecs) {
       const int64_t nc = std::min<int64_t>(kValueVecs, dv - c);
       const float* p = &scores[g0 * np];
-      const float* v = values + c * kLanes;
       float* o = oh + g0 * d + c * kLanes;
       if (ng >= 3) {
-        ValuesOf<3>(nc, p, np, v, d, n, o, ahead);
+        ValuesOf<3>(nc, p, np, values, c * kLanes, d, n, o);
       } else if (ng == 2) {
-        ValuesOf<2>(nc, p, np, v, d, n, o, ahead);
+        ValuesOf<2>(nc, p, np, values, c * kLanes, d, n, o);
       } else {
-        ValuesOf<1>(nc, p, np, v, d, n, o, ahead);
+        ValuesOf<1>(nc, p, np, values, c * kLanes, d, n, o);
       }
     }
   }
