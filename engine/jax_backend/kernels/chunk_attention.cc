@@ -68,8 +68,6 @@ struct Shape {
 struct Scratch {
   std::vector<float> qt, ot, st, m, l;  // [D][R] queries, [D][R] output, [block][R] scores, [R], [R]
   std::vector<int32_t> last;            // [R] each row's last visible key position
-  const float* keys[kKeyBlock];         // the current key block's key rows, through the table
-  const float* values[kKeyBlock];       // and its value rows
 };
 
 // The body in both widths (vec.h); the micro-tile sizes fill each width's registers.
