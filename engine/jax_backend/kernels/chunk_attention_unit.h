@@ -56,21 +56,6 @@ TW_TARGET inline void Values(const float* pt, int64_t r_stride, const float* con
     }
 }
 
-// Fetch into L2 the key and value rows of keys [from, to), none at or past `end`: the next block's,
-// kKeys at a time while this block's scores are computed, so that they are near when it starts
-// whatever pages they lie in (the hardware's prefetchers follow addresses in order, which
-// scattered pages are not: a chunk over scattered pages ran ~10% slower without this).
-TW_TARGET inline void FetchRowsL2(const Shape& s, const float* const* key_pages, const float* const* value_pages,
-                                  int64_t from, int64_t to, int64_t end) {
-  for (int64_t x = from; x < std::min(to, end); ++x) {
-    const int64_t at = x % s.page_size * s.dim, page = x / s.page_size;
-    for (int64_t e = 0; e < s.dim; e += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(key_pages[page] + at + e), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(value_pages[page] + at + e), _MM_HINT_T1);
-    }
-  }
-}
-
 // One unit: kv head `kv`, chunk positions [c0, c1), keys/values that kv head's pages of the table
 // (key_pages[i] holds positions [i * P, (i + 1) * P)),
 // split `split` of `splits` of the tile's keys (block-aligned ranges; a row sees only its causal
@@ -106,12 +91,6 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
   const float* value_rows[kKeyBlock];  // and its value rows
 
   const int64_t end = std::min(n_keys, b1 * kKeyBlock);  // this unit's keys: [b0 * kKeyBlock, end)
-  // The first line of each page of the unit's keys and values, so that their address translations
-  // start together (a sequence's pages lie anywhere in the pool).
-  for (int64_t page = b0 * kKeyBlock / s.page_size; page * s.page_size < end; ++page) {
-    _mm_prefetch(reinterpret_cast<const char*>(key_pages[page]), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(value_pages[page]), _MM_HINT_T0);
-  }
   for (int64_t a0 = b0 * kKeyBlock; a0 < end; a0 += kKeyBlock) {
     const int64_t nb = std::min(kKeyBlock, n_keys - a0);
     for (int64_t a = 0; a < nb; ++a) {
@@ -124,7 +103,6 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
     for (int64_t a = 0; a < nb; a += kKeys) {
       const float* k[kKeys];
       for (int i = 0; i < kKeys; ++i) k[i] = key_rows[std::min<int64_t>(a + i, nb - 1)];
-      FetchRowsL2(s, key_pages, value_pages, a0 + kKeyBlock + a, a0 + kKeyBlock + a + kKeys, end);
       int64_t j = 0;
       for (; j + 3 <= nv; j += 3) Scores<3>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
       if (nv - j == 2) Scores<2>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);

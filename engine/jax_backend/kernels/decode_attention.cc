@@ -56,11 +56,15 @@ namespace {
 // one of 32), and the rows kFarBytes on (at least one page more) are fetched into L2 as well.
 //
 // Why the second, farther fetch and the first line of every page at a unit's start (Unit): with
-// a sequence's pages scattered over the pool (as a pool's pages are after a while of serving), the
-// L1 fetch alone left the paged kernel at 0.63-0.69x the contiguous one (8 rows of 256 keys, one
-// thread, AMD EPYC VM), while pages in order ran at 0.93-0.95x; the L2 fetch two pages on brought
-// scattered pages to 0.91-1.1x, and the first lines ~+5% more. Four pages on into L2, or 8-16 KiB
-// into L1, measured worse (benchmarks/paged_attention_kernel.py; the host is shared and noisy).
+// a row's pages scattered over the pool (as they are once many rows' decode steps have taken pages
+// in turn), the L1 fetch alone left the paged kernel at 0.63x the contiguous one (8 rows of 256
+// keys, one thread; 0.88x on two), where pages in order ran at ~0.95x; in the same runs the L2
+// fetch two pages on made that 0.92x (1.14x on two threads), and the first lines another 5-10%
+// at 8 and 32 rows. Four pages on into L2, or 8-16 KiB into L1, measured worse. Scattered pages
+// still cost 10-30% at 8-32 rows of 256-512 keys, more when the host is loaded: every 4 KiB page
+// is a separate address translation and DRAM row (pages shuffled only within 32 KiB ran as fast
+// as pages in order, and pages of 64 positions halved the loss). benchmarks/paged_attention_kernel.py;
+// an AMD EPYC VM shared with other work, so figures move 10-25% between runs.
 constexpr int64_t kAheadBytes = 4096;
 constexpr int64_t kFarBytes = 8192;
 
