@@ -61,10 +61,13 @@ namespace {
 // keys, one thread; 0.88x on two), where pages in order ran at ~0.95x; in the same runs the L2
 // fetch two pages on made that 0.92x (1.14x on two threads), and the first lines another 5-10%
 // at 8 and 32 rows. Four pages on into L2, or 8-16 KiB into L1, measured worse. Scattered pages
-// still cost 10-30% at 8-32 rows of 256-512 keys, more when the host is loaded: every 4 KiB page
-// is a separate address translation and DRAM row (pages shuffled only within 32 KiB ran as fast
-// as pages in order, and pages of 64 positions halved the loss). benchmarks/paged_attention_kernel.py;
-// an AMD EPYC VM shared with other work, so figures move 10-25% between runs.
+// still cost 10-35% at 8-32 rows of 256-512 keys, more when the host is loaded, and what sets the
+// loss is how many adjacent pages a row has, not address translation (the pools in 2 MiB pages,
+// GLIBC_TUNABLES=glibc.malloc.hugetlb=1, lost as much): 32 rows of 512 keys whose pages lie in
+// runs of 2, 4 and 8 adjacent pages, the runs scattered over the pool, ran at 0.66x, 0.78x and
+// 0.87x, runs of 8 one after another at ~1.0x, pages of 64 positions scattered at 0.81x.
+// benchmarks/paged_attention_kernel.py; an AMD EPYC VM shared with other work, where figures move
+// 10-25% between runs.
 constexpr int64_t kAheadBytes = 4096;
 constexpr int64_t kFarBytes = 8192;
 

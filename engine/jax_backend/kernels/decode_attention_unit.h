@@ -138,9 +138,10 @@ TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int
                     float* oh, std::vector<float>& scores) {
   const int64_t dv = d / kLanes, np = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(static_cast<size_t>(g_count * np));
-  // The first line of every page the unit reads, so that their address translations (random
-  // pages, one each) start now and overlap, instead of one at a time as the walk reaches each
-  // page; then the first keys, which nothing fetches ahead of.
+  // The first line of every page the unit reads, so that reaching each page (anywhere in the
+  // pool) starts now and overlaps with the others, instead of one page at a time as the walk gets
+  // there (decode_attention.cc, kAheadBytes, has the figures); then the first keys, which nothing
+  // fetches ahead of.
   for (int64_t i = 0; i < (n + keys.size - 1) / keys.size; ++i) {
     _mm_prefetch(reinterpret_cast<const char*>(keys.page[i]), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(values.page[i]), _MM_HINT_T0);
