@@ -10,7 +10,7 @@ kernels and, on tiny-llama, with the XLA attention too:
   `prefill_chunk` or by a chunk along a step) each get the ids they get alone, while the slot that
   wrote those pages goes on decoding beside them;
 - a call that would write or read a position its slot's table has no page for is refused
-  (ModelUsageError), changing nothing;
+  (ModelUsageError), changing nothing; a prompt piece writes only its new positions;
 - none of it compiles after warm-up: a table is an input of one shape;
 - through a real Engine (the scheduler's pages): prompts with prefix hits beside a decoding
   stream, and a pool too small for every stream (preemption and recompute), give the ids each
@@ -23,13 +23,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from engine.core.engine import Engine, EngineConfig
 from engine.core.model import ChunkInput, DecodeInput, ModelUsageError, PromptInput, SlotSetup
 from engine.core.request import Request, SamplingParams, StoppingCriteria
+from engine.jax_backend import transformer
 from engine.jax_backend.jax_model import JaxModel
+from engine.jax_backend.weights import load_checkpoint
 from support import prerequisites
 from support.compile_watch import compile_events
 from support.pages import own_pages, width
@@ -274,3 +278,25 @@ def test_a_pool_too_small_for_every_stream_preempts_and_changes_no_id():
     assert [sink.tokens for sink in sinks] == want
     assert stats.preemptions > 0
     assert m.compilations() == before and compiles == []
+
+
+def test_a_chunk_writes_only_its_new_positions_into_its_pages():
+    """A prompt piece that starts before its new positions (the last piece near the context's
+    end recomputes a few written ones, which may sit in pages other slots share) and pads past
+    its prompt writes K/V at positions [new_from, new_to) alone, each in the page its table
+    names; the rest goes to the null page."""
+    ckpt = load_checkpoint(ASSETS / "tiny-llama", "float32")
+    cfg = ckpt.config
+    rng = np.random.default_rng(2)
+    k, v = transformer.init_pool(cfg, 9, PAGE, jnp.float32)  # [K, 9, 8, D]
+    before = [rng.random(k[0].shape, np.float32) for _ in range(2 * cfg.n_layers)]
+    table = np.array([7, 2, 5, 0, 0, 0, 0, 0], np.int32)  # positions 0..23 in pages 7, 2, 5
+    x = transformer.embed(ckpt.weights.embed, np.arange(3, 19, dtype=np.int32))[None]  # 16 tokens from position 0
+    run = jax.jit(transformer.prefill_layers, static_argnames="cfg")
+    _, ks, vs = run(
+        ckpt.weights.layers, tuple(map(jnp.asarray, before[::2])), tuple(map(jnp.asarray, before[1::2])), x, table,
+        np.int32(0), np.int32(5), np.int32(11), cfg=cfg,
+    )
+    for old, new in zip(before[::2] + before[1::2], ks + vs):
+        changed = {(int(n), int(o)) for _, n, o, _ in np.argwhere(old != np.asarray(new)) if n != 0}  # (page, offset)
+        assert changed == {(7, 5), (7, 6), (7, 7), (2, 0), (2, 1), (2, 2)}, changed  # positions 5..10

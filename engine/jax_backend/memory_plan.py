@@ -49,8 +49,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import numpy as np
-
 from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, LAYER_MATRICES, PANEL as INT8_PANEL, SLICED_ROWS as INT8_SLICED_ROWS, Int8Layout
 from engine.model_store.gguf_blocks import SYMMETRIC, BlockFormat
 from engine.jax_backend.cpu_kernels import PANEL
