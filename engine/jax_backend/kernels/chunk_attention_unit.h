@@ -10,8 +10,11 @@
 // [D][R]. So both products are outer-product micro-kernels (a vector of rows times a broadcast
 // scalar of a key or value row, read in place from the pools' pages), and the softmax statistics
 // (max, sum, rescale) are vertical: no horizontal reduction and no transpose of K or V anywhere.
-// A key block's rows are found through the table once per block (w.keys, w.values: a pointer a
-// key), so the micro-kernels index keys, not pages.
+// A key block's rows are found through the table once per block (key_rows, value_rows: a pointer
+// a key), so the micro-kernels index keys, not pages. Those arrays live on the stack: in the
+// thread_local Scratch, the compiler specialised Values on their address and looked the thread's
+// storage up (__tls_get_addr, spilling every accumulator around it) once per key, which made the
+// whole kernel ~1.7x slower.
 
 // st[i][rows] = sum_e qt[e][rows] * k_i[e] for kKeys keys and NV vectors of rows (rows r_stride apart).
 template <int NV>
@@ -84,19 +87,22 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
   const int64_t n_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock;
   const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
   const Vec neg_inf = Set1(kNegInf);
+  const float* key_rows[kKeyBlock];    // the current block's key rows, through the table
+  const float* value_rows[kKeyBlock];  // and its value rows
 
-  for (int64_t a0 = b0 * kKeyBlock; a0 < std::min(n_keys, b1 * kKeyBlock); a0 += kKeyBlock) {
+  const int64_t end = std::min(n_keys, b1 * kKeyBlock);  // this unit's keys: [b0 * kKeyBlock, end)
+  for (int64_t a0 = b0 * kKeyBlock; a0 < end; a0 += kKeyBlock) {
     const int64_t nb = std::min(kKeyBlock, n_keys - a0);
     for (int64_t a = 0; a < nb; ++a) {
       const int64_t at = (a0 + a) % s.page_size * d, page = (a0 + a) / s.page_size;
-      w.keys[a] = key_pages[page] + at;
-      w.values[a] = value_pages[page] + at;
+      key_rows[a] = key_pages[page] + at;
+      value_rows[a] = value_pages[page] + at;
     }
     // Scores, kKeys keys at a time; a group running past nb repeats the block's last key (those
     // scores are never used), so nothing past the chunk's end is read.
     for (int64_t a = 0; a < nb; a += kKeys) {
       const float* k[kKeys];
-      for (int i = 0; i < kKeys; ++i) k[i] = w.keys[std::min<int64_t>(a + i, nb - 1)];
+      for (int i = 0; i < kKeys; ++i) k[i] = key_rows[std::min<int64_t>(a + i, nb - 1)];
       int64_t j = 0;
       for (; j + 3 <= nv; j += 3) Scores<3>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
       if (nv - j == 2) Scores<2>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
@@ -140,9 +146,9 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
     // ot += P . V over the block's keys, kCols value columns at a time.
     for (int64_t c = 0; c < d; c += kCols) {
       int64_t j = 0;
-      for (; j + 3 <= nv; j += 3) Values<3>(&w.st[kLanes * j], rr, w.values, c, nb, &w.ot[c * rr + kLanes * j]);
-      if (nv - j == 2) Values<2>(&w.st[kLanes * j], rr, w.values, c, nb, &w.ot[c * rr + kLanes * j]);
-      if (nv - j == 1) Values<1>(&w.st[kLanes * j], rr, w.values, c, nb, &w.ot[c * rr + kLanes * j]);
+      for (; j + 3 <= nv; j += 3) Values<3>(&w.st[kLanes * j], rr, value_rows, c, nb, &w.ot[c * rr + kLanes * j]);
+      if (nv - j == 2) Values<2>(&w.st[kLanes * j], rr, value_rows, c, nb, &w.ot[c * rr + kLanes * j]);
+      if (nv - j == 1) Values<1>(&w.st[kLanes * j], rr, value_rows, c, nb, &w.ot[c * rr + kLanes * j]);
     }
   }
   if (splits > 1) {

@@ -51,10 +51,25 @@ namespace {
 // never past its live length. Left to the hardware prefetcher alone, SmolLM2's 30 layers at 32
 // rows read their caches at 12.8, 14.3 and 17.0 GB/s at 128, 256 and 448 live keys on a Sapphire
 // Rapids Xeon (2 vCPUs); with this at 14.9, 18.1 and 19.5 (medians of four interleaved runs; 8 KiB
-// measured the same within the noise). A whole 32-row int8 step at 192 keys: 1.026x. (Measured on
-// the contiguous cache; over pages the distance is rounded up to whole pages, AheadPages: one page
-// of 16 rows at D = 64, two of 8, one of 32.)
+// measured the same within the noise). A whole 32-row int8 step at 192 keys: 1.026x. Over pages
+// the distance is rounded up to whole pages (PagesAhead: one page of 16 rows at D = 64, two of 8,
+// one of 32), and the rows kFarBytes on (at least one page more) are fetched into L2 as well.
+//
+// Why the second, farther fetch and the first line of every page at a unit's start (Unit): with
+// a row's pages scattered over the pool (as they are once many rows' decode steps have taken pages
+// in turn), the L1 fetch alone left the paged kernel at 0.63x the contiguous one (8 rows of 256
+// keys, one thread; 0.88x on two), where pages in order ran at ~0.95x; in the same runs the L2
+// fetch two pages on made that 0.92x (1.14x on two threads), and the first lines another 5-10%
+// at 8 and 32 rows. Four pages on into L2, or 8-16 KiB into L1, measured worse. Scattered pages
+// still cost 10-35% at 8-32 rows of 256-512 keys, more when the host is loaded, and what sets the
+// loss is how many adjacent pages a row has, not address translation (the pools in 2 MiB pages,
+// GLIBC_TUNABLES=glibc.malloc.hugetlb=1, lost as much): 32 rows of 512 keys whose pages lie in
+// runs of 2, 4 and 8 adjacent pages, the runs scattered over the pool, ran at 0.66x, 0.78x and
+// 0.87x, runs of 8 one after another at ~1.0x, pages of 64 positions scattered at 0.81x.
+// benchmarks/paged_attention_kernel.py; an AMD EPYC VM shared with other work, where figures move
+// 10-25% between runs.
 constexpr int64_t kAheadBytes = 4096;
+constexpr int64_t kFarBytes = 8192;
 
 struct Shape {
   int64_t rows, heads, kv_heads, group, dim, pages, page_size, width;  // R, H, K, G, D, N, P, W
@@ -64,7 +79,8 @@ struct Shape {
 struct Pages {
   const float* const* page;  // each page's first row ([size, D] contiguous)
   int64_t size;              // P
-  int64_t ahead;             // pages ahead whose rows are fetched while these are read (>= 1)
+  int64_t ahead;             // pages ahead whose rows are fetched into L1 while these are read (>= 1)
+  int64_t far;               // pages ahead whose rows are fetched into L2 (> ahead)
 };
 
 inline float Dot(const float* a, const float* b, int64_t n) {
@@ -130,9 +146,9 @@ void ScalarUnit(const float* qh, const Pages& keys, const Pages& values, int64_t
   }
 }
 
-// Rows that a unit reads ahead of the ones it works on, as whole pages (at least one).
-int64_t AheadPages(const Shape& s) {
-  const int64_t rows = std::max<int64_t>(1, kAheadBytes / (s.dim * static_cast<int64_t>(sizeof(float))));
+// Pages ahead of the one a unit reads whose rows it fetches: `bytes` of rows, rounded up to pages.
+int64_t PagesAhead(const Shape& s, int64_t bytes) {
+  const int64_t rows = std::max<int64_t>(1, bytes / (s.dim * static_cast<int64_t>(sizeof(float))));
   return (rows + s.page_size - 1) / s.page_size;
 }
 
@@ -147,7 +163,8 @@ void RunUnits(const Shape& s, const float* q, const float* k_pages, const float*
   thread_local std::vector<float> scores;
   thread_local std::vector<const float*> key_pages, value_pages;
   const bool wide = UseAvx512();
-  const int64_t d = s.dim, g_count = s.group, page_values = s.page_size * d, ahead = AheadPages(s);
+  const int64_t d = s.dim, g_count = s.group, page_values = s.page_size * d;
+  const int64_t ahead = PagesAhead(s, kAheadBytes), far = std::max(ahead + 1, PagesAhead(s, kFarBytes));
   for (int64_t u = from; u < to; ++u) {
     const int64_t r = u / s.kv_heads, kv = u % s.kv_heads;
     const int64_t n = LiveKeys(s, positions, r), used = (n + s.page_size - 1) / s.page_size;
@@ -158,7 +175,7 @@ void RunUnits(const Shape& s, const float* q, const float* k_pages, const float*
       key_pages[i] = k_pages + first;
       value_pages[i] = v_pages + first;
     }
-    const Pages keys{key_pages.data(), s.page_size, ahead}, values{value_pages.data(), s.page_size, ahead};
+    const Pages keys{key_pages.data(), s.page_size, ahead, far}, values{value_pages.data(), s.page_size, ahead, far};
     const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
     float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
     if (wide && d % avx512::kLanes == 0) {

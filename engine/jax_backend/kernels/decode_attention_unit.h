@@ -15,8 +15,9 @@
 //   kValueHeads heads x kValueVecs column vectors, held in registers over all n keys.
 // Keys and values are read in place from the pools' pages (Pages: the row's pages of its kv head,
 // in position order), only positions 0..n-1. The walk goes page by page, so a key's address needs
-// no division; the rows fetched ahead are the same offset `ahead_pages` pages on, whose address
-// the table gives like any other's.
+// no division; the rows fetched ahead are those at the same offset `ahead` pages on (into L1) and
+// `far` pages on (into L2), whose addresses the table gives like any other's
+// (decode_attention.cc, kAheadBytes, says why both).
 
 // The kLanes scores q . k_i (unscaled) of query q against the keys k[0..kLanes).
 TW_TARGET inline Vec Scores(const float* q, const float* const* k, int64_t dv) {
@@ -29,16 +30,27 @@ TW_TARGET inline Vec Scores(const float* q, const float* const* k, int64_t dv) {
   return HSums(part);
 }
 
-// Fetch the cache lines of one row of d values into L1.
-TW_TARGET inline void FetchRow(const float* row, int64_t d) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(row + d);
-  for (uintptr_t line = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63}; line < end; line += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+// Fetch the cache lines of `count` consecutive values: into L1 (Hint _MM_HINT_T0) or L2 (_MM_HINT_T1).
+template <_mm_hint Hint>
+TW_TARGET inline void Fetch(const float* values, int64_t count) {
+  const uintptr_t end = reinterpret_cast<uintptr_t>(values + count);
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(values) & ~uintptr_t{63}; line < end; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(line), Hint);
+}
+
+// Fetch `count` rows from offset `off` of the page `step` pages after page pg (where key a is, at
+// offset off), those of them before key n.
+template <_mm_hint Hint>
+TW_TARGET inline void FetchAhead(const Pages& pages, int64_t pg, int64_t off, int64_t a, int64_t count, int64_t step,
+                                 int64_t d, int64_t n) {
+  const int64_t rows = std::min(count, n - a - step * pages.size);
+  if (rows > 0) Fetch<Hint>(pages.page[pg + step] + off * d, rows * d);
 }
 
 // o[g][cols] = sum_{a < n} p[g][a] * v[a][cols] for NG heads (p rows np apart, o rows d apart) and
-// NC vectors of columns from `col` on (value rows are d apart within a page). Row i of the page
-// v.ahead pages on is fetched along with row i of this one (the columns this pass reads; none past n).
+// NC vectors of columns from `col` on (value rows are d apart within a page). Along with row i of
+// a page, row i of the page v.ahead pages on is fetched into L1 and of the one v.far on into L2
+// (the columns this pass reads; none past n).
 template <int NG, int NC>
 TW_TARGET inline void Values(const float* p, int64_t np, const Pages& v, int64_t col, int64_t d, int64_t n, float* o) {
   constexpr int kVecsPerLine = 64 / static_cast<int>(sizeof(float) * kLanes);  // 1 (AVX-512) or 2 (AVX2)
@@ -48,12 +60,13 @@ TW_TARGET inline void Values(const float* p, int64_t np, const Pages& v, int64_t
   for (int64_t pg = 0, a0 = 0; a0 < n; ++pg, a0 += v.size) {
     const float* rows = v.page[pg] + col;
     const int64_t count = std::min(v.size, n - a0);
-    const int64_t fetch = std::min(count, n - a0 - v.ahead * v.size);  // the rows ahead that are before n
-    const float* next = fetch > 0 ? v.page[pg + v.ahead] + col : rows;
+    const int64_t near = std::min(count, n - a0 - v.ahead * v.size), far = std::min(count, n - a0 - v.far * v.size);
+    const float* near_rows = near > 0 ? v.page[pg + v.ahead] + col : rows;
+    const float* far_rows = far > 0 ? v.page[pg + v.far] + col : rows;
     for (int64_t i = 0; i < count; ++i) {
-      if (i < fetch) {
-        for (int j = 0; j < NC; j += kVecsPerLine)
-          _mm_prefetch(reinterpret_cast<const char*>(next + i * d + j * kLanes), _MM_HINT_T0);
+      for (int j = 0; j < NC; j += kVecsPerLine) {
+        if (i < near) _mm_prefetch(reinterpret_cast<const char*>(near_rows + i * d + j * kLanes), _MM_HINT_T0);
+        if (i < far) _mm_prefetch(reinterpret_cast<const char*>(far_rows + i * d + j * kLanes), _MM_HINT_T1);
       }
       Vec x[NC];
       for (int j = 0; j < NC; ++j) x[j] = Load(rows + i * d + j * kLanes);
@@ -79,35 +92,67 @@ TW_TARGET void ValuesOf(int64_t nc, const float* p, int64_t np, const Pages& v, 
   }
 }
 
+// The scores of keys [0, n) against the G queries qh [G, D], scaled, into scores [G][np]; kLanes keys
+// at a time. A group running past n repeats key n - 1 (so nothing past it is read); Unit sets
+// those lanes to -inf. Along with each key, its row keys.ahead pages on is fetched into L1 and its
+// row keys.far pages on into L2.
+TW_TARGET void AllScores(const float* qh, const Pages& keys, int64_t n, int64_t g_count, int64_t d, int64_t np,
+                         float* scores) {
+  const int64_t dv = d / kLanes;
+  const Vec scale = Set1(1.0f / std::sqrt(static_cast<float>(d)));
+  int64_t pg = 0, off = 0;  // the page and offset of key a0
+  for (int64_t a0 = 0; a0 < n; a0 += kLanes) {
+    const float* k[kLanes];
+    if (a0 + kLanes <= n && off + kLanes <= keys.size) {  // a group in one page (P a multiple of kLanes)
+      const float* row = keys.page[pg] + off * d;
+      for (int i = 0; i < kLanes; ++i) k[i] = row + i * d;
+      FetchAhead<_MM_HINT_T0>(keys, pg, off, a0, kLanes, keys.ahead, d, n);
+      FetchAhead<_MM_HINT_T1>(keys, pg, off, a0, kLanes, keys.far, d, n);
+      off += kLanes;
+    } else {  // a group across pages (P < kLanes), or the last one
+      for (int i = 0; i < kLanes; ++i) {
+        if (a0 + i >= n) {
+          k[i] = k[i - 1];  // i >= 1: a0 < n
+          continue;
+        }
+        k[i] = keys.page[pg] + off * d;
+        FetchAhead<_MM_HINT_T0>(keys, pg, off, a0 + i, 1, keys.ahead, d, n);
+        FetchAhead<_MM_HINT_T1>(keys, pg, off, a0 + i, 1, keys.far, d, n);
+        if (++off == keys.size) {
+          off = 0;
+          ++pg;
+        }
+      }
+    }
+    if (off == keys.size) {
+      off = 0;
+      ++pg;
+    }
+    for (int64_t g = 0; g < g_count; ++g) Store(&scores[g * np + a0], Mul(Scores(qh + g * d, k, dv), scale));
+  }
+}
+
 // One (row, kv head) unit: the row's keys and values of its kv head through their pages, n of
 // them; queries qh [G, D], out oh [G, D].
 TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t g_count, int64_t d,
                     float* oh, std::vector<float>& scores) {
   const int64_t dv = d / kLanes, np = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(static_cast<size_t>(g_count * np));
-  const Vec scale = Set1(1.0f / std::sqrt(static_cast<float>(d)));
-  const int64_t ahead_rows = keys.ahead * keys.size;
-  // Scores, kLanes keys at a time; a group running past n repeats key n - 1 (so nothing past it is
-  // read), and those lanes are set to -inf below. Each key's row ahead_rows on is fetched meanwhile.
-  int64_t pg = 0, off = 0;  // the page and offset of the next key
-  for (int64_t a0 = 0; a0 < n; a0 += kLanes) {
-    const float* k[kLanes];
-    for (int i = 0; i < kLanes; ++i) {
-      if (a0 + i >= n) {
-        k[i] = k[i - 1];  // i >= 1: a0 < n
-        continue;
-      }
-      k[i] = keys.page[pg] + off * d;
-      if (a0 + i + ahead_rows < n) FetchRow(keys.page[pg + keys.ahead] + off * d, d);
-      if (++off == keys.size) {
-        off = 0;
-        ++pg;
-      }
-    }
-    for (int64_t g = 0; g < g_count; ++g) Store(&scores[g * np + a0], Mul(Scores(qh + g * d, k, dv), scale));
+  // The first line of every page the unit reads, so that reaching each page (anywhere in the
+  // pool) starts now and overlaps with the others, instead of one page at a time as the walk gets
+  // there (decode_attention.cc, kAheadBytes, has the figures); then the first keys, which nothing
+  // fetches ahead of.
+  for (int64_t i = 0; i < (n + keys.size - 1) / keys.size; ++i) {
+    _mm_prefetch(reinterpret_cast<const char*>(keys.page[i]), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(values.page[i]), _MM_HINT_T0);
   }
+  const int64_t ahead_rows = keys.ahead * keys.size;
+  for (int64_t pg = 0; pg * keys.size < std::min(n, ahead_rows); ++pg)
+    Fetch<_MM_HINT_T0>(keys.page[pg], std::min(keys.size, n - pg * keys.size) * d);
+  AllScores(qh, keys, n, g_count, d, np, scores.data());
   // The first values, while the softmax runs.
-  for (int64_t a = 0; a < std::min(n, ahead_rows); ++a) FetchRow(values.page[a / values.size] + a % values.size * d, d);
+  for (int64_t pg = 0; pg * values.size < std::min(n, ahead_rows); ++pg)
+    Fetch<_MM_HINT_T0>(values.page[pg], std::min(values.size, n - pg * values.size) * d);
   // Softmax of each head's scores, normalised in place (the padding lanes: e^-inf = 0).
   for (int64_t g = 0; g < g_count; ++g) {
     float* p = &scores[g * np];
