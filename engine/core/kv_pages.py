@@ -64,6 +64,7 @@ run beside it the oldest is never the victim, so the oldest always moves on.
 from __future__ import annotations
 
 import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -100,6 +101,61 @@ class _Sequence:
     published: int = 0  # its first `published` pages are keyed (cached and shared)
 
 
+class _FreeRuns:
+    """The free pages, as the maximal runs of adjacent ids they form: each run indexed by its
+    first and its last page, and in a max-heap by length whose stale entries (runs since split or
+    merged) are dropped when they reach the top, and all of them when they outnumber the runs."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.is_free = bytearray(num_pages)  # page -> 1 if free
+        self.count = 0
+        self._end: dict[int, int] = {}  # run's first page -> its end (exclusive)
+        self._start: dict[int, int] = {}  # run's last page -> its first page
+        self._heap: list[tuple[int, int]] = []  # (-length, first page), some stale
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Every run as (first page, end), in page order."""
+        return sorted(self._end.items())
+
+    def largest(self) -> tuple[int, int] | None:
+        """The longest run as (first page, end), or None when no page is free."""
+        heap = self._heap
+        while heap and self._end.get(heap[0][1]) != heap[0][1] - heap[0][0]:
+            heapq.heappop(heap)
+        return (heap[0][1], heap[0][1] - heap[0][0]) if heap else None
+
+    def add(self, page: int) -> None:
+        """`page` becomes free, joining the runs on either side of it."""
+        start, end = self._start.pop(page - 1, page), self._end.pop(page + 1, page + 1)
+        self._set(start, end)  # overwrites the joined runs' other ends
+        self.is_free[page] = 1
+        self.count += 1
+
+    def take(self, page: int, start: int | None = None) -> None:
+        """`page`, free, is taken, splitting its run; `start`: the run's first page if known
+        (else found by walking left from `page`)."""
+        if start is None:
+            start = page
+            while self.is_free[start - 1]:  # page 0 is never free, so this stops
+                start -= 1
+        end = self._end.pop(start)
+        del self._start[end - 1]
+        if start < page:
+            self._set(start, page)
+        if page + 1 < end:
+            self._set(page + 1, end)
+        self.is_free[page] = 0
+        self.count -= 1
+
+    def _set(self, start: int, end: int) -> None:
+        self._end[start], self._start[end - 1] = end, start
+        if len(self._heap) > 2 * len(self._end) + 64:  # mostly stale: rebuild
+            self._heap = [(s - e, s) for s, e in self._end.items()]
+            heapq.heapify(self._heap)
+        else:
+            heapq.heappush(self._heap, (start - end, start))
+
+
 class KvPages:
     def __init__(self, num_pages: int, page_size: int, reserve_pages: int = 0) -> None:
         """`num_pages` includes the null page, so `num_pages - 1` hold KV. `reserve_pages`: what
@@ -113,13 +169,16 @@ class KvPages:
         self.page_size = page_size
         self.reserve_pages = reserve_pages
         self._refs = [0] * num_pages  # page -> how many block tables hold it
-        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out 1, 2, 3, ...
+        self._runs = _FreeRuns(num_pages)  # the free pages
+        self._ends = [0] * num_pages  # page -> how many block tables end with it
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refs 0; oldest first
         self._index: dict[_Key, int] = {}  # key -> page
         self._key: dict[int, _Key] = {}  # page -> its key (keyed pages only)
         self._children = [0] * num_pages  # page -> keyed pages whose parent it is
         self._seqs: dict[SeqId, _Sequence] = {}  # in admission order (victim: the last)
         self._queried = self._hit = self._evicted = 0
+        for page in range(num_pages - 1, 0, -1):  # a free list then hands out 1, 2, 3, ...
+            self._put_free(page)
 
     # -- questions -------------------------------------------------------------------------
 
@@ -182,7 +241,7 @@ class KvPages:
         return np.stack([self.table(seq, width) for seq in seqs]) if seqs else np.zeros((0, width), np.int32)
 
     def stats(self) -> PageStats:
-        free, cached = len(self._free), len(self._lru)
+        free, cached = self._runs.count, len(self._lru)
         total = self.usable_pages
         return PageStats(total, total - free - cached, cached, free, self._queried, self._hit, self._evicted)
 
@@ -217,7 +276,7 @@ class KvPages:
         used. False, changing nothing, when there are not enough: the scheduler then preempts
         (`victim`, `preempt`). A length within what is reserved is a no-op."""
         state = self._seqs[seq]
-        if self.pages_for(length) - len(state.pages) > len(self._free) + len(self._lru):
+        if self.pages_for(length) - len(state.pages) > self._runs.count + len(self._lru):
             return False
         self._grow(state, length)
         return True
@@ -241,6 +300,9 @@ class KvPages:
             else:  # computed twice (admitted before the other published it): keep one
                 self._hold(cached)
                 state.pages[i] = cached
+                if i == len(state.pages) - 1:
+                    self._ends[own] -= 1
+                    self._ends[cached] += 1
                 self._release(own)
             state.published = i + 1
             done += 1
@@ -249,7 +311,10 @@ class KvPages:
     def free(self, seq: SeqId) -> None:
         """`seq` ended (finished, cancelled or preempted): its table goes. Its keyed pages stay
         cached while another table holds them or until evicted; the others are free at once."""
-        for page in reversed(self._seqs.pop(seq).pages):  # deepest first: parents end more recent
+        pages = self._seqs.pop(seq).pages
+        if pages:
+            self._ends[pages[-1]] -= 1
+        for page in reversed(pages):  # deepest first: parents end more recent
             self._release(page)
 
     def preempt(self, seq: SeqId, written_token_ids: Sequence[int]) -> int:
@@ -268,14 +333,20 @@ class KvPages:
         room: attaching them makes them used)."""
         reserve = self.reserve_pages if reserve_pages is None else reserve_pages
         hit = self.lookup(prompt_token_ids)
-        room = len(self._free) + len(self._lru) - sum(1 for page in hit if self._refs[page] == 0)
+        room = self._runs.count + len(self._lru) - sum(1 for page in hit if self._refs[page] == 0)
         return hit, self.pages_for(len(prompt_token_ids)) - len(hit) + reserve <= room
 
     def _grow(self, state: _Sequence, length: int) -> None:
-        while len(state.pages) < self.pages_for(length):
-            page = self._take()
-            self._refs[page] = 1
-            state.pages.append(page)
+        """Take the pages up to `length`, and keep `_ends` naming the table's last page."""
+        pages, want = state.pages, self.pages_for(length)
+        if len(pages) < want:
+            if pages:
+                self._ends[pages[-1]] -= 1
+            while len(pages) < want:
+                page = self._take(pages[-1] if pages else NULL_PAGE, want - len(pages))
+                self._refs[page] = 1
+                pages.append(page)
+            self._ends[pages[-1]] += 1
         state.length = max(state.length, length)
 
     def _hold(self, page: int) -> None:
@@ -289,12 +360,29 @@ class KvPages:
             if page in self._key:
                 self._lru[page] = None
             else:
-                self._free.append(page)
+                self._put_free(page)
 
-    def _take(self) -> int:
+    def _put_free(self, page: int) -> None:
+        self._runs.add(page)
+
+    def _take_free(self, last: int, need: int) -> int:
+        """A free page (there is one) for a table whose last page is `last` (NULL_PAGE if none)
+        and that wants `need` pages now: the module docstring's runs of adjacent ids."""
+        runs = self._runs
+        if last != NULL_PAGE and last + 1 < self.num_pages and runs.is_free[last + 1]:
+            runs.take(last + 1, last + 1)  # the page after a used one starts its run
+            return last + 1
+        start, end = runs.largest()
+        page = start
+        if self._ends[start - 1]:  # a table ends just before: leave it half the room
+            page += max(0, (end - start - need) // 2)
+        runs.take(page, start)
+        return page
+
+    def _take(self, last: int, need: int) -> int:
         """A page for a table: a free one, else the least recently released cached leaf."""
-        if self._free:
-            return self._free.pop()
+        if self._runs.count:
+            return self._take_free(last, need)
         page, _ = self._lru.popitem(last=False)
         if self._children[page]:
             raise RuntimeError(f"page {page}, the least recently released, has cached children")
@@ -302,4 +390,24 @@ class KvPages:
         del self._index[key]
         self._children[key[0]] -= 1
         self._evicted += 1
+        return page
+
+
+class FreeListPages(KvPages):
+    """`KvPages` handing out free pages as a free list does (the most recently freed first, and
+    1, 2, 3, ... from a fresh pool), whatever page a table ends with: the allocator before runs,
+    kept as the reference that tests (same outcomes, call for call) and benchmarks (its tables
+    against `KvPages`'s) compare with."""
+
+    def __init__(self, num_pages: int, page_size: int, reserve_pages: int = 0) -> None:
+        self._stack: list[int] = []  # the free pages; pop() takes the most recently freed
+        super().__init__(num_pages, page_size, reserve_pages)
+
+    def _put_free(self, page: int) -> None:
+        self._stack.append(page)
+        self._runs.add(page)
+
+    def _take_free(self, last: int, need: int) -> int:
+        page = self._stack.pop()
+        self._runs.take(page)
         return page
