@@ -263,6 +263,8 @@ class KvPages:
         for page in hit:  # first the shared pages, so that making room below cannot evict them
             self._hold(page)
         state.pages.extend(hit)
+        if hit:
+            self._ends[hit[-1]] += 1  # the table's last page for now, which _grow moves on
         state.published = len(hit)
         state.length = len(hit) * self.page_size
         self._grow(state, len(prompt_token_ids))
