@@ -284,17 +284,17 @@ def test_a_run_that_meets_another_goes_on_in_the_largest_free_run():
 
 
 def test_a_cached_page_is_never_evicted_to_stay_adjacent():
-    pool = KvPages(num_pages=5, page_size=1)
-    pool.admit("a", [9])  # page 1
-    pool.admit("b", [7, 8])  # pages 2, 3
-    assert pool.pages("b") == (2, 3)
-    pool.publish("b", [7, 8])
-    pool.free("b")  # 2 and 3 cached, 4 free
-    assert pool.grow("a", 2)
-    assert pool.pages("a") == (1, 4)  # not the cached page 2, though it is next to 1
-    assert pool.stats().evicted == 0 and pool.lookup([7, 8, 0]) == (2, 3)
-    assert pool.grow("a", 3) and pool.stats().evicted == 1  # none free: then the LRU leaf, 3
-    assert pool.pages("a") == (1, 4, 3) and pool.lookup([7, 8, 0]) == (2,)
+    pool = KvPages(num_pages=6, page_size=1)
+    pool.admit("x", [7, 8, 9])
+    assert pool.pages("x") == (1, 2, 3)
+    pool.publish("x", [7, 8, 9])
+    pool.free("x")  # 1, 2, 3 cached (3 a leaf, evictable), 4 and 5 free
+    assert pool.admit("a", [7, 8, 5]) == 2  # shares 1 and 2, and needs a page of its own
+    assert pool.pages("a") == (1, 2, 4)  # not the cached 3, though it is next to 2
+    assert pool.stats().evicted == 0 and pool.lookup([7, 8, 9, 0]) == (1, 2, 3)
+    assert pool.grow("a", 4) and pool.pages("a")[-1] == 5 and pool.stats().evicted == 0
+    assert pool.grow("a", 5) and pool.stats().evicted == 1  # none free: only then the LRU leaf, 3
+    assert pool.pages("a") == (1, 2, 4, 5, 3) and pool.lookup([7, 8, 9, 0]) == (1, 2)
 
 
 _ops = st.lists(
