@@ -103,8 +103,10 @@ class _Sequence:
 
 class _FreeRuns:
     """The free pages, as the maximal runs of adjacent ids they form: each run indexed by its
-    first and its last page, and in a max-heap by length whose stale entries (runs since split or
-    merged) are dropped when they reach the top, and all of them when they outnumber the runs."""
+    first and its last page, and in a max-heap by length. The heap is brought up to date only
+    when asked for the largest run (a table freed page by page makes one run, not one heap entry
+    a page); entries of runs since split or merged are dropped when they reach the top, and all
+    of them when they outnumber the runs."""
 
     def __init__(self, num_pages: int) -> None:
         self.is_free = bytearray(num_pages)  # page -> 1 if free
@@ -112,6 +114,7 @@ class _FreeRuns:
         self._end: dict[int, int] = {}  # run's first page -> its end (exclusive)
         self._start: dict[int, int] = {}  # run's last page -> its first page
         self._heap: list[tuple[int, int]] = []  # (-length, first page), some stale
+        self._new: set[int] = set()  # first pages of runs made since the heap was brought up to date
 
     def runs(self) -> list[tuple[int, int]]:
         """Every run as (first page, end), in page order."""
@@ -119,8 +122,16 @@ class _FreeRuns:
 
     def largest(self) -> tuple[int, int] | None:
         """The longest run as (first page, end), or None when no page is free."""
-        heap = self._heap
-        while heap and self._end.get(heap[0][1]) != heap[0][1] - heap[0][0]:
+        ends, heap = self._end, self._heap
+        if len(heap) + len(self._new) > 2 * len(ends) + 64:  # mostly stale: rebuild
+            heap[:] = [(start - end, start) for start, end in ends.items()]
+            heapq.heapify(heap)
+        else:
+            for start in self._new:
+                if start in ends:
+                    heapq.heappush(heap, (start - ends[start], start))
+        self._new.clear()
+        while heap and ends.get(heap[0][1]) != heap[0][1] - heap[0][0]:
             heapq.heappop(heap)
         return (heap[0][1], heap[0][1] - heap[0][0]) if heap else None
 
@@ -149,11 +160,7 @@ class _FreeRuns:
 
     def _set(self, start: int, end: int) -> None:
         self._end[start], self._start[end - 1] = end, start
-        if len(self._heap) > 2 * len(self._end) + 64:  # mostly stale: rebuild
-            self._heap = [(s - e, s) for s, e in self._end.items()]
-            heapq.heapify(self._heap)
-        else:
-            heapq.heappush(self._heap, (start - end, start))
+        self._new.add(start)
 
 
 class KvPages:
