@@ -135,28 +135,31 @@ class _FreeRuns:
             heapq.heappop(heap)
         return (heap[0][1], heap[0][1] - heap[0][0]) if heap else None
 
-    def add(self, page: int) -> None:
-        """`page` becomes free, joining the runs on either side of it."""
-        start, end = self._start.pop(page - 1, page), self._end.pop(page + 1, page + 1)
+    def add(self, first: int, stop: int) -> None:
+        """Pages first..stop-1, none of them free, become free, joining the runs on either side."""
+        start, end = self._start.pop(first - 1, first), self._end.pop(stop, stop)
         self._set(start, end)  # overwrites the joined runs' other ends
-        self.is_free[page] = 1
-        self.count += 1
+        self.is_free[first:stop] = b"\x01" * (stop - first)
+        self.count += stop - first
 
-    def take(self, page: int, start: int | None = None) -> None:
-        """`page`, free, is taken, splitting its run; `start`: the run's first page if known
-        (else found by walking left from `page`)."""
+    def take(self, page: int, count: int = 1, start: int | None = None) -> int:
+        """Up to `count` free pages from `page` on, as far as its run goes, are taken, splitting
+        the run; `start`: the run's first page if known (else found by walking left from `page`).
+        -> how many were taken."""
         if start is None:
             start = page
             while self.is_free[start - 1]:  # page 0 is never free, so this stops
                 start -= 1
         end = self._end.pop(start)
         del self._start[end - 1]
+        stop = min(end, page + count)
         if start < page:
             self._set(start, page)
-        if page + 1 < end:
-            self._set(page + 1, end)
-        self.is_free[page] = 0
-        self.count -= 1
+        if stop < end:
+            self._set(stop, end)
+        self.is_free[page:stop] = bytes(stop - page)
+        self.count -= stop - page
+        return stop - page
 
     def _set(self, start: int, end: int) -> None:
         self._end[start], self._start[end - 1] = end, start
@@ -184,8 +187,7 @@ class KvPages:
         self._children = [0] * num_pages  # page -> keyed pages whose parent it is
         self._seqs: dict[SeqId, _Sequence] = {}  # in admission order (victim: the last)
         self._queried = self._hit = self._evicted = 0
-        for page in range(num_pages - 1, 0, -1):  # a free list then hands out 1, 2, 3, ...
-            self._put_free(page)
+        self._put_free(range(num_pages - 1, 0, -1))  # a free list then hands out 1, 2, 3, ...
 
     # -- questions -------------------------------------------------------------------------
 
@@ -312,7 +314,7 @@ class KvPages:
                 if i == len(state.pages) - 1:
                     self._ends[own] -= 1
                     self._ends[cached] += 1
-                self._release(own)
+                self._put_free([own] if self._release(own) else [])
             state.published = i + 1
             done += 1
         return done
@@ -323,8 +325,8 @@ class KvPages:
         pages = self._seqs.pop(seq).pages
         if pages:
             self._ends[pages[-1]] -= 1
-        for page in reversed(pages):  # deepest first: parents end more recent
-            self._release(page)
+        # deepest first: parents end more recent
+        self._put_free([page for page in reversed(pages) if self._release(page)])
 
     def preempt(self, seq: SeqId, written_token_ids: Sequence[int]) -> int:
         """Publish what `seq` has written, then free it: its recompute starts from the cache.
@@ -352,9 +354,9 @@ class KvPages:
             if pages:
                 self._ends[pages[-1]] -= 1
             while len(pages) < want:
-                page = self._take(pages[-1] if pages else NULL_PAGE, want - len(pages))
-                self._refs[page] = 1
-                pages.append(page)
+                for page in self._take(pages[-1] if pages else NULL_PAGE, want - len(pages)):
+                    self._refs[page] = 1
+                    pages.append(page)
             self._ends[pages[-1]] += 1
         state.length = max(state.length, length)
 
@@ -363,33 +365,43 @@ class KvPages:
             del self._lru[page]
         self._refs[page] += 1
 
-    def _release(self, page: int) -> None:
+    def _release(self, page: int) -> bool:
+        """A table lets go of `page`. -> whether it is now free (the caller puts it there)."""
         self._refs[page] -= 1
         if self._refs[page] == 0:
-            if page in self._key:
-                self._lru[page] = None
-            else:
-                self._put_free(page)
+            if page not in self._key:
+                return True
+            self._lru[page] = None
+        return False
 
-    def _put_free(self, page: int) -> None:
-        self._runs.add(page)
+    def _put_free(self, pages: Sequence[int]) -> None:
+        """`pages` become free, a run of adjacent ids at a time (a table's, deepest first, mostly
+        are: one change to the runs each)."""
+        i = 0
+        while i < len(pages):
+            j = i + 1
+            while j < len(pages) and pages[j] == pages[j - 1] - 1:
+                j += 1
+            self._runs.add(pages[j - 1], pages[i] + 1)
+            i = j
 
-    def _take_free(self, last: int, need: int) -> int:
-        """A free page (there is one) for a table whose last page is `last` (NULL_PAGE if none)
-        and that wants `need` pages now: the module docstring's runs of adjacent ids."""
+    def _take_free(self, last: int, need: int) -> Sequence[int]:
+        """Free pages (there is one) for a table whose last page is `last` (NULL_PAGE if none)
+        and that wants `need` pages now: one run of adjacent ids, as many of the `need` as it
+        holds (the module docstring says where it is)."""
         runs = self._runs
         if last != NULL_PAGE and last + 1 < self.num_pages and runs.is_free[last + 1]:
-            runs.take(last + 1, last + 1)  # the page after a used one starts its run
-            return last + 1
-        start, end = runs.largest()
-        page = start
-        if self._ends[start - 1]:  # a table ends just before: leave it half the room
-            page += max(0, (end - start - need) // 2)
-        runs.take(page, start)
-        return page
+            first = start = last + 1  # the page after a used one starts its run
+        else:
+            start, end = runs.largest()
+            first = start
+            if self._ends[start - 1]:  # a table ends just before: leave it half the room
+                first += max(0, (end - start - need) // 2)
+        return range(first, first + runs.take(first, need, start))
 
-    def _take(self, last: int, need: int) -> int:
-        """A page for a table: a free one, else the least recently released cached leaf."""
+    def _take(self, last: int, need: int) -> Sequence[int]:
+        """Pages for a table, at least one: free ones, else the least recently released cached
+        leaf."""
         if self._runs.count:
             return self._take_free(last, need)
         page, _ = self._lru.popitem(last=False)
@@ -399,7 +411,7 @@ class KvPages:
         del self._index[key]
         self._children[key[0]] -= 1
         self._evicted += 1
-        return page
+        return (page,)
 
 
 class FreeListPages(KvPages):
@@ -412,11 +424,12 @@ class FreeListPages(KvPages):
         self._stack: list[int] = []  # the free pages; pop() takes the most recently freed
         super().__init__(num_pages, page_size, reserve_pages)
 
-    def _put_free(self, page: int) -> None:
-        self._stack.append(page)
-        self._runs.add(page)
+    def _put_free(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self._stack.append(page)
+            self._runs.add(page, page + 1)
 
-    def _take_free(self, last: int, need: int) -> int:
+    def _take_free(self, last: int, need: int) -> Sequence[int]:
         page = self._stack.pop()
         self._runs.take(page)
-        return page
+        return (page,)
