@@ -59,6 +59,24 @@ with no reserve when no sequence is admitted (a pool that is all free or cached 
 grow into it), so `could_ever_fit(..., reserve_pages=0)` is the test of a request that will
 run: alone in the pool it is admitted and every page is there to grow into, and while others
 run beside it the oldest is never the victim, so the oldest always moves on.
+
+**Which free page: runs of adjacent ids.** The CPU decode kernel reads a row's pages one after
+another, and is as fast as over a contiguous cache only when they lie next to each other in
+memory, in runs of about 8 pages or more (engine/jax_backend/kernels/decode_attention.cc;
+benchmarks/paged_attention_kernel.py). A free list hands the sequences that grow in the same
+decode steps their pages in turn, so every table interleaves with the others. Here a table takes
+the page right after its last one when that page is free; else it starts a new run inside the
+largest run of free pages: at its first page when no table ends just before it, else far enough
+in to leave that table half the room to grow into (after the pages asked for now). A prompt's
+pages are taken the same way, a run at a time. Only when no page is free is a cached one
+evicted, as before (LRU, leaves first): a cached page is never evicted to stay adjacent. Which
+free page is taken is all this changes: every call takes a free page exactly when a free list
+would, so admissions, growth, evictions and preemptions happen as they would with one
+(tests/test_kv_pages.py checks it call for call against `FreeListPages`, the free list kept as
+the reference). The free pages are kept as maximal runs (`_FreeRuns`), indexed by both ends and
+in a heap by length: taking or freeing pages costs a few dict operations per run touched, and
+the largest run comes off the heap (O(log runs) per run made since), never from a scan of the
+pool. benchmarks/kv_pages_layout.py measures it: a few microseconds a call.
 """
 
 from __future__ import annotations
