@@ -35,7 +35,9 @@ class Serving:
     """The module docstring's workload over one allocator, a step at a time; `seconds` and
     `calls` add up the time spent in admit, grow and free."""
 
-    def __init__(self, allocator: type[KvPages], slots: int, num_pages: int, lengths: tuple[int, int], seed: int) -> None:
+    def __init__(
+        self, allocator: type[KvPages], slots: int, num_pages: int, lengths: tuple[int, int], seed: int
+    ) -> None:
         self.pool = allocator(num_pages, PAGE_SIZE, reserve_pages=min(slots, num_pages // 8))
         self.slots, self.lengths = slots, lengths
         self.rng = random.Random(seed)

@@ -14,8 +14,9 @@ engine.core.kv_pages's allocators really make under a simulated serving workload
 (benchmarks/kv_pages_layout.py, `served_tables`): "served free list" (the free list it had
 first, `FreeListPages`) and "served runs" (`KvPages`, which hands out runs of adjacent pages),
 its ids packed so that pages adjacent in the pool stay adjacent and no others become so.
-Each timed call is one jitted step over `layers` layers, each layer its own buffers (so the keys come from memory, not a cache
-level, as in a real step), chained through the queries so that XLA runs them one after another.
+Each timed call is one jitted step over `layers` layers, each layer its own buffers (so the
+keys come from memory, not a cache level, as in a real step), chained through the queries so
+that XLA runs them one after another.
 Rounds interleave the layouts (alternating their order); the figures are medians per layer and
 the ratios contiguous / paged (above 1: paged faster). All buffers are made by XLA (a jitted
 copy), as the model's pools are.

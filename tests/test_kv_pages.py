@@ -509,7 +509,8 @@ class PagesMachine(RuleBasedStateMachine):
         assert all(end < start for (_, end), (start, _) in zip(spans, spans[1:]))
         longest = max((end - start for start, end in spans), default=None)
         assert (lambda run: run and run[1] - run[0])(pool._runs.largest()) == longest
-        assert all(pool._ends[p] == [pages[-1] for pages in tables.values() if pages].count(p) for p in range(pool.num_pages))
+        lasts = [pages[-1] for pages in tables.values() if pages]  # how many tables end with each page
+        assert all(pool._ends[page] == lasts.count(page) for page in range(pool.num_pages))
         stats = pool.stats()
         assert (stats.total, stats.used, stats.cached, stats.free) == (
             pool.num_pages - 1, len(used), len(cached), len(free)
