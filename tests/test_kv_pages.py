@@ -13,7 +13,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.core.kv_pages import NULL_PAGE, FreeListPages, KvPages, OutOfPages, PageStats
+from engine.core.kv_pages import NULL_PAGE, FreeListPages, KvPages, OutOfPages, PageStats, _FreeRuns
 from support.examples import examples
 
 
@@ -295,6 +295,28 @@ def test_a_cached_page_is_never_evicted_to_stay_adjacent():
     assert pool.grow("a", 4) and pool.pages("a")[-1] == 5 and pool.stats().evicted == 0
     assert pool.grow("a", 5) and pool.stats().evicted == 1  # none free: only then the LRU leaf, 3
     assert pool.pages("a") == (1, 2, 4, 5, 3) and pool.lookup([7, 8, 9, 0]) == (1, 2)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(toggles=st.lists(st.integers(1, 63), max_size=600), every=st.integers(1, 9))
+def test_the_free_runs_always_know_the_largest_run(toggles: list[int], every: int):
+    """`_FreeRuns` against a scan of its flags, through many splits and merges (so that its heap
+    fills with stale entries and is rebuilt), asked for the largest run every `every` changes."""
+    runs = _FreeRuns(64)
+    runs.add(1, 64)
+    for n, page in enumerate(toggles):
+        if runs.is_free[page]:
+            runs.take(page)
+        else:
+            runs.add(page, page + 1)
+        if n % every == 0:
+            free = [p for p in range(64) if runs.is_free[p]]
+            spans = runs.runs()
+            assert [p for start, end in spans for p in range(start, end)] == free and runs.count == len(free)
+            assert all(end < start for (_, end), (start, _) in zip(spans, spans[1:]))  # maximal
+            largest = runs.largest()
+            assert (largest[1] - largest[0] if largest else 0) == max((e - s for s, e in spans), default=0)
+            assert largest is None or largest in spans
 
 
 _ops = st.lists(
