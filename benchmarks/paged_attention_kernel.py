@@ -9,9 +9,14 @@ on the same keys, values and queries: the contiguous cache [R, K, S, D], and the
 pools [K, N, P, D] through tables whose pages are in order (a row's pages one after another, as a
 prompt's are when it is admitted to a fresh pool), interleaved (row r's page i is page i * R + r:
 the rows' decode steps took pages in turn) and shuffled (scattered over the pool, as after a while
-of serving; for a chunk, one sequence, only in order and shuffled). Each timed call is one jitted
-step over `layers` layers, each layer its own buffers (so the keys come from memory, not a cache
-level, as in a real step), chained through the queries so that XLA runs them one after another.
+of serving; for a chunk, one sequence, only in order and shuffled); and, for decode, the tables
+engine.core.kv_pages's allocators really make under a simulated serving workload
+(benchmarks/kv_pages_layout.py, `served_tables`): "served free list" (the free list it had
+first, `FreeListPages`) and "served runs" (`KvPages`, which hands out runs of adjacent pages),
+its ids packed so that pages adjacent in the pool stay adjacent and no others become so.
+Each timed call is one jitted step over `layers` layers, each layer its own buffers (so the
+keys come from memory, not a cache level, as in a real step), chained through the queries so
+that XLA runs them one after another.
 Rounds interleave the layouts (alternating their order); the figures are medians per layer and
 the ratios contiguous / paged (above 1: paged faster). All buffers are made by XLA (a jitted
 copy), as the model's pools are.
@@ -19,12 +24,14 @@ copy), as the model's pools are.
 The host is shared and noisy: compare ratios of one run, not absolute times across runs.
 
     python -m benchmarks.paged_attention_kernel [--rounds 16] [--calls 2] [--threads N] [--page-size 16]
+        [--layouts "paged served free list,paged served runs"]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import statistics
 import subprocess
 import tempfile
@@ -35,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import kv_pages_layout
 from engine.jax_backend import cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64  # SmolLM2-135M
@@ -42,7 +50,9 @@ DECODE_SHAPES = [(rows, keys) for rows in (1, 8, 32) for keys in (64, 128, 256, 
 CHUNK_STARTS = (240, 1000, 1784)  # a 16-token chunk's start: its keys are start + 16
 CHUNK = 16
 LAYER_BYTES = 256 << 20  # the layers of a call hold at least this much KV (per layout), far past the L3
-LAYOUTS = ("contiguous", "paged in order", "paged interleaved", "paged shuffled")
+LAYOUTS = ("contiguous", "paged in order", "paged interleaved", "paged shuffled", "paged served free list",
+           "paged served runs")
+SERVED = {"paged served free list": "free list", "paged served runs": "runs"}  # -> kv_pages_layout.ALLOCATORS
 OLD_DECODE, OLD_CHUNK = "tokenwire_decode_attention_contiguous", "tokenwire_chunk_attention_contiguous"
 REPO = Path(__file__).resolve().parent.parent
 
@@ -74,17 +84,28 @@ def paged(cache: np.ndarray, page_size: int, layout: str) -> tuple[np.ndarray, n
     rows, kv, length, d = cache.shape
     width = -(-length // page_size)
     pages = np.arange(rows * width)
-    order = {
-        "paged in order": pages.reshape(rows, width),
-        "paged interleaved": pages.reshape(width, rows).T,
-        "paged shuffled": np.random.default_rng(1).permutation(pages).reshape(rows, width),
-    }[layout]
+    if layout in SERVED:
+        order = _served(SERVED[layout], rows, length, page_size)  # [R, W]
+    else:
+        order = {
+            "paged in order": pages.reshape(rows, width),
+            "paged interleaved": pages.reshape(width, rows).T,
+            "paged shuffled": np.random.default_rng(1).permutation(pages).reshape(rows, width),
+        }[layout]
     tables = (order + 1).astype(np.int32)
-    pool = np.zeros((kv, rows * width + 1, page_size, d), np.float32)
+    pool = np.zeros((kv, int(tables.max()) + 1, page_size, d), np.float32)
     padded = np.zeros((rows, kv, width * page_size, d), np.float32)
     padded[:, :, :length] = cache
     pool[:, tables] = padded.reshape(rows, kv, width, page_size, d).transpose(1, 0, 2, 3, 4)
     return pool, tables
+
+
+@functools.cache
+def _served(allocator: str, rows: int, keys: int, page_size: int) -> np.ndarray:
+    """The served layouts' tables ([R, W], 0-based), made once a shape for every layer."""
+    if page_size != kv_pages_layout.PAGE_SIZE:
+        raise ValueError(f"the served layouts are simulated with pages of {kv_pages_layout.PAGE_SIZE}")
+    return kv_pages_layout.served_tables(kv_pages_layout.ALLOCATORS[allocator], rows, keys)
 
 
 def decode_steps(layers: int, paged_layout: bool):
@@ -157,17 +178,18 @@ def _layouts(rng, shape: tuple[int, ...], layers: int, page_size: int, layouts) 
     return out
 
 
-def bench_decode(rng, rows: int, keys: int, page_size: int, rounds: int, per_round: int) -> tuple[int, dict[str, float]]:
+def bench_decode(rng, rows: int, keys: int, page_size: int, rounds: int, per_round: int,
+                 layouts: tuple[str, ...] = LAYOUTS) -> tuple[int, dict[str, float]]:
     layers = layers_for(2 * rows * KV_HEADS * keys * HEAD_DIM * 4)
     q = jnp.asarray(rng.standard_normal((rows, HEADS, HEAD_DIM), np.float32))
     positions = jnp.full((rows,), keys - 1, jnp.int32)
-    data = _layouts(rng, (rows, KV_HEADS, keys, HEAD_DIM), layers, page_size, LAYOUTS)
-    steps = {name: decode_steps(layers, name != "contiguous") for name in LAYOUTS}
+    data = _layouts(rng, (rows, KV_HEADS, keys, HEAD_DIM), layers, page_size, layouts)
+    steps = {name: decode_steps(layers, name != "contiguous") for name in layouts}
     dummy = jnp.zeros((rows, 1), jnp.int32)
     calls = {
         name: (lambda name=name: jax.block_until_ready(
             steps[name](q, data[name][0], data[name][1], dummy if data[name][2] is None else data[name][2], positions)))
-        for name in LAYOUTS
+        for name in layouts
     }
     medians = interleaved(calls, rounds, per_round)
     return layers, {name: t / layers for name, t in medians.items()}
@@ -199,7 +221,8 @@ def _row(label: str, keys: int, layers: int, t: dict[str, float]) -> str:
 
 
 def _header(first: str, t: dict[str, float]) -> str:
-    names = {"paged in order": "order", "paged interleaved": "inter", "paged shuffled": "shuffle"}
+    names = {"paged in order": "order", "paged interleaved": "inter", "paged shuffled": "shuffle",
+             "paged served free list": "flist", "paged served runs": "runs"}
     cells = "".join(f" {names[name] + ' us':>9} {'c/' + names[name][:4]:>6}" for name in LAYOUTS[1:] if name in t)
     return f"{first:>11} {'keys':>5} {'layers':>6} {'contig us':>9}{cells}"
 
@@ -214,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isa", choices=("avx512", "avx2"), default="avx512", help="cap both builds at this ISA")
     parser.add_argument("--only", choices=("decode", "chunk"), help="one kernel only")
     parser.add_argument("--rows", default="1,8,32", help="the decode batches to time (comma-separated)")
+    parser.add_argument("--keys", default="64,128,256,512", help="the decode keys to time (comma-separated)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS[1:]), help="the paged decode layouts to time (comma-separated)")
     args = parser.parse_args(argv)
     kernels = cpu_kernels.load()
     if kernels is None:
@@ -230,9 +255,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"threads {args.threads}, page size {args.page_size}, ISA cap {args.isa}, baseline {args.baseline_rev}; "
           f"medians of {args.rounds} interleaved rounds x {args.calls} calls, per layer")
     if args.only in (None, "decode"):
-        batches = {int(r) for r in args.rows.split(",")}
-        for i, (rows, keys) in enumerate(shape for shape in DECODE_SHAPES if shape[0] in batches):
-            layers, t = bench_decode(rng, rows, keys, args.page_size, args.rounds, args.calls)
+        batches, lengths = {int(r) for r in args.rows.split(",")}, {int(k) for k in args.keys.split(",")}
+        layouts = ("contiguous", *(name for name in LAYOUTS[1:] if name in args.layouts.split(",")))
+        shapes = [(rows, keys) for rows, keys in DECODE_SHAPES if rows in batches and keys in lengths]
+        for i, (rows, keys) in enumerate(shapes):
+            layers, t = bench_decode(rng, rows, keys, args.page_size, args.rounds, args.calls, layouts)
             print((_header("decode rows", t) + "\n" if i == 0 else "") + _row(str(rows), keys, layers, t), flush=True)
     if args.only in (None, "chunk"):
         for i, start in enumerate(CHUNK_STARTS):

@@ -1,17 +1,19 @@
 """`KvPages`, the page allocator of issue 41: hand-written cases for each behaviour, then a
 Hypothesis state machine that runs random admissions, growth, writes, publishes, frees and
 preemptions in a small pool (so eviction is constant) against a simulated device, whose pages
-hold the token ids written into them, and checks every invariant after every step."""
+hold the token ids written into them, and checks every invariant after every step; and a
+property that the runs of adjacent pages cost no capacity: call for call, the same outcomes as
+the free list (`FreeListPages`)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import event, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from engine.core.kv_pages import NULL_PAGE, KvPages, OutOfPages, PageStats
+from engine.core.kv_pages import NULL_PAGE, FreeListPages, KvPages, OutOfPages, PageStats, _FreeRuns
 from support.examples import examples
 
 
@@ -230,6 +232,142 @@ def test_the_reserve_must_leave_a_page_to_hold_kv():
         KvPages(num_pages=1, page_size=4)
 
 
+# -- runs of adjacent pages ------------------------------------------------------------------
+
+
+def runs(pages: tuple[int, ...]) -> list[int]:
+    """The lengths of the runs of adjacent ids in a table, in order."""
+    lengths = [1]
+    for before, page in zip(pages, pages[1:]):
+        if page == before + 1:
+            lengths[-1] += 1
+        else:
+            lengths.append(1)
+    return lengths
+
+
+def test_a_sequence_growing_alone_takes_adjacent_pages():
+    pool = KvPages(num_pages=65, page_size=4)
+    pool.admit("a", ids(9))  # 3 pages at once
+    for length in range(10, 4 * 40 + 1):  # then a decode step at a time
+        assert pool.grow("a", length)
+    assert pool.pages("a") == tuple(range(1, 41))
+    free = FreeListPages(num_pages=65, page_size=4)  # a free list does this too...
+    free.admit("a", ids(9))
+    free.grow("a", 4 * 40)
+    assert free.pages("a") == tuple(range(1, 41))
+
+
+def test_sequences_growing_in_turn_each_take_a_run_of_their_own():
+    pool, free = KvPages(num_pages=65, page_size=1), FreeListPages(num_pages=65, page_size=1)
+    for p in (pool, free):
+        p.admit("a", [1])
+        p.admit("b", [2])
+        for length in range(2, 33):  # a decode step each, in turn
+            assert p.grow("a", length) and p.grow("b", length)
+    # b started halfway into the free pages after a's, leaving a the half before it to grow into
+    assert pool.pages("a") == tuple(range(1, 33)) and pool.pages("b") == tuple(range(33, 65))
+    assert runs(free.pages("a")) == [1] * 32  # ...where a free list interleaves them (1, 3, 5, ...)
+    pool.free("a")  # a's pages free again, one run: c takes it from its start
+    pool.admit("c", [3, 3, 3])
+    assert pool.pages("c") == (1, 2, 3)
+
+
+def test_a_run_that_meets_another_goes_on_in_the_largest_free_run():
+    pool = KvPages(num_pages=17, page_size=1)
+    pool.admit("a", [1])  # page 1
+    pool.admit("b", [2, 2, 2])  # the free run 2..16 has a's end before it: b starts at 2 + (15 - 3) // 2
+    assert pool.pages("b") == (8, 9, 10)
+    assert pool.grow("a", 7) and pool.pages("a") == tuple(range(1, 8))  # a's room, up to b
+    assert pool.grow("a", 8)  # page 8 is b's: the largest free run is 11..16, and b ends before it
+    assert pool.pages("a")[-1] == 11 + (6 - 1) // 2
+
+
+def test_a_cached_page_is_never_evicted_to_stay_adjacent():
+    pool = KvPages(num_pages=6, page_size=1)
+    pool.admit("x", [7, 8, 9])
+    assert pool.pages("x") == (1, 2, 3)
+    pool.publish("x", [7, 8, 9])
+    pool.free("x")  # 1, 2, 3 cached (3 a leaf, evictable), 4 and 5 free
+    assert pool.admit("a", [7, 8, 5]) == 2  # shares 1 and 2, and needs a page of its own
+    assert pool.pages("a") == (1, 2, 4)  # not the cached 3, though it is next to 2
+    assert pool.stats().evicted == 0 and pool.lookup([7, 8, 9, 0]) == (1, 2, 3)
+    assert pool.grow("a", 4) and pool.pages("a")[-1] == 5 and pool.stats().evicted == 0
+    assert pool.grow("a", 5) and pool.stats().evicted == 1  # none free: only then the LRU leaf, 3
+    assert pool.pages("a") == (1, 2, 4, 5, 3) and pool.lookup([7, 8, 9, 0]) == (1, 2)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(toggles=st.lists(st.integers(1, 63), max_size=600), every=st.integers(1, 9))
+def test_the_free_runs_always_know_the_largest_run(toggles: list[int], every: int):
+    """`_FreeRuns` against a scan of its flags, through many splits and merges (so that its heap
+    fills with stale entries and is rebuilt), asked for the largest run every `every` changes."""
+    runs = _FreeRuns(64)
+    runs.add(1, 64)
+    for n, page in enumerate(toggles):
+        if runs.is_free[page]:
+            runs.take(page)
+        else:
+            runs.add(page, page + 1)
+        if n % every == 0:
+            free = [p for p in range(64) if runs.is_free[p]]
+            spans = runs.runs()
+            assert [p for start, end in spans for p in range(start, end)] == free and runs.count == len(free)
+            assert all(end < start for (_, end), (start, _) in zip(spans, spans[1:]))  # maximal
+            largest = runs.largest()
+            assert (largest[1] - largest[0] if largest else 0) == max((e - s for s, e in spans), default=0)
+            assert largest is None or largest in spans
+
+
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.lists(st.integers(0, 1), min_size=1, max_size=12), st.integers(0, 2)),
+        st.tuples(st.just("grow"), st.integers(0, 7), st.integers(1, 9)),
+        st.tuples(st.just("publish"), st.integers(0, 7)),
+        st.tuples(st.just("free"), st.integers(0, 7)),
+        st.tuples(st.just("preempt")),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(num_pages=st.integers(2, 24), page_size=st.integers(1, 3), ops=_ops)
+def test_runs_cost_no_capacity_whatever_the_traffic(num_pages: int, page_size: int, ops: list[tuple]):
+    """Whatever a free list admits or grows, KvPages does too, and the other way round: the same
+    operations give the same answers and the same counts, call for call (only the page ids differ).
+    Ids from {0, 1}, so that prefixes are shared, swapped and evicted."""
+    pools = [KvPages(num_pages, page_size), FreeListPages(num_pages, page_size)]
+    tokens: dict[int, list[int]] = {}  # live sequence -> its ids (all reserved, taken as written)
+    for n, op in enumerate(ops):
+        live = list(tokens)
+        if op[0] != "admit" and not live:
+            continue
+        seq = live[op[1] % len(live)] if op[0] in ("grow", "publish", "free") else n
+        if op[0] == "admit":
+            reserve = op[2] % (num_pages - 1)
+            step = lambda p: (p.can_admit(op[1], reserve) and p.admit(n, op[1], reserve), p.stats().evicted)
+        elif op[0] == "grow":
+            step = lambda p: p.grow(seq, len(tokens[seq]) + op[2])
+        elif op[0] == "publish":
+            step = lambda p: p.publish(seq, tokens[seq])
+        elif op[0] == "free":
+            step = lambda p: p.free(seq)
+        else:
+            seq = pools[0].victim()
+            step = lambda p: (p.victim(), p.preempt(p.victim(), tokens[seq]))
+        ours, reference = (step(p) for p in pools)
+        assert ours == reference, op
+        assert pools[0].stats() == pools[1].stats()
+        if op[0] == "admit" and ours[0] is not False:
+            tokens[n] = list(op[1])
+        elif op[0] == "grow" and ours:
+            tokens[seq] += [seq % 2] * op[2]
+        elif op[0] in ("free", "preempt"):
+            del tokens[seq]
+        assert [len(pools[0].pages(s)) for s in tokens] == [len(pools[1].pages(s)) for s in tokens]
+
+
 # -- the state machine ------------------------------------------------------------------------
 
 
@@ -357,7 +495,7 @@ class PagesMachine(RuleBasedStateMachine):
         pool = self.pool
         tables = {seq: pool.pages(seq) for seq in self.order}
         held = [page for pages in tables.values() for page in pages]
-        free, cached = pool._free, list(pool._lru)
+        free, cached = [p for p in range(pool.num_pages) if pool._runs.is_free[p]], list(pool._lru)
         used = set(held)
         # every page is exactly one of free / used / cached, and the null page is none of them
         assert len(free) == len(set(free)) and NULL_PAGE not in used | set(free) | set(cached)
@@ -387,6 +525,14 @@ class PagesMachine(RuleBasedStateMachine):
             assert len(pages) == pool.pages_for(len(self.tokens[seq])) == len(set(pages))
             for i, page in enumerate(pages[: state.published]):
                 assert pool._key[page][0] == (pages[i - 1] if i else NULL_PAGE)
+        # the free runs are maximal, cover the free pages, and the largest is found
+        spans = pool._runs.runs()
+        assert [p for start, end in spans for p in range(start, end)] == free
+        assert all(end < start for (_, end), (start, _) in zip(spans, spans[1:]))
+        longest = max((end - start for start, end in spans), default=None)
+        assert (lambda run: run and run[1] - run[0])(pool._runs.largest()) == longest
+        lasts = [pages[-1] for pages in tables.values() if pages]  # how many tables end with each page
+        assert all(pool._ends[page] == lasts.count(page) for page in range(pool.num_pages))
         stats = pool.stats()
         assert (stats.total, stats.used, stats.cached, stats.free) == (
             pool.num_pages - 1, len(used), len(cached), len(free)

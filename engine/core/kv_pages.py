@@ -59,11 +59,30 @@ with no reserve when no sequence is admitted (a pool that is all free or cached 
 grow into it), so `could_ever_fit(..., reserve_pages=0)` is the test of a request that will
 run: alone in the pool it is admitted and every page is there to grow into, and while others
 run beside it the oldest is never the victim, so the oldest always moves on.
+
+**Which free page: runs of adjacent ids.** The CPU decode kernel reads a row's pages one after
+another, and is as fast as over a contiguous cache only when they lie next to each other in
+memory, in runs of about 8 pages or more (engine/jax_backend/kernels/decode_attention.cc;
+benchmarks/paged_attention_kernel.py). A free list hands the sequences that grow in the same
+decode steps their pages in turn, so every table interleaves with the others. Here a table takes
+the page right after its last one when that page is free; else it starts a new run inside the
+largest run of free pages: at its first page when no table ends just before it, else far enough
+in to leave that table half the room to grow into (after the pages asked for now). A prompt's
+pages are taken the same way, a run at a time. Only when no page is free is a cached one
+evicted, as before (LRU, leaves first): a cached page is never evicted to stay adjacent. Which
+free page is taken is all this changes: every call takes a free page exactly when a free list
+would, so admissions, growth, evictions and preemptions happen as they would with one
+(tests/test_kv_pages.py checks it call for call against `FreeListPages`, the free list kept as
+the reference). The free pages are kept as maximal runs (`_FreeRuns`), indexed by both ends and
+in a heap by length: taking or freeing pages costs a few dict operations per run touched, and
+the largest run comes off the heap (O(log runs) per run made since), never from a scan of the
+pool. benchmarks/kv_pages_layout.py measures it: a few microseconds a call.
 """
 
 from __future__ import annotations
 
 import collections
+import heapq
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -100,6 +119,71 @@ class _Sequence:
     published: int = 0  # its first `published` pages are keyed (cached and shared)
 
 
+class _FreeRuns:
+    """The free pages, as the maximal runs of adjacent ids they form: each run indexed by its
+    first and its last page, and in a max-heap by length. The heap is brought up to date only
+    when asked for the largest run (a table freed page by page makes one run, not one heap entry
+    a page); entries of runs since split or merged are dropped when they reach the top, and all
+    of them when they outnumber the runs."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.is_free = bytearray(num_pages)  # page -> 1 if free
+        self.count = 0
+        self._end: dict[int, int] = {}  # run's first page -> its end (exclusive)
+        self._start: dict[int, int] = {}  # run's last page -> its first page
+        self._heap: list[tuple[int, int]] = []  # (-length, first page), some stale
+        self._new: set[int] = set()  # first pages of runs made since the heap was brought up to date
+
+    def runs(self) -> list[tuple[int, int]]:
+        """Every run as (first page, end), in page order."""
+        return sorted(self._end.items())
+
+    def largest(self) -> tuple[int, int] | None:
+        """The longest run as (first page, end), or None when no page is free."""
+        ends, heap = self._end, self._heap
+        if len(heap) + len(self._new) > 2 * len(ends) + 64:  # mostly stale: rebuild
+            heap[:] = [(start - end, start) for start, end in ends.items()]
+            heapq.heapify(heap)
+        else:
+            for start in self._new:
+                if start in ends:
+                    heapq.heappush(heap, (start - ends[start], start))
+        self._new.clear()
+        while heap and ends.get(heap[0][1]) != heap[0][1] - heap[0][0]:
+            heapq.heappop(heap)
+        return (heap[0][1], heap[0][1] - heap[0][0]) if heap else None
+
+    def add(self, first: int, stop: int) -> None:
+        """Pages first..stop-1, none of them free, become free, joining the runs on either side."""
+        start, end = self._start.pop(first - 1, first), self._end.pop(stop, stop)
+        self._set(start, end)  # overwrites the joined runs' other ends
+        self.is_free[first:stop] = b"\x01" * (stop - first)
+        self.count += stop - first
+
+    def take(self, page: int, count: int = 1, start: int | None = None) -> int:
+        """Up to `count` free pages from `page` on, as far as its run goes, are taken, splitting
+        the run; `start`: the run's first page if known (else found by walking left from `page`).
+        -> how many were taken."""
+        if start is None:
+            start = page
+            while self.is_free[start - 1]:  # page 0 is never free, so this stops
+                start -= 1
+        end = self._end.pop(start)
+        del self._start[end - 1]
+        stop = min(end, page + count)
+        if start < page:
+            self._set(start, page)
+        if stop < end:
+            self._set(stop, end)
+        self.is_free[page:stop] = bytes(stop - page)
+        self.count -= stop - page
+        return stop - page
+
+    def _set(self, start: int, end: int) -> None:
+        self._end[start], self._start[end - 1] = end, start
+        self._new.add(start)
+
+
 class KvPages:
     def __init__(self, num_pages: int, page_size: int, reserve_pages: int = 0) -> None:
         """`num_pages` includes the null page, so `num_pages - 1` hold KV. `reserve_pages`: what
@@ -113,13 +197,15 @@ class KvPages:
         self.page_size = page_size
         self.reserve_pages = reserve_pages
         self._refs = [0] * num_pages  # page -> how many block tables hold it
-        self._free = list(range(num_pages - 1, 0, -1))  # pop() hands out 1, 2, 3, ...
+        self._runs = _FreeRuns(num_pages)  # the free pages
+        self._ends = [0] * num_pages  # page -> how many block tables end with it
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # cached, refs 0; oldest first
         self._index: dict[_Key, int] = {}  # key -> page
         self._key: dict[int, _Key] = {}  # page -> its key (keyed pages only)
         self._children = [0] * num_pages  # page -> keyed pages whose parent it is
         self._seqs: dict[SeqId, _Sequence] = {}  # in admission order (victim: the last)
         self._queried = self._hit = self._evicted = 0
+        self._put_free(range(num_pages - 1, 0, -1))  # a free list then hands out 1, 2, 3, ...
 
     # -- questions -------------------------------------------------------------------------
 
@@ -182,7 +268,7 @@ class KvPages:
         return np.stack([self.table(seq, width) for seq in seqs]) if seqs else np.zeros((0, width), np.int32)
 
     def stats(self) -> PageStats:
-        free, cached = len(self._free), len(self._lru)
+        free, cached = self._runs.count, len(self._lru)
         total = self.usable_pages
         return PageStats(total, total - free - cached, cached, free, self._queried, self._hit, self._evicted)
 
@@ -204,6 +290,8 @@ class KvPages:
         for page in hit:  # first the shared pages, so that making room below cannot evict them
             self._hold(page)
         state.pages.extend(hit)
+        if hit:
+            self._ends[hit[-1]] += 1  # the table's last page for now, which _grow moves on
         state.published = len(hit)
         state.length = len(hit) * self.page_size
         self._grow(state, len(prompt_token_ids))
@@ -217,7 +305,7 @@ class KvPages:
         used. False, changing nothing, when there are not enough: the scheduler then preempts
         (`victim`, `preempt`). A length within what is reserved is a no-op."""
         state = self._seqs[seq]
-        if self.pages_for(length) - len(state.pages) > len(self._free) + len(self._lru):
+        if self.pages_for(length) - len(state.pages) > self._runs.count + len(self._lru):
             return False
         self._grow(state, length)
         return True
@@ -241,7 +329,10 @@ class KvPages:
             else:  # computed twice (admitted before the other published it): keep one
                 self._hold(cached)
                 state.pages[i] = cached
-                self._release(own)
+                if i == len(state.pages) - 1:
+                    self._ends[own] -= 1
+                    self._ends[cached] += 1
+                self._put_free([own] if self._release(own) else [])
             state.published = i + 1
             done += 1
         return done
@@ -249,8 +340,11 @@ class KvPages:
     def free(self, seq: SeqId) -> None:
         """`seq` ended (finished, cancelled or preempted): its table goes. Its keyed pages stay
         cached while another table holds them or until evicted; the others are free at once."""
-        for page in reversed(self._seqs.pop(seq).pages):  # deepest first: parents end more recent
-            self._release(page)
+        pages = self._seqs.pop(seq).pages
+        if pages:
+            self._ends[pages[-1]] -= 1
+        # deepest first: parents end more recent
+        self._put_free([page for page in reversed(pages) if self._release(page)])
 
     def preempt(self, seq: SeqId, written_token_ids: Sequence[int]) -> int:
         """Publish what `seq` has written, then free it: its recompute starts from the cache.
@@ -268,14 +362,20 @@ class KvPages:
         room: attaching them makes them used)."""
         reserve = self.reserve_pages if reserve_pages is None else reserve_pages
         hit = self.lookup(prompt_token_ids)
-        room = len(self._free) + len(self._lru) - sum(1 for page in hit if self._refs[page] == 0)
+        room = self._runs.count + len(self._lru) - sum(1 for page in hit if self._refs[page] == 0)
         return hit, self.pages_for(len(prompt_token_ids)) - len(hit) + reserve <= room
 
     def _grow(self, state: _Sequence, length: int) -> None:
-        while len(state.pages) < self.pages_for(length):
-            page = self._take()
-            self._refs[page] = 1
-            state.pages.append(page)
+        """Take the pages up to `length`, and keep `_ends` naming the table's last page."""
+        pages, want = state.pages, self.pages_for(length)
+        if len(pages) < want:
+            if pages:
+                self._ends[pages[-1]] -= 1
+            while len(pages) < want:
+                for page in self._take(pages[-1] if pages else NULL_PAGE, want - len(pages)):
+                    self._refs[page] = 1
+                    pages.append(page)
+            self._ends[pages[-1]] += 1
         state.length = max(state.length, length)
 
     def _hold(self, page: int) -> None:
@@ -283,18 +383,45 @@ class KvPages:
             del self._lru[page]
         self._refs[page] += 1
 
-    def _release(self, page: int) -> None:
+    def _release(self, page: int) -> bool:
+        """A table lets go of `page`. -> whether it is now free (the caller puts it there)."""
         self._refs[page] -= 1
         if self._refs[page] == 0:
-            if page in self._key:
-                self._lru[page] = None
-            else:
-                self._free.append(page)
+            if page not in self._key:
+                return True
+            self._lru[page] = None
+        return False
 
-    def _take(self) -> int:
-        """A page for a table: a free one, else the least recently released cached leaf."""
-        if self._free:
-            return self._free.pop()
+    def _put_free(self, pages: Sequence[int]) -> None:
+        """`pages` become free, a run of adjacent ids at a time (a table's, deepest first, mostly
+        are: one change to the runs each)."""
+        i = 0
+        while i < len(pages):
+            j = i + 1
+            while j < len(pages) and pages[j] == pages[j - 1] - 1:
+                j += 1
+            self._runs.add(pages[j - 1], pages[i] + 1)
+            i = j
+
+    def _take_free(self, last: int, need: int) -> Sequence[int]:
+        """Free pages (there is one) for a table whose last page is `last` (NULL_PAGE if none)
+        and that wants `need` pages now: one run of adjacent ids, as many of the `need` as it
+        holds (the module docstring says where it is)."""
+        runs = self._runs
+        if last != NULL_PAGE and last + 1 < self.num_pages and runs.is_free[last + 1]:
+            first = start = last + 1  # the page after a used one starts its run
+        else:
+            start, end = runs.largest()
+            first = start
+            if self._ends[start - 1]:  # a table ends just before: leave it half the room
+                first += max(0, (end - start - need) // 2)
+        return range(first, first + runs.take(first, need, start))
+
+    def _take(self, last: int, need: int) -> Sequence[int]:
+        """Pages for a table, at least one: free ones, else the least recently released cached
+        leaf."""
+        if self._runs.count:
+            return self._take_free(last, need)
         page, _ = self._lru.popitem(last=False)
         if self._children[page]:
             raise RuntimeError(f"page {page}, the least recently released, has cached children")
@@ -302,4 +429,25 @@ class KvPages:
         del self._index[key]
         self._children[key[0]] -= 1
         self._evicted += 1
-        return page
+        return (page,)
+
+
+class FreeListPages(KvPages):
+    """`KvPages` handing out free pages as a free list does (the most recently freed first, and
+    1, 2, 3, ... from a fresh pool), whatever page a table ends with: the allocator before runs,
+    kept as the reference that tests (same outcomes, call for call) and benchmarks (its tables
+    against `KvPages`'s) compare with."""
+
+    def __init__(self, num_pages: int, page_size: int, reserve_pages: int = 0) -> None:
+        self._stack: list[int] = []  # the free pages; pop() takes the most recently freed
+        super().__init__(num_pages, page_size, reserve_pages)
+
+    def _put_free(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self._stack.append(page)
+            self._runs.add(page, page + 1)
+
+    def _take_free(self, last: int, need: int) -> Sequence[int]:
+        page = self._stack.pop()
+        self._runs.take(page)
+        return (page,)
