@@ -42,13 +42,20 @@ def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_
 
     # Both checkouts load one configuration, stated here: JaxModel.load's defaults are decode-server's
     # since issue 47 (weights auto, a prefix cache, the served smallest chunk), and were float32, no
-    # prefix cache and chunks from 16 before. A checkout from before int8 knows no weights=.
+    # prefix cache and chunks from 16 before. A checkout from before int8 knows no weights=; one
+    # from before paged KV (issue 41) keeps a prefix pool of its own, off here (paged KV shares
+    # prompt pages in its one pool, which costs a decode step nothing).
     params = inspect.signature(JaxModel.load).parameters.values()
     knows_weights = any(p.name == "weights" or p.kind is p.VAR_KEYWORD for p in params)
     extra = {"weights": weights} if knows_weights or weights != "float32" else {}
-    model = JaxModel.load(
-        model_dir, max_batch_size=max_batch, max_context_length=context, min_bucket=16, prefix_cache_tokens=0, **extra
-    )
+    try:
+        from engine.core.model_options import ModelOptions
+
+        if "prefix_cache_tokens" in ModelOptions.__dataclass_fields__:
+            extra["prefix_cache_tokens"] = 0
+    except ImportError:  # before ModelOptions: a load keyword of its own
+        extra["prefix_cache_tokens"] = 0
+    model = JaxModel.load(model_dir, max_batch_size=max_batch, max_context_length=context, min_bucket=16, **extra)
     slots = Slots(model, max_batch, prompt_len)
     print("ready", flush=True)
     for line in sys.stdin:

@@ -48,6 +48,7 @@ from benchmarks.machine import describe  # noqa: E402
 from benchmarks.summary import median_range  # noqa: E402
 from engine.jax_backend import mesh  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
+from engine.core.kv_pages import KvPages  # noqa: E402
 from engine.core.model import DecodeInput, SlotSetup  # noqa: E402
 from engine.model_store.registry import resolve_model  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
@@ -94,15 +95,24 @@ def kv_bytes_per_token(model: JaxModel) -> int:
 
 
 class Slots:
-    """Slots 0..n-1 prefilled with random prompts; `step(batch)` decodes slots 0..batch-1 once."""
+    """Slots 0..n-1 prefilled with random prompts; `step(batch)` decodes slots 0..batch-1 once.
+
+    Each slot's KV pages come from the scheduler's allocator (engine.core.kv_pages), taken as the
+    engine takes them: the prompt's at admission, one more as a step reaches a new page, so the
+    attention reads the tables serving makes. (A model from before paged KV has no `kv`.)"""
 
     def __init__(self, model: JaxModel, n: int, prompt_len: int) -> None:
         setup = SlotSetup(SamplingParams(seed=0), frozenset())
         rng = np.random.default_rng(0)
         self.model = model
+        kv = getattr(model, "kv", None)
+        self.pages = KvPages(kv.num_pages, kv.page_size) if kv is not None else None
         self.last, self.length = {}, {}
         for slot in range(n):
             prompt = rng.integers(3, model.info.vocab_size, prompt_len).tolist()
+            if self.pages is not None:
+                self.pages.admit(slot, prompt)
+                model.set_pages(slot, self.pages.pages(slot))
             self.last[slot] = model.prefill(slot, prompt, setup, False).token_id
             self.length[slot] = prompt_len
 
@@ -110,6 +120,10 @@ class Slots:
         inputs = [DecodeInput(slot, None, self.length[slot], False) for slot in range(batch)]  # None: the last sample, on the device
         for slot in range(batch):
             self.length[slot] += 1
+            if self.pages is not None and self.length[slot] % self.pages.page_size == 1:  # the step writes a new page
+                if not self.pages.grow(slot, self.length[slot]):
+                    raise RuntimeError("the benchmark's slots outgrew the KV pool")
+                self.model.set_pages(slot, self.pages.pages(slot))
         return inputs
 
     def step(self, batch: int) -> float:
@@ -136,6 +150,8 @@ class Slots:
     def release(self) -> None:
         for slot in self.last:
             self.model.release(slot)
+            if self.pages is not None:
+                self.pages.free(slot)
 
 
 def main() -> None:

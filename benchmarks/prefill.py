@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--shared-prefix", type=int, default=1000, help="tokens of the shared prefix (0: skip)")
     parser.add_argument("--max-step-tokens", default="", help="the scheduler's budgets to compare, comma-separated "
                         "(default: the decode service's, which is the model's)")
-    parser.add_argument("--prefix-cache-tokens", type=int, default=4096)
+    parser.add_argument("--kv-cache-tokens", type=int, default=0, help="the KV page pool (0: every stream a whole context)")
     parser.add_argument("--max-context-length", type=int, default=2048)
     parser.add_argument("--max-prefill-chunk", type=int, default=512, help="largest prompt piece one prefill call runs")
     parser.add_argument("--dtype", default=None)
@@ -160,7 +160,7 @@ def main() -> None:
     started = time.perf_counter()
     model = JaxModel.load(
         model_dir, max_batch_size=args.streams + 1, max_context_length=args.max_context_length, dtype=args.dtype,
-        max_chunk=args.max_prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens, weights=args.weights,
+        max_chunk=args.max_prefill_chunk, kv_cache_tokens=args.kv_cache_tokens, weights=args.weights,
         min_bucket=args.min_bucket or smallest_chunk(min(budgets, default=None)),
         fused_chunk_tokens=max(budgets, default=None),  # chunks along with decode steps, each budget its own size
     )
@@ -168,8 +168,8 @@ def main() -> None:
     warm_compilations = model.compilations()
     budgets = budgets or [model.default_step_tokens]
     print(f"model {model_dir.name}: context {args.max_context_length}, chunk shapes {model.buckets}, "
-          f"max_step_tokens {budgets} (the model's default {model.default_step_tokens}), prefix cache "
-          f"{model.prefix_pool.tokens} tokens; load and warm-up {time.perf_counter() - started:.1f} s; kernels {model.kernel_state}")
+          f"max_step_tokens {budgets} (the model's default {model.default_step_tokens}), KV pool "
+          f"{model.kv.num_pages - 1} pages of {model.kv.page_size}; load and warm-up {time.perf_counter() - started:.1f} s; kernels {model.kernel_state}")
     engine = Engine(model, EngineConfig(max_step_tokens=budgets[0]))
     engine.start()
     setup = SlotSetup(GREEDY, frozenset())
@@ -184,6 +184,10 @@ def main() -> None:
                 prompt = _prompt(rng, vocab, n)
                 best = float("inf")
                 for _ in range(args.repeats):
+                    # the pool's first pages, in order, as the engine's allocator gives a prompt in
+                    # an empty pool; pages the idle engine cached may be overwritten, but every
+                    # round's prompts are fresh ids, so none of its cached prefixes is hit again
+                    model.set_pages(0, range(1, 1 + -(-n // model.kv.page_size)))
                     start = time.perf_counter()
                     model.prefill(0, prompt, setup, False)
                     best = min(best, time.perf_counter() - start)

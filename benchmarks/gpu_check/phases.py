@@ -365,6 +365,7 @@ def _prefill_speed(plan: Plan, shape, weights) -> dict:
         best = float("inf")
         for repeat in range(plan.prefill_repeats + 1):  # the first is untimed
             prompt = rng.integers(3, model.info.vocab_size, n).tolist()
+            model.set_pages(0, range(1, 1 + -(-n // model.kv.page_size)))  # the pool's first pages, in order
             seconds, _ = _timed(lambda: model.prefill(0, prompt, setup, False))
             model.release(0)
             if repeat:
