@@ -15,7 +15,7 @@ Data flow, on the engine thread, once per iteration:
      for the rest of the prompt, so no prefill ever waits for a page; the slot gets its table
      (`model.set_pages`). Slots are held from here, so the queue bound never counts a promised
      slot as free. A request that could never fit in the pool, even alone, was refused at
-     submit (InvalidArgument naming the field and the pool's size: `check_fits`);
+     submit (InvalidArgument naming the field and the pool's size: engine.core.admission);
   2. for each aborted request: release its slot and free its pages;
   3. prefill: requests whose prompt is not yet all in the cache, oldest admission first, from
      the end of the prefix hit (those positions' KV is in the shared pages), in
@@ -78,18 +78,18 @@ import collections
 import dataclasses
 import itertools
 import logging
-import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
+from engine.core.admission import admit, reserve_pages
+from engine.core.errors import EngineStopped, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
 from engine.core.kv_pages import KvPages, PageStats
-from engine.core.model import ChunkInput, DecodeInput, KvLayout, Model, ModelInfo, PromptInput, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, PromptInput, Sample, SlotSetup
 from engine.core.request import Request
-from engine.core.stopping import StopRule, decide, resolve
+from engine.core.stopping import StopRule, decide
 
 log = logging.getLogger(__name__)
 
@@ -159,45 +159,6 @@ class _Live:
     def fill_to(self, positions: int) -> None:
         self.prefilled = positions
         self.filling = positions < len(self.prompt)
-
-
-def admit(request: Request, info: ModelInfo, kv: KvLayout) -> tuple[Request, StopRule]:
-    """A request as the engine runs it: its stop rule resolved against the model (ValueError
-    when the prompt leaves no room), refused with InvalidArgument when its prompt and output
-    could never fit in the KV page pool (`kv`) even alone, and a seed drawn if it has none."""
-    rule = resolve(request.stopping, info.eos_token_ids, len(request.prompt_token_ids), info.max_context_length)
-    check_fits(len(request.prompt_token_ids), rule.max_output_tokens, request.stopping.max_output_tokens, kv)
-    if request.sampling.seed is None:
-        request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, seed=random.getrandbits(63)))
-    return request, rule
-
-
-def check_fits(prompt_tokens: int, max_output: int, asked: int | None, kv: KvLayout) -> None:
-    """Refuse a request the pool could never hold: alone in it (admitted with no reserve), its
-    prompt and all its output must fit (`KvPages.could_ever_fit` with no reserve), or no
-    preemption would ever make room and it would wait forever. The error names the field to
-    change and the pool's size in tokens; `asked` is the request's own max_output_tokens (None:
-    up to the context)."""
-    tokens = (kv.num_pages - 1) * kv.page_size  # the pool, the null page not counted
-    if prompt_tokens + max_output <= tokens:  # (whole pages: the pool is a whole number of them)
-        return
-    if prompt_tokens >= tokens:
-        raise InvalidArgument(
-            "prompt_token_ids", f"{prompt_tokens} tokens leave no room for output in the KV cache of {tokens} tokens"
-        )
-    wanted = "unset (up to the context)" if asked is None else str(asked)
-    raise InvalidArgument(
-        "stopping.max_output_tokens",
-        f"{wanted}: prompt ({prompt_tokens} tokens) + {max_output} output tokens exceed the KV cache of {tokens} "
-        f"tokens; at most {tokens - prompt_tokens} fit",
-    )
-
-
-def reserve_pages(kv: KvLayout, max_batch_size: int) -> int:
-    """Pages admission leaves free for running sequences to grow into: one for each sequence
-    that may decode, so that every running sequence can take its next page before anyone is
-    preempted (at most all but one page of a pool too small for that)."""
-    return min(max_batch_size, kv.num_pages - 2)
 
 
 class Engine:

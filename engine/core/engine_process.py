@@ -52,7 +52,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable
 
-from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink, admit
+from engine.core.admission import admit
+from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink
 from engine.core.errors import EngineStopped, ModelLoadFailed, QueueFull
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
 from engine.core.kv_pages import PageStats
