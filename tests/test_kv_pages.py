@@ -13,6 +13,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from benchmarks.kv_pages_layout import runs  # the lengths of a table's runs of adjacent page ids
 from engine.core.kv_pages import NULL_PAGE, FreeListPages, KvPages, OutOfPages, PageStats, _FreeRuns
 from support.examples import examples
 
@@ -233,17 +234,6 @@ def test_the_reserve_must_leave_a_page_to_hold_kv():
 
 
 # -- runs of adjacent pages ------------------------------------------------------------------
-
-
-def runs(pages: tuple[int, ...]) -> list[int]:
-    """The lengths of the runs of adjacent ids in a table, in order."""
-    lengths = [1]
-    for before, page in zip(pages, pages[1:]):
-        if page == before + 1:
-            lengths[-1] += 1
-        else:
-            lengths.append(1)
-    return lengths
 
 
 def test_a_sequence_growing_alone_takes_adjacent_pages():
