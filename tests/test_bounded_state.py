@@ -3,7 +3,7 @@
 Each Generate/Complete holds one `TextStream`: an `IncrementalDetokenizer` (a window of ids) and,
 with stop strings, a `StopStringMatcher` (the text that may begin one). Counted with `gc`, no
 mocks, through a real stack (text server -> decode server, scripted model, tiny-llama's tokenizer):
-  * 1,000 mixed requests, 16 at a time: Generate and Complete, prompt and chat input, stop
+  * 1,000 mixed requests (250 in the CI profile), 16 at a time: Generate and Complete, prompt and chat input, stop
     strings, keep_special_tokens, early client cancels, deadlines, and invalid requests (some
     refused before the stream exists, some by the decoder after it does). While they run, the
     live state is bounded by what is in flight; afterwards none is alive, the engine holds no
@@ -48,7 +48,9 @@ from tokenizer_svc.tokenizer import TextTokenizer
 
 ASSETS = Path(__file__).parent / "assets"
 VOCAB, EOS, CONTEXT = 512, frozenset({0, 2}), 64
-REQUESTS, CONCURRENCY = 1000, 16
+# 1,000 requests in the thorough profile, 250 in CI's (support.examples): the state sampled every
+# 50 requests is bounded by the 16 in flight either way, and a leak is one object a request
+REQUESTS, CONCURRENCY = examples(1000), 16
 PER_REQUEST_STATE = (TextStream, IncrementalDetokenizer, StopStringMatcher)
 Code = grpc.StatusCode
 
@@ -153,7 +155,7 @@ EXPECTED = {  # ending -> the statuses it may get (RESOURCE_EXHAUSTED aside)
 # -- through the stack --------------------------------------------------------------------------
 
 
-async def test_no_state_is_left_after_1000_mixed_requests_with_cancels(stack):
+async def test_no_state_is_left_after_many_mixed_requests_with_cancels(stack):
     stub, decode, text, model, before = stack
     rng = random.Random(20260130)
     slots, in_flight = asyncio.Semaphore(CONCURRENCY), 0
@@ -177,7 +179,7 @@ async def test_no_state_is_left_after_1000_mixed_requests_with_cancels(stack):
 
     await asyncio.gather(*(one(n, *mixed_request(rng)) for n in range(REQUESTS)))
     assert sum(outcomes.values()) == REQUESTS
-    assert outcomes["cancel", Code.CANCELLED] > 50 and outcomes["deadline", Code.DEADLINE_EXCEEDED] > 20, outcomes
+    assert outcomes["cancel", Code.CANCELLED] > REQUESTS // 20 and outcomes["deadline", Code.DEADLINE_EXCEEDED] > REQUESTS // 50, outcomes  # of 20% and 10% drawn
     assert outcomes["full", Code.RESOURCE_EXHAUSTED] < REQUESTS // 10, outcomes  # most requests did run
     assert peak > 0, "sampling never saw a live TextStream: it would not see a leak either"
 

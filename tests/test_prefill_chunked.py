@@ -95,7 +95,9 @@ def pair(request) -> tuple[JaxModel, JaxModel]:
     """The same checkpoint twice, context 60: `whole` runs any prompt as one call (one bucket, the
     context); `chunked` has chunk buckets 4, 8, 16, so its prompts always run in several calls,
     and a last piece near the end of the context must start earlier to stay inside it. Equal ids
-    from different chunkings are a float32 CPU claim (support.backend)."""
+    from different chunkings are a float32 CPU claim (support.backend). tiny-llama's `chunked` is
+    warmed up, for the claims that nothing compiles after warm-up: the shapes warm-up makes are
+    the configuration's, which the three checkpoints share; the others compile as they run."""
     require_cpu()
     whole = JaxModel.load(
         ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=64, dtype="float32", fused_chunk_tokens=0
@@ -104,8 +106,9 @@ def pair(request) -> tuple[JaxModel, JaxModel]:
         ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=4, max_chunk=16, dtype="float32"
     )
     assert whole.buckets == (60,) and chunked.buckets == (4, 8, 16)
-    whole.warm_up()
-    chunked.warm_up()
+    chunked.warmed = request.param == "tiny-llama"
+    if chunked.warmed:
+        chunked.warm_up()  # `whole` is the reference only, and compiles the few shapes it runs as it runs them
     return whole, chunked
 
 
@@ -122,6 +125,7 @@ def test_chunked_prefill_gives_the_same_greedy_ids_on_tiny_checkpoints(pair, len
     assert abs(got_logprob - want_logprob) < 1e-4
 
 
+@pytest.mark.parametrize("pair", ["tiny-llama"], indirect=True)  # the warmed-up one (pair's docstring)
 def test_nothing_compiles_after_warm_up_with_chunks_in_the_mix(pair):
     _, model = pair
     before = model.compilations()
@@ -183,7 +187,8 @@ def test_chunks_carried_by_decode_steps_change_no_id(pair):
         model.release(1)
     assert beside == alone
     assert ids == want and abs(first.logprob - want_logprob) < 1e-4
-    assert model.compilations() == before and compiles == []
+    if model.warmed:
+        assert model.compilations() == before and compiles == []
     own_pages(model, 0), own_pages(model, 1)
     model.prefill(0, (5, 6, 7), GREEDY, masked=False)
     with pytest.raises(ModelUsageError, match="last chunk"):  # a last chunk samples: it cannot ride along
