@@ -31,6 +31,7 @@ from services.config import (
     TextServerConfig,
     add_flag,
     cache_dir,
+    fraction,
     milliseconds,
     model_options,
     non_negative,
@@ -468,7 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
                  "together. On a CPU host it asks JAX for N CPU devices (to try it; not faster)", type=positive, default=SERVED.tensor_parallel)
         add_flag(p, "--kv-cache-tokens", help="positions of KV allocated at load, shared by every sequence in pages of 16 "
                  "as it grows; pages no sequence holds keep prompt prefixes for reuse (0 = --max-batch-size x "
-                 "--max-context-length)", type=non_negative, default=SERVED.kv_cache_tokens)
+                 "--max-context-length; or --kv-cache-memory-fraction)", type=non_negative, default=SERVED.kv_cache_tokens)
+        add_flag(p, "--kv-cache-memory-fraction", help="on an accelerator, size the KV cache instead as this share (0 < F "
+                 "<= 1) of the memory JAX may use on each device (its bytes_limit: the device's memory x "
+                 "XLA_PYTHON_CLIENT_MEM_FRACTION), less the weights and working memory the memory check counts, in whole "
+                 "pages (per device: a shard of the kv heads under --tensor-parallel); the load's memory-plan line says the "
+                 "pages and tokens it gives. Not with --kv-cache-tokens; refused on the CPU", type=fraction,
+                 default=SERVED.kv_cache_memory_fraction)
 
     p = commands.add_parser("decode-server", help="serve a model's Decoder over gRPC", description="Serve a model's Decoder (tokenwire.decode.v1) over gRPC, with health and reflection.")
     model_flags(p, scripted=True)

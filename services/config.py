@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.engine import EngineConfig
-from engine.core.model_options import SERVED, ModelOptions
+from engine.core.model_options import SERVED, ModelOptions, least_kv_pages
 from services.security import ClientTlsConfig, ServerTlsConfig, check_server_auth, read_token_file
 from services.server import ServerOptions
 
@@ -52,6 +52,7 @@ port_number = _bounded(int, 0, 65535, "a port in 0..65535")
 seconds = _bounded(float, 0.0, None, "a number of seconds >= 0")
 milliseconds = _bounded(float, 0.0, None, "a number of milliseconds >= 0")
 timeout = _bounded(float, 0.0, None, "a number of seconds > 0", low_allowed=False)
+fraction = _bounded(float, 0.0, 1.0, "a fraction in (0, 1]", low_allowed=False)  # a share of a device's memory
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs) -> None:
@@ -126,6 +127,12 @@ def cache_dir(a: argparse.Namespace) -> Path | None:
 def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
     """How the engine loads the model, from the model flags (whose defaults are SERVED's), for
     `max_batch_size` sequences decoded together; ValueError for a KV cache that cannot serve them."""
+    fraction = a.kv_cache_memory_fraction
+    if a.kv_cache_tokens and fraction is not None:
+        raise ValueError(
+            f"--kv-cache-tokens {a.kv_cache_tokens} and --kv-cache-memory-fraction {fraction} both size the KV "
+            "cache: give one of them"
+        )
     check_kv_cache(a.kv_cache_tokens, SERVED.kv_page_size, max_batch_size)
     return ModelOptions(
         max_context_length=a.max_context_length,
@@ -135,6 +142,7 @@ def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
         compiler=os.environ.get("CXX") or None,
         max_prefill_chunk=a.max_prefill_chunk,
         kv_cache_tokens=a.kv_cache_tokens,
+        kv_cache_memory_fraction=fraction,
         tensor_parallel=a.tensor_parallel,
         compilation_cache=a.compilation_cache == "on",
         weights=a.weights,
@@ -145,15 +153,15 @@ def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
 
 
 def check_kv_cache(kv_cache_tokens: int, page_size: int, max_batch_size: int) -> None:
-    """Refuse a --kv-cache-tokens too small for --max-batch-size: admission keeps a page free for
-    each sequence that may decode to grow into (engine.core.engine.reserve_pages), so a pool of
-    max_batch_size pages or fewer could admit a request only when none runs. 0 (the default,
-    max_batch_size x max_context_length) is always large enough."""
-    pages = -(-kv_cache_tokens // page_size)
-    if kv_cache_tokens and pages < max_batch_size + 1:
+    """Refuse a --kv-cache-tokens too small for --max-batch-size (engine.core.model_options.
+    least_kv_pages: a page kept free for each sequence that may decode, and one to admit with). 0
+    (the default, max_batch_size x max_context_length) is always large enough; a memory fraction
+    is held to the same least at load, where the device's memory is known."""
+    pages, least = -(-kv_cache_tokens // page_size), least_kv_pages(max_batch_size)
+    if kv_cache_tokens and pages < least:
         raise ValueError(
-            f"--kv-cache-tokens {kv_cache_tokens} is {pages} pages of {page_size} tokens; --max-batch-size "
-            f"{max_batch_size} needs at least {max_batch_size + 1} ({(max_batch_size + 1) * page_size} tokens): one "
+            f"--kv-cache-tokens {kv_cache_tokens} is {pages} page{'' if pages == 1 else 's'} of {page_size} tokens; "
+            f"--max-batch-size {max_batch_size} needs at least {least} pages ({least * page_size} tokens): one "
             f"kept free for each sequence to grow into, and one to admit a request with"
         )
 
@@ -204,6 +212,10 @@ class DecodeServerConfig:
     def from_args(a: argparse.Namespace) -> "DecodeServerConfig":
         if a.step_ms and not a.model.startswith("scripted:"):
             raise ValueError("--step-ms sets the scripted model's step time: it needs --model scripted:DIR")
+        if a.kv_cache_memory_fraction is not None and a.model.startswith("scripted:"):
+            raise ValueError(
+                "--model scripted:DIR has no device memory to take a fraction of: size its KV cache with --kv-cache-tokens"
+            )
         return DecodeServerConfig(
             model=a.model,
             server=dataclasses.replace(server_options(a), max_connection_age_s=a.max_connection_age),

@@ -283,3 +283,26 @@ def test_a_kv_cache_too_small_for_the_batch_is_refused_in_one_line(capsys):
     assert code == 2 and "--kv-cache-tokens 128" in last and "--max-batch-size 8" in last and "144 tokens" in last, err
     code, _, err = in_process(capsys, "decode-server", "--model", "no-such-model", "--kv-cache-tokens", "144", "--max-batch-size", "8")
     assert code == 2 and "unknown model 'no-such-model'" in err and "kv-cache" not in err, err
+
+
+def test_a_kv_cache_of_one_page_is_said_as_one_page(capsys):
+    code, _, err = in_process(capsys, "decode-server", "--model", "m", "--kv-cache-tokens", "16", "--max-batch-size", "1")
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "--kv-cache-tokens 16 is 1 page of 16 tokens; --max-batch-size 1 needs at least 2 pages (32 tokens)" in last, err
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--kv-cache-memory-fraction", "0.9", "--kv-cache-tokens", "4096"],
+     "--kv-cache-tokens 4096 and --kv-cache-memory-fraction 0.9 both size the KV cache: give one of them"),
+    (["--kv-cache-memory-fraction", "1.5"], "argument --kv-cache-memory-fraction: must be a fraction in (0, 1], got 1.5"),
+    (["--kv-cache-memory-fraction", "0"], "argument --kv-cache-memory-fraction: must be a fraction in (0, 1], got 0.0"),
+    (["--kv-cache-memory-fraction", "nan"], "argument --kv-cache-memory-fraction: expected a fraction in (0, 1], got 'nan'"),
+    (["--model", "scripted:m", "--kv-cache-memory-fraction", "0.5"],
+     "--model scripted:DIR has no device memory to take a fraction of: size its KV cache with --kv-cache-tokens"),
+])
+def test_a_kv_cache_memory_fraction_that_cannot_work_is_refused_before_loading(capsys, argv, reason):
+    """Refused by the flags alone, before any model is looked for (the model named does not
+    exist); a fraction that the device's memory refuses is refused at load (test_memory_plan)."""
+    code, _, err = in_process(capsys, "decode-server", "--model", "no-such-model", *argv)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and reason in last and "no-such-model" not in last, err

@@ -190,6 +190,116 @@ def test_device_limit_is_the_allocators_limit_on_a_gpu_and_the_hosts_memory_on_t
     assert memory_plan.device_limit(cpu, meminfo, tmp_path) == MemoryLimit(GIB, "the host's available memory (MemAvailable 1.00 GiB)")
 
 
+MB = 10**6
+
+
+def test_a_memory_fraction_of_an_h100_holds_llama_3_1_8b_and_this_many_pages():
+    """An 80 GB H100 at fraction 0.9, Llama-3.1-8B's shape in bfloat16: 128 KiB of K and V per
+    token (2 x 32 layers x 8 kv heads x 128 x 2 bytes), its 8,030,261,248 parameters as 16.06 GB of
+    weights, and 2 GiB of working memory: (72,000,000,000 - 16,060,522,496 - 2 GiB) // 2 MiB a
+    page = 25,650 pages, one of them the null page."""
+    s = settings(64, 8192, dtype_bytes=2)
+    token = memory_plan.position_bytes(LLAMA3_8B, s)
+    weights = memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, s).weights
+    assert (token, weights) == (128 * 1024, 2 * 8_030_261_248)
+    pages = memory_plan.fraction_pages(80_000 * MB, weights, 2 * GIB, token, PAGE, 0.9, 64)
+    assert pages == 25_649 and pages * PAGE == 410_384
+    # the pool that gives fits the fraction with the rest of the plan, and one page more does not
+    rest = memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, replace(s, kv_pages=0))
+    working = rest.kv_cache + rest.temporaries
+    pages = memory_plan.fraction_pages(80_000 * MB, weights, working, token, PAGE, 0.9, 64)
+    assert memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, replace(s, kv_pages=pages + 1)).total <= 72_000 * MB
+    assert memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, replace(s, kv_pages=pages + 2)).total > 72_000 * MB
+
+
+def test_a_memory_fraction_under_tensor_parallelism_is_per_shard():
+    """Two devices each hold half the weights and half of each token's kv heads, so the same
+    fraction of each holds twice the tokens and more; 16 devices over 8 kv heads replicate them,
+    so a token's share is one head's, not half of one."""
+    one, two, sixteen = (settings(64, 8192, dtype_bytes=2, devices=n) for n in (1, 2, 16))
+    assert [memory_plan.position_bytes(LLAMA3_8B, s) for s in (one, two, sixteen)] == [128 * 1024, 64 * 1024, 16 * 1024]
+    weights = [memory_plan.plan(LLAMA3_8B, LLAMA3_8B.vocab_size, s).weights for s in (one, two)]
+    assert weights == [16_060_522_496, 8_030_261_248]
+    alone = memory_plan.fraction_pages(80_000 * MB, weights[0], 2 * GIB, 128 * 1024, PAGE, 0.9, 64)
+    split = memory_plan.fraction_pages(80_000 * MB, weights[1], 2 * GIB, 64 * 1024, PAGE, 0.9, 64)
+    assert split == (72_000 * MB - 8_030_261_248 - 2 * GIB) // (64 * 1024 * PAGE) - 1 == 58_957
+    assert split > 2 * alone
+
+
+def test_a_memory_fraction_too_small_for_the_batch_is_refused_with_the_figures():
+    """The least pool is a page per sequence decoded together and one to admit with (as for
+    --kv-cache-tokens); at that it is accepted, a page short it is refused in one line."""
+    # 1 MiB, nothing else held, 1 KiB a token: 64 pages of 16 KiB, the null page among them
+    assert memory_plan.fraction_pages(1 << 20, 0, 0, 1024, PAGE, 1.0, 62) == 63
+    with pytest.raises(MemoryPlanError) as refused:
+        memory_plan.fraction_pages(1 << 20, 0, 0, 1024, PAGE, 1.0, 63)
+    assert str(refused.value) == (
+        "KV cache memory fraction 1.0 leaves 1.00 MiB for the KV cache (1.0 x 1.00 MiB = 1.00 MiB, less weights "
+        "0.00 MiB and working memory 0.00 MiB): 63 pages of 16 tokens at 0.02 MiB a page, the null page aside; max "
+        "batch size 63 needs at least 64 pages (1024 tokens): raise the fraction (--kv-cache-memory-fraction), lower "
+        "--max-batch-size, or give the pool in tokens (--kv-cache-tokens)"
+    )
+    with pytest.raises(MemoryPlanError, match=r"leaves 0\.03 MiB .*: 1 page of 16 tokens"):  # one page, said as one
+        memory_plan.fraction_pages(1 << 20, 992 * 1024, 0, 1024, PAGE, 1.0, 1)
+    # the weights alone are more than the share: nothing is left, and the message says by how much
+    with pytest.raises(MemoryPlanError, match=r"fraction 0\.2 leaves -916\.03 MiB .*: 0 pages of 16 tokens"):
+        memory_plan.fraction_pages(80_000 * MB, 16_060_522_496, 900 * MB, 128 * 1024, PAGE, 0.2, 8)
+    for wrong in (0.0, -0.5, 1.5):
+        with pytest.raises(MemoryPlanError, match=r"must be in \(0, 1\]"):
+            memory_plan.fraction_pages(80_000 * MB, 0, 0, 1024, PAGE, wrong, 8)
+
+
+class _Cpu:
+    platform, id = "cpu", 0
+
+    def memory_stats(self) -> dict:  # as if a CPU reported a figure: still not an accelerator's
+        return {"bytes_limit": 100 * GIB}
+
+
+def test_the_fractions_device_memory_is_the_smallest_bytes_limit_and_none_on_the_cpu():
+    small = type("_SmallGpu", (_Gpu,), {"id": 1, "memory_stats": lambda self: {"bytes_limit": 40 * GIB}})()
+    assert memory_plan.accelerator_bytes([_Gpu(), small]) == MemoryLimit(40 * GIB, "gpu:1 bytes_limit 40.00 GiB")
+    assert memory_plan.accelerator_bytes([_Gpu()]).bytes == 100 * GIB  # the limit, not less what is in use
+    assert memory_plan.accelerator_bytes(jax.devices("cpu")) is None
+    assert memory_plan.accelerator_bytes([_Cpu()]) is None
+    assert memory_plan.accelerator_bytes([_Gpu(), _Cpu()]) is None
+
+
+def test_the_load_path_resolves_a_fraction_to_tokens_and_says_where_the_pool_came_from():
+    """loading.sized_pool, on a GPU's figures: the pool fraction_pages gives from the plan's
+    own parts, now in kv_cache_tokens, and the source the memory-plan line names."""
+    from engine.core.model_options import ModelOptions
+    from engine.jax_backend import loading
+    from engine.model_store.checkpoint import parse_config
+    import json
+
+    cfg = parse_config(json.loads((ASSETS / "tiny-llama" / "config.json").read_text()))
+    s = replace(settings(4, 256), kv_pages=0)
+    o, source = loading.sized_pool(ModelOptions(kv_cache_memory_fraction=0.5), cfg, cfg.vocab_size, s, [_Gpu()])
+    rest = memory_plan.plan(cfg, cfg.vocab_size, s)
+    pages = memory_plan.fraction_pages(100 * GIB, rest.weights, rest.kv_cache + rest.temporaries,
+                                       memory_plan.position_bytes(cfg, s), PAGE, 0.5, 4)
+    assert o.kv_cache_memory_fraction is None and o.kv_cache_tokens == pages * PAGE > 0
+    assert loading.pool_pages(o, 4, 256) == pages + 1
+    assert source == "--kv-cache-memory-fraction 0.5 of gpu:0 bytes_limit 100.00 GiB, less the weights and working memory"
+    assert loading.sized_pool(ModelOptions(kv_cache_tokens=512), cfg, cfg.vocab_size, s, [_Gpu()])[1] == "--kv-cache-tokens 512"
+    assert loading.sized_pool(ModelOptions(), cfg, cfg.vocab_size, s, [_Gpu()])[1] == (
+        "--kv-cache-tokens 0: max batch size 4 x context 256"
+    )
+
+
+def test_jax_model_load_refuses_a_memory_fraction_on_the_cpu_and_with_tokens(tmp_path):
+    """From config.json alone (no weights file), before anything is placed."""
+    d = tmp_path / "tiny-llama"
+    shutil.copytree(ASSETS / "tiny-llama", d)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(MemoryPlanError, match=r"^the KV cache memory fraction \(--kv-cache-memory-fraction 0\.5\) is a "
+                       r"share of an accelerator's memory, and cpu:0 reports none: give the pool in tokens with --kv-cache-tokens$"):
+        JaxModel.load(d, max_batch_size=4, kernels=False, kv_cache_memory_fraction=0.5)
+    with pytest.raises(ValueError, match="both size the KV pool"):
+        JaxModel.load(d, max_batch_size=4, kernels=False, kv_cache_memory_fraction=0.5, kv_cache_tokens=256)
+
+
 def test_jax_model_load_refuses_before_reading_a_weight(tmp_path):
     """Against a stated limit: refused from config.json alone (the weights file is not even
     there), and the same settings load under a limit that holds them."""
@@ -221,3 +331,17 @@ def test_decode_server_refuses_an_impossible_configuration_in_one_line():
     assert refusals == result.stderr.splitlines()[-1:], result.stderr
     assert "CRITICAL tokenwire.decode refusing to serve: the model does not fit" in refusals[0]
     assert "lower KV cache tokens 1024" in refusals[0] and "Traceback" not in result.stderr
+
+
+def test_decode_server_refuses_a_memory_fraction_on_the_cpu_and_exits_2():
+    """The real start on this CPU: the engine process refuses at load, and the last line says
+    to size the pool in tokens."""
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "decode-server", "--model", str(ASSETS / "tiny-llama"), "--port", "0",
+         "--cpu-kernels", "off", "--compilation-cache", "off", "--kv-cache-memory-fraction", "0.9"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert "refusing to serve: the KV cache memory fraction" in last and "cpu:0 reports none" in last, result.stderr
+    assert last.endswith("give the pool in tokens with --kv-cache-tokens") and "Traceback" not in result.stderr

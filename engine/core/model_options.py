@@ -30,6 +30,11 @@ class ModelOptions:
     # max_batch_size x max_context_length. A cached prompt prefix lives in pages no sequence holds
     # (engine.core.kv_pages), so it costs no memory of its own
     kv_cache_tokens: int = 0
+    # the pool as this fraction (0 < F <= 1) of an accelerator's memory for JAX (its bytes_limit),
+    # less the weights and the working memory the memory plan counts; resolved to kv_cache_tokens
+    # at load (engine.jax_backend.loading), which then holds None here. None: kv_cache_tokens decides.
+    # At most one of the two is set.
+    kv_cache_memory_fraction: float | None = None
     kv_page_size: int = 16  # positions per KV page
     tensor_parallel: int = 1  # devices one model is split over (engine.jax_backend.mesh)
     # JAX's persistent compilation cache in <cache>/xla: process-wide, so the process's entry point
@@ -44,3 +49,12 @@ class ModelOptions:
 
 
 SERVED = ModelOptions()  # what decode-server runs with no flags
+
+
+def least_kv_pages(max_batch_size: int) -> int:
+    """The smallest pool (pages, the null page not counted) that serves `max_batch_size` sequences
+    decoded together: admission keeps a page free for each of them to grow into
+    (engine.core.admission.reserve_pages), so a pool of max_batch_size pages or fewer could admit
+    a request only when none runs. Both ways of sizing the pool are held to it (services.config for
+    kv_cache_tokens, engine.jax_backend.memory_plan for the memory fraction)."""
+    return max_batch_size + 1

@@ -151,25 +151,61 @@ def pool_pages(o: ModelOptions, max_batch_size: int, context: int) -> int:
         raise ValueError(f"kv_page_size must be >= 1, got {o.kv_page_size}")
     if o.kv_cache_tokens < 0:
         raise ValueError(f"kv_cache_tokens must be >= 0, got {o.kv_cache_tokens}")
+    if o.kv_cache_memory_fraction is not None:
+        raise ValueError("kv_cache_memory_fraction is resolved to kv_cache_tokens by load (sized_pool), not here")
     if o.kv_cache_tokens == 0:
         return max_batch_size * -(-context // o.kv_page_size) + 1
     return -(-o.kv_cache_tokens // o.kv_page_size) + 1
 
 
-def _check_memory(model_dir: Path, cfg: ModelConfig, settings: memory_plan.Settings, limit_bytes: int | None) -> None:
-    """The memory check (engine.jax_backend.memory_plan): MemoryPlanError before any weight is read."""
+def sized_pool(
+    o: ModelOptions, cfg: ModelConfig, head_size: int, s: memory_plan.Settings, devices: list | None = None
+) -> tuple[ModelOptions, str]:
+    """`o` with the KV pool's size in kv_cache_tokens, and where that size came from (for the
+    memory plan's line): a memory fraction is resolved here, once, on `devices` (default: this
+    process's; memory_plan.fraction_pages, from the rest of the plan `s` for model `cfg` with its
+    head `head_size` columns wide); MemoryPlanError where they report no memory figure (the CPU)
+    or the share is too small. `s.kv_pages` is not read. The processes of a multi-host group each
+    resolve it on their own devices, alike where the devices are alike (their bytes_limit, not
+    what is in use)."""
+    fraction = o.kv_cache_memory_fraction
+    if fraction is None:
+        if o.kv_cache_tokens:
+            return o, f"--kv-cache-tokens {o.kv_cache_tokens}"
+        return o, f"--kv-cache-tokens 0: max batch size {s.max_batch_size} x context {s.context}"
+    if o.kv_cache_tokens:
+        raise ValueError("kv_cache_tokens and kv_cache_memory_fraction both size the KV pool: give one of them")
+    devices = devices or jax.local_devices()
+    limit = memory_plan.accelerator_bytes(devices)
+    if limit is None:
+        raise memory_plan.MemoryPlanError(
+            f"the KV cache memory fraction (--kv-cache-memory-fraction {fraction}) is a share of an accelerator's memory, "
+            f"and {devices[0].platform}:{devices[0].id} reports none: give the pool in tokens with --kv-cache-tokens"
+        )
+    rest = memory_plan.plan(cfg, head_size, dataclasses.replace(s, kv_pages=0))  # kv_cache: the banned-id rows alone
+    pages = memory_plan.fraction_pages(
+        limit.bytes, rest.weights, rest.kv_cache + rest.temporaries, memory_plan.position_bytes(cfg, s),
+        o.kv_page_size, fraction, s.max_batch_size,
+    )
+    resolved = dataclasses.replace(o, kv_cache_tokens=pages * o.kv_page_size, kv_cache_memory_fraction=None)
+    return resolved, f"--kv-cache-memory-fraction {fraction} of {limit.source}, less the weights and working memory"
+
+
+def _check_memory(cfg: ModelConfig, head_size: int, settings: memory_plan.Settings, limit_bytes: int | None, pool: str) -> None:
+    """The memory check (engine.jax_backend.memory_plan): MemoryPlanError before any weight is read.
+    The log line says the pool in pages and tokens, and `pool`, where its size came from."""
     if limit_bytes:
         limit = memory_plan.MemoryLimit(limit_bytes, "the limit stated by configuration")
     else:
         limit = memory_plan.device_limit(jax.local_devices()[0])
-    head_size = tokenizer_size(model_dir, cfg.vocab_size)
     if limit is None:
-        log.info("memory check skipped: %s reports no memory limit", jax.local_devices()[0])
+        log.info("memory check skipped: %s reports no memory limit; KV cache %s, from %s",
+                 jax.local_devices()[0], memory_plan.pool_words(settings), pool)
         return
     need = memory_plan.check(cfg, head_size, settings, limit, profile().name)
     log.info(
-        "memory plan per device: weights %s + KV cache %s (%s) + temporaries %s = %s of %s, %s",
-        memory_plan.gib(need.weights), memory_plan.gib(need.kv_cache), memory_plan.pool_words(settings),
+        "memory plan per device: weights %s + KV cache %s (%s, from %s) + temporaries %s = %s of %s, %s",
+        memory_plan.gib(need.weights), memory_plan.gib(need.kv_cache), memory_plan.pool_words(settings), pool,
         *map(memory_plan.gib, (need.temporaries, need.total, limit.bytes)), limit.source,
     )
 
@@ -185,7 +221,8 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     is the process's (services.cli turns it on before anything compiles), not the model's.
 
     `kv_cache_tokens` / `kv_page_size`: the KV page pool, `pool_pages` of `kv_page_size`
-    positions (the scheduler hands them out, engine.core.kv_pages); `max_batch_size` and the
+    positions (the scheduler hands them out, engine.core.kv_pages), or on an accelerator
+    `kv_cache_memory_fraction` of its memory instead (`sized_pool`); `max_batch_size` and the
     context then bound what is decoded together and how long a sequence grows, and reserve no
     memory of their own.
 
@@ -220,14 +257,17 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
         raise ValueError(f"int8 weights run with float32 activations, not {o.dtype}")
     state = kernel_state(o.cpu_kernels, dtype, build, o.tensor_parallel, profile())
     weights = auto_weights(model_dir, kernels_on(state)) if o.weights == quantize.AUTO else o.weights
-    _check_memory(model_dir, cfg, memory_plan.Settings(
-        max_batch_size, context, o.max_prefill_chunk, pool_pages(o, max_batch_size, context), o.kv_page_size,
-        dtype.itemsize,
+    head_size = tokenizer_size(model_dir, cfg.vocab_size)
+    sizes = memory_plan.Settings(
+        max_batch_size, context, o.max_prefill_chunk, 0, o.kv_page_size, dtype.itemsize,  # kv_pages: below
         int8=weights == "int8",
         int8_layout=int8_layout(model_dir, cfg) if weights == "int8" else None,
         panel_copies=kernels_on(state) and weights != "int8",
         devices=o.tensor_parallel,
-    ), o.memory_limit_bytes)
+    )
+    o, pool = sized_pool(o, cfg, head_size, sizes)
+    sizes = dataclasses.replace(sizes, kv_pages=pool_pages(o, max_batch_size, context))
+    _check_memory(cfg, head_size, sizes, o.memory_limit_bytes, pool)
     plan = None
     if weights == "int8":
         ckpt = load_int8(model_dir)

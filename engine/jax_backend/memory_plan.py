@@ -16,8 +16,9 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
   rounded up to whole panels of 32) (tests/test_memory_plan.py checks these
   figures against the loaded arrays);
 - KV cache: the page pool, L x 2 buffers of [K, N, P, D] in the cache dtype (N pages of P
-  positions, the null page included: `--kv-cache-tokens`, by default B x S positions), and each
-  slot's banned-id row [B, V']; prefix caching keeps pages of this pool and costs nothing more;
+  positions, the null page included: `--kv-cache-tokens`, by default B x S positions, or the
+  memory fraction below), and each slot's banned-id row [B, V']; prefix caching keeps pages of
+  this pool and costs nothing more;
 - temporaries: the larger of the two biggest calls' working sets, from the model's dimensions:
   one prefill chunk of C = min(S, max_chunk) tokens through one layer (activations, q/k/v, the
   blocked attention's float32 scores, the MLP's 2F features, rope in float32) and one decode
@@ -31,6 +32,12 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
   XLA:CPU's figure for whole prefill and decode steps of the tiny checkpoints.
 Not counted: XLA's and the CUDA libraries' own workspaces, which live in the part of the GPU
 that JAX's memory fraction leaves out (compose.gpu.yaml sets XLA_PYTHON_CLIENT_MEM_FRACTION).
+
+The pool's size: `--kv-cache-tokens` (`loading.pool_pages`), or `--kv-cache-memory-fraction` F
+(`fraction_pages`, as vLLM's gpu_memory_utilization): F x the smallest `bytes_limit` of the
+model's devices (`accelerator_bytes`), less the plan's weights and its other parts per device,
+in whole pages at one device's share of a position (`position_bytes`: a shard of the kv heads
+under tensor parallelism). Accelerators only: the CPU reports no such figure.
 
 The limit (`device_limit`): on a GPU, the allocator's `bytes_limit` from
 `device.memory_stats()` (the device's memory times XLA_PYTHON_CLIENT_MEM_FRACTION, JAX's
@@ -49,6 +56,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.core.model_options import least_kv_pages
 from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, LAYER_MATRICES, PANEL as INT8_PANEL, SLICED_ROWS as INT8_SLICED_ROWS, Int8Layout
 from engine.model_store.gguf_blocks import SYMMETRIC, BlockFormat
 from engine.jax_backend.cpu_kernels import PANEL
@@ -110,13 +118,21 @@ def plan(cfg: ModelConfig, head_size: int, s: Settings) -> MemoryPlan:
     n = s.devices
     kv = max(cfg.n_kv_heads, n) if n > 1 else cfg.n_kv_heads  # kv heads are replicated up to N
     act = 4 if s.int8 else s.dtype_bytes  # activations and cache: float32 under int8 weights
-    position = 2 * cfg.n_layers * kv * cfg.head_dim * act  # one cached position, K and V
-    cache = s.kv_pages * s.kv_page_size * position // n + s.max_batch_size * head_size  # + banned-id rows [B, V'] bool
+    cache = s.kv_pages * s.kv_page_size * position_bytes(cfg, s) + s.max_batch_size * head_size  # + banned-id rows [B, V'] bool
     return MemoryPlan(
         weights=-(-_weight_bytes(cfg, head_size, s, kv) // n),
         kv_cache=cache,
         temporaries=_temporaries(cfg, head_size, s, act),
     )
+
+
+def position_bytes(cfg: ModelConfig, s: Settings) -> int:
+    """One cached position's K and V over every layer, on one device: the pool is sharded on the
+    kv-head axis, and its kv heads are replicated up to the devices when there are fewer."""
+    n = s.devices
+    kv = max(cfg.n_kv_heads, n) if n > 1 else cfg.n_kv_heads
+    act = 4 if s.int8 else s.dtype_bytes  # the cache is float32 under int8 weights
+    return -(-2 * cfg.n_layers * kv * cfg.head_dim * act // n)
 
 
 def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int:
@@ -177,6 +193,55 @@ def device_limit(device, meminfo: Path = Path("/proc/meminfo"), cgroup: Path = P
     if device.platform == "cpu":
         return host_limit(meminfo, cgroup)
     return None
+
+
+def accelerator_bytes(devices) -> MemoryLimit | None:
+    """The memory JAX's allocator may use on each of `devices` (jax.Devices: `bytes_limit`, the
+    device's memory x XLA_PYTHON_CLIENT_MEM_FRACTION), the smallest of them, since each device of
+    a mesh holds the same share of the pool; None where one reports none (the CPU, whose
+    host memory is not the accelerator budget a fraction is meant for)."""
+    limits = []
+    for device in devices:
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if not stats or "bytes_limit" not in stats:
+            return None
+        limits.append((stats["bytes_limit"], f"{device.platform}:{device.id}"))
+    limit, name = min(limits)
+    return MemoryLimit(limit, f"{name} bytes_limit {gib(limit)}")
+
+
+def fraction_pages(
+    device_bytes: int, weight_bytes: int, working_bytes: int, token_bytes: int, page_size: int, fraction: float,
+    max_batch_size: int,
+) -> int:
+    """The KV pool's pages (the null page not counted) that `fraction` of one device's
+    `device_bytes` holds once that device's `weight_bytes` and `working_bytes` (the temporaries
+    and the banned-id rows) are taken out, at `token_bytes` per position on that device (one
+    shard under tensor parallelism), in whole pages of `page_size` positions; the null page is paid
+    for from the same share. Pure arithmetic, like vLLM's gpu_memory_utilization. MemoryPlanError,
+    one line with the figures, for a fraction outside (0, 1] or one that leaves fewer pages than
+    `max_batch_size` sequences need (model_options.least_kv_pages)."""
+    if not 0 < fraction <= 1:
+        raise MemoryPlanError(f"the KV cache memory fraction must be in (0, 1], got {fraction}")
+    share = int(fraction * device_bytes)
+    left = share - weight_bytes - working_bytes
+    page_bytes = token_bytes * page_size
+    pages = max(left // page_bytes - 1, 0)
+    least = least_kv_pages(max_batch_size)
+    if pages < least:
+        raise MemoryPlanError(
+            f"KV cache memory fraction {fraction} leaves {gib(left)} for the KV cache ({fraction} x {gib(device_bytes)} "
+            f"= {gib(share)}, less weights {gib(weight_bytes)} and working memory {gib(working_bytes)}): "
+            f"{plural(pages, 'page')} of {page_size} tokens at {gib(page_bytes)} a page, the null page aside; max batch "
+            f"size {max_batch_size} needs at least {least} pages ({least * page_size} tokens): raise the fraction "
+            f"(--kv-cache-memory-fraction), lower --max-batch-size, or give the pool in tokens (--kv-cache-tokens)"
+        )
+    return pages
+
+
+def plural(n: int, noun: str) -> str:
+    """"1 page", "0 pages", "9 pages"."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def host_limit(meminfo: Path, cgroup: Path) -> MemoryLimit | None:
