@@ -1,8 +1,10 @@
 """engine.jax_backend.sampling on hand-made logits: greedy, cuts, masks, seeds, raw logprobs.
 
 Most calls share two shapes ([ROWS, 4] and [8, 64]) so the suite compiles `sample` twice; the
-tests of the candidate cap use [8, WIDE], wider than the cap, and the GPU strategy (compute and
-select) is checked against the CPU one (branch) on it."""
+tests of the candidate cap use [8, WIDE], wider than the cap, and the accelerators' strategy
+(threshold searches and a two-stage top-k, computed and selected) is checked against the CPU's
+(capped candidates, exact select and branches) on it. The draws' distributions are
+tests/test_sampling_distribution.py's; the accelerators' lowering, tests/test_sampler_lowering.py's."""
 
 from __future__ import annotations
 
