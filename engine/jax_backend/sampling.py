@@ -29,9 +29,9 @@ lowered, `lax.platform_dependent`, not by a flag inside the step); both give the
   not by the data. Why this and not the radix select by histograms that the CPU uses beyond the
   cap: a histogram is a scatter-add, and a row's logits share their high key bits, so most ids
   land in a few bins; XLA:GPU does a scatter-add with atomic adds, which serialise on those bins
-  and add floats in no fixed order. A pass of the search is one plain reduction that reads the row
-  once (memory-bound at 15 compares per id). One probe per pass (a bisection) would read the rows
-  32 times instead of 8; 255 probes per pass (4 passes) would turn each pass compute-bound.
+  and add floats in no fixed order. A pass of the search is one reduction that reads the row once
+  and does 15 compares per id read. One probe per pass (a bisection) would read the rows 32 times
+  instead of 8; 255 probes per pass (4 passes) would do 17 times the arithmetic per id read.
 - CPU: a capped candidate set, the CAP best tempered logits per row from `lax.top_k` (XLA:CPU's
   is a partial sort): top_k <= CAP takes the k-th candidate; top_p takes the first candidate
   where the candidates' running weight reaches top_p x the kept weight. The candidates are exactly
@@ -68,7 +68,8 @@ chosen per platform like the thresholds:
   skips work that would otherwise be a large part of a step (docs/benchmarks.md, "Sampling").
   The exact select runs there one row at a time (`lax.map`), which keeps the step's scratch
   memory near what it was before the candidates (see `_exact_floor`).
-Both strategies draw the same ids from the same seeds; tests run both on the CPU and compare them.
+Both strategies draw the same ids from the same seeds (but for a top_p target within rounding of a
+boundary, above); tests run both on the CPU and compare them.
 BRANCH_ON_CPU = False gives the CPU the accelerators' strategy too (a step with no conditional
 anywhere, at the CPU cost measured in docs/benchmarks.md).
 
@@ -299,7 +300,7 @@ def _searched_floor(keys: jax.Array, values: jax.Array | None, target: jax.Array
     floor = jnp.zeros(keys.shape[:1], jnp.uint32)  # [B], the bits settled so far, in place
     for shift in range(32 - SEARCH_BITS, -1, -SEARCH_BITS):
         probes = floor[:, None] | (digits << shift)[None, :]  # [B, S]
-        above = keys[:, None, :] >= probes[:, :, None]  # [B, S, V]; fused into the sum, never stored
+        above = keys[:, None, :] >= probes[:, :, None]  # [B, S, V]; XLA:GPU fuses it into the sum
         if values is None:
             mass = jnp.sum(above, axis=-1, dtype=jnp.int32)  # [B, S]
         else:
