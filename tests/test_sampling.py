@@ -318,15 +318,16 @@ def test_the_public_functions_lowered_for_gpu_have_no_conditional_and_no_loop():
 
 def test_the_two_stage_top_k_gives_lax_top_k_values_and_ids():
     """The accelerators' top_logprobs (and gpu_check's sampler table) take two_stage_top_k for
-    lax.top_k: the same values and ids, ties to the lower id, across pieces of 16 (k 17, 20,
-    37), a ragged last chunk, and NaNs and infinities ranked as lax.top_k ranks them."""
+    lax.top_k: the same values and ids, ties to the lower id, across pieces of 16 (k 17 and 37;
+    MAX_TOP_LOGPROBS through top_logprobs in test_computing_and_selecting_gives_what_branching_gives),
+    a ragged last chunk, and NaNs and infinities ranked as lax.top_k ranks them."""
     rng = np.random.default_rng(0)
     x = rng.integers(-40, 40, size=(4, 5000)).astype(np.float32) / 4  # many ties, a ragged last chunk
     x[1, 4990:] = 100.0  # the best ids in the padded chunk
     x[2, :4980] = -np.inf  # fewer than 20 finite ids: -inf ties to the lower id
     x[2, [100, 200]] = [np.nan, -np.nan]
     x[3, ::7] = np.nan
-    for k in (1, 16, 17, MAX_TOP_LOGPROBS, 37):
+    for k in (1, 17, 37):  # one piece, 16 + 1, 16 + 16 + 5
         want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
         got_v, got_i = jax.jit(sampling.two_stage_top_k, static_argnums=(1, 2))(jnp.asarray(x), k, 512)
         np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=f"k={k}")
