@@ -6,9 +6,10 @@ vocabulary sizes, at each batch size.
                                   [--calls 3] [--against REV]
 
 Variants (columns): the CPU strategy (a branch skips what no row needs) with the top_k candidate
-cap at 64, 128 (the module's CAP) and 256; the GPU strategy (everything computed, then selected)
-at CAP, run here on the CPU, which is what the CPU would pay without branches; and, with
-`--against REV`, sampling.py as it was at git revision REV (its public `sample`/`top_logprobs`).
+cap at 64, 128 (the module's CAP) and 256; the accelerators' strategy (threshold searches and a
+two-stage top-k, everything computed, then selected), run here on the CPU, which is what the CPU
+would pay with BRANCH_ON_CPU off; and, with `--against REV`, sampling.py as it was at git
+revision REV (its public `sample`/`top_logprobs`).
 
 Cases (rows): all rows greedy; plain sampling (temperature 1, no cut); a chat-like cut
 (temperature 0.8, top_k 50, top_p 0.9 on peaked logits, inside the cap); top_p 0.95 on flat
@@ -58,7 +59,7 @@ def _variants(against: str | None) -> dict[str, Callable]:
         return _step(partial(sampling._sample, skip=skip, cap=cap), partial(sampling._top_logprobs, skip=skip))
 
     variants = {f"branch, cap {cap}": ours(True, cap) for cap in (64, CAP, 256)}
-    variants[f"select, cap {CAP}"] = ours(False, CAP)
+    variants["select (accelerators)"] = ours(False, CAP)  # the cap plays no part there
     if against:
         show = ["git", "show", f"{against}:engine/jax_backend/sampling.py"]
         source = subprocess.run(show, cwd=ROOT, check=True, capture_output=True, text=True).stdout

@@ -1,8 +1,10 @@
 """engine.jax_backend.sampling on hand-made logits: greedy, cuts, masks, seeds, raw logprobs.
 
 Most calls share two shapes ([ROWS, 4] and [8, 64]) so the suite compiles `sample` twice; the
-tests of the candidate cap use [8, WIDE], wider than the cap, and the GPU strategy (compute and
-select) is checked against the CPU one (branch) on it."""
+tests of the candidate cap use [8, WIDE], wider than the cap, and the accelerators' strategy
+(threshold searches and a two-stage top-k, computed and selected) is checked against the CPU's
+(capped candidates, exact select and branches) on it. The draws' distributions are
+tests/test_sampling_distribution.py's; the accelerators' lowering, tests/test_sampler_lowering.py's."""
 
 from __future__ import annotations
 
@@ -312,3 +314,41 @@ def test_the_public_functions_lowered_for_gpu_have_no_conditional_and_no_loop():
     module = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
     assert host_syncs(module) == []
     assert any(op.name == "stablehlo.case" for op in stablehlo_ops(module))  # the strategy's pick is there
+
+
+def test_the_two_stage_top_k_gives_lax_top_k_values_and_ids():
+    """The accelerators' top_logprobs (and gpu_check's sampler table) take two_stage_top_k for
+    lax.top_k: the same values and ids, ties to the lower id, across pieces of 16 (k 17 and 37;
+    MAX_TOP_LOGPROBS through top_logprobs in test_computing_and_selecting_gives_what_branching_gives),
+    a ragged last chunk, and NaNs and infinities ranked as lax.top_k ranks them."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-40, 40, size=(4, 5000)).astype(np.float32) / 4  # many ties, a ragged last chunk
+    x[1, 4990:] = 100.0  # the best ids in the padded chunk
+    x[2, :4980] = -np.inf  # fewer than 20 finite ids: -inf ties to the lower id
+    x[2, [100, 200]] = [np.nan, -np.nan]
+    x[3, ::7] = np.nan
+    for k in (1, 17, 37):  # one piece, 16 + 1, 16 + 16 + 5
+        want_v, want_i = jax.lax.top_k(jnp.asarray(x), k)
+        got_v, got_i = jax.jit(sampling.two_stage_top_k, static_argnums=(1, 2))(jnp.asarray(x), k, 512)
+        np.testing.assert_array_equal(np.asarray(got_i), np.asarray(want_i), err_msg=f"k={k}")
+        np.testing.assert_array_equal(np.asarray(got_v).view(np.uint32), np.asarray(want_v).view(np.uint32))
+
+
+def test_the_threshold_search_finds_what_the_exact_select_finds():
+    """`_searched_floor` (accelerators) against `_exact_floor` (the CPU beyond its cap): the
+    same threshold for counts and for weights whose sums are exact (small integers), at targets
+    on and between the boundaries, on rows with ties and on a row of one repeated value."""
+    rng = np.random.default_rng(3)
+    z = np.round(rng.normal(0, 2, (6, 700)), 1).astype(np.float32)  # many ties
+    z[5] = 1.5
+    keys = sampling._sortable(jnp.asarray(z))
+    weights = rng.integers(0, 5, (6, 700)).astype(np.float32)
+    counts = np.array([1, 2, 50, 333, 699, 700], np.int32)
+    masses = np.array([0.5, 1, 17, 400, weights[4].sum(), 9], np.float32)
+    search = jax.jit(sampling._searched_floor)
+    np.testing.assert_array_equal(np.asarray(search(keys, None, counts)),
+                                  np.asarray(sampling._exact_floor(keys, None, counts.astype(np.float32), False)))
+    np.testing.assert_array_equal(np.asarray(search(keys, jnp.asarray(weights), masses)),
+                                  np.asarray(sampling._exact_floor(keys, jnp.asarray(weights), masses, False)))
+    kth = np.sort(np.asarray(keys), axis=-1)[:, ::-1][np.arange(6), counts - 1]  # the k-th best key
+    np.testing.assert_array_equal(np.asarray(search(keys, None, counts)), kth)

@@ -280,34 +280,20 @@ def step_profile(model: JaxModel, slots: Slots, repeats: int = PROFILE_REPEATS) 
         return {"error": f"{type(error).__name__}: {error}"}
 
 
-TOP_K_CHUNK = 1024  # two_stage_top_k's chunk: a row of it sorts within one GPU block
-
-
-def two_stage_top_k(x: jax.Array, k: int, chunk: int = TOP_K_CHUNK) -> tuple[jax.Array, jax.Array]:
-    """lax.top_k of x [B, V] over the last axis as the top k of each chunk of `chunk` ids, then
-    the top k of those candidates: the same values and ids (the best k of the row are among the
-    best k of their chunks; candidates stay in id order, so ties still go to the lower id), with
-    many short sorts in place of one of the whole vocabulary. -> ([B, k] values, [B, k] i32 ids)."""
-    b, v = x.shape
-    n = -(-v // chunk)
-    padded = jnp.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-jnp.inf).reshape(b, n, chunk)  # [B, N, C]
-    values, ids = jax.lax.top_k(padded, min(k, chunk))  # [B, N, k]
-    ids = ids + (jnp.arange(n, dtype=ids.dtype) * chunk)[None, :, None]
-    best, at = jax.lax.top_k(values.reshape(b, -1), k)  # [B, k]
-    return best, jnp.take_along_axis(ids.reshape(b, -1), at, axis=-1)
-
-
 def sampling_profile(vocab: int, batches: list[int], repeats: int = PROFILE_REPEATS) -> dict:
     """What choosing the next token costs on this device, apart from the layers: each piece
     jitted alone on random logits [B, vocab], every row greedy and asking for no alternatives
     (the batch-1 benchmark's case), best of `repeats` calls each read back (so a piece's time
     includes one dispatch and one wait). The pieces: the full sampler, `sample` + `top_logprobs`
-    (what the one-executable step ran for every row; on an accelerator every piece computed, then
-    selected: no conditional; engine/jax_backend/sampling.py); `sampling.greedy`, what a step with the sampler split
-    off runs for greedy rows (the first allowed max and its logprob); and the costly parts of the rest, each alone: lax.top_k at the
-    candidate cap and at MAX_TOP_LOGPROBS (XLA:GPU's own top-k kernel takes k <= 16 only, so
-    these may be sorts of the vocabulary), the same top-k in two stages (`two_stage_top_k`, the
-    alternative to measure against it), and one exact select (three scatter-add passes)."""
+    (what the one-executable step and the split step's full variant run for every row; on an
+    accelerator every piece computed, then selected: no conditional; engine/jax_backend/sampling.py);
+    `sampling.greedy`, what a step with the sampler split off runs for greedy rows (the first
+    allowed max and its logprob); and the costly parts of the rest, each alone: lax.top_k at
+    MAX_TOP_LOGPROBS (XLA:GPU's own top-k kernel takes k <= 16 only, so this may be a sort of the
+    vocabulary), the same top-k in two stages (`sampling.two_stage_top_k`, what the accelerator's
+    top_logprobs runs instead), one threshold search (`sampling._searched_floor`, 8 reduction
+    passes: a top_k cut on the accelerator; a top_p cut is another) and, to set it against the
+    search, one exact select (the CPU's, beyond its candidate cap: three scatter-add passes)."""
     try:
         rows = []
         for b in batches:
@@ -322,11 +308,12 @@ def sampling_profile(vocab: int, batches: list[int], repeats: int = PROFILE_REPE
                 "the full sampler (sample + top_logprobs)": lambda x: (
                     sampling.sample(x, params, positions, mask, masked), sampling.top_logprobs(x, wanted)),
                 "sampling.greedy (the split step's greedy variant)": lambda x: sampling.greedy(x, mask, masked),
-                f"lax.top_k, k = {sampling.CAP}": lambda x: jax.lax.top_k(x, min(sampling.CAP, vocab)),
                 f"lax.top_k, k = {MAX_TOP_LOGPROBS}": lambda x: jax.lax.top_k(x, min(MAX_TOP_LOGPROBS, vocab)),
-                f"lax.top_k in two stages (chunks of {TOP_K_CHUNK:,}), k = {sampling.CAP}": lambda x: two_stage_top_k(
-                    x, min(sampling.CAP, vocab)),
-                "one exact select": lambda x: sampling._exact_floor(
+                f"sampling.two_stage_top_k (chunks of {sampling.TOP_K_CHUNK:,}), k = {MAX_TOP_LOGPROBS}": lambda x: (
+                    sampling.two_stage_top_k(x, min(MAX_TOP_LOGPROBS, vocab))),
+                "one threshold search (top_k 50)": lambda x: sampling._searched_floor(
+                    sampling._sortable(x), None, jnp.full((b,), 50, jnp.int32)),
+                "one exact select (the CPU's, beyond the cap)": lambda x: sampling._exact_floor(
                     sampling._sortable(x), None, jnp.full((b,), 50.0, jnp.float32), skip=False),
             }
             times = {}
