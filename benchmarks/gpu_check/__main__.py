@@ -7,7 +7,8 @@ process under the run's deadline, and write the report (see the package docstrin
 
 Order: env; then the device tests (pytest) in the background beside golden and real-model
 (correctness only: nothing is timed while two processes share the device); then, alone on the
-device, speed-0 (the 8B shape), stack, speed-1. A phase gets its own limit, cut to what is left
+device, speed-0 (the 8B shape), stack, speed-1, then weights (the 8B shape in fp8 and int8). A
+phase gets its own limit, cut to what is left
 of the deadline; one that would start after the deadline is skipped.
 
 --out receives three files: gpu-check.json, gpu-check.md and gpu-check-logs.tar.gz (each
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", action="append", default=[], metavar="PHASE=SECONDS",
                         help="a phase's own time limit instead of the profile's (repeatable), e.g. stack=300")
     parser.add_argument("--skip", default="", help="phases to leave out, comma-separated (env, golden, real-model, "
-                        "speed-0, speed-1, stack, pytest)")
+                        "speed-0, speed-1, stack, weights, pytest)")
     args = parser.parse_args(argv)
     plan = PROFILES[args.profile]
     try:
@@ -240,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     stack(runner)
     for i in range(1, len(plan.speed_shapes)):
         runner.phase(f"speed-{i}", f"speed-{i}")
+    if plan.weights:
+        runner.phase("weights", "weights")
+    else:
+        runner.results["weights"] = {"skipped": "not in this profile"}
     summary = report.build(plan, runner.results, time.monotonic() - runner.started)
     summary["work"] = str(work)
     args.out.mkdir(parents=True, exist_ok=True)
