@@ -108,7 +108,7 @@ class Plan:
 
 DEVICE_TESTS = (
     "tests/test_transformer_parity.py", "tests/test_jax_model.py", "tests/test_prefill_chunked.py",
-    "tests/test_jax_stack.py",
+    "tests/test_jax_stack.py", "tests/test_gpu_weights.py",
 )
 GOLDENS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
 
