@@ -13,11 +13,12 @@ the contraction), so XLA needs no transpose of the weights for it.
 int8 (`product` on an int8 q): symmetric, scale = max |W.T[n, :]| / 127, round to nearest. The
 product is dot(x, convert(q)) * scale: a per-output scale commutes with the sum over the input,
 so it moves out of the contraction and the dot's weight operand is a bare convert of q. That is
-the form XLA:GPU fuses into the GEMM (its Triton GEMM fusion widens the int8 tile in registers as
-it loads it), so a step reads the weights as 1 byte a parameter; the scale is a multiply on the
-[R, N] result. A per-block scale (the CPU kernels' blocks of 32) would sit inside the
-contraction as a broadcast multiply of the operand, which is not the plain convert-of-operand
-pattern. int8 values are exact in bfloat16 and float32, so the widened operand is exactly q and
+the operand XLA:GPU's GEMM fusion takes into the GEMM (its Triton emitter widens the int8 tile in
+registers as it loads it), so a step reads the weights as 1 byte a parameter; the scale is a
+multiply on the [R, N] result. A per-block scale (the CPU kernels' blocks of 32) would sit inside
+the contraction as a broadcast multiply of the operand, not this plain convert of it. Not yet
+seen on a GPU: were the convert not fused, int8 would write and read a widened copy of each
+matrix, slower than bfloat16 at batch 1 (benchmarks/gpu_check's weights phase shows which). int8 values are exact in bfloat16 and float32, so the widened operand is exactly q and
 the product is the dequantized matrix's, to the activations' rounding. XLA:CPU does not fuse the
 convert: there it widens each matrix per call (the CPU's fast int8 is the kernels').
 
