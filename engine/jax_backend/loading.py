@@ -223,6 +223,8 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     # int8 with the CPU kernels: their blocks (quantize); int8 without them, and fp8: channels (channel_quant)
     blocks = weights == "int8" and kernels_on(state)
     channels = weights if weights in ("int8", "fp8") and not blocks else None
+    log.info("weights %s: %s", weights, "the CPU kernels' blocks" if blocks else "per output channel, XLA's products"
+             if channels else f"the dtype's own ({dtype.name})")
     _check_memory(model_dir, cfg, memory_plan.Settings(
         max_batch_size, context, o.max_prefill_chunk, pool_pages(o, max_batch_size, context), o.kv_page_size,
         dtype.itemsize,
