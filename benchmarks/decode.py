@@ -167,7 +167,8 @@ def main() -> None:
     parser.add_argument("--min-attend", type=int, default=None, help="smallest decode attend bucket (no kernels)")
     parser.add_argument("--no-kernels", action="store_true", help="plain JAX: no CPU kernels (attention, one-row products)")
     parser.add_argument("--tensor-parallel", default="1", help="comma-separated mesh sizes: one table per size")
-    parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 (CPU kernels)")
+    parser.add_argument("--weights", default="float32", choices=["float32", "int8", "fp8"],
+                        help="int8: the CPU kernels' blocks (per-channel int8 with --no-kernels); fp8: e4m3 per channel")
     parser.add_argument("--cpu-threads", type=int, default=None, help="threads per CPU kernel call, weight product or attention (default: the CPUs available)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]

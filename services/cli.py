@@ -444,13 +444,12 @@ def build_parser() -> argparse.ArgumentParser:
             choices=["on", "off"], default=on_off(SERVED.cpu_kernels),
         )
         add_flag(p, "--weights", help="auto (the default): int8 on the CPU with its kernels for a model that brings its GGUF "
-                 "(the pulled default model), float32 elsewhere (an accelerator, no kernels, tensor parallelism, another "
-                 "dtype, a checkpoint without model.gguf); float32: the dtype's own weights; int8: weight-only integer "
-                 "blocks of 32 with a scale (8 bits; activations float32, or 16-bit blocks in the AVX-512 VNNI integer dots), "
-                 "CPU kernels only, one device; a model pulled from a GGUF is read from its own blocks, never as float32: "
-                 "Q8_0, Q5_0 and Q5_1 in 8 bits, Q4_0 and Q4_1 in 4 bits, with block offsets where the type has them "
-                 "(the file's values, as float32 serves them); other types requantized to 8 bits",
-                 choices=["auto", "float32", "int8"], default=SERVED.weights)
+                 "(the pulled default model), else float32; float32: the dtype's own weights; int8: with the CPU kernels, "
+                 "blocks of 32 with a scale (a GGUF's own blocks, 4-bit ones kept 4-bit; float32 activations), elsewhere "
+                 "(an accelerator, --cpu-kernels off, bfloat16) int8 per output channel, converted inside XLA's product; "
+                 "fp8: e4m3 projections per output channel times activations rounded to e4m3 per row (native fp8 "
+                 "products on Hopper, widened to float32 on a CPU), int8 embedding and head. int8 and fp8: one device",
+                 choices=["auto", "float32", "int8", "fp8"], default=SERVED.weights)
         add_flag(p, "--cpu-threads", help="threads per CPU kernel call, weight product or attention (0 = the CPUs this process may use: "
                  "affinity and cgroup quota)", type=non_negative, default=SERVED.cpu_threads or 0)
         add_flag(p, "--memory-limit-bytes", help="the memory check at load: weights + KV cache + the largest "

@@ -134,6 +134,8 @@ def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
             "cache: give one of them"
         )
     check_kv_cache(a.kv_cache_tokens, SERVED.kv_page_size, max_batch_size)
+    if a.weights in ("int8", "fp8") and a.tensor_parallel > 1:
+        raise ValueError(f"--weights {a.weights} runs on one device: it cannot be combined with --tensor-parallel {a.tensor_parallel}")
     return ModelOptions(
         max_context_length=a.max_context_length,
         dtype=a.dtype,

@@ -53,12 +53,35 @@ def _results(tpot_s: float, floor_s: float, text_vs_engine: float) -> dict:
 
 
 def test_targets_say_met_or_by_how_much_they_are_missed():
-    met, served = report.targets(GPU, _results(tpot_s=0.004, floor_s=0.0034, text_vs_engine=0.9))
+    met, served, *fp8 = report.targets(GPU, _results(tpot_s=0.004, floor_s=0.0034, text_vs_engine=0.9))
+    assert [t["status"] for t in fp8] == ["not measured", "not measured"]  # no weights phase in these results
     assert (met["status"], served["status"]) == ("met", "met") and "where" not in met
-    missed, served = report.targets(GPU, _results(tpot_s=0.0068, floor_s=0.0034, text_vs_engine=0.6))
+    missed, served, *_ = report.targets(GPU, _results(tpot_s=0.0068, floor_s=0.0034, text_vs_engine=0.6))
     assert missed["ratio"] == pytest.approx(2.0) and missed["status"].startswith("missed by 54%")
     assert missed["where"] == {"step, read at once": {"s": 0.001, "bytes": 10**9}}  # the step's pieces
     assert served["status"] == "missed by 25%" and "the decode service alone serves 1.00x" in served["where"]
+
+
+def test_the_fp8_targets_set_batch_1_against_its_own_floor_and_the_largest_batch_against_the_dtype():
+    """Issue 42: fp8 at batch 1 within 1.3x the floor of the bytes fp8 reads, and at the largest
+    batch (256) >= 1.4x bfloat16's tok/s there (speed-0's row)."""
+    def row(batch, tok_s, tpot_s=0.0, floor_s=1.0):
+        return {"batch": batch, "tok_s": tok_s, "tpot_s": tpot_s, "floor_s": floor_s}
+    results = {"speed-0": {"decode": {"batches": [row(1, 200.0), row(256, 20000.0)]}},
+               "weights": {"formats": {"fp8": {"decode": {"batches": [row(1, 350.0, 0.0026, 0.002), row(256, 30000.0)]}}}}}
+    floor, speedup = report.fp8_targets(GPU, results)
+    assert floor["ratio"] == pytest.approx(1.3) and floor["status"] == "met"
+    assert speedup["ratio"] == pytest.approx(1.5) and speedup["status"] == "met"
+    results["weights"]["formats"]["fp8"]["decode"]["batches"][1]["tok_s"] = 21000.0
+    results["weights"]["formats"]["fp8"]["decode"]["batches"][0]["tpot_s"] = 0.0039
+    floor, speedup = report.fp8_targets(GPU, results)
+    assert floor["status"] == "missed by 50%" and speedup["status"] == "missed by 25%"
+    for b in results["weights"]["formats"]["fp8"]["decode"]["batches"]:
+        b["mbu"] = 0.5
+    results["weights"] |= {"shape": "llama-3-8b", "dtype": "bfloat16"}
+    results["weights"]["formats"]["fp8"]["decode"]["weight_bytes"] = 8.5e9
+    table = "\n".join(report.weights_lines(results))
+    assert "| fp8 | 256 | 21000 | 0.00 | 1000.00 | 0.50 | 8.50 | 1.05 |" in table  # x bfloat16's 20,000 tok/s
 
 
 def test_a_failed_batch_1_profile_says_why_and_the_stack_is_set_against_decode_steps_alone():
@@ -116,7 +139,7 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert phases["env"]["backend"] == "cpu" and phases["env"]["devices"]
     checks = {c["name"]: c for c in summary["checks"]}
     assert checks["tiny checkpoints in float32 vs float32 goldens"]["ok"]
-    assert checks["compilations after warm-up"]["detail"] == "speed-0 decode 0, speed-0 prefill 0"
+    assert checks["compilations after warm-up"]["detail"] == "speed-0 decode 0, speed-0 prefill 0, weights fp8 decode 0"
     decode = phases["speed-0"]["decode"]
     assert [b["batch"] for b in decode["batches"]] == [1, 2]
     assert all(b["tok_s"] > 0 and 0 < b["mbu"] and b["floor_s"] > 0 for b in decode["batches"])
@@ -134,13 +157,18 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     rows = {r["path"]: r for r in report.stack_rows(phases["stack"])}
     assert set(rows) == {"engine", "decode", "text"} and rows["engine"]["vs_engine"] == 1.0
     assert all(r["tok_s"] > 0 and math.isfinite(r["ttft_p99_s"]) and math.isfinite(r["itl_p50_s"]) for r in rows.values())
-    assert [t.get("ratio", -1) > 0 for t in summary["targets"]] == [True, True]
+    # the last two: fp8's, batch 1 against its floor, and (not timed in smoke: weights_batches (1,)) the largest batch
+    assert [t.get("ratio", -1) > 0 for t in summary["targets"]] == [True, True, True, False]
+    fp8 = phases["weights"]["formats"]["fp8"]["decode"]
+    assert [b["batch"] for b in fp8["batches"]] == [1] and all(b["tok_s"] > 0 and b["floor_s"] > 0 for b in fp8["batches"])
+    assert fp8["weight_bytes"] < 0.3 * decode["weight_bytes"]  # float32's own here: a byte a parameter against 4
     table = (tmp_path / "gpu-check.md").read_text()
     assert "| model | batch | tok/s | TPOT ms | HBM floor ms | MBU |" in table and "| 2 | text |" in table
     assert phases["stack"]["engine_only"]["batch"] == 2 and len(phases["stack"]["engine_only"]["tok_s"]) == 1
     assert "Over decode.py's decode steps alone at batch 2 (" in table
     assert "| piece | batch 1 | batch 2 |" in table and "| sampling.greedy (the split step's greedy variant) |" in table
-    assert "| int8 |" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table
+    assert "| weights | batch | tok/s | TPOT ms | HBM floor ms | MBU | weight GB | x float32 tok/s |" in table
+    assert "| int8 / fp8 weights | timed on this cpu: fp8" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table
 
 
 def test_the_paged_attention_benchmark_runs_its_smoke_shape_and_the_kernels_agree(tmp_path):

@@ -225,14 +225,20 @@ def test_a_tied_head_shares_the_int8_embedding():
     assert model._weights.lm_head is model._weights.embed
 
 
-def test_int8_is_refused_where_it_cannot_run():
+def test_int8_is_refused_where_it_cannot_run_and_is_channels_without_the_kernels():
+    """Under tensor parallelism and for an unknown format: refused. Without the kernels, int8 is
+    not refused: it is engine.jax_backend.channel_quant's (tests/test_gpu_weights.py); the blocks
+    themselves still need the kernels."""
     path = ASSETS / "tiny-llama"
     with pytest.raises(ValueError, match="tensor parallelism"):
         JaxModel.load(path, weights="int8", tensor_parallel=2)
     with pytest.raises(ValueError, match="weights must be one of"):
         JaxModel.load(path, weights="int4")
+    off = JaxModel.load(path, max_context_length=32, weights="int8", kernels=False)
+    assert not off.int8 and type(off._weights.embed).__name__ == "ChannelMatrix"
+    blocks = weights_mod.load_int8(path)
     with pytest.raises(ValueError, match="need the CPU kernels"):
-        JaxModel.load(path, max_context_length=32, weights="int8", kernels=False)
+        JaxModel(blocks.config, blocks.weights, off.info, jnp.float32, kernels=False)
 
 
 # --- int8 straight from a GGUF (engine.model_store.gguf_blocks) -----------------------------------

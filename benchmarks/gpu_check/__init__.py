@@ -5,7 +5,8 @@ prefill speed against the memory roofline, and the two services under load.
 Data flow: `__main__` (no JAX) reads a profile from `plan` (gpu, rehearsal, cpu, smoke), then
 runs each phase as a child process with a time limit, so that a phase that fails, hangs or
 runs out of device memory costs only its own row and frees the device for the next:
-  env, golden, real-model, speed-<shape>, stack-model  -> `phases` (python -m benchmarks.gpu_check.phases)
+  env, golden, real-model, speed-<shape>, weights,
+  stack-model                                          -> `phases` (python -m benchmarks.gpu_check.phases)
   stack                                                -> benchmarks/transport.py --real-model DIR --json
   pytest                                               -> python -m pytest <the device tests> --junitxml
 Each child writes one JSON file; `report` joins them, checks the targets and writes

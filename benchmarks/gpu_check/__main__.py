@@ -7,7 +7,8 @@ process under the run's deadline, and write the report (see the package docstrin
 
 Order: env; then the device tests (pytest) in the background beside golden and real-model
 (correctness only: nothing is timed while two processes share the device); then, alone on the
-device, speed-0 (the 8B shape), stack, speed-1. A phase gets its own limit, cut to what is left
+device, speed-0 (the 8B shape), stack, speed-1, then weights (the 8B shape in fp8 and int8). A
+phase gets its own limit, cut to what is left
 of the deadline; one that would start after the deadline is skipped.
 
 --out receives three files: gpu-check.json, gpu-check.md and gpu-check-logs.tar.gz (each
@@ -194,6 +195,21 @@ def finish_pytest(runner: Runner, handle: tuple | None) -> None:
         runner.results["pytest"] = report.junit_summary(runner.work / "pytest.xml", code, log)
 
 
+def weights_phase(runner: Runner) -> None:
+    """The quantized formats, last: run only when its whole limit is left before the deadline (a
+    phase cut short would fail the run for a measurement the default plan cannot always afford)."""
+    plan = runner.plan
+    left = runner.deadline - time.monotonic()
+    need = plan.phase_limits_s.get("weights")
+    if not plan.weights:
+        runner.results["weights"] = {"skipped": "not in this profile"}
+    elif need is not None and left < need and "weights" not in runner.skip:
+        runner.results["weights"] = {"skipped": f"out of time: {left:.0f} s left of the {need:.0f} s it may take "
+                                                "(run it alone: --skip pytest,real-model,stack,speed-1)"}
+    else:
+        runner.phase("weights", "weights")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="gpu")
@@ -207,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", action="append", default=[], metavar="PHASE=SECONDS",
                         help="a phase's own time limit instead of the profile's (repeatable), e.g. stack=300")
     parser.add_argument("--skip", default="", help="phases to leave out, comma-separated (env, golden, real-model, "
-                        "speed-0, speed-1, stack, pytest)")
+                        "speed-0, speed-1, stack, weights, pytest)")
     args = parser.parse_args(argv)
     plan = PROFILES[args.profile]
     try:
@@ -240,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     stack(runner)
     for i in range(1, len(plan.speed_shapes)):
         runner.phase(f"speed-{i}", f"speed-{i}")
+    weights_phase(runner)
     summary = report.build(plan, runner.results, time.monotonic() - runner.started)
     summary["work"] = str(work)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,13 +3,15 @@
     python -m benchmarks.gpu_check.phases PHASE PLAN.json RESULT.json [ARG]
 
 PHASE is env, golden, real-model (ARG: the model directory), speed-<i> (the plan's i-th speed
-shape) or stack-model (ARG: where to write it). Each writes one JSON object to RESULT.json; an
+shape), weights (the first speed shape in the plan's quantized formats) or stack-model (ARG:
+where to write it). Each writes one JSON object to RESULT.json; an
 exception is written there as {"error": ...} and exits 1. The orchestrator (__main__) runs them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -31,7 +33,7 @@ from benchmarks.gpu_check.plan import Plan
 from benchmarks.gpu_check.random_model import model_config, random_model, random_weights, write_random_checkpoint
 from engine.core.model import SlotSetup
 from engine.core.request import MAX_TOP_LOGPROBS, SamplingParams
-from engine.jax_backend import sampling, transformer
+from engine.jax_backend import channel_quant, sampling, transformer
 from engine.jax_backend.jax_model import MAX_CHUNK, JaxModel
 from engine.jax_backend.weights import load_checkpoint
 
@@ -75,7 +77,8 @@ def env(plan: Plan) -> dict:
     return {
         "python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
         "backend": jax.default_backend(), "devices": devices, "versions": versions, "cuda_packages": plugins,
-        "int8": importlib.util.find_spec("engine.jax_backend.quantize") is not None,  # --weights int8
+        "int8": importlib.util.find_spec("engine.jax_backend.quantize") is not None,  # --weights int8 (CPU kernels)
+        "channel_weights": importlib.util.find_spec("engine.jax_backend.channel_quant") is not None,  # int8 / fp8 elsewhere
     }
 
 
@@ -198,18 +201,23 @@ def decode_context(plan: Plan) -> int:
     return -(-(plan.prompt_len + steps + 1) // 64) * 64
 
 
-def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
+def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth, warm_up: bool = True) -> dict:
+    """Decode steps at each of the plan's batch sizes, rounds interleaved with the bandwidth's.
+    `warm_up` False (the weights phase): no warm-up and no step profile; only the row buckets the
+    batches use are compiled, by their untimed steps, and compilations are counted after those."""
     batches = plan.batches
     context = decode_context(plan)
     model, _ = random_model(  # one attend bucket (the context) and one prompt bucket: few compiles
         shape, plan.dtype, weights, max_batch_size=max(batches), max_context_length=context, min_attend=context,
         min_bucket=plan.prompt_len, max_chunk=plan.prompt_len,
     )
-    warm_s, _ = _timed(model.warm_up)
+    warm_s, _ = _timed(model.warm_up if warm_up else lambda: None)
     compiled = model.compilations()
     fill_s, slots = _timed(lambda: Slots(model, max(batches), plan.prompt_len))
     for batch in batches:  # one untimed step each
         slots.step(batch)
+    if not warm_up:
+        compiled = model.compilations()
     w_bytes, kv_token = weight_bytes(model), kv_bytes_per_token(model)
     seconds = {b: [] for b in batches}
     step_bytes = {b: [] for b in batches}
@@ -229,7 +237,7 @@ def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth) -> dict:
             "tok_s": batch / step, "tpot_s": step, "mbu": statistics.median(mbu),
             "floor_s": statistics.median(floor), "bytes_per_step": statistics.median(step_bytes[batch]),
         })
-    profile = step_profile(model, slots)
+    profile = step_profile(model, slots) if warm_up else {"skipped": "no warm-up in this phase"}
     after = model.compilations() - compiled
     slots.release()
     return {
@@ -364,6 +372,27 @@ def _prefill_speed(plan: Plan, shape, weights) -> dict:
     }
 
 
+# -- quantized weights (--weights fp8 / int8: engine.jax_backend.channel_quant) --------------------
+
+
+def weights_speed(plan: Plan) -> dict:
+    """The first speed shape's decode at batch 1 and the largest batch (or the plan's
+    weights_batches) with each of the plan's quantized formats, made from random weights in the plan's dtype on the device: each row against
+    its own HBM floor (the quantized bytes a step reads); the dtype's own figures are speed-0's."""
+    shape = plan.speed_shapes[0]
+    cfg = model_config(shape)
+    base = random_weights(cfg, plan.dtype)
+    bandwidth = Bandwidth(plan.bandwidth_gib)
+    timed = dataclasses.replace(plan, batches=plan.weights_batches or tuple(sorted({1, max(plan.batches)})))
+    formats = {}
+    for fmt in plan.weights:
+        quantize_s, weights = _timed(lambda: channel_quant.quantize_weights(base, fmt, plan.dtype))  # noqa: B023
+        formats[fmt] = {"quantize_s": quantize_s, "decode": _decode_speed(timed, shape, weights, bandwidth, warm_up=False)}
+        del weights
+        gc.collect()
+    return {"shape": shape.name, "dtype": plan.dtype, "batches": list(timed.batches), "formats": formats}
+
+
 # -- the served model of the stack measurement --------------------------------------------------
 
 
@@ -378,7 +407,7 @@ def stack_model(plan: Plan, directory: str) -> dict:
             "bytes": (Path(path) / "model.safetensors").stat().st_size}
 
 
-PHASES = {"env": env, "golden": golden, "real-model": real_model, "stack-model": stack_model}
+PHASES = {"env": env, "golden": golden, "real-model": real_model, "weights": weights_speed, "stack-model": stack_model}
 
 
 def main(argv: list[str]) -> int:

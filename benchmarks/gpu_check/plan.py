@@ -87,6 +87,10 @@ class Plan:
     real_model: bool
     deadline_s: float  # the whole run; phases that would start after it are skipped
     phase_limits_s: dict[str, float] = field(default_factory=dict)  # per phase; default: what is left
+    # quantized formats (--weights) the `weights` phase times on the first speed shape at batch 1
+    # and the largest batch, against the dtype's own (speed-0); () = skip
+    weights: tuple[str, ...] = ()
+    weights_batches: tuple[int, ...] = ()  # the batches it times; () = 1 and the largest of `batches`
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -97,14 +101,14 @@ class Plan:
         shapes = lambda items: tuple(Shape(**s) for s in items)  # noqa: E731
         raw["speed_shapes"] = shapes(raw["speed_shapes"])
         raw["stack_shape"] = Shape(**raw["stack_shape"])
-        for key in ("batches", "prefill_lengths", "stack_streams", "goldens", "pytest_files"):
+        for key in ("batches", "prefill_lengths", "stack_streams", "goldens", "pytest_files", "weights", "weights_batches"):
             raw[key] = tuple(raw[key])
         return cls(**raw)
 
 
 DEVICE_TESTS = (
     "tests/test_transformer_parity.py", "tests/test_jax_model.py", "tests/test_prefill_chunked.py",
-    "tests/test_jax_stack.py",
+    "tests/test_jax_stack.py", "tests/test_gpu_weights.py",
 )
 GOLDENS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
 
@@ -119,8 +123,15 @@ GPU = Plan(
     # Limits: the first H200 run took 414 s in all; since then each decode model also compiles a
     # greedy and a full sampler per row bucket (JaxModel split_sampler) and speed-0 times the
     # sampler alone (12 small compiles), hence 30-40 s more for speed-0, 20 for speed-1 and the stack.
+    # The weights phase (fp8, int8) runs last, its own process, so that its cost (quantizing the 8B
+    # shape, two decode row buckets and a prefill compiled per format, 256 prompts filled) takes
+    # nothing from the phases before it: within the deadline when time is left, else skipped;
+    # alone (docs/benchmarks.md): --skip pytest,real-model,stack,speed-1. Its limit is an
+    # estimate, never yet measured on a GPU.
     goldens=GOLDENS, pytest_files=DEVICE_TESTS, real_model=True, deadline_s=510.0,
-    phase_limits_s={"env": 60, "pytest": 200, "golden": 60, "real-model": 90, "speed-0": 190, "stack": 230, "speed-1": 110},
+    phase_limits_s={"env": 60, "pytest": 200, "golden": 60, "real-model": 90, "speed-0": 190, "stack": 230, "speed-1": 110,
+                    "weights": 150},
+    weights=("fp8", "int8"),
 )
 
 
@@ -145,6 +156,6 @@ PROFILES: dict[str, Plan] = {
         GPU, 64, profile="smoke", dtype="float32", speed_shapes=(LLAMA3_8B.scaled(64),), batches=(1, 2), prompt_len=8, rounds=1, steps=2,
         prefill_lengths=(32,), prefill_repeats=1, bandwidth_gib=0.0625, stack_streams=(2,), stack_tokens=6,
         stack_rounds=1, client_procs=1, goldens=("tiny-llama",), pytest_files=(), real_model=False,
-        deadline_s=300.0, phase_limits_s={},
+        deadline_s=300.0, phase_limits_s={}, weights=("fp8",), weights_batches=(1,),  # (one decode compile: ~5 s here)
     ),
 }

@@ -4,7 +4,9 @@
 Targets (issue 18): the first speed shape (Llama-3-8B on the GPU) at batch 1 decodes one token
 within 1.3x the HBM floor (the bytes a step reads / the measured read bandwidth); through the text
 service at the first stream count (64) the stack serves >= 0.8x the engine alone. A missed target
-names where the time went: the batch-1 step's pieces, or the decode service's own ratio.
+names where the time went: the batch-1 step's pieces, or the decode service's own ratio. Issue
+42's for fp8 weights (the weights phase): batch 1 within 1.3x its own floor (the fp8 bytes), and
+the largest batch >= 1.4x the dtype's own tok/s at that batch (speed-0's).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from benchmarks.gpu_check.plan import Plan
 TPOT_LIMIT = 1.3  # x the HBM floor
 SERVED_MIN = 0.8  # x engine-only tok/s
 H100_8B_BATCH1_MS = (7.6, 7.9)  # published anchors, bfloat16 (issue 18)
+FP8_TPOT_LIMIT = 1.3  # x fp8's own HBM floor, batch 1 (issue 42)
+FP8_SPEEDUP_MIN = 1.4  # x the dtype's own tok/s at the largest batch (issue 42)
 
 
 def junit_summary(junit: Path, code: int, log: str) -> dict:
@@ -135,7 +139,35 @@ def targets(plan: Plan, results: dict) -> list[dict]:
                                f"{ratio:.2f}x; ITL p99 decode {decode['itl_p99_s'] * 1e3:.1f} ms, text "
                                f"{text['itl_p99_s'] * 1e3:.1f} ms")
     out.append(target)
-    return out
+    return out + fp8_targets(plan, results)
+
+
+def fp8_targets(plan: Plan, results: dict) -> list[dict]:
+    """Issue 42's two fp8 targets, from the weights phase (and speed-0 for the dtype's own); none
+    when the plan times no fp8."""
+    if "fp8" not in plan.weights:
+        return []
+    big = max(plan.batches)
+    fp8 = results.get("weights", {}).get("formats", {}).get("fp8", {})
+    rows = {r["batch"]: r for r in fp8.get("decode", {}).get("batches", [])}
+    own = {r["batch"]: r for r in results.get("speed-0", {}).get("decode", {}).get("batches", [])}
+    name = plan.speed_shapes[0].name
+    floor = {"name": f"{name} fp8 batch-1 TPOT <= {FP8_TPOT_LIMIT}x its HBM floor"}
+    if 1 not in rows:
+        floor["status"] = "not measured"
+    else:
+        r = rows[1]
+        ratio = r["tpot_s"] / r["floor_s"]
+        floor |= {"measured": f"{r['tpot_s'] * 1e3:.2f} ms = {ratio:.2f}x the floor ({r['floor_s'] * 1e3:.2f} ms)", "ratio": ratio,
+                  "status": "met" if ratio <= FP8_TPOT_LIMIT else f"missed by {ratio / FP8_TPOT_LIMIT - 1:.0%}"}
+    speedup = {"name": f"{name} fp8 batch-{big} tok/s >= {FP8_SPEEDUP_MIN}x {plan.dtype}'s"}
+    if big not in rows or big not in own:
+        speedup["status"] = "not measured"
+    else:
+        ratio = rows[big]["tok_s"] / own[big]["tok_s"]
+        speedup |= {"measured": f"{ratio:.2f}x ({rows[big]['tok_s']:.0f} against {own[big]['tok_s']:.0f} tok/s)", "ratio": ratio,
+                    "status": "met" if ratio >= FP8_SPEEDUP_MIN else f"missed by {1 - ratio / FP8_SPEEDUP_MIN:.0%}"}
+    return [floor, speedup]
 
 
 def checks(results: dict) -> list[dict]:
@@ -152,6 +184,8 @@ def checks(results: dict) -> list[dict]:
                               f"greedy {agree}/{decisive} decisive steps"})
     compiles = {f"{name} {part}": r[part]["compilations_after_warm_up"] for name, r in results.items()
                 if name.startswith("speed-") for part in ("decode", "prefill") if part in r}
+    for fmt, r in results.get("weights", {}).get("formats", {}).items():
+        compiles[f"weights {fmt} decode"] = r["decode"]["compilations_after_warm_up"]
     if "compilations_after_warm_up" in results.get("real-model", {}):
         compiles["real-model"] = results["real-model"]["compilations_after_warm_up"]
     if compiles:
@@ -240,6 +274,7 @@ def markdown(summary: dict) -> str:
             d, p = r["decode"], r["prefill"]
             out.append(f"| {shape} | {d['warm_up_s']:.1f} ({d['compilations_at_warm_up']}; rows {d['row_buckets']}) | "
                        f"{p['warm_up_s']:.1f} ({p['compilations_at_warm_up']}) | {r['weights_build_s']:.1f} |")
+    out += weights_lines(phases)
     rows = stack_rows(phases.get("stack", {}))
     if rows:
         model = phases["stack"].get("model", {})
@@ -251,7 +286,7 @@ def markdown(summary: dict) -> str:
                        f"{_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} | {_ms(r['itl_p50_s'])} / {_ms(r['itl_p99_s'])} |")
         out += engine_only_lines(phases["stack"])
     out += ["", "| also | status |", "|---|---|",
-            f"| int8 | {_int8_line(phases)} |",
+            f"| int8 / fp8 weights | {_weights_line(phases)} |",
             f"| tensor parallelism | {_tp_line(phases)} |"]
     skipped = {k: v["skipped"] for k, v in phases.items() if isinstance(v, dict) and isinstance(v.get("skipped"), str)}
     for name, why in skipped.items():
@@ -261,14 +296,31 @@ def markdown(summary: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _int8_line(phases: dict) -> str:
+def weights_lines(phases: dict) -> list[str]:
+    """The weights phase's table: each quantized format at each batch, against its own floor and
+    against the dtype's own tok/s at that batch (speed-0)."""
+    w = phases.get("weights", {})
+    if not w.get("formats"):
+        return []
+    own = {r["batch"]: r["tok_s"] for r in phases.get("speed-0", {}).get("decode", {}).get("batches", [])}
+    out = ["", f"Quantized weights ({w['shape']}, activations {w['dtype']}):", "",
+           "| weights | batch | tok/s | TPOT ms | HBM floor ms | MBU | weight GB | x " + w["dtype"] + " tok/s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for fmt, r in w["formats"].items():
+        for b in r["decode"]["batches"]:
+            vs = f"{b['tok_s'] / own[b['batch']]:.2f}" if b["batch"] in own else "-"
+            out.append(f"| {fmt} | {b['batch']} | {b['tok_s']:.0f} | {_ms(b['tpot_s'])} | {_ms(b['floor_s'])} | {b['mbu']:.2f} | "
+                       f"{r['decode']['weight_bytes'] / 1e9:.2f} | {vs} |")
+    return out
+
+
+def _weights_line(phases: dict) -> str:
     env = phases.get("env", {})
-    if not env.get("int8"):
-        return "not measured: the engine has no int8 path"
-    if env.get("backend") != "cpu":
-        return (f"not measured: `--weights int8` (engine/jax_backend/quantize.py) runs on the CPU kernels only, "
-                f"and the engine refuses it on {env.get('backend')}")
-    return "not measured by this check: `--weights int8` exists, for the CPU"
+    if phases.get("weights", {}).get("formats"):
+        return f"timed on this {env.get('backend')}: {', '.join(phases['weights']['formats'])} (the quantized weights table)"
+    if not env.get("channel_weights"):
+        return "not measured: the engine has no int8 path off the CPU kernels"
+    return "not measured by this check: `--weights int8` and `fp8` exist on every backend; the weights phase did not run"
 
 
 def _tp_line(phases: dict) -> str:

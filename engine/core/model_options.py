@@ -40,7 +40,7 @@ class ModelOptions:
     # JAX's persistent compilation cache in <cache>/xla: process-wide, so the process's entry point
     # turns it on (services.cli), not JaxModel.load
     compilation_cache: bool = True
-    weights: str = "auto"  # "float32", "int8" (CPU kernels), "auto": int8 where the kernels run and the model has its GGUF
+    weights: str = "auto"  # "float32", "int8", "fp8", "auto": int8 where the kernels run and the model has its GGUF
     cpu_threads: int | None = None  # threads per CPU kernel call; None: the CPUs the process may use
     memory_limit_bytes: int | None = None  # the memory check's limit per device; None: what the device reports
     # the scheduler's prompt budget per step, and the longest chunk a decode step takes along; None:

@@ -26,7 +26,7 @@ from engine.core.model_options import ModelOptions
 from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize
 from engine.jax_backend.backend_profile import BackendProfile, profile
 from engine.jax_backend.shapes import ShapeKnobs
-from engine.jax_backend.weights import load_checkpoint, load_int8, load_sharded
+from engine.jax_backend.weights import load_channels, load_checkpoint, load_int8, load_sharded
 from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,8 @@ def _check_weights(o: ModelOptions) -> None:
     """The weight format against the rest, before anything is read."""
     if o.weights not in (*quantize.WEIGHTS, quantize.AUTO):
         raise ValueError(f"weights must be one of {', '.join((*quantize.WEIGHTS, quantize.AUTO))}, got {o.weights!r}")
-    if o.weights == "int8" and o.tensor_parallel > 1:
-        raise ValueError("int8 weights run on one device: they cannot be combined with tensor parallelism")
+    if o.weights in ("int8", "fp8") and o.tensor_parallel > 1:
+        raise ValueError(f"{o.weights} weights run on one device: they cannot be combined with tensor parallelism")
 
 
 def _context(cfg: ModelConfig, max_batch_size: int, max_context_length: int | None) -> int:
@@ -231,8 +231,10 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     With them, attention reads each row's live keys in place, and the weight products of up to
     cpu_kernels.PANEL_ROWS rows run on panel-packed copies of the projections (held besides the
     originals; none with cpu_kernels False). `weights`: "float32" (the dtype's own), "int8"
-    (engine.jax_backend.quantize: weight-only int8 with float32 activations, CPU kernels only;
-    ValueError elsewhere) or "auto" (`auto_weights`). `max_step_tokens`: also the longest chunk
+    (with the CPU kernels engine.jax_backend.quantize's blocks, float32 activations; without
+    them engine.jax_backend.channel_quant's per-channel int8 in the dtype), "fp8"
+    (channel_quant's e4m3, native fp8 products) or "auto" (`auto_weights`); int8 and fp8 on one
+    device only (ValueError). `max_step_tokens`: also the longest chunk
     a decode step takes along (`dispatch`), padded to the smallest prompt bucket that holds it;
     None: with the CPU kernels on, the backend's budget, otherwise 0 (each chunk its own calls).
     `split_sampler`: a decode step as two executables, the layers and then the head and sampling
@@ -253,24 +255,31 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     if o.tensor_parallel > 1 and not jax.distributed.is_initialized():
         mesh.request_cpu_devices(o.tensor_parallel)  # (as load_sharded does) before the backend starts below
     dtype = jnp.dtype(o.dtype or profile().dtype)
-    if o.weights == "int8" and dtype != jnp.float32:
-        raise ValueError(f"int8 weights run with float32 activations, not {o.dtype}")
     state = kernel_state(o.cpu_kernels, dtype, build, o.tensor_parallel, profile())
     weights = auto_weights(model_dir, kernels_on(state)) if o.weights == quantize.AUTO else o.weights
+    # int8 with the CPU kernels: their blocks (quantize); int8 without them, and fp8: channels (channel_quant)
+    blocks = weights == "int8" and kernels_on(state)
+    channels = weights if weights in ("int8", "fp8") and not blocks else None
+    log.info("weights %s: %s", weights, "the CPU kernels' blocks" if blocks else "per output channel, XLA's products"
+             if channels else f"the dtype's own ({dtype.name})")
     head_size = tokenizer_size(model_dir, cfg.vocab_size)
     sizes = memory_plan.Settings(
         max_batch_size, context, o.max_prefill_chunk, 0, o.kv_page_size, dtype.itemsize,  # kv_pages: below
-        int8=weights == "int8",
-        int8_layout=int8_layout(model_dir, cfg) if weights == "int8" else None,
-        panel_copies=kernels_on(state) and weights != "int8",
+        int8=blocks,
+        int8_layout=int8_layout(model_dir, cfg) if blocks else None,
+        panel_copies=kernels_on(state) and weights == "float32",
+        channels=channels,
         devices=o.tensor_parallel,
     )
     o, pool = sized_pool(o, cfg, head_size, sizes)
     sizes = dataclasses.replace(sizes, kv_pages=pool_pages(o, max_batch_size, context))
     _check_memory(cfg, head_size, sizes, o.memory_limit_bytes, pool)
     plan = None
-    if weights == "int8":
+    if blocks:
         ckpt = load_int8(model_dir)
+        cfg = ckpt.config
+    elif channels:
+        ckpt = load_channels(model_dir, channels, dtype.name)
         cfg = ckpt.config
     elif o.tensor_parallel == 1:
         ckpt = load_checkpoint(model_dir, o.dtype)

@@ -11,7 +11,8 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
   qkv and gate_up, the head's V' columns as a separate array even when tied), in the serving
   dtype or as int8 blocks with float16 scales in panels of 16 outputs (engine.jax_backend.quantize; a tied head that
   covers every row shares the embedding; with `int8_layout`, the formats of a GGUF's blocks, each
-  matrix's bits and offsets as it is held), plus the panel-packed copies of the projections and the head that the
+  matrix's bits and offsets as it is held), or as engine.jax_backend.channel_quant's matrices
+  (`channels`: a byte a parameter and a float32 scale per output row), plus the panel-packed copies of the projections and the head that the
   CPU kernel of products of a few rows reads when the CPU kernels are on (each output count
   rounded up to whole panels of 32) (tests/test_memory_plan.py checks these
   figures against the loaded arrays);
@@ -26,7 +27,8 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
   float32 logits with the sampler's copies of them and its exact select's tables, and the K and V
   of S positions per row that the XLA attention gathers from the pages); with int8
   weights, a matrix dequantized to float32 where more than quantize.SLICED_ROWS rows multiply
-  it. Counted whole under tensor parallelism. This is an estimate of the largest arrays alive at
+  it; with `channels`, the widest matrix in the activations' dtype (where XLA does not fuse
+  the convert into the product). Counted whole under tensor parallelism. This is an estimate of the largest arrays alive at
   once, not XLA's buffer assignment: the sampler's share is calibrated on XLA:CPU's own figures
   (docs/benchmarks.md, "Design measurements"), and tests/test_memory_plan.py checks that it bounds
   XLA:CPU's figure for whole prefill and decode steps of the tiny checkpoints.
@@ -88,6 +90,7 @@ class Settings:
     int8: bool = False  # weight-only int8 (activations and cache float32)
     int8_layout: Int8Layout | None = None  # int8 from a GGUF: each matrix's format; None: 8 bits and a scale
     panel_copies: bool = False  # the CPU kernels' panel-packed copies of the projections
+    channels: str | None = None  # "int8" / "fp8": engine.jax_backend.channel_quant's matrices (activations in the dtype)
     devices: int = 1  # tensor parallelism: the devices the model is split over
 
 
@@ -140,6 +143,11 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
     qkv = (h + 2 * kv) * d  # the fused projection's width
     matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
     vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
+    if s.channels:  # 1 byte a parameter and a float32 scale per output row; int8 embedding and head
+        rows = [qkv, e, 2 * f, e]  # each matrix's outputs, in `matrices`' order
+        head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else head_size * (e + 4)
+        layer = sum(matrices) + 4 * sum(rows) + vectors * s.dtype_bytes
+        return cfg.n_layers * layer + cfg.vocab_size * (e + 4) + e * s.dtype_bytes + head
     if s.int8:
         layout = s.int8_layout or Int8Layout(((SYMMETRIC,) * len(LAYER_MATRICES),) * cfg.n_layers, SYMMETRIC, SYMMETRIC)
         dims = {"w_qkv": (e, qkv), "w_o": (h * d, e), "w_gate_up": (e, 2 * f), "w_down": (f, e)}  # [in, out]
@@ -177,6 +185,9 @@ def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int
         widest = max(e * (h + 2 * kv) * d, h * d * e, e * 2 * f, f * e)
         prefill += 4 * widest if chunk > INT8_SLICED_ROWS else 0
         decode += 4 * max(widest, head_size * e) if b > INT8_SLICED_ROWS else 0
+    if s.channels:  # where XLA does not fuse the convert, one matrix widened to the dtype (channel_quant)
+        widest = max(e * (h + 2 * kv) * d, h * d * e, e * 2 * f, f * e, head_size * e)
+        prefill, decode = prefill + act * widest, decode + act * widest
     return max(prefill, decode)
 
 

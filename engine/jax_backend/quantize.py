@@ -43,8 +43,10 @@ rows (a packed prefill of a burst of prompts, prompt chunks, decode above 64 row
 slices of DIRECT_ROWS rows, each slice reading the weights again, which costs little beside
 its arithmetic; more rows (long prompt chunks) dequantize the matrix in XLA and run its float32
 GEMM, where the convert costs little per row. XLA:CPU does not fuse that convert into the dot, so the
-kernel is needed for the few-row case (docs/benchmarks.md). CPU only: the engine refuses int8
-where the kernels are off (another backend, no compiler) and under tensor parallelism.
+kernel is needed for the few-row case (docs/benchmarks.md). These blocks are for the CPU
+kernels only: where the kernels are off (an accelerator, no compiler, bfloat16, `--cpu-kernels
+off`) `--weights int8` is engine.jax_backend.channel_quant's per-channel int8 instead, whose
+product XLA compiles; neither runs under tensor parallelism.
 
 Where the blocks come from (engine.jax_backend.weights.load_int8): a directory converted from a
 GGUF keeps it as `model.gguf`, and its matrices are read from there (`gguf_weights`): Q8_0,
@@ -75,7 +77,9 @@ DIRECT_ROWS = 64  # most rows one call of the C++ kernel takes
 # (docs/benchmarks.md, "int8 products of 65-512 rows"): the slices took 0.46x the GEMM path's time
 # at 128 rows, 0.55x at 256, 0.71x at 512 and 1.11x at 1,024.
 SLICED_ROWS = 512
-WEIGHTS = ("float32", "int8")  # the weights a model is served with ("float32": the dtype's own weights)
+# the weights a model is served with: "float32" the dtype's own; "int8" these blocks with the CPU
+# kernels, channel_quant's int8 without them; "fp8" channel_quant's e4m3 everywhere
+WEIGHTS = ("float32", "int8", "fp8")
 AUTO = "auto"  # what --weights defaults to: int8 where it runs and the model brings its GGUF, else float32
 
 

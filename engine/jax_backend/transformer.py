@@ -66,7 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import cpu_kernels, quantize, ragged_attention
+from engine.jax_backend import channel_quant, cpu_kernels, quantize, ragged_attention
 from engine.jax_backend.weights import LayerWeights, PackedHead, Weights
 from engine.model_store.checkpoint import ModelConfig, RopeScaling
 
@@ -282,9 +282,12 @@ def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w, its sums kept in float32 until the end: one device rounds once, as a plain bf16
     product does; under tensor parallelism (o, down: a sum split over devices) the partial sums
     are added in float32 before the one rounding, so bf16 results stay close to one device's.
-    An int8 weight (engine.jax_backend.quantize, `--weights int8`) goes to its own product."""
+    A quantized weight goes to its own product: the CPU kernels' int8 blocks
+    (engine.jax_backend.quantize) or int8 / fp8 channels (engine.jax_backend.channel_quant)."""
     if isinstance(w, quantize.Int8Matrix):
         return quantize.matmul(x, w).astype(x.dtype)
+    if isinstance(w, channel_quant.ChannelMatrix):
+        return channel_quant.product(x, w).astype(x.dtype)
     return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -320,15 +323,20 @@ def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array | PackedHead,
     x = rms_norm(x, final_norm, cfg.rms_eps)
     if isinstance(lm_head, quantize.Int8Matrix):
         return quantize.matmul(x, lm_head)
+    if isinstance(lm_head, channel_quant.ChannelMatrix):
+        return channel_quant.product(x, lm_head)
     if isinstance(lm_head, PackedHead):
         return _project(x, lm_head.w, lm_head.panels).astype(jnp.float32)
     return jnp.dot(x, lm_head, preferred_element_type=jnp.float32)
 
 
-def embed(table: jax.Array | quantize.Int8Matrix, tokens: jax.Array) -> jax.Array:
-    """Rows `tokens` [...] of the embedding [V, E] -> [..., E] (float32 rows of an int8 one)."""
+def embed(table: jax.Array | quantize.Int8Matrix | channel_quant.ChannelMatrix, tokens: jax.Array) -> jax.Array:
+    """Rows `tokens` [...] of the embedding [V, E] -> [..., E] (float32 rows of the CPU kernels'
+    int8 one, the activations' dtype from int8 channels)."""
     if isinstance(table, quantize.Int8Matrix):
         return quantize.embed(table, tokens)
+    if isinstance(table, channel_quant.ChannelMatrix):
+        return channel_quant.embed(table, tokens)
     return table[tokens]
 
 

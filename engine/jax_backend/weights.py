@@ -55,7 +55,7 @@ class PackedHead:
 for _cls in (PanelWeights, PackedHead, LayerWeights, Weights):
     jax.tree_util.register_dataclass(_cls)
 
-__all__ = ["Checkpoint", "LayerWeights", "PackedHead", "PanelWeights", "Weights", "default_dtype", "load_checkpoint", "load_int8", "load_sharded", "with_panels"]
+__all__ = ["Checkpoint", "LayerWeights", "PackedHead", "PanelWeights", "Weights", "default_dtype", "load_channels", "load_checkpoint", "load_int8", "load_sharded", "with_panels"]
 
 
 def default_dtype() -> str:
@@ -97,6 +97,27 @@ def load_int8(model_dir: str | Path) -> Checkpoint:
     return ckpt
 
 
+def load_channels(model_dir: str | Path, fmt: str, dtype: str | None = None) -> Checkpoint:
+    """The checkpoint with per-channel quantized matrices for XLA's own products
+    (engine.jax_backend.channel_quant: `fmt` "int8" or "fp8" projections, int8 embedding and
+    head), norms in `dtype` (default_dtype()); each float32 tensor is quantized on the device as
+    it is read, so the model never exists whole in float32. A tied head that covers every
+    embedding row is the embedding's own ChannelMatrix (held once)."""
+    from engine.jax_backend import channel_quant
+
+    model_dir = Path(model_dir)
+    cfg = checkpoint.parse_config(json.loads((model_dir / "config.json").read_text()))
+    head_size = checkpoint.tokenizer_size(model_dir, cfg.vocab_size)
+    place = channel_quant.channel_place(
+        fmt, jnp.dtype(dtype or default_dtype()).name, (cfg.vocab_size, cfg.hidden_size), (cfg.hidden_size, head_size)
+    )
+    ckpt = checkpoint.load_checkpoint(model_dir, place)
+    w = ckpt.weights
+    if cfg.tie_word_embeddings and w.lm_head.shape == w.embed.shape:
+        ckpt = replace(ckpt, weights=replace(w, lm_head=w.embed))
+    return ckpt
+
+
 def load_sharded(model_dir: str | Path, dtype: str | None, size: int) -> tuple[Checkpoint, ModelConfig, "mesh.Plan"]:
     """The checkpoint over a mesh of `size` devices (engine.jax_backend.mesh): its weights in
     shards, the config the forward pass runs with there (kv heads replicated when `size`
@@ -131,7 +152,9 @@ def with_panels(layer: LayerWeights) -> LayerWeights:
 
 def decode_weights(weights: Weights, panels: bool) -> tuple[tuple[LayerWeights, ...], jax.Array | PackedHead]:
     """The layers and head a model's steps read: with `panels` (the CPU kernels, float32 weights),
-    with their panel-packed copies for products of a few rows (cpu_kernels.panel_matmul)."""
-    if not panels:
+    with their panel-packed copies for products of a few rows (cpu_kernels.panel_matmul); never
+    for quantized matrices (engine.jax_backend.quantize, channel_quant), which have products of
+    their own."""
+    if not panels or not isinstance(weights.layers[0].w_qkv, jax.Array):
         return weights.layers, weights.lm_head
     return tuple(with_panels(layer) for layer in weights.layers), packed_head(weights.lm_head)
