@@ -35,7 +35,7 @@ from services.decode_server import start_decode_server
 from support.examples import examples
 from support.gated_steps import GatedSteps
 from support.recording_sink import Recorder
-from support.waiting import until_sync
+from support.waiting import until, until_sync
 
 VOCAB = 1000
 EOS = frozenset({2})
@@ -141,9 +141,10 @@ def test_a_preempted_request_keeps_its_masking_and_counts():
 
 async def test_overcommitted_streams_through_a_decode_server():
     """The same through gRPC: every stream's events as the client reads them, and the
-    preemptions in the server's engine."""
-    model = ScriptedModel(vocab_size=VOCAB, eos_token_ids=EOS, max_batch_size=8, max_context_length=140,
-                          kv_cache_tokens=32 * 16)
+    preemptions in the server's engine. The first decode step is held until all 16 requests
+    are in the engine, so the pool is overcommitted however slowly the host sends them."""
+    model = GatedSteps(lambda step: step == 1, vocab_size=VOCAB, eos_token_ids=EOS, max_batch_size=8,
+                       max_context_length=140, kv_cache_tokens=32 * 16)
     server = await start_decode_server(model, EngineConfig(max_queue_size=16, max_step_tokens=8))
     work = overcommit_workload()
     try:
@@ -155,7 +156,14 @@ async def test_overcommitted_streams_through_a_decode_server():
                           for e in r.events]
                 return [e.token.id for e in events if e.HasField("token")], events[-1].finished
 
-            results = await asyncio.gather(*(one(*w) for w in work))
+            streams = asyncio.gather(*(one(*w) for w in work))
+            def held() -> bool:
+                stats = server.engine.stats()
+                return model.entered.is_set() and stats.queue_depth + stats.slots_in_use == len(work)
+
+            await until(held, "the 16 requests in the engine, its first decode step held")
+            model.gate.set()
+            results = await streams
         preemptions = server.engine.stats().preemptions
     finally:
         await server.stop(None)

@@ -210,6 +210,17 @@ def _check_memory(cfg: ModelConfig, head_size: int, settings: memory_plan.Settin
     )
 
 
+def _weight_format(weights: str, kernels: bool, dtype: jnp.dtype) -> tuple[bool, str | None]:
+    """How `weights` is held: (the CPU kernels' int8 blocks, engine.jax_backend.quantize; or the
+    per-output-channel format, "int8" or "fp8", engine.jax_backend.channel_quant; or neither, the
+    dtype's own). int8 takes the kernels' blocks where the kernels run, channels elsewhere."""
+    blocks = weights == "int8" and kernels
+    channels = weights if weights in ("int8", "fp8") and not blocks else None
+    log.info("weights %s: %s", weights, "the CPU kernels' blocks" if blocks else "per output channel, XLA's products"
+             if channels else f"the dtype's own ({dtype.name})")
+    return blocks, channels
+
+
 def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: int, model_id: str | None,
          kernel_build: cpu_kernels.BuildOptions | None, split_sampler: bool | None, **overrides):
     """`cls` (JaxModel) read from the Hugging Face directory `model_dir`; the context defaults to
@@ -257,11 +268,7 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     dtype = jnp.dtype(o.dtype or profile().dtype)
     state = kernel_state(o.cpu_kernels, dtype, build, o.tensor_parallel, profile())
     weights = auto_weights(model_dir, kernels_on(state)) if o.weights == quantize.AUTO else o.weights
-    # int8 with the CPU kernels: their blocks (quantize); int8 without them, and fp8: channels (channel_quant)
-    blocks = weights == "int8" and kernels_on(state)
-    channels = weights if weights in ("int8", "fp8") and not blocks else None
-    log.info("weights %s: %s", weights, "the CPU kernels' blocks" if blocks else "per output channel, XLA's products"
-             if channels else f"the dtype's own ({dtype.name})")
+    blocks, channels = _weight_format(weights, kernels_on(state), dtype)
     head_size = tokenizer_size(model_dir, cfg.vocab_size)
     sizes = memory_plan.Settings(
         max_batch_size, context, o.max_prefill_chunk, 0, o.kv_page_size, dtype.itemsize,  # kv_pages: below
