@@ -17,6 +17,7 @@ from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
 from services.openai_api.errors import ApiError, not_supported
 from services.openai_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.openai_api.structured import constraint_of
 
 _REASONS = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
 # Roles the OpenAI API has that a chat template may not: "developer" is the newer name of "system".
@@ -92,6 +93,9 @@ def generate_requests(body: CompletionRequest | ChatCompletionRequest, request_i
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         request.logprobs = bool(body.logprobs)
         request.top_logprobs = body.top_logprobs or 0
+        constraint = constraint_of(body.response_format)
+        if constraint is not None:
+            request.constraint.CopyFrom(constraint)
     else:
         request = _base(body, body.max_tokens)
         request.prompt = _prompt(body)

@@ -99,7 +99,7 @@ class ChatCompletionRequest(_Generation):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
+    response_format: Any = None  # checked by services.openai_api.structured
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -157,12 +157,6 @@ def unsupported_fields(body: _Generation) -> list[str]:
                 out.append(name)
         if body.tool_choice not in (None, "none"):
             out.append("tool_choice")
-        if body.response_format is not None and _format_type(body.response_format) != "text":
-            out.append("response_format")
         if body.modalities is not None and body.modalities != ["text"]:
             out.append("modalities")
     return out
-
-
-def _format_type(response_format: Any) -> Any:
-    return response_format.get("type") if isinstance(response_format, dict) else response_format
