@@ -9,8 +9,12 @@ one text-service `Generate` stream per choice and hands them here, merged (strea
 What a stream holds (the issue's list, and the OpenAI reference):
   * every chunk has the same `id`, `created`, `model` and `object`;
   * chat: each choice's first chunk carries `delta.role` (and empty content);
-  * each choice gets exactly one non-null `finish_reason`, `stop` or `length`, on its last chunk,
-    and none before;
+  * each choice gets exactly one non-null `finish_reason`, `stop`, `length` or `tool_calls`, on
+    its last chunk, and none before;
+  * with tools in play (`Calls`), an answer that may still be calls is held back; once it has
+    finished, its calls go out as `delta.tool_calls` (per call an integer `index`; `id`, `type`
+    and the function's `name` only in its first delta, the `arguments` in the next), or, when it
+    was text after all, the held text as content;
   * with `stream_options.include_usage`, a last chunk with `choices: []` and the usage, the same
     usage a non-streamed request reports;
   * an error after the 200 is sent as `data: {"error": ...}`; `data: [DONE]` always ends it.
@@ -28,10 +32,11 @@ from typing import AsyncIterator
 import grpc
 
 from protos.text.v1 import text_pb2
-from services.openai_api import conversion
+from services.openai_api import conversion, tools
 from services.openai_api.errors import ApiError, from_grpc
 from services.openai_api.metrics import ApiMetrics, ChoiceTimer
 from services.openai_api.streaming import DONE, sse
+from services.openai_api.tool_formats import ToolFormat
 
 log = logging.getLogger("tokenwire.api")
 
@@ -64,6 +69,20 @@ class Header:
     id: str
     created: int
     model: str
+
+
+@dataclass(frozen=True)
+class Calls:
+    """A chat request's tools (services.openai_api.tools) and the model's format; plan None: no tools."""
+
+    plan: tools.ToolPlan | None = None
+    fmt: ToolFormat | None = None
+
+    def read(self, text: str, reason: str | None) -> list | None:
+        return tools.read_calls(text, reason or "", self.plan, self.fmt)
+
+
+NO_CALLS = Calls()
 
 
 @dataclass
@@ -105,7 +124,7 @@ def _error(error: BaseException, endpoint: Endpoint) -> ApiError:
 
 async def collect(
     endpoint: Endpoint, header: Header, n: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
-    metrics: ApiMetrics, logprobs: bool,
+    metrics: ApiMetrics, logprobs: bool, calls: Calls = NO_CALLS,
 ) -> dict:
     """Every choice collected into one response object. Raises ApiError."""
     choices = [_Choice(metrics.timer()) for _ in range(n)]
@@ -119,12 +138,17 @@ async def collect(
     for i, c in enumerate(choices):
         if c.reason is None:  # the text service's contract: a stream always ends with Finished
             raise ApiError(503, "the model service ended a generation early", "service_unavailable_error")
+        reason = c.reason
         if endpoint.chat:
             entry = {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None}}
+            made = calls.read(c.text, c.reason)
+            if made:
+                entry["message"].update(content=None, tool_calls=[tools.call_json(call) for call in made])
+                reason = "tool_calls"
             entry["logprobs"] = {"content": conversion.chat_logprobs(c.logprobs), "refusal": None} if logprobs else None
         else:
             entry = {"index": i, "text": c.text, "logprobs": conversion.completion_logprobs(c.logprobs, 0) if logprobs else None}
-        entry["finish_reason"] = c.reason
+        entry["finish_reason"] = reason
         out.append(entry)
     return {
         "id": header.id, "object": endpoint.object, "created": header.created, "model": header.model,
@@ -134,10 +158,12 @@ async def collect(
 
 async def chunks(
     endpoint: Endpoint, header: Header, n: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
-    metrics: ApiMetrics, logprobs: bool, include_usage: bool,
+    metrics: ApiMetrics, logprobs: bool, include_usage: bool, calls: Calls = NO_CALLS,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a stream, [DONE] last (see the module docstring for what holds)."""
     choices = [_Choice(metrics.timer()) for _ in range(n)]
+    held = [tools.ToolStream(calls.plan, calls.fmt) if endpoint.chat else tools.ToolStream(None, None) for _ in range(n)]
+    held_logprobs: list[list] = [[] for _ in range(n)]
 
     def chunk(choice: dict | None) -> bytes:
         return sse({
@@ -156,11 +182,29 @@ async def chunks(
                 c.add(response)
                 if response.HasField("delta"):
                     delta = response.delta
-                    if not delta.text and not (logprobs and delta.logprobs):
+                    was_holding = held[index].holding
+                    text = held[index].feed(delta.text)
+                    entries = [*held_logprobs[index], *delta.logprobs]
+                    if held[index].holding or (was_holding and not text):
+                        held_logprobs[index] = entries
                         continue
-                    yield chunk(_delta(endpoint, index, delta, logprobs, offset))
+                    held_logprobs[index] = []
+                    if not text and not (logprobs and entries):
+                        continue
+                    yield chunk(_delta(endpoint, index, text, entries, logprobs, offset + len(delta.text) - len(text)))
                 else:
-                    yield chunk(_last(endpoint, index, c.reason))
+                    reason = c.reason
+                    if held[index].holding:
+                        made = calls.read(held[index].held, c.reason)
+                        if made:
+                            for j, call in enumerate(made):
+                                for part in _call_deltas(j, tools.call_json(call)):
+                                    yield chunk({"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None})
+                            reason = "tool_calls"
+                        elif held[index].held or held_logprobs[index]:
+                            text = held[index].held
+                            yield chunk(_delta(endpoint, index, text, held_logprobs[index], logprobs, len(c.text) - len(text)))
+                    yield chunk(_last(endpoint, index, reason))
         if any(c.reason is None for c in choices):
             raise ApiError(503, "the model service ended a generation early", "service_unavailable_error")
         if include_usage:
@@ -175,15 +219,25 @@ async def chunks(
     yield DONE
 
 
-def _delta(endpoint: Endpoint, index: int, delta: text_pb2.TextDelta, logprobs: bool, offset: int) -> dict:
+def _delta(endpoint: Endpoint, index: int, text: str, entries: list, logprobs: bool, offset: int) -> dict:
+    """A content delta: `text` and its logprob `entries`, `offset` its place in the choice's text."""
     if endpoint.chat:
-        entry = {"index": index, "delta": {"content": delta.text}}
-        entry["logprobs"] = {"content": conversion.chat_logprobs(delta.logprobs), "refusal": None} if logprobs else None
+        entry = {"index": index, "delta": {"content": text}}
+        entry["logprobs"] = {"content": conversion.chat_logprobs(entries), "refusal": None} if logprobs else None
     else:
-        entry = {"index": index, "text": delta.text}
-        entry["logprobs"] = conversion.completion_logprobs(delta.logprobs, offset) if logprobs else None
+        entry = {"index": index, "text": text}
+        entry["logprobs"] = conversion.completion_logprobs(entries, offset) if logprobs else None
     entry["finish_reason"] = None
     return entry
+
+
+def _call_deltas(index: int, call: dict) -> list[dict]:
+    """One call as its two deltas: id, type and name first (arguments empty), then the arguments."""
+    function = call["function"]
+    return [
+        {"index": index, "id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}},
+        {"index": index, "function": {"arguments": function["arguments"]}},
+    ]
 
 
 def _last(endpoint: Endpoint, index: int, reason: str | None) -> dict:
