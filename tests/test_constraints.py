@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from engine.constraints import Constraint, ConstraintError, Vocabulary
+from engine.constraints import Constraint, ConstraintError, Vocabulary, lark_term
 from engine.constraints import schema as schema_prep
 from engine.model_store.model_files import eos_token_ids
 
@@ -182,6 +182,22 @@ NUMBER: /[0-9]{1,3}/
         assert whole and re.fullmatch(r"[0-9()+\-]+", text), text
         assert text.count("(") == text.count(")")
         eval(compile(text, "<walk>", "eval"))  # a well-formed arithmetic expression
+
+
+def test_lark_embeds_a_schema_with_the_json_schema_defaults(vocab, hf):
+    """A tool-call-like format: tags around a JSON object held to the schema, compact and closed."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city"]}
+    lark = f'start: "<call>" args "</call>"\nargs: {lark_term(json.dumps(schema))}\n'
+    grammar = vocab.compile(Constraint("lark", lark))
+    for seed in range(8):
+        text, whole = walk(grammar, hf, seed)
+        assert whole and text.startswith("<call>{") and text.endswith("}</call>"), text
+        args = text.removeprefix("<call>").removesuffix("</call>")
+        jsonschema.validate(json.loads(args), {**schema, "additionalProperties": False})
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", args)), args
+    with pytest.raises(ConstraintError, match=r"^constraint\.json_schema: not valid JSON"):
+        lark_term("{")
 
 
 @pytest.mark.parametrize(("kind", "text", "reason"), [

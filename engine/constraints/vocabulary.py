@@ -26,9 +26,9 @@ from engine.constraints.errors import reason
 from engine.constraints.matcher import Grammar
 from engine.constraints.spec import Constraint, ConstraintError
 
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
 # What json_object (OpenAI's "any JSON object") compiles to.
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+JSON_OPTIONS = json_schema.JSON_OPTIONS
 CACHE_SIZE = 64
 
 
