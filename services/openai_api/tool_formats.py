@@ -25,16 +25,12 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-# llguidance's JSON options inside a grammar's %json: no free whitespace, so a forced call ends
-JSON_OPTIONS = {"whitespace_flexible": False}
-
-
 @dataclass(frozen=True)
 class Tool:
     name: str
     description: str
     parameters: dict  # as the client gave it: what the model is shown
-    closed: dict  # the same with objects closed (engine.constraints.schema.prepare): what a forced call is held to
+    term: str  # its Lark `%json` term (engine.constraints.lark_term: compact, objects closed): what a forced call is held to
 
 
 @dataclass(frozen=True)
@@ -48,22 +44,16 @@ def _signature(tool: Tool) -> str:
     return json.dumps(entry, ensure_ascii=False)
 
 
-def _call_schema(tools: list[Tool], arguments_key: str) -> dict:
-    """One call to any of `tools`: {"name": <a tool's name>, arguments_key: <its parameters>}."""
-    variants = [
-        {
-            "type": "object",
-            "properties": {"name": {"const": t.name}, arguments_key: t.closed},
-            "required": ["name", arguments_key],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
-
-
-def _lark_json(schema: dict) -> str:
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS}, ensure_ascii=False)
+def _call_rules(tools: list[Tool], arguments_key: str) -> str:
+    """Lark rules whose `call` is one call to any of `tools`, written compactly as
+    {"name":"<name>","<arguments_key>":<arguments>}. Each tool's arguments are their own %json
+    term, so a tool schema's `$ref`s still resolve against its own root."""
+    names = " | ".join(f"call_{i}" for i in range(len(tools)))
+    rules = [f"call: {names}"]
+    for i, t in enumerate(tools):
+        envelope = json.dumps(f'{{"name":"{t.name}","{arguments_key}":')
+        rules += [f'call_{i}: {envelope} args_{i} "}}"', f"args_{i}: {t.term}"]
+    return "\n".join(rules) + "\n"
 
 
 def _call_of(value: Any, arguments_key: str, names: set[str]) -> Call | None:
@@ -132,8 +122,8 @@ class QwenFormat(ToolFormat):
         )
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
-        repeat = ' ("\\n" call)*' if parallel else ""
-        return f'start: call{repeat}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: {_lark_json(_call_schema(tools, "arguments"))}\n'
+        repeat = ' ("\\n" block)*' if parallel else ""
+        return f'start: block{repeat}\nblock: "<tool_call>\\n" call "\\n</tool_call>"\n' + _call_rules(tools, "arguments")
 
     def calls(self, text: str, names: set[str]) -> list[Call] | None:
         text = text.strip()
@@ -171,10 +161,8 @@ class SmolLM2Format(ToolFormat):
         return "<tool_call>" + json.dumps(body, ensure_ascii=False) + "</tool_call>"
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
-        schema = {"type": "array", "items": _call_schema(tools, "arguments"), "minItems": 1}
-        if not parallel:
-            schema["maxItems"] = 1
-        return f'start: "<tool_call>" body "</tool_call>"\nbody: {_lark_json(schema)}\n'
+        repeat = ' ("," call)*' if parallel else ""
+        return f'start: "<tool_call>[" call{repeat} "]</tool_call>"\n' + _call_rules(tools, "arguments")
 
     def calls(self, text: str, names: set[str]) -> list[Call] | None:
         text = text.strip()
@@ -210,7 +198,7 @@ class Llama3Format(ToolFormat):
         return "ipython", content
 
     def grammar(self, tools: list[Tool], parallel: bool) -> str:
-        return f"start: body\nbody: {_lark_json(_call_schema(tools, 'parameters'))}\n"
+        return "start: call\n" + _call_rules(tools, "parameters")
 
     def calls(self, text: str, names: set[str]) -> list[Call] | None:
         try:

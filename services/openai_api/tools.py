@@ -29,8 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.constraints.schema import prepare
-from engine.constraints.spec import ConstraintError
+from engine.constraints import ConstraintError, lark_term
 from protos.decode.v1 import decode_pb2
 from services.openai_api.errors import ApiError, not_supported
 from services.openai_api.tool_formats import Call, Tool, ToolFormat
@@ -75,10 +74,10 @@ def _tool(entry: Any, i: int) -> Tool:
     if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
         raise _invalid(f"{where}.function.parameters", 'must be a JSON Schema of "type": "object"')
     try:
-        closed = prepare(json.dumps(parameters))
+        term = lark_term(json.dumps(parameters))
     except ConstraintError as error:
         raise _invalid(f"{where}.function.parameters", error.reason) from None
-    return Tool(name, description, parameters, closed)
+    return Tool(name, description, parameters, term)
 
 
 def plan_of(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> ToolPlan | None:
