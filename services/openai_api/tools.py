@@ -4,8 +4,10 @@ of a conversation, and the calls read back out of the model's answer.
 Request side (`plan_of`, `conversation`, `constraint_of`):
   * `tools`: function tools only; each name 1-64 of [A-Za-z0-9_-], unique; `parameters` a JSON
     Schema object (default: no arguments), its objects closed for a forced call as the
-    response_format's are. A bad entry is 400 naming it (`tools[1].function.name`); a schema
-    keyword the compiler refuses is found only when a forced call compiles it (400 naming `tools`).
+    response_format's are (engine.constraints.lark_term). A bad entry is 400 naming it
+    (`tools[1].function.name`, `tools[0].function.parameters`); a keyword only the grammar
+    compiler refuses (e.g. "not") is found when the text service compiles a forced call's
+    grammar: 400 naming `tools`.
   * `tool_choice`: "none" (the tools are not shown; the answer is text), "auto" (the default with
     tools: shown, and the model answers in text or calls), "required" (at least one call) or
     `{"type": "function", "function": {"name"}}` (that function). The last two are forced: the
