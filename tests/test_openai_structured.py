@@ -307,6 +307,8 @@ def test_earlier_calls_and_tool_results_are_written_in_the_format(stack):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "x-guidance": {}}}}]},
          "tools[0].function.parameters"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools[1].function.name"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"not": {}}}}}}],
+          "tool_choice": "required"}, "tools"),  # refused by the text service, compiling the forced call's grammar
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
