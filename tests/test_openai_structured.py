@@ -262,6 +262,16 @@ def test_streamed_tool_calls_have_id_and_name_in_their_first_delta_only(stack):
     Add.model_validate_json(deltas[0].function.arguments + deltas[1].function.arguments)
     assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)  # no content: the call was held back
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    collected = client(stack).chat.completions.create(
+        model=MODEL_NAME, messages=ask("call"), tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False, max_tokens=200, logprobs=True,
+    )
+    streamed = list(client(stack).chat.completions.create(
+        model=MODEL_NAME, messages=ask("call"), tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}},
+        parallel_tool_calls=False, max_tokens=200, logprobs=True, stream=True,
+    ))
+    entries = [e.token for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert entries == [e.token for e in collected.choices[0].logprobs.content] and entries  # the held tokens' logprobs, once
     with client(stack).chat.completions.stream(
         model=MODEL_NAME, messages=ask("call"), tools=TOOLS, tool_choice="required", parallel_tool_calls=False, max_tokens=200,
     ) as stream:
@@ -372,6 +382,25 @@ def test_several_streamed_calls_each_get_their_index(fmt):
         {"a": 1, "b": 2}, {"city": "Oslo", "unit": "c"}]
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_an_auto_answer_that_calls_is_collected_as_tool_calls(fmt):
+    f = FORMATS[fmt]
+    made = [Call("add", '{"a": 1, "b": 2}'), Call("weather", '{"city": "Oslo", "unit": "c"}')][: 2 if f.parallel else 1]
+    header = completions.Header("chatcmpl-x", 0, MODEL_NAME)
+
+    async def run(text: str):
+        calls = completions.Calls(_plan(), f)
+        return await completions.collect(completions.CHAT, header, 1, _events([text]), ApiMetrics(), False, calls)
+
+    message = asyncio.run(run(f.render(made)))["choices"][0]
+    assert message["finish_reason"] == "tool_calls" and message["message"]["content"] is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["message"]["tool_calls"]] == [
+        (c.name, json.loads(c.arguments)) for c in made]
+    assert len({c["id"] for c in message["message"]["tool_calls"]}) == len(made)
+    text = asyncio.run(run("Sure: " + f.render(made)))["choices"][0]  # calls only at the start of an answer
+    assert text["finish_reason"] == "stop" and "tool_calls" not in text["message"]
 
 
 def test_text_that_only_began_like_a_call_is_sent_as_text():

@@ -13,8 +13,8 @@ What a stream holds (the issue's list, and the OpenAI reference):
     its last chunk, and none before;
   * with tools in play (`Calls`), an answer that may still be calls is held back; once it has
     finished, its calls go out as `delta.tool_calls` (per call an integer `index`; `id`, `type`
-    and the function's `name` only in its first delta, the `arguments` in the next), or, when it
-    was text after all, the held text as content;
+    and the function's `name` only in its first delta, the `arguments` in the next; the held
+    tokens' logprobs on the very first), or, when it was text after all, the held text as content;
   * with `stream_options.include_usage`, a last chunk with `choices: []` and the usage, the same
     usage a non-streamed request reports;
   * an error after the 200 is sent as `data: {"error": ...}`; `data: [DONE]` always ends it.
@@ -196,10 +196,12 @@ async def chunks(
                     reason = c.reason
                     if held[index].holding:
                         made = calls.read(held[index].held, c.reason)
-                        if made:
+                        if made:  # the held tokens' logprobs ride on the first call's first delta
+                            entries = {"content": conversion.chat_logprobs(held_logprobs[index]), "refusal": None} if logprobs else None
                             for j, call in enumerate(made):
                                 for part in _call_deltas(j, tools.call_json(call)):
-                                    yield chunk({"index": index, "delta": {"tool_calls": [part]}, "logprobs": None, "finish_reason": None})
+                                    yield chunk({"index": index, "delta": {"tool_calls": [part]}, "logprobs": entries, "finish_reason": None})
+                                    entries = None
                             reason = "tool_calls"
                         elif held[index].held or held_logprobs[index]:
                             text = held[index].held
