@@ -162,8 +162,7 @@ async def chunks(
 ) -> AsyncIterator[bytes]:
     """The SSE events of a stream, [DONE] last (see the module docstring for what holds)."""
     choices = [_Choice(metrics.timer()) for _ in range(n)]
-    held = [tools.ToolStream(calls.plan, calls.fmt) if endpoint.chat else tools.ToolStream(None, None) for _ in range(n)]
-    held_logprobs: list[list] = [[] for _ in range(n)]
+    held = [tools.ToolStream(calls.plan if endpoint.chat else None, calls.fmt) for _ in range(n)]
 
     def chunk(choice: dict | None) -> bytes:
         return sse({
@@ -178,34 +177,16 @@ async def chunks(
         async with contextlib.aclosing(events):
             async for index, response in events:
                 c = choices[index]
-                offset = len(c.text)
                 c.add(response)
                 if response.HasField("delta"):
-                    delta = response.delta
-                    was_holding = held[index].holding
-                    text = held[index].feed(delta.text)
-                    entries = [*held_logprobs[index], *delta.logprobs]
-                    if held[index].holding or (was_holding and not text):
-                        held_logprobs[index] = entries
+                    out = held[index].feed(response.delta.text, list(response.delta.logprobs))
+                    if out is None or not (out[0] or (logprobs and out[1])):
                         continue
-                    held_logprobs[index] = []
-                    if not text and not (logprobs and entries):
-                        continue
-                    yield chunk(_delta(endpoint, index, text, entries, logprobs, offset + len(delta.text) - len(text)))
+                    yield chunk(_delta(endpoint, index, *out, logprobs, len(c.text) - len(out[0])))
                 else:
-                    reason = c.reason
-                    if held[index].holding:
-                        made = calls.read(held[index].held, c.reason)
-                        if made:  # the held tokens' logprobs ride on the first call's first delta
-                            entries = {"content": conversion.chat_logprobs(held_logprobs[index]), "refusal": None} if logprobs else None
-                            for j, call in enumerate(made):
-                                for part in _call_deltas(j, tools.call_json(call)):
-                                    yield chunk({"index": index, "delta": {"tool_calls": [part]}, "logprobs": entries, "finish_reason": None})
-                                    entries = None
-                            reason = "tool_calls"
-                        elif held[index].held or held_logprobs[index]:
-                            text = held[index].held
-                            yield chunk(_delta(endpoint, index, text, held_logprobs[index], logprobs, len(c.text) - len(text)))
+                    entries, reason = _finish_held(endpoint, index, held[index], c, calls, logprobs)
+                    for entry in entries:
+                        yield chunk(entry)
                     yield chunk(_last(endpoint, index, reason))
         if any(c.reason is None for c in choices):
             raise ApiError(503, "the model service ended a generation early", "service_unavailable_error")
@@ -231,6 +212,27 @@ def _delta(endpoint: Endpoint, index: int, text: str, entries: list, logprobs: b
         entry["logprobs"] = conversion.completion_logprobs(entries, offset) if logprobs else None
     entry["finish_reason"] = None
     return entry
+
+
+def _finish_held(
+    endpoint: Endpoint, index: int, held: tools.ToolStream, c: _Choice, calls: Calls, logprobs: bool,
+) -> tuple[list[dict], str | None]:
+    """A finished choice's held answer as chunk entries, and its finish reason: its calls (the held
+    tokens' logprobs on the first call's first delta), or its text after all."""
+    if not held.holding:
+        return [], c.reason
+    made = calls.read(held.held, c.reason)
+    if not made:
+        text = held.held
+        sent = [_delta(endpoint, index, text, held.entries, logprobs, len(c.text) - len(text))] if text or held.entries else []
+        return sent, c.reason
+    out = []
+    entries = {"content": conversion.chat_logprobs(held.entries), "refusal": None} if logprobs else None
+    for j, call in enumerate(made):
+        for part in _call_deltas(j, tools.call_json(call)):
+            out.append({"index": index, "delta": {"tool_calls": [part]}, "logprobs": entries, "finish_reason": None})
+            entries = None
+    return out, "tool_calls"
 
 
 def _call_deltas(index: int, call: dict) -> list[dict]:

@@ -179,23 +179,25 @@ def read_calls(text: str, reason: str, plan: ToolPlan | None, fmt: ToolFormat | 
 
 
 class ToolStream:
-    """One streamed choice's text, held while it may still be calls.
+    """One streamed choice's text (and its logprob entries), held while it may still be calls.
 
-    `feed(text)` returns what can be sent as content now: everything, unless the answer so far
-    may still open with the format's opener, in which case it is held. `held` is what is held;
-    once the answer has finished, `read_calls` decides whether it is calls or text."""
+    `feed` returns what can be sent as content now: everything, unless the answer so far may
+    still open with the format's opener, in which case it is held (None). Once the answer has
+    finished, `read_calls` decides whether the held text is calls or text after all."""
 
     def __init__(self, plan: ToolPlan | None, fmt: ToolFormat | None) -> None:
         self.plan, self.fmt = plan, fmt
         self.holding = plan is not None and fmt is not None
-        self.held = ""
+        self.held, self.entries = "", []
 
-    def feed(self, text: str) -> str:
+    def feed(self, text: str, entries: list) -> tuple[str, list] | None:
         if not self.holding:
-            return text
+            return text, entries
         self.held += text
+        self.entries += entries
         if self.fmt.could_open(self.held):
-            return ""
+            return None
         self.holding = False  # it is text: send what was held and stop holding
-        out, self.held = self.held, ""
+        out = (self.held, self.entries)
+        self.held, self.entries = "", []
         return out
