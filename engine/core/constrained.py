@@ -65,9 +65,7 @@ def vocabulary(source: VocabularySource) -> Vocabulary:
 
 def constraint_error(error: ConstraintError) -> InvalidArgument:
     """A ConstraintError as the services' InvalidArgument, naming the same field once."""
-    field = getattr(error, "field", "constraint") or "constraint"
-    problem = str(error).removeprefix(f"{field}: ")
-    return InvalidArgument(field, problem)
+    return InvalidArgument(error.field, error.reason)
 
 
 class CompiledConstraint:
@@ -95,7 +93,11 @@ def compile_constraint(spec: Constraint, source: VocabularySource) -> CompiledCo
     from engine.constraints.spec import ConstraintError
 
     try:
-        grammar = vocabulary(source).compile(spec)
+        vocab = vocabulary(source)
+    except (ValueError, OSError) as error:  # a model with no EOS ids, an unreadable tokenizer file
+        raise InvalidArgument(spec.field, f"this model cannot take constraints: {error}") from error
+    try:
+        grammar = vocab.compile(spec)
     except ConstraintError as error:
         raise constraint_error(error) from error
     return CompiledConstraint(spec, source, grammar)
@@ -122,7 +124,8 @@ def banned_row(matcher, vocab_size: int, control_token_ids: frozenset[int], mask
     """[V] bool, True = not allowed next: the matcher's row, and the control ids too while the
     request is below min_output_tokens (`mask_control`). A row that allows nothing cannot be
     sampled under: InvalidArgument (the constraint has no continuation this vocabulary can
-    spell), which fails the request rather than the engine."""
+    spell), which fails the request rather than the engine; so does a matcher that failed
+    (its ConstraintError, a ValueError too)."""
     row = np.asarray(matcher.banned(), bool)  # [V]
     if row.shape != (vocab_size,):
         raise ValueError(f"a banned row of shape {row.shape} for a vocabulary of {vocab_size}")
