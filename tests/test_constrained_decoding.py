@@ -307,3 +307,42 @@ async def test_cli_generate_regex_and_json_schema(stack, tmp_path, capsys):
     assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err.strip().splitlines()[-1]
     assert await asyncio.to_thread(main, server + ["--json-schema", str(tmp_path / "missing.json")]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("tokenwire generate: --json-schema: cannot read")
+
+
+# -- the real JAX model ---------------------------------------------------------------------------
+
+TINY_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"enum": ["ab", "cd"]}, "ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+    "required": ["name", "ok", "n"],
+}
+
+
+async def test_tiny_llama_greedy_stream_under_a_json_schema_parses_and_validates(tok):
+    """tiny-llama's random weights would never write JSON on their own: under the mask, greedy
+    decoding walks the schema's (finite) language to its end, by Decode and by the text
+    service's DecodeStream alike."""
+    from engine.jax_backend.jax_model import JaxModel
+
+    # the fewest shapes (one slot, one prompt bucket): warm-up is most of this test's time
+    model = JaxModel.load(TINY, max_batch_size=1, max_context_length=64, min_bucket=64)
+    decode = await start_decode_server(model, EngineConfig(max_queue_size=4), tokenizer_json=TOKENIZER_JSON)
+    text = await start_text_server(TextTokenizer.from_dir(TINY), f"127.0.0.1:{decode.port}")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as channel:
+            request = dpb.DecodeRequest(
+                prompt_token_ids=tok.encode("The answer:").ids, stopping=dpb.StoppingCriteria(max_output_tokens=48),
+                constraint=dpb.Constraint(json_schema=json.dumps(TINY_SCHEMA)),
+            )
+            events = [e async for r in decode_pb2_grpc.DecoderStub(channel).Decode(request) for e in r.events]
+        tokens, end = [e.token.id for e in events[:-1]], events[-1].finished
+        assert (end.reason, end.HasField("stop_token_id")) == (STOP, False)
+        jsonschema.validate(json.loads(tok.decode(tokens)), TINY_SCHEMA)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{text.port}") as channel:
+            request = generate_request("The answer:", max_output_tokens=48)
+            request.constraint.json_schema = json.dumps(TINY_SCHEMA)
+            completion = await text_pb2_grpc.TextGenerationStub(channel).Complete(request)
+        assert list(completion.token_ids) == tokens and completion.reason == STOP
+    finally:
+        await text.stop(None)
+        await decode.stop(None)
