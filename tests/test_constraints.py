@@ -279,6 +279,11 @@ def test_bad_eos_ids_are_refused(eos, problem):
         Vocabulary.from_tokenizer_json(TINY, HEAD, eos)
 
 
+def test_a_missing_tokenizer_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer file at .*tokenizer\.json"):
+        Vocabulary.from_tokenizer_json(tmp_path / "tokenizer.json", HEAD, EOS)
+
+
 @pytest.mark.real_model
 def test_smollm2_walks_give_valid_json(real_model):
     """The real 49,152-id tokenizer: multi-character JSON tokens, and only EOS once complete."""

@@ -4,7 +4,7 @@ Building the vocabulary (reading tokenizer.json and indexing every token's bytes
 part, done once per tokenizer. Compiling a constraint against it is cheap for ordinary schemas and
 cached by (kind, text), since clients tend to send the same schema with every request.
 
-The JSON options are fixed here, not taken from the caller:
+The compiler's options are the service's, not the caller's (`schema.JSON_OPTIONS` for JSON):
 - No free whitespace (`whitespace_flexible: false`, separators "," and ":"): a sampled model
   given room for whitespace can spend its whole token budget on spaces and newlines inside a
   valid prefix, and the output never completes. Compact JSON is still JSON.
@@ -49,9 +49,12 @@ class Vocabulary:
         """Read a Hugging Face tokenizer.json (no transformers needed).
 
         `vocab_size` is the model's head size; ids the tokenizer does not have are never allowed.
-        A head smaller than the tokenizer's ids drops the ids past it. `eos_token_ids` are the ids
-        a grammar allows once its language is complete (the model's stop ids).
+        A head smaller than the tokenizer's ids drops the ids past it. `eos_token_ids` (the
+        model's stop ids) are allowed wherever the output so far is a sentence of the language,
+        and nowhere else. Raises FileNotFoundError without the file, ValueError for bad ids.
         """
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no tokenizer file at {path}: constraints compile against a tokenizer")
         if not eos_token_ids:
             raise ValueError("eos_token_ids is empty: a constrained output could never end")
         if not all(0 <= i < vocab_size for i in eos_token_ids):
