@@ -9,7 +9,10 @@ tokens. Validity never depends on the choice: every path the mask allows must gi
 from __future__ import annotations
 
 import json
+import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -265,6 +268,39 @@ def test_compiles_are_cached_and_matchers_independent(vocab, hf):
     first.advance(hf.token_to_id("a"))
     assert not np.array_equal(first.banned(), second.banned())
     assert np.array_equal(second.banned(), grammar.matcher().banned())
+
+
+_CHILD = """
+import json, pickle, sys
+import numpy as np
+grammar, ids = pickle.load(sys.stdin.buffer)
+m = grammar.matcher()
+rows = []
+for token in ids:
+    rows.append(np.flatnonzero(~m.banned()).tolist())
+    m.advance(token)
+print(json.dumps({"rows": rows, "complete": m.complete()}))
+"""
+
+
+def test_a_grammar_crosses_to_a_spawned_process(vocab, hf):
+    """engine_process pickles each Request to its child: the grammar is rebuilt there from its
+    vocabulary's tokenizer file and gives the same rows."""
+    grammar = vocab.compile(Constraint("json_schema", json.dumps(SCHEMAS[1])))
+    ids = hf.encode('{"name":"ab","age":7}').ids
+    m, rows = grammar.matcher(), []
+    for token in ids:
+        rows.append(np.flatnonzero(~m.banned()).tolist())
+        m.advance(token)
+    assert m.complete()
+    child = subprocess.run([sys.executable, "-c", _CHILD], input=pickle.dumps((grammar, ids)), capture_output=True,
+                           cwd=Path(__file__).parents[1], timeout=60, check=True)
+    assert json.loads(child.stdout) == {"rows": rows, "complete": True}
+    again = pickle.loads(pickle.dumps(grammar))  # in this process: the same vocabulary, from the cache
+    assert np.array_equal(again.matcher().banned(), grammar.matcher().banned())
+    unpicklable = Vocabulary(vocab._tokenizer, HEAD).compile(Constraint("regex", "a"))
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(unpicklable)
 
 
 def test_a_head_smaller_than_the_tokenizer_bans_nothing_past_itself():
