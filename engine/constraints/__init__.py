@@ -10,10 +10,14 @@ The engine core sees only a compiled `Grammar` (on its Request) and the `Matcher
     banned = m.banned()        # [V] bool, the sampler's mask
     m.advance(sampled_id)      # after each emitted token
     m.complete()               # True: finish with STOP now
+
+`lark_term(schema_text)` gives the `%json {...}` term for a Lark grammar that embeds a JSON Schema
+(a tool call's arguments), held to the same defaults as a json_schema constraint.
 """
 
 from engine.constraints.matcher import Grammar, Matcher
+from engine.constraints.schema import lark_term
 from engine.constraints.spec import KINDS, Constraint, ConstraintError
 from engine.constraints.vocabulary import Vocabulary
 
-__all__ = ["KINDS", "Constraint", "ConstraintError", "Grammar", "Matcher", "Vocabulary"]
+__all__ = ["KINDS", "Constraint", "ConstraintError", "Grammar", "Matcher", "Vocabulary", "lark_term"]

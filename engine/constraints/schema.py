@@ -9,7 +9,7 @@ Two defaults differ from plain JSON Schema, both because the output is sampled, 
   `allOf` member refers to) are left open, because closing each part of an intersection would
   forbid the other parts' keys.
 - llguidance's own options (`x-guidance` at the top) are refused: the service fixes them
-  (`vocabulary.JSON_OPTIONS`), so a caller cannot turn unbounded whitespace back on.
+  (`JSON_OPTIONS`), so a caller cannot turn unbounded whitespace back on.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from typing import Any
 from engine.constraints.spec import ConstraintError
 
 FIELD = "constraint.json_schema"
+
+# llguidance's JSON compiler options, the same for every schema (docs/constraints.md says why):
+# compact JSON with no free whitespace, and a keyword it does not implement refused, not ignored.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":", "lenient": False}
 
 # Keywords whose value is one subschema, a list of them, or a map of name -> subschema.
 _ONE = ("items", "additionalProperties", "unevaluatedProperties", "unevaluatedItems", "contains",
@@ -40,6 +44,15 @@ def prepare(text: str) -> dict[str, Any]:
         raise ConstraintError(FIELD, 'unsupported keyword "x-guidance" (the service sets the compiler\'s options)')
     open_defs = _defs_named_by_all_of(schema)
     return _closed(schema, close=True, open_defs=open_defs)
+
+
+def lark_term(text: str) -> str:
+    """The Lark term `%json {...}` for the JSON Schema `text`, held to the same defaults as a
+    json_schema constraint (compact, objects closed), for a grammar that embeds JSON, such as a
+    tool call's arguments between its format's tags. A bare `%json` term in a Lark grammar gets
+    llguidance's own defaults instead, free whitespace among them.
+    """
+    return "%json " + json.dumps({**prepare(text), "x-guidance": JSON_OPTIONS}, separators=(",", ":"))
 
 
 def _defs_named_by_all_of(schema: Any) -> set[str]:
