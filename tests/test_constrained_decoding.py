@@ -13,6 +13,7 @@ tokenizer.json (engine.constraints over llguidance).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import pickle
 import re
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer
 from engine.constraints.spec import Constraint
 from engine.core.constrained import NO_TOKENIZER, ConstraintCompiler
 from engine.core.engine import Engine, EngineConfig
+from engine.core.engine_process import EngineProcess
 from engine.core.errors import InvalidArgument
 from engine.core.events import Finished, FinishReason
 from engine.core.request import Request, StoppingCriteria
@@ -198,11 +200,29 @@ def test_a_row_that_allows_nothing_fails_the_request_not_the_engine(tok):
         engine.stop()
 
 
-def test_a_compiled_constraint_pickles_as_its_source(compiler):
-    """A request crosses a pipe to the engine process: its constraint is compiled again there."""
-    compiled = compiler.compile(Constraint("json_schema", json.dumps(SCHEMAS[0])))
-    copy = pickle.loads(pickle.dumps(compiled))
-    assert copy.spec == compiled.spec and (copy.matcher().banned() == compiled.matcher().banned()).all()
+def test_a_compiled_constraint_pickles_for_the_engine_process(compiler):
+    """A request crosses a pipe to the engine process: its grammar is compiled again there."""
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMAS[0])))
+    copy = pickle.loads(pickle.dumps(grammar))
+    assert (copy.matcher().banned() == grammar.matcher().banned()).all()
+
+
+def test_constrained_requests_through_the_engine_process(tok):
+    """The decode service's engine runs in a child process: the grammar is pickled across and
+    compiled again there, and a request the child fails (a row that allows nothing, as above)
+    fails with the same InvalidArgument in the parent."""
+    small = ConstraintCompiler(TOKENIZER_JSON, 100, EOS)
+    process = EngineProcess(functools.partial(ScriptedModel, vocab_size=100, eos_token_ids=EOS, max_batch_size=2, max_context_length=64))
+    process.start()
+    try:
+        held, failed = Recorder(), Recorder()
+        process.submit(Request("held", (10,), constraint=small.compile(Constraint("regex", "[ab]{3}"))), held)
+        process.submit(Request("failed", (10,), constraint=small.compile(Constraint("regex", "é"))), failed)
+        assert held.done.wait(10) and failed.done.wait(10)
+        assert tok.decode(held.tokens) == "aba" and finished(held).reason == FinishReason.STOP
+        assert isinstance(failed.error, InvalidArgument) and str(failed.error).startswith("constraint: no token")
+    finally:
+        process.stop()
 
 
 # -- both services over gRPC, the scripted model ---------------------------------------------------
