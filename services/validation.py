@@ -10,9 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import TYPE_CHECKING
 
-from engine.core.constrained import CompiledConstraint, ConstraintCompiler
+from engine.core.constrained import ConstraintCompiler
 from engine.core.model import ModelInfo
+
+if TYPE_CHECKING:
+    from engine.constraints.matcher import Grammar
 from engine.core.request import MAX_TOP_LOGPROBS, Request, SamplingParams, StoppingCriteria
 from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
@@ -132,7 +136,7 @@ def top_logprobs(count: int, logprobs: bool, field: str = "top_logprobs", needs:
 MAX_CONSTRAINT_CHARS = DEFAULT_MAX_INPUT_CHARS
 
 
-def constraint(pb: decode_pb2.DecodeRequest | text_pb2.GenerateRequest, compiler: ConstraintCompiler | None) -> CompiledConstraint | None:
+def constraint(pb: decode_pb2.DecodeRequest | text_pb2.GenerateRequest, compiler: ConstraintCompiler | None) -> Grammar | None:
     """The request's `constraint` compiled against the served vocabulary (None when unset), or
     InvalidArgument naming the field: one that does not compile, a json_object that is false,
     one over MAX_CONSTRAINT_CHARS, any constraint with stopping.ignore_eos (the constraint decides

@@ -9,7 +9,10 @@ tokens. Validity never depends on the choice: every path the mask allows must gi
 from __future__ import annotations
 
 import json
+import pickle
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from engine.constraints import Constraint, ConstraintError, Vocabulary, lark_term
+from engine.constraints import Constraint, ConstraintError, Matcher, Vocabulary, lark_term
 from engine.constraints import schema as schema_prep
 from engine.model_store.model_files import eos_token_ids
 
@@ -37,8 +40,8 @@ def hf() -> Tokenizer:
     return Tokenizer.from_file(str(TINY))
 
 
-def walk(grammar, tokenizer: Tokenizer, seed: int, max_tokens: int = 400) -> tuple[str, bool]:
-    """Sample a path through `grammar`; returns the decoded text and whether it completed."""
+def walk(grammar, tokenizer: Tokenizer, seed: int, max_tokens: int = 400) -> tuple[str, Matcher]:
+    """Sample a path through `grammar`; returns the decoded text and the matcher where it ended."""
     rng = np.random.default_rng(seed)
     closes = _closing_ids(tokenizer)
     m = grammar.matcher()
@@ -62,7 +65,7 @@ def walk(grammar, tokenizer: Tokenizer, seed: int, max_tokens: int = 400) -> tup
     if m.complete():
         banned = m.banned()
         assert set(np.flatnonzero(~banned)) == set(EOS), "a complete output allows only EOS"
-    return tokenizer.decode(ids, skip_special_tokens=False), m.complete() or m.accepting()
+    return tokenizer.decode(ids, skip_special_tokens=False), m
 
 
 _CLOSING: dict[int, set[int]] = {}
@@ -127,8 +130,10 @@ def test_every_walk_through_a_schema_is_valid_json_of_it(vocab, hf, schema):
     grammar = vocab.compile(Constraint("json_schema", json.dumps(schema)))
     validator = jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
     for seed in range(3):
-        text, whole = walk(grammar, hf, seed)
-        assert whole, f"seed {seed}: the walk did not finish: {text!r}"
+        text, m = walk(grammar, hf, seed)
+        assert m.accepting(), f"seed {seed}: the walk did not finish: {text!r}"
+        # an object, array or string ends with its closing bracket or quote: nothing may follow
+        assert m.complete() or text[0] not in '{["', text
         value = json.loads(text)
         validator.validate(value)
         assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)), f"whitespace outside strings: {text!r}"
@@ -140,7 +145,7 @@ def test_objects_listing_properties_are_closed(vocab, hf):
     closed = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
     grammar = vocab.compile(Constraint("json_schema", json.dumps(closed)))
     for seed in range(20):
-        text, _ = walk(grammar, hf, seed)
+        text, m = walk(grammar, hf, seed)
         assert set(json.loads(text)) <= {"a", "b"}, text
     prepared = schema_prep.prepare(json.dumps({**closed, "properties": {"a": closed}, "$defs": {"d": closed}}))
     assert prepared["additionalProperties"] is False
@@ -155,8 +160,8 @@ def test_objects_listing_properties_are_closed(vocab, hf):
 def test_json_object_gives_any_object(vocab, hf):
     grammar = vocab.compile(Constraint("json_object"))
     for seed in range(10):
-        text, whole = walk(grammar, hf, seed)
-        assert whole and isinstance(json.loads(text), dict), text
+        text, m = walk(grammar, hf, seed)
+        assert m.accepting() and isinstance(json.loads(text), dict), text
     with pytest.raises(ConstraintError, match=r"^constraint\.json_object: takes no text"):
         vocab.compile(Constraint("json_object", "{}"))
 
@@ -165,8 +170,8 @@ def test_json_object_gives_any_object(vocab, hf):
 def test_regex_walks_match_the_whole_output(vocab, hf, regex):
     grammar = vocab.compile(Constraint("regex", regex))
     for seed in range(5):
-        text, whole = walk(grammar, hf, seed)
-        assert whole and re.fullmatch(regex, text), (seed, text)
+        text, m = walk(grammar, hf, seed)
+        assert m.accepting() and re.fullmatch(regex, text), (seed, text)
 
 
 def test_lark_walks_parse(vocab, hf):
@@ -178,8 +183,8 @@ NUMBER: /[0-9]{1,3}/
 '''
     grammar = vocab.compile(Constraint("lark", lark))
     for seed in range(8):
-        text, whole = walk(grammar, hf, seed)
-        assert whole and re.fullmatch(r"[0-9()+\-]+", text), text
+        text, m = walk(grammar, hf, seed)
+        assert m.accepting() and re.fullmatch(r"[0-9()+\-]+", text), text
         assert text.count("(") == text.count(")")
         eval(compile(text, "<walk>", "eval"))  # a well-formed arithmetic expression
 
@@ -191,8 +196,8 @@ def test_lark_embeds_a_schema_with_the_json_schema_defaults(vocab, hf):
     lark = f'start: "<call>" args "</call>"\nargs: {lark_term(json.dumps(schema))}\n'
     grammar = vocab.compile(Constraint("lark", lark))
     for seed in range(8):
-        text, whole = walk(grammar, hf, seed)
-        assert whole and text.startswith("<call>{") and text.endswith("}</call>"), text
+        text, m = walk(grammar, hf, seed)
+        assert m.accepting() and text.startswith("<call>{") and text.endswith("}</call>"), text
         args = text.removeprefix("<call>").removesuffix("</call>")
         jsonschema.validate(json.loads(args), {**schema, "additionalProperties": False})
         assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", args)), args
@@ -267,6 +272,39 @@ def test_compiles_are_cached_and_matchers_independent(vocab, hf):
     assert np.array_equal(second.banned(), grammar.matcher().banned())
 
 
+_CHILD = """
+import json, pickle, sys
+import numpy as np
+grammar, ids = pickle.load(sys.stdin.buffer)
+m = grammar.matcher()
+rows = []
+for token in ids:
+    rows.append(np.flatnonzero(~m.banned()).tolist())
+    m.advance(token)
+print(json.dumps({"rows": rows, "complete": m.complete()}))
+"""
+
+
+def test_a_grammar_crosses_to_a_spawned_process(vocab, hf):
+    """engine_process pickles each Request to its child: the grammar is rebuilt there from its
+    vocabulary's tokenizer file and gives the same rows."""
+    grammar = vocab.compile(Constraint("json_schema", json.dumps(SCHEMAS[1])))
+    ids = hf.encode('{"name":"ab","age":7}').ids
+    m, rows = grammar.matcher(), []
+    for token in ids:
+        rows.append(np.flatnonzero(~m.banned()).tolist())
+        m.advance(token)
+    assert m.complete()
+    child = subprocess.run([sys.executable, "-c", _CHILD], input=pickle.dumps((grammar, ids)), capture_output=True,
+                           cwd=Path(__file__).parents[1], timeout=60, check=True)
+    assert json.loads(child.stdout) == {"rows": rows, "complete": True}
+    again = pickle.loads(pickle.dumps(grammar))  # in this process: the same vocabulary, from the cache
+    assert np.array_equal(again.matcher().banned(), grammar.matcher().banned())
+    unpicklable = Vocabulary(vocab._tokenizer, HEAD).compile(Constraint("regex", "a"))
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(unpicklable)
+
+
 def test_a_head_smaller_than_the_tokenizer_bans_nothing_past_itself():
     small = Vocabulary.from_tokenizer_json(TINY, 300, EOS)
     banned = small.compile(Constraint("json_object")).matcher().banned()
@@ -277,6 +315,11 @@ def test_a_head_smaller_than_the_tokenizer_bans_nothing_past_itself():
 def test_bad_eos_ids_are_refused(eos, problem):
     with pytest.raises(ValueError, match=problem):
         Vocabulary.from_tokenizer_json(TINY, HEAD, eos)
+
+
+def test_a_missing_tokenizer_file_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer file at .*tokenizer\.json"):
+        Vocabulary.from_tokenizer_json(tmp_path / "tokenizer.json", HEAD, EOS)
 
 
 @pytest.mark.real_model

@@ -7,6 +7,7 @@ with, `advance(id)` with the id it sampled, and `complete()` to ask whether the 
 from __future__ import annotations
 
 import threading
+from typing import Any, Callable
 
 import numpy as np
 from llguidance import LLMatcher
@@ -16,14 +17,25 @@ from engine.constraints.spec import ConstraintError
 
 
 class Grammar:
-    """A constraint compiled against one vocabulary; immutable, shared by every request using it."""
+    """A constraint compiled against one vocabulary; immutable, shared by every request using it.
 
-    def __init__(self, prototype: LLMatcher, vocab_size: int, tokenizer_size: int, field: str) -> None:
+    It pickles (a Request carries it to the engine's child process) as the way to build it again
+    there, which its Vocabulary supplies: `reduce`, as `__reduce__` returns it.
+    """
+
+    def __init__(self, prototype: LLMatcher, vocab_size: int, tokenizer_size: int, field: str,
+                 reduce: tuple[Callable[..., "Grammar"], tuple[Any, ...]] | None = None) -> None:
         self._prototype = prototype  # never advanced: each request walks its own copy
         self._vocab_size = vocab_size
         self._tokenizer_size = tokenizer_size
         self._field = field
+        self._reduce = reduce
         self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Callable[..., "Grammar"], tuple[Any, ...]]:
+        if self._reduce is None:
+            raise TypeError("this Grammar's vocabulary was not read from a tokenizer file, so it cannot be pickled")
+        return self._reduce
 
     def matcher(self) -> "Matcher":
         """A fresh state at the start of the language, for one request."""

@@ -439,9 +439,9 @@ class Engine:
         or None when it allows nothing: the request then fails and its slot is freed."""
         try:
             return banned_row(live.matcher, self.model.info.vocab_size, live.rule.control_token_ids, mask_control)
-        except InvalidArgument as error:
+        except ValueError as error:  # InvalidArgument, or the matcher's ConstraintError
             self._release(live)
-            live.sink.fail(error)
+            live.sink.fail(error if isinstance(error, InvalidArgument) else InvalidArgument("constraint", str(error)))
             return None
 
     def _read_to(self, live: _Live, end: int, sample: Sample | None) -> None:

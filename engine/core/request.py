@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.core.constrained import CompiledConstraint
+    from engine.constraints.matcher import Grammar
 
 # Alternatives one token may report (SamplingParams.top_logprobs); the OpenAI API's limit too.
 MAX_TOP_LOGPROBS = 20
@@ -47,5 +47,5 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingCriteria = field(default_factory=StoppingCriteria)
     return_logprobs: bool = False
-    # the output held to a language, token by token (engine.core.constrained); None: free
-    constraint: CompiledConstraint | None = None
+    # the output held to a language, token by token (compiled by engine.core.constrained); None: free
+    constraint: Grammar | None = None
