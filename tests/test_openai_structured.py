@@ -306,6 +306,7 @@ def test_earlier_calls_and_tool_results_are_written_in_the_format(stack):
     ]
     tokens = httpx.post(stack.root + "/tokenize", json={"messages": by_hand}, timeout=30).json()["tokens"]
     assert completion.usage.prompt_tokens == len(tokens)
+    assert httpx.post(stack.root + "/tokenize", json={"messages": history}, timeout=30).json()["tokens"] == tokens
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """The FastAPI application: the OpenAI routes over one channel to the text service.
 
 Routes: GET /v1/models; POST /v1/completions and /v1/chat/completions (services.openai_api
-.completions); POST /tokenize and /detokenize (passthroughs to the text service's Tokenizer);
+.completions); POST /tokenize and /detokenize (passthroughs to the text service's Tokenizer;
+a conversation's tool turns written as a generation writes them);
 GET /health (liveness: the process answers), /ready (the text service reports TextGeneration
 SERVING, which it does only while its decoder does: both backends reachable), /metrics.
 
@@ -158,7 +159,7 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         plan, fmt = None, None
         if endpoint.chat:
             plan = tools.plan_of(body.tools, body.tool_choice, body.parallel_tool_calls)
-            if plan is not None or any(m.role == "tool" or m.tool_calls is not None for m in body.messages):
+            if plan is not None or _has_tool_turns(body.messages):
                 fmt = await tool_format()
         requests = conversion.generate_requests(body, header.id, plan, fmt)
         calls = completions.Calls(plan, fmt)
@@ -205,7 +206,8 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            pb = text_pb2.TokenizeRequest(chat=conversion.chat_pb(body.messages, body.add_generation_prompt))
+            fmt = await tool_format() if _has_tool_turns(body.messages) else None
+            pb = text_pb2.TokenizeRequest(chat=conversion.chat_pb(body.messages, body.add_generation_prompt, fmt=fmt))
         else:
             pb = text_pb2.TokenizeRequest(text=body.prompt, add_special_tokens=body.add_special_tokens)
         try:
@@ -224,6 +226,11 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         return {"prompt": text}
 
     return app
+
+
+def _has_tool_turns(messages) -> bool:
+    """Whether the conversation holds tool results or earlier calls (written in the tool format)."""
+    return any(m.role == "tool" or m.tool_calls is not None for m in messages)
 
 
 async def _generation(client: AsyncTextClient, request: text_pb2.GenerateRequest):
