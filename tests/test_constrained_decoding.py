@@ -45,7 +45,7 @@ from tokenizer_svc.tokenizer import TextTokenizer
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
 TOKENIZER_JSON = TINY / "tokenizer.json"
 EOS = frozenset({0, 2})
-A, B = 67, 68  # "a", "b" in tiny-llama's vocabulary
+A, B, AB = 67, 68, 432  # "a", "b", "ab" in tiny-llama's vocabulary
 STOP, LENGTH = dpb.FINISH_REASON_STOP, dpb.FINISH_REASON_LENGTH
 SCHEMAS = [
     {"type": "object", "properties": {"x": {"type": "integer"}, "s": {"enum": ["hi", "yo"]}}, "required": ["x", "s"]},
@@ -181,6 +181,28 @@ def test_prefix_cache_composes(compiler):
         second = run(engine, compiler, "regex", "[ab]{5}", prompt=prompt)
         assert engine.stats().pages.hit_tokens >= 16  # the second prompt's full pages came from the cache
         assert second.tokens == first.tokens and len(first.tokens) == 5
+    finally:
+        engine.stop()
+
+
+def test_a_preempted_constrained_request_goes_on_where_it_was(compiler):
+    """Two requests that together outgrow a pool of 12 pages of 4: the later one is preempted and
+    recomputed; its matcher, like its counts, goes on from the tokens it had sent (min_output_tokens
+    too: EOS stays masked until 30 were sent in all). (llguidance allows only "ab" first: the
+    tokenizer's own spelling of the language's start.)"""
+    model = scripted(max_batch_size=2, kv_cache_tokens=48, page_size=4)
+    engine = Engine(model, EngineConfig(max_step_tokens=0))
+    engine.start()
+    try:
+        grammar = compiler.compile(Constraint("regex", "(ab)+"))
+        sinks = [Recorder(), Recorder()]
+        for i, sink in enumerate(sinks):
+            request = Request(f"r{i}", tuple(range(20 + i, 28 + i)), stopping=StoppingCriteria(40, min_output_tokens=30), constraint=grammar)
+            engine.submit(request, sink)
+        assert all(sink.done.wait(10) for sink in sinks)
+        assert engine.stats().preemptions >= 1
+        for sink in sinks:
+            assert sink.tokens == [AB] + [A, B] * 15 and (finished(sink).reason, finished(sink).stop_token_id) == (FinishReason.STOP, 0)
     finally:
         engine.stop()
 
