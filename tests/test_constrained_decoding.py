@@ -171,6 +171,27 @@ def test_an_unconstrained_request_beside_a_constrained_one_is_unchanged(engine, 
     assert free.tokens == list(range(101, 113)) and held.tokens == [A] * 12
 
 
+@pytest.mark.parametrize("fused", [0, 4], ids=["chunks", "chunks-along-steps"])
+def test_a_constrained_prompt_read_in_chunks_beside_a_running_stream(compiler, fused):
+    """The slot's first row goes with the chunk that takes it (a `prefill_chunk`, or a chunk that
+    rides along with a decode step), and the last chunk samples under it."""
+    model = scripted(fused_chunk_tokens=fused, step_delay_s=0.005)  # the free stream runs while the other prompt is read
+    engine = Engine(model, EngineConfig(max_step_tokens=4))
+    engine.start()
+    try:
+        free, held = Recorder(), Recorder()
+        engine.submit(Request("free", (100,), stopping=StoppingCriteria(30)), free)
+        assert free.started.wait(10)
+        engine.submit(Request("held", tuple(range(20, 45)) + (10,), stopping=StoppingCriteria(10),
+                              constraint=compiler.compile(Constraint("regex", "a{10}"))), held)
+        assert free.done.wait(10) and held.done.wait(10)
+        assert free.tokens == list(range(101, 131)) and held.tokens == [A] * 10
+        assert sum(1 for call in model.calls if call[0] == "prefill" and call[1] == 1) > 1  # read in chunks
+        assert (model.fused_chunks > 0) == bool(fused)
+    finally:
+        engine.stop()
+
+
 def test_prefix_cache_composes(compiler):
     model = scripted(page_size=4)
     engine = Engine(model)
