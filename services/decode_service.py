@@ -38,7 +38,7 @@ def model_info_to_pb(info: ModelInfo) -> decode_pb2.ModelInfo:
 class DecoderServicer(decode_pb2_grpc.DecoderServicer):
     """Serves nothing until `attach` gives it a warmed-up engine; `admission` gates every call.
     Requests' constraints are compiled against `tokenizer_json` (the served model's tokenizer
-    file; its vocabulary is built on the first constrained request); without one, every
+    file; its vocabulary is built on a thread once the model is ready); without one, every
     constraint is refused with INVALID_ARGUMENT."""
 
     def __init__(self, admission: Admission, metrics: Metrics, tokenizer_json: str | Path | None = None) -> None:
@@ -55,6 +55,7 @@ class DecoderServicer(decode_pb2_grpc.DecoderServicer):
         self.info = info
         self.engine = engine
         self.constraints = ConstraintCompiler(self.tokenizer_json, info.vocab_size, info.eos_token_ids)
+        self.constraints.warm()  # validation runs on the event loop: the vocabulary is built off it
 
     @grpc_errors
     async def Decode(self, request: decode_pb2.DecodeRequest, context):

@@ -45,7 +45,7 @@ from tokenizer_svc.tokenizer import TextTokenizer
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
 TOKENIZER_JSON = TINY / "tokenizer.json"
 EOS = frozenset({0, 2})
-A, B = 67, 68  # "a", "b" in tiny-llama's vocabulary
+A, B, AB = 67, 68, 432  # "a", "b", "ab" in tiny-llama's vocabulary
 STOP, LENGTH = dpb.FINISH_REASON_STOP, dpb.FINISH_REASON_LENGTH
 SCHEMAS = [
     {"type": "object", "properties": {"x": {"type": "integer"}, "s": {"enum": ["hi", "yo"]}}, "required": ["x", "s"]},
@@ -171,6 +171,27 @@ def test_an_unconstrained_request_beside_a_constrained_one_is_unchanged(engine, 
     assert free.tokens == list(range(101, 113)) and held.tokens == [A] * 12
 
 
+@pytest.mark.parametrize("fused", [0, 4], ids=["chunks", "chunks-along-steps"])
+def test_a_constrained_prompt_read_in_chunks_beside_a_running_stream(compiler, fused):
+    """The slot's first row goes with the chunk that takes it (a `prefill_chunk`, or a chunk that
+    rides along with a decode step), and the last chunk samples under it."""
+    model = scripted(fused_chunk_tokens=fused, step_delay_s=0.005)  # the free stream runs while the other prompt is read
+    engine = Engine(model, EngineConfig(max_step_tokens=4))
+    engine.start()
+    try:
+        free, held = Recorder(), Recorder()
+        engine.submit(Request("free", (100,), stopping=StoppingCriteria(30)), free)
+        assert free.started.wait(10)
+        engine.submit(Request("held", tuple(range(20, 45)) + (10,), stopping=StoppingCriteria(10),
+                              constraint=compiler.compile(Constraint("regex", "a{10}"))), held)
+        assert free.done.wait(10) and held.done.wait(10)
+        assert free.tokens == list(range(101, 131)) and held.tokens == [A] * 10
+        assert sum(1 for call in model.calls if call[0] == "prefill" and call[1] == 1) > 1  # read in chunks
+        assert (model.fused_chunks > 0) == bool(fused)
+    finally:
+        engine.stop()
+
+
 def test_prefix_cache_composes(compiler):
     model = scripted(page_size=4)
     engine = Engine(model)
@@ -181,6 +202,28 @@ def test_prefix_cache_composes(compiler):
         second = run(engine, compiler, "regex", "[ab]{5}", prompt=prompt)
         assert engine.stats().pages.hit_tokens >= 16  # the second prompt's full pages came from the cache
         assert second.tokens == first.tokens and len(first.tokens) == 5
+    finally:
+        engine.stop()
+
+
+def test_a_preempted_constrained_request_goes_on_where_it_was(compiler):
+    """Two requests that together outgrow a pool of 12 pages of 4: the later one is preempted and
+    recomputed; its matcher, like its counts, goes on from the tokens it had sent (min_output_tokens
+    too: EOS stays masked until 30 were sent in all). (llguidance allows only "ab" first: the
+    tokenizer's own spelling of the language's start.)"""
+    model = scripted(max_batch_size=2, kv_cache_tokens=48, page_size=4)
+    engine = Engine(model, EngineConfig(max_step_tokens=0))
+    engine.start()
+    try:
+        grammar = compiler.compile(Constraint("regex", "(ab)+"))
+        sinks = [Recorder(), Recorder()]
+        for i, sink in enumerate(sinks):
+            request = Request(f"r{i}", tuple(range(20 + i, 28 + i)), stopping=StoppingCriteria(40, min_output_tokens=30), constraint=grammar)
+            engine.submit(request, sink)
+        assert all(sink.done.wait(10) for sink in sinks)
+        assert engine.stats().preemptions >= 1
+        for sink in sinks:
+            assert sink.tokens == [AB] + [A, B] * 15 and (finished(sink).reason, finished(sink).stop_token_id) == (FinishReason.STOP, 0)
     finally:
         engine.stop()
 

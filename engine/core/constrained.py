@@ -5,8 +5,9 @@ The grammar work itself (llguidance) is engine.constraints; this module is what 
 and the scheduler need around it:
 
 * `ConstraintCompiler`: one per service, for one tokenizer file and one model's vocabulary size
-  and EOS ids. Its `Vocabulary` (the slow part: every token's bytes) is built on the first
-  constrained request, not at start, so a server that never sees one never pays for it.
+  and EOS ids. Its `Vocabulary` (the slow part: every token's bytes) is built once, on the first
+  constrained request or ahead of it on a thread (`warm`: the decode service, whose validation
+  runs on its event loop, starts it when its model is ready).
   `compile` turns a `Constraint` into a `Grammar` (what `Request.constraint` holds) or raises
   InvalidArgument naming the field (a ConstraintError's), which the services send as
   INVALID_ARGUMENT. A request crosses a pipe to the engine process (engine.core.engine_process):
@@ -19,6 +20,8 @@ and the scheduler need around it:
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +32,8 @@ from engine.core.errors import InvalidArgument
 if TYPE_CHECKING:  # (imported where used: the scheduler imports this module, and needs no grammar library)
     from engine.constraints.matcher import Grammar
     from engine.constraints.spec import Constraint, ConstraintError
+
+log = logging.getLogger(__name__)
 
 NO_TOKENIZER = "this model has no tokenizer to compile constraints against"
 
@@ -46,18 +51,41 @@ class ConstraintCompiler:
     def __init__(self, tokenizer_json: str | Path | None, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
         # the vocabulary's origin (engine.constraints.vocabulary.Origin), or None
         self.origin = None if tokenizer_json is None else (str(tokenizer_json), vocab_size, frozenset(eos_token_ids))
+        self._lock = threading.Lock()  # one build: a second caller waits for the first's
+        self._vocabulary = None
+
+    def warm(self) -> None:
+        """Build the vocabulary now, on a daemon thread: a service whose validation runs on its
+        event loop calls it at start, so the first constrained request does not stall every
+        stream for the build (seconds for a large vocabulary). A failure here is the first
+        request's error again, so it is only logged."""
+        if self.origin is not None:
+            threading.Thread(target=self._warm, name="constraint-vocabulary", daemon=True).start()
+
+    def _warm(self) -> None:
+        try:
+            self._shared()
+        except (ValueError, OSError) as error:
+            log.info("constraints will be refused: %s", error)
+
+    def _shared(self):
+        from engine.constraints.vocabulary import Vocabulary
+
+        with self._lock:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary.shared(self.origin)
+            return self._vocabulary
 
     def compile(self, spec: Constraint, field: str = "constraint") -> Grammar:
         """`spec` compiled against the served vocabulary (built the first time); InvalidArgument
         naming `field` when there is no tokenizer, and the constraint's field when it does not
         compile or the model cannot take constraints at all (no EOS ids)."""
         from engine.constraints.spec import ConstraintError
-        from engine.constraints.vocabulary import Vocabulary
 
         if self.origin is None:
             raise InvalidArgument(field, NO_TOKENIZER)
         try:
-            vocabulary = Vocabulary.shared(self.origin)
+            vocabulary = self._shared()
         except (ValueError, OSError) as error:  # a model with no EOS ids, an unreadable tokenizer file
             raise InvalidArgument(spec.field, f"this model cannot take constraints: {error}") from error
         try:

@@ -6,8 +6,8 @@ prompt's last token (a chunked prefill samples only on its last chunk, which hol
 count skips forward to the first id that is not masked. A slot with a row of banned ids (a
 constrained request: `SlotSetup.banned`, then `ban`) samples, in a `masked` step, its scripted id
 if the row allows it, else the lowest id the row allows (a row that allows none, or is not [V]
-bool, raises ModelUsageError, as a real model would sample garbage). Sampling parameters are
-ignored.
+bool, raises ModelUsageError, as a real model would sample garbage); `bans` counts the `ban`
+calls. Sampling parameters are ignored.
 The logprob of token `t` is `-(t % 10) / 10`. With `sampling.top_logprobs = k`, the
 alternatives are the sampled token and the k - 1 ids after it, `(t + i) % vocab_size` with
 logprob `-(t % 10) / 10 - i`.
