@@ -200,6 +200,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         wait_until_ready=False,
         spawn_model=spawn_model,
         log_setup=log_setup,
+        tokenizer_json=tokenizer if (tokenizer := model_dir / "tokenizer.json").is_file() else None,
     )
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
     log.info("decode service listening on %s:%d; loading %s", config.server.host, server.port, model_dir)
@@ -291,6 +292,7 @@ async def _generator(a: argparse.Namespace):
 
     _require_jax("--local")
     from engine.core.async_engine import AsyncEngine
+    from engine.core.constrained import ConstraintCompiler
     from engine.core.engine import Engine
     from services.text_server import check_tokenizer_matches
     from services.text_service import TextGenerationServicer, engine_decode
@@ -304,7 +306,8 @@ async def _generator(a: argparse.Namespace):
     engine = Engine(model)
     engine.start()
     try:
-        servicer = TextGenerationServicer(tokenizer, engine_decode(AsyncEngine(engine), model.info), model.info)
+        constraints = ConstraintCompiler(tokenizer.tokenizer_json, model.info.vocab_size, model.info.eos_token_ids)
+        servicer = TextGenerationServicer(tokenizer, engine_decode(AsyncEngine(engine), model.info, constraints), model.info)
         yield lambda request: servicer.generate(request, a.timeout)
     finally:
         engine.stop()
@@ -343,6 +346,17 @@ async def _generate(a: argparse.Namespace) -> int:
         request = generate_request(chat=turns, **_generate_kwargs(a))
     else:
         request = generate_request(a.prompt, **_generate_kwargs(a))
+    if a.json_schema is not None and a.regex is not None:
+        print("tokenwire generate: --json-schema and --regex cannot both be set: give one constraint", file=sys.stderr)
+        return 2
+    if a.json_schema is not None:
+        try:
+            request.constraint.json_schema = Path(a.json_schema).read_text()
+        except (OSError, UnicodeDecodeError) as error:
+            print(f"tokenwire generate: --json-schema: cannot read {a.json_schema}: {error}", file=sys.stderr)
+            return 2
+    elif a.regex is not None:
+        request.constraint.regex = a.regex
     try:
         async with _generator(a) as generate:
             if a.stream and not a.json:
@@ -558,6 +572,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(p, "--chat", help="send PROMPT as a user message, rendered with the model's chat template", action="store_true")
     add_flag(p, "--stream", help="print text as it arrives", action="store_true")
     add_flag(p, "--json", help="print the whole result as JSON: text, token_ids, reason, usage, stop_token_id, stop_string", action="store_true")
+    constraint = p.add_mutually_exclusive_group()
+    add_flag(constraint, "--json-schema", metavar="FILE", help="hold the output to the JSON Schema in FILE, token by token", default=None)
+    add_flag(constraint, "--regex", metavar="R", help="hold the output to the regular expression R (the whole output matches it)", default=None)
 
     p = commands.add_parser("chat", help="chat interactively, streaming the replies", description="An interactive chat (the model's chat template, history kept) through a text-server, or in-process with --local.")
     generation_flags(p)

@@ -50,13 +50,15 @@ def generate_request(
     keep_special_tokens: bool = False,
     stop_strings: Iterable[str] = (),
     include_stop_string: bool = False,
+    constraint: decode_pb2.Constraint | None = None,
     **params,
 ) -> text_pb2.GenerateRequest:
-    """A GenerateRequest for a prompt, or for a chat given as (role, content) pairs.
-    `params` are SamplingParams and StoppingCriteria fields by name."""
+    """A GenerateRequest for a prompt, or for a chat given as (role, content) pairs, its output
+    held to `constraint` when given. `params` are SamplingParams and StoppingCriteria fields by name."""
     sampling, stopping = _params(**params)
     request = text_pb2.GenerateRequest(
         request_id=request_id,
+        constraint=constraint,
         sampling=sampling,
         stopping=stopping,
         keep_special_tokens=keep_special_tokens,
@@ -70,11 +72,16 @@ def generate_request(
     return request
 
 
-def decode_request(prompt_token_ids: Iterable[int], *, request_id: str = "", return_logprobs: bool = False, **params) -> decode_pb2.DecodeRequest:
-    """A DecodeRequest; `params` are SamplingParams and StoppingCriteria fields by name."""
+def decode_request(
+    prompt_token_ids: Iterable[int], *, request_id: str = "", return_logprobs: bool = False,
+    constraint: decode_pb2.Constraint | None = None, **params,
+) -> decode_pb2.DecodeRequest:
+    """A DecodeRequest (its output held to `constraint` when given); `params` are SamplingParams
+    and StoppingCriteria fields by name."""
     sampling, stopping = _params(**params)
     return decode_pb2.DecodeRequest(
         request_id=request_id,
+        constraint=constraint,
         prompt_token_ids=list(prompt_token_ids),
         sampling=sampling,
         stopping=stopping,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from engine.core.async_engine import AsyncEngine
@@ -183,18 +184,21 @@ async def start_decode_server(
     load_model: Callable[[], Model] | None = None,
     spawn_model: ModelFactory | None = None,
     log_setup: Callable[[], None] | None = None,
+    tokenizer_json: str | Path | None = None,
 ) -> DecodeServer:
     """Serve at once (liveness SERVING, readiness NOT_SERVING), load and warm up the model off
     the event loop, then start the engine and become ready. The model: `model`, or what
     `load_model()` returns (the engine on a thread of this process), or what `spawn_model()`
-    returns in an engine process (a picklable callable; `log_setup()` configures its logging)."""
+    returns in an engine process (a picklable callable; `log_setup()` configures its logging).
+    `tokenizer_json`: the model's tokenizer file, which requests' constraints compile against
+    (None: constraints are refused)."""
     if sum(x is not None for x in (model, load_model, spawn_model)) != 1:
         raise TypeError("give exactly one of model, load_model and spawn_model")
     if model is not None:
         load_model = lambda: model  # noqa: E731
     metrics = metrics or Metrics()
     admission = Admission("the model is still loading")
-    servicer = DecoderServicer(admission, metrics)
+    servicer = DecoderServicer(admission, metrics, tokenizer_json)
     running = await start_server(
         lambda server: decode_pb2_grpc.add_DecoderServicer_to_server(servicer, server), [DECODER_SERVICE], options, metrics
     )

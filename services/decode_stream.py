@@ -35,6 +35,7 @@ from engine.core.async_engine import AsyncEngine
 from engine.core.errors import InvalidArgument
 from engine.core.events import Event, Finished, Token
 from engine.core.inbox import Inbox
+from engine.core.constrained import ConstraintCompiler
 from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2
 from services import validation
@@ -66,6 +67,7 @@ class DecodeStreamSession:
     info: ModelInfo
     admission: Admission
     metrics: Metrics
+    constraints: ConstraintCompiler | None = None  # compiles requests' constraints (None: refused)
     queue: Inbox = field(default_factory=Inbox)
     live: dict[int, _Live] = field(default_factory=dict)
     client_closed: bool = False
@@ -133,7 +135,7 @@ class DecodeStreamSession:
                 raise InvalidArgument("packed_tokens", "packed tokens carry no logprobs; unset it or return_logprobs")
             live.admitted.enter_context(self.admission.admit())
             pb.request_id = tracker.request_id = validation.request_id_of(pb.request_id)
-            request = validation.decode_request(pb, self.info)
+            request = validation.decode_request(pb, self.info, self.constraints)
             live.ticket = self.engine.submit(request, self.queue, live)
         except Exception as error:  # refused: this request ends with its error, the stream goes on
             self.live[start.key] = live

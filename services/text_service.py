@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence, TypeVar
 
 from engine.core.async_engine import AsyncEngine
+from engine.core.constrained import ConstraintCompiler
 from engine.core.errors import check_token_ids
 from engine.core.events import Event, Finished
 from engine.core.model import ModelInfo
@@ -247,12 +248,13 @@ class TokenizerServicer(text_pb2_grpc.TokenizerServicer):
 DecodeFn = Callable[[decode_pb2.DecodeRequest, "float | None"], AsyncGenerator[Sequence[Event], None]]
 
 
-def engine_decode(engine: AsyncEngine, info: ModelInfo) -> DecodeFn:
-    """The engine's events without a socket, validated as the Decoder validates them. The engine
-    has no deadline of its own: `timeout` is not applied here."""
+def engine_decode(engine: AsyncEngine, info: ModelInfo, constraints: ConstraintCompiler | None = None) -> DecodeFn:
+    """The engine's events without a socket, validated as the Decoder validates them (constraints
+    compiled by `constraints`; None: refused). The engine has no deadline of its own: `timeout`
+    is not applied here."""
 
     def decode(request: decode_pb2.DecodeRequest, timeout: float | None):
-        return engine.stream(validation.decode_request(request, info))
+        return engine.stream(validation.decode_request(request, info, constraints))
 
     return decode
 
@@ -274,6 +276,9 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         self.admission = admission or Admission()
         self.metrics = metrics or Metrics()
         self.max_input_chars = max_input_chars
+        # a request's constraint is compiled here first, against this service's own tokenizer
+        # file (none: constraints are refused), so one that does not compile never reaches the decoder
+        self.constraints = ConstraintCompiler(tokenizer.tokenizer_json, info.vocab_size, info.eos_token_ids)
 
     def _prepare(self, request: text_pb2.GenerateRequest) -> generation.TextRequest:
         return prepare_request(
@@ -296,6 +301,8 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         else:
             size = validation.text_chars("prompt", request.prompt, self.max_input_chars)
         validation.top_logprobs(request.top_logprobs, request.logprobs, needs="logprobs")
+        if request.HasField("constraint"):  # in a thread: the first one builds the vocabulary
+            await asyncio.to_thread(validation.constraint, request, self.constraints)
         text_request = await _work(size, self._prepare, request)
         upstream = decode_pb2.DecodeRequest(
             request_id=request_id,
@@ -304,6 +311,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
             stopping=request.stopping,
             return_logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
+            constraint=request.constraint if request.HasField("constraint") else None,
         )
         # A DecoderFault (INTERNAL) or StreamEndedWithoutFinished (UNAVAILABLE) propagates to
         # services.errors, which maps it; the request log line carries the request id and code.

@@ -10,8 +10,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+from typing import TYPE_CHECKING
 
+from engine.core.constrained import ConstraintCompiler
 from engine.core.model import ModelInfo
+
+if TYPE_CHECKING:
+    from engine.constraints.matcher import Grammar
 from engine.core.request import MAX_TOP_LOGPROBS, Request, SamplingParams, StoppingCriteria
 from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
@@ -127,16 +132,51 @@ def top_logprobs(count: int, logprobs: bool, field: str = "top_logprobs", needs:
     return count
 
 
-def decode_request(pb: decode_pb2.DecodeRequest, info: ModelInfo) -> Request:
-    """Validate a DecodeRequest against the served model and convert it."""
+# Characters of a constraint's text (a schema, a regex, a grammar): the text input limit above.
+MAX_CONSTRAINT_CHARS = DEFAULT_MAX_INPUT_CHARS
+
+
+def constraint(pb: decode_pb2.DecodeRequest | text_pb2.GenerateRequest, compiler: ConstraintCompiler | None) -> Grammar | None:
+    """The request's `constraint` compiled against the served vocabulary (None when unset), or
+    InvalidArgument naming the field: one that does not compile, a json_object that is false,
+    one over MAX_CONSTRAINT_CHARS, any constraint with stopping.ignore_eos (the constraint decides
+    where EOS may come), and any constraint where nothing can compile one (`compiler` None or
+    without a tokenizer)."""
+    if not pb.HasField("constraint"):
+        return None
+    kind = pb.constraint.WhichOneof("kind")
+    if kind is None:
+        return None  # an empty Constraint message: as unset
+    field = f"constraint.{kind}"
+    if kind == "json_object":
+        if not pb.constraint.json_object:
+            raise InvalidArgument(field, "must be true when set (unset the constraint for free output)")
+        text = ""
+    else:
+        text = getattr(pb.constraint, kind)
+        text_chars(field, text, MAX_CONSTRAINT_CHARS)
+    if pb.stopping.ignore_eos:
+        raise InvalidArgument("stopping.ignore_eos", "cannot be set with a constraint, which decides where EOS may come")
+    if compiler is None:
+        compiler = ConstraintCompiler(None, 0, frozenset())
+    from engine.constraints.spec import Constraint
+
+    return compiler.compile(Constraint(kind, text), field)
+
+
+def decode_request(pb: decode_pb2.DecodeRequest, info: ModelInfo, constraints: ConstraintCompiler | None = None) -> Request:
+    """Validate a DecodeRequest against the served model and convert it; its constraint is
+    compiled by `constraints` (None: the service has no tokenizer, and refuses one)."""
     request_id = request_id_of(pb.request_id)
     prompt = info.check_prompt(pb.prompt_token_ids, "prompt_token_ids")
     sampling = sampling_params(pb.sampling, info)
     top = top_logprobs(pb.top_logprobs, pb.return_logprobs)
+    stopping = stopping_criteria(pb.stopping, len(prompt), info)
     return Request(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=dataclasses.replace(sampling, top_logprobs=min(top, info.vocab_size)),
-        stopping=stopping_criteria(pb.stopping, len(prompt), info),
+        stopping=stopping,
         return_logprobs=pb.return_logprobs,
+        constraint=constraint(pb, constraints),
     )

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tokenizers import Tokenizer
 
 from engine.jax_backend import multihost
+from protos.decode.v1 import decode_pb2
 from services.client import DecodeClient
 from services.service_names import DECODER_SERVICE
 from tests.support.health import log_tail, wait_serving
@@ -55,7 +57,8 @@ def test_every_call_of_the_model_contract_is_published_block_tables_included():
     (or refuse the call), and the group's collectives would part: the table is published like
     every other call of the contract."""
     assert multihost.STEPS == {
-        "warm_up", "set_pages", "prefill", "prefill_chunk", "prefill_packed", "decode", "dispatch", "collect", "release",
+        "warm_up", "set_pages", "prefill", "prefill_chunk", "prefill_packed", "decode", "dispatch", "collect", "ban",
+        "release",
     }
 
 
@@ -75,6 +78,11 @@ def test_two_processes_decode_like_one_and_a_dead_one_takes_the_other_down(tmp_p
         ids = [e.token.id for e in events if e.HasField("token")]
         assert ids == case["greedy_ids"][:12]
         assert [e.token.id for e in again if e.HasField("token")] == ids
+        # a constrained request: its banned rows (`ban`) are replayed by the follower too
+        with DecodeClient(f"127.0.0.1:{leader_port}", timeout=60) as client:
+            held = list(client.decode(case["prompt_ids"], max_output_tokens=8, constraint=decode_pb2.Constraint(regex="(yes|no)")))
+        text = Tokenizer.from_file(str(TINY / "tokenizer.json")).decode([e.token.id for e in held if e.HasField("token")])
+        assert text in ("yes", "no") and held[-1].finished.reason == decode_pb2.FINISH_REASON_STOP
 
         seen: list[int] = []
         with grpc.insecure_channel(f"127.0.0.1:{leader_port}") as channel:

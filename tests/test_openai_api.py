@@ -189,8 +189,8 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ({"model": MODEL_NAME, "messages": CHAT, "max_tokens": 10_000}, 400, "max_tokens"),  # past the context
         ({"model": MODEL_NAME, "messages": CHAT, "n": 50}, 400, "n"),
         ({"model": MODEL_NAME, "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
-        ({"model": MODEL_NAME, "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-        ({"model": MODEL_NAME, "messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ({"model": MODEL_NAME, "messages": CHAT, "tools": [{"type": "retrieval"}]}, 400, "tools[0].type"),
+        ({"model": MODEL_NAME, "messages": CHAT, "response_format": {"type": "yaml"}}, 400, "response_format.type"),
         ({"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0].type"),
         ({"model": MODEL_NAME, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
         ({"model": "gpt-4o", "messages": CHAT}, 404, "model"),

@@ -95,6 +95,8 @@ class TextTokenizer:
             else None
         )
         self._chat_encoder: _ChatEncoder | None = None  # built on first need: it copies the tokenizer
+        # the file it was read from (`from_dir`), which constraints compile against (engine.core.constrained)
+        self.tokenizer_json: Path | None = None
         self._chat_encoder_lock = threading.Lock()
 
     @classmethod
@@ -108,12 +110,14 @@ class TextTokenizer:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
         tok_config = read_json(model_dir / "tokenizer_config.json")
         names = {n: c for n in SPECIAL_TOKEN_NAMES if (c := _token_content(tok_config.get(n))) is not None}
-        return cls(
+        loaded = cls(
             tokenizer,
             eos_token_ids=eos_token_ids(model_dir),  # the same definition the engine uses
             special_token_names=names,
             chat_template=load_chat_template(model_dir, tok_config),
         )
+        loaded.tokenizer_json = tokenizer_file
+        return loaded
 
     # --- ids <-> text -------------------------------------------------------------------------
 

@@ -65,6 +65,16 @@ Data flow, on the engine thread, once per iteration:
      Positions, and so growth, follow the steps dispatched, not the steps read.
 A request cancelled between or during its chunks is released at step 2 or at the end of its
 chunk, with no events, before the next step.
+Constrained requests (issue 43; engine.core.constrained): each sample is drawn under a row of
+banned ids that its matcher (`Request.constraint.matcher()`) computes from the output so far. The
+prefill's row goes with the slot (`SlotSetup.banned`); every emitted token advances the matcher
+(`decide`, which finishes with STOP once the output is whole); before each decode step the
+request's next row is sent (`model.ban`). That row depends on the token just sampled, so a step
+whose batch holds a constrained request reads the step in flight BEFORE it is dispatched: for
+that step the host does not run one behind (the device idles while the host reads and computes
+the rows). A batch with no constrained request runs as above, unchanged. (Milestone 2 of issue 43
+is to overlap the row's computation with the step's layers.) A row that allows no token fails
+its request with InvalidArgument, not the engine.
 After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
 run (AsyncEngine sends the step's events for all its requests to the event loop with one wake-up
 there; the engine process sends them, and its stats, to its parent).
@@ -84,7 +94,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from engine.core.admission import admit, reserve_pages
-from engine.core.errors import EngineStopped, QueueFull
+from engine.core.constrained import banned_row
+from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
 from engine.core.kv_pages import KvPages, PageStats
 from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, PromptInput, Sample, SlotSetup
@@ -155,6 +166,7 @@ class _Live:
     prefilled: int = 0  # prompt positions in the cache; the request decodes once all are
     steps: int = 0  # decode steps dispatched for it since its prefill (read or in flight)
     filling: bool = True  # prefilled < the prompt's length (a prompt has at least one id)
+    matcher: object | None = None  # a constrained request's state (its output so far consumed)
 
     def fill_to(self, positions: int) -> None:
         self.prefilled = positions
@@ -239,7 +251,8 @@ class Engine:
             ticket = next(self._tickets)
             if not (self._waiting or self._active):
                 self._progress_at = time.monotonic()  # an idle engine is not stalled
-            self._waiting[ticket] = _Live(ticket, request, rule, sink, request.prompt_token_ids)
+            matcher = None if request.constraint is None else request.constraint.matcher()
+            self._waiting[ticket] = _Live(ticket, request, rule, sink, request.prompt_token_ids, matcher=matcher)
             self._cond.notify_all()
         return ticket
 
@@ -389,12 +402,14 @@ class Engine:
         chunk and a step. Every chunk's pages were taken at admission.
         -> tokens prefilled."""
         prompt = live.prompt
-        setup = SlotSetup(live.request.sampling, live.rule.control_token_ids)
+        setup = self._setup(live)
+        if setup is None:
+            return 0
         start = live.prefilled
         if budget is not None and len(prompt) - start < budget + self.step_tokens:
             budget = None  # less than two budgets left: to its end now, in one call
         end = len(prompt) if budget is None else min(len(prompt), start + budget)
-        masked = live.rule.masks_control_tokens(live.resumed)
+        masked = live.rule.masks_control_tokens(live.resumed) or live.matcher is not None
         sample: Sample | None = None
         if budget is not None and end < len(prompt) and self._chunk is None and end - start <= self.model.fused_chunk_tokens:
             self._chunk = ChunkInput(live.slot, prompt, start, end, setup)
@@ -407,6 +422,27 @@ class Engine:
             self._read_in_flight = bool(self._in_flight)
         self._read_to(live, end, sample)
         return end - start
+
+    def _setup(self, live: _Live) -> SlotSetup | None:
+        """What `live`'s slot holds from its take: its sampling and masked ids, and for a
+        constrained request the row its first sample (of this run: a recompute's too) is drawn
+        under. None when that row allows nothing: the request was failed and its slot freed."""
+        banned = None
+        if live.matcher is not None:
+            banned = self._row(live, live.rule.masks_control_tokens(live.resumed))
+            if banned is None:
+                return None
+        return SlotSetup(live.request.sampling, live.rule.control_token_ids, banned)
+
+    def _row(self, live: _Live, mask_control: bool):
+        """A constrained request's next row of banned ids (engine.core.constrained.banned_row),
+        or None when it allows nothing: the request then fails and its slot is freed."""
+        try:
+            return banned_row(live.matcher, self.model.info.vocab_size, live.rule.control_token_ids, mask_control)
+        except ValueError as error:  # InvalidArgument, or the matcher's ConstraintError
+            self._release(live)
+            live.sink.fail(error if isinstance(error, InvalidArgument) else InvalidArgument("constraint", str(error)))
+            return None
 
     def _read_to(self, live: _Live, end: int, sample: Sample | None) -> None:
         """`live`'s prompt is in its slot up to `end` (`sample`: the first token, when that is its
@@ -448,7 +484,7 @@ class Engine:
         for live in filling:
             if live.prefilled > live.cached or tokens + len(live.prompt) > self.model.packed_prefill_tokens:
                 break
-            if live.cached:
+            if live.cached or live.matcher is not None:  # (a constrained prompt: `_prefill`, its row checked there)
                 continue
             group.append((live, SlotSetup(live.request.sampling, live.rule.control_token_ids)))
             tokens += len(live.prompt)
@@ -535,22 +571,19 @@ class Engine:
         -> the read step's time (see `on_step`), or None when none was read or it cannot be told apart."""
         seconds = None
         lives = self._decoding()
+        if self._in_flight and any(live.matcher is not None for live in lives):
+            seconds = self._read(*self._take_in_flight())  # a constrained row's next ban needs its token
+            lives = self._decoding()
         if not self._grow(lives):
             if self._in_flight:
                 seconds = self._read(*self._take_in_flight())
             lives = self._make_room()
-        dispatched_at = time.perf_counter()
         chunk, self._chunk = self._chunk, None
+        inputs = self._inputs(lives)
+        lives = [live for live in lives if self._active.get(live.slot) is live]  # (less any whose row failed)
+        dispatched_at = time.perf_counter()
         if lives:
-            self.model.dispatch([
-                DecodeInput(
-                    slot=live.slot,
-                    token_id=None,  # the slot's last sample, still on the device
-                    position=len(live.prompt) + live.steps,
-                    masked=live.rule.masks_control_tokens(live.resumed + 1 + live.steps),
-                )
-                for live in lives
-            ], chunk)
+            self.model.dispatch(inputs, chunk)
             for live in lives:
                 live.steps += 1
         elif chunk is not None:  # no step to take it along (every decoding request has its last in flight)
@@ -561,6 +594,23 @@ class Engine:
         if previous:
             seconds = self._read(previous, started, timed)
         return seconds
+
+    def _inputs(self, lives: list[_Live]) -> list[DecodeInput]:
+        """The step's rows; a constrained request's next row of banned ids is sent first
+        (`model.ban`; it has no step in flight, so its count is exact), and one whose row allows
+        nothing is failed and left out."""
+        inputs = []
+        for live in lives:
+            masked = live.rule.masks_control_tokens(live.resumed + 1 + live.steps)
+            if live.matcher is not None:
+                row = self._row(live, masked)
+                if row is None:
+                    continue
+                self.model.ban(live.slot, row)
+                masked = True
+            # token_id None: the slot's last sample, still on the device
+            inputs.append(DecodeInput(slot=live.slot, token_id=None, position=len(live.prompt) + live.steps, masked=masked))
+        return inputs
 
     def _take_in_flight(self) -> tuple[list[_Live], float, bool]:
         """The step in flight (no longer in flight once this returns), when its time started (its
@@ -589,7 +639,7 @@ class Engine:
 
     def _advance(self, live: _Live, sample: Sample) -> None:
         """Apply the one decision to a sampled token and send the resulting events."""
-        decision = decide(sample.token_id, live.emitted, live.rule)
+        decision = decide(sample.token_id, live.emitted, live.rule, live.matcher)
         events: list[Event] = []
         if decision.emit:
             live.emitted += 1

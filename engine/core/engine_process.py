@@ -54,7 +54,7 @@ from typing import Callable
 
 from engine.core.admission import admit
 from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink
-from engine.core.errors import EngineStopped, ModelLoadFailed, QueueFull
+from engine.core.errors import EngineStopped, InvalidArgument, ModelLoadFailed, QueueFull
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
 from engine.core.kv_pages import PageStats
 from engine.core.model import KvLayout, ModelFactory, ModelInfo, load
@@ -294,7 +294,12 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     sender.join()
 
 
-_FAILURES = {"QueueFull": QueueFull, "EngineStopped": EngineStopped}  # as the child's engine raised them
+# as the child's engine raised them (an InvalidArgument: a constrained request whose grammar
+# allows no token, engine.core.constrained.banned_row)
+_FAILURES = {
+    "QueueFull": QueueFull, "EngineStopped": EngineStopped,
+    "InvalidArgument": lambda message: InvalidArgument(*message.split(": ", 1)) if ": " in message else InvalidArgument("constraint", message),
+}
 
 
 # -- parent --------------------------------------------------------------------------------

@@ -21,14 +21,20 @@ may thus run for a request that the previous step finished; the scheduler discar
 Several whole prompts that are read in the same iteration may go in one call (`prefill_packed`).
 A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
+A constrained request (issue 43) samples every token under a row of banned ids that depends on
+the tokens before it: its first row comes with its slot (`SlotSetup.banned`), each later one by
+`ban` before the step that samples under it, so the scheduler reads a constrained request's
+step before it dispatches the next (engine.core.engine).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
+
+import numpy as np
 
 from engine.core.errors import InvalidArgument, ModelLoadFailed, ModelRefused, check_token_ids
 from engine.core.request import SamplingParams
@@ -86,6 +92,9 @@ class SlotSetup:
 
     sampling: SamplingParams  # seed always set, in [0, 2**64) (the engine draws one when the caller did not)
     masked_token_ids: frozenset[int]  # ids that must not be sampled while a step says `masked`
+    # [V] bool (V = info.vocab_size), a constrained request's first row of banned ids: written as
+    # the slot's row in place of masked_token_ids (which it already includes where they apply)
+    banned: np.ndarray | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +191,11 @@ class Model(Protocol):
         step's position reaches a page past the table's end, and when the scheduler swaps a page
         for a cached twin holding the same KV. It may be called while a step is in flight; the
         steps dispatched after it use the new table."""
+
+    def ban(self, slot: int, banned: np.ndarray) -> None:
+        """Replace the taken slot's row of banned ids (the row its `SlotSetup` wrote) with
+        `banned`, [V] bool (True = never sampled while a step says `masked`), for the steps
+        dispatched after this call. A constrained request's next row (engine.core.constrained)."""
 
     def release(self, slot: int) -> None:
         """Forget the slot's request and clear its block table; the slot may be prefilled again

@@ -7,6 +7,10 @@ validation, so everything here is already known to be in range.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.constraints.matcher import Grammar
 
 # Alternatives one token may report (SamplingParams.top_logprobs); the OpenAI API's limit too.
 MAX_TOP_LOGPROBS = 20
@@ -43,3 +47,5 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stopping: StoppingCriteria = field(default_factory=StoppingCriteria)
     return_logprobs: bool = False
+    # the output held to a language, token by token (compiled by engine.core.constrained); None: free
+    constraint: Grammar | None = None

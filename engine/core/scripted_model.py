@@ -3,7 +3,11 @@
 Rule: the token sampled after feeding token `t` is `(t + 1) % vocab_size` -- prefill feeds the
 prompt's last token (a chunked prefill samples only on its last chunk, which holds that token), decode feeds the last sampled token. So a prompt ending in 10 produces
 11, 12, 13, ... When a step is `masked` and the next id is one of the slot's masked ids, the
-count skips forward to the first id that is not masked. Sampling parameters are ignored.
+count skips forward to the first id that is not masked. A slot with a row of banned ids (a
+constrained request: `SlotSetup.banned`, then `ban`) samples, in a `masked` step, its scripted id
+if the row allows it, else the lowest id the row allows (a row that allows none, or is not [V]
+bool, raises ModelUsageError, as a real model would sample garbage); `bans` counts the `ban`
+calls. Sampling parameters are ignored.
 The logprob of token `t` is `-(t % 10) / 10`. With `sampling.top_logprobs = k`, the
 alternatives are the sampled token and the k - 1 ids after it, `(t + i) % vocab_size` with
 logprob `-(t % 10) / 10 - i`.
@@ -87,6 +91,8 @@ class ScriptedModel:
         self.step_delay_s = step_delay_s
         self.fail_at_step = fail_at_step  # decode step number (1-based) that raises, to test failures
         self._masked: dict[int, frozenset[int]] = {}  # slot -> ids masked while a step says so
+        self._banned: dict[int, np.ndarray] = {}  # slot -> its [V] row of banned ids, when it has one
+        self.bans = 0  # `ban` calls, so tests can see that unconstrained requests make none
         self._top: dict[int, int] = {}  # slot -> how many alternatives each sample reports
         self._filling: dict[int, int] = {}  # slot -> prompt positions written, while more chunks are due
         self.calls: list[tuple] = []
@@ -102,8 +108,13 @@ class ScriptedModel:
 
     def _next(self, slot: int, fed: int, masked: bool) -> Sample:
         token = (fed + 1) % self.info.vocab_size
-        while masked and token in self._masked[slot]:
-            token = (token + 1) % self.info.vocab_size
+        banned = self._banned.get(slot)
+        if masked and banned is not None:
+            if banned[token]:
+                token = int(np.argmin(banned))  # the lowest allowed id (the row allows one: `_row`)
+        else:
+            while masked and token in self._masked[slot]:
+                token = (token + 1) % self.info.vocab_size
         logprob = -(token % 10) / 10
         top = tuple(((token + i) % self.info.vocab_size, logprob - i) for i in range(self._top.get(slot, 0)))
         return Sample(token, logprob, top)
@@ -158,7 +169,23 @@ class ScriptedModel:
             raise ModelUsageError(f"slot {slot} is in use or not one of the {self.info.max_batch_size} slots")
         self.prefills += 1
         self._masked[slot] = setup.masked_token_ids
+        if setup.banned is not None:
+            self._banned[slot] = self._row(setup.banned)
         self._top[slot] = min(setup.sampling.top_logprobs, self.info.vocab_size)
+
+    def ban(self, slot: int, banned: np.ndarray) -> None:
+        if slot not in self._masked:
+            raise ModelUsageError(f"ban on slot {slot}, which holds no request")
+        self._banned[slot] = self._row(banned)
+        self.bans += 1
+
+    def _row(self, banned: np.ndarray) -> np.ndarray:
+        row = np.asarray(banned)
+        if row.dtype != bool or row.shape != (self.info.vocab_size,):
+            raise ModelUsageError(f"a banned row of {row.dtype} {row.shape}, not bool ({self.info.vocab_size},)")
+        if row.all():
+            raise ModelUsageError("a banned row that allows no id")
+        return row.copy()
 
     def set_pages(self, slot: int, pages: Sequence[int]) -> None:
         width = self._tables.shape[1]
@@ -246,6 +273,7 @@ class ScriptedModel:
     def release(self, slot: int) -> None:
         """(A slot whose request never reached its prefill, only `set_pages`, is released too.)"""
         self._masked.pop(slot, None)
+        self._banned.pop(slot, None)
         self._last.pop(slot, None)
         self._top.pop(slot, None)
         self._filling.pop(slot, None)

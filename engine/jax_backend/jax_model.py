@@ -271,10 +271,27 @@ class JaxModel:
         require(all(0 <= t < self.config.vocab_size for t in setup.masked_token_ids), "a masked id outside the vocabulary")
         require(setup.sampling.seed is not None, "no seed (the engine sets one for every request)")
         self._sampling.take(slot, setup.sampling)
-        mask_row = np.zeros(self._head_size, bool)
-        mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
+        if setup.banned is not None:  # a constrained request's first row (it holds its masked ids)
+            mask_row = self._ban_row(setup.banned)
+        else:
+            mask_row = np.zeros(self._head_size, bool)
+            mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
         self._mask = self._steps.write_mask(self._mask, mask_row, np.int32(slot))
         self._slots.filling[slot] = True
+
+    def ban(self, slot: int, banned: np.ndarray) -> None:
+        """The slot's mask row from the next dispatch on (one small host-to-device write): a
+        constrained request's banned ids, [V] bool, padded with False to the head's V' (the ids
+        past the vocabulary are never sampled anyway)."""
+        require(not self._slots.free(slot), f"ban on slot {slot}, which holds no request")
+        self._mask = self._steps.write_mask(self._mask, self._ban_row(banned), np.int32(slot))
+
+    def _ban_row(self, banned: np.ndarray) -> np.ndarray:
+        require(banned.dtype == bool and banned.shape == (self.info.vocab_size,), f"a banned row of {banned.dtype} {banned.shape}")
+        n = min(self.info.vocab_size, self._head_size)
+        row = np.zeros(self._head_size, bool)  # [V']
+        row[:n] = banned[:n]
+        return row
 
     def set_pages(self, slot: int, pages: Sequence[int]) -> None:
         """The slot's block table from now on (host only: each call takes the table along)."""

@@ -1,13 +1,16 @@
 """The FastAPI application: the OpenAI routes over one channel to the text service.
 
 Routes: GET /v1/models; POST /v1/completions and /v1/chat/completions (services.openai_api
-.completions); POST /tokenize and /detokenize (passthroughs to the text service's Tokenizer);
+.completions); POST /tokenize and /detokenize (passthroughs to the text service's Tokenizer;
+a conversation's tool turns written as a generation writes them);
 GET /health (liveness: the process answers), /ready (the text service reports TextGeneration
 SERVING, which it does only while its decoder does: both backends reachable), /metrics.
 
 A generation: validate the body (pydantic; 400 on failure, services.openai_api.errors), check the
 model name (404), refuse known-but-unsupported fields (400 naming the first), log unknown ones,
-then open one text-service `Generate` per choice. Non-streamed: collect them while watching for
+check `response_format` and the tools (services.openai_api.structured, .tools; the model's tool
+format is detected once, on the first request that needs it, through the text service's
+Tokenize), then open one text-service `Generate` per choice. Non-streamed: collect them while watching for
 the client's disconnect. Streamed: wait for the first event, so that a refusal (400, 429, 503)
 is still an HTTP status, then answer 200 with the event stream. Leaving early in any way closes
 the gRPC calls, which cancels the text service's work and frees the decode slot.
@@ -33,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from protos.text.v1 import text_pb2, text_pb2_grpc
 from services.client import AsyncTextClient
-from services.openai_api import completions, conversion, errors
+from services.openai_api import completions, conversion, errors, tools
 from services.openai_api.completions import Endpoint, Header
 from services.openai_api.errors import ApiError, from_grpc
 from services.openai_api.metrics import ApiMetrics
@@ -46,6 +49,7 @@ from services.openai_api.schemas import (
     unsupported_fields,
 )
 from services.openai_api.streaming import ClientGone, EventStream, first_and_rest, merged, until_disconnected
+from services.openai_api.tool_formats import FALLBACK, FORMATS, MARKERS, ToolFormat
 from services.security import ClientTlsConfig
 from services.service_names import TEXT_GENERATION_SERVICE
 
@@ -66,6 +70,7 @@ class ApiOptions:
     auth_token: str | None = None  # the token clients of this front must send
     request_timeout_s: float | None = 600.0  # a generation's deadline at the text service (504 past it)
     ready_timeout_s: float = 2.0
+    tool_format: str | None = None  # services.openai_api.tool_formats.FORMATS; None: detected from the tokenizer
 
 
 def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAPI:
@@ -89,6 +94,25 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
 
     def client() -> AsyncTextClient:
         return state["client"]
+
+    async def tool_format() -> ToolFormat:
+        """The model's tool format: given, or detected once from its tokenizer (tool_formats)."""
+        if "tool_format" not in state:
+            name = options.tool_format
+            if name is None:
+                name = FALLBACK
+                stub = text_pb2_grpc.TokenizerStub(client().channel)
+                for marker, candidate in MARKERS:
+                    try:
+                        answer = await stub.Tokenize(text_pb2.TokenizeRequest(text=marker), timeout=options.request_timeout_s)
+                    except grpc.aio.AioRpcError as error:
+                        raise from_grpc(error, "tools") from None
+                    if len(answer.token_ids) == 1:
+                        name = candidate
+                        break
+                log.info("tool calls in the %r format", name)
+            state["tool_format"] = FORMATS[name]
+        return state["tool_format"]
 
     def check_model(model: str | None) -> None:
         if model is not None and model != options.model_name:
@@ -132,21 +156,27 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
             log.info("ignoring unknown fields of %s: %s", request.url.path, ", ".join(sorted(body.model_extra)))
         prefix = "chatcmpl-" if endpoint.chat else "cmpl-"
         header = Header(prefix + uuid.uuid4().hex, int(time.time()), options.model_name)
-        requests = conversion.generate_requests(body, header.id)
+        plan, fmt = None, None
+        if endpoint.chat:
+            plan = tools.plan_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+            if plan is not None or _has_tool_turns(body.messages):
+                fmt = await tool_format()
+        requests = conversion.generate_requests(body, header.id, plan, fmt)
+        calls = completions.Calls(plan, fmt)
         logprobs = bool(requests[0].logprobs)
         source = merged([_generation(client(), r) for r in requests])  # closing it cancels every call
         metrics.in_flight.inc()
         streaming = False
         try:
             if not body.stream:
-                result = completions.collect(endpoint, header, len(requests), source, metrics, logprobs)
+                result = completions.collect(endpoint, header, len(requests), source, metrics, logprobs, calls)
                 return JSONResponse(await until_disconnected(request, result))
             try:  # the first event (or the refusal) before the 200
                 _, events = await until_disconnected(request, first_and_rest(source))
             except grpc.aio.AioRpcError as error:
                 raise from_grpc(error, endpoint.prompt_field, endpoint.max_tokens_field) from None
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = completions.chunks(endpoint, header, len(requests), events, metrics, logprobs, include_usage)
+            stream = completions.chunks(endpoint, header, len(requests), events, metrics, logprobs, include_usage, calls)
 
             async def closed() -> None:  # the response is over, however it ended
                 await source.aclose()
@@ -176,7 +206,8 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            pb = text_pb2.TokenizeRequest(chat=conversion.chat_pb(body.messages, body.add_generation_prompt))
+            fmt = await tool_format() if _has_tool_turns(body.messages) else None
+            pb = text_pb2.TokenizeRequest(chat=conversion.chat_pb(body.messages, body.add_generation_prompt, fmt=fmt))
         else:
             pb = text_pb2.TokenizeRequest(text=body.prompt, add_special_tokens=body.add_special_tokens)
         try:
@@ -195,6 +226,11 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         return {"prompt": text}
 
     return app
+
+
+def _has_tool_turns(messages) -> bool:
+    """Whether the conversation holds tool results or earlier calls (written in the tool format)."""
+    return any(m.role == "tool" or m.tool_calls is not None for m in messages)
 
 
 async def _generation(client: AsyncTextClient, request: text_pb2.GenerateRequest):

@@ -9,8 +9,12 @@ one text-service `Generate` stream per choice and hands them here, merged (strea
 What a stream holds (the issue's list, and the OpenAI reference):
   * every chunk has the same `id`, `created`, `model` and `object`;
   * chat: each choice's first chunk carries `delta.role` (and empty content);
-  * each choice gets exactly one non-null `finish_reason`, `stop` or `length`, on its last chunk,
-    and none before;
+  * each choice gets exactly one non-null `finish_reason`, `stop`, `length` or `tool_calls`, on
+    its last chunk, and none before;
+  * with tools in play (`Calls`), an answer that may still be calls is held back; once it has
+    finished, its calls go out as `delta.tool_calls` (per call an integer `index`; `id`, `type`
+    and the function's `name` only in its first delta, the `arguments` in the next; the held
+    tokens' logprobs on the very first), or, when it was text after all, the held text as content;
   * with `stream_options.include_usage`, a last chunk with `choices: []` and the usage, the same
     usage a non-streamed request reports;
   * an error after the 200 is sent as `data: {"error": ...}`; `data: [DONE]` always ends it.
@@ -28,10 +32,11 @@ from typing import AsyncIterator
 import grpc
 
 from protos.text.v1 import text_pb2
-from services.openai_api import conversion
+from services.openai_api import conversion, tools
 from services.openai_api.errors import ApiError, from_grpc
 from services.openai_api.metrics import ApiMetrics, ChoiceTimer
 from services.openai_api.streaming import DONE, sse
+from services.openai_api.tool_formats import ToolFormat
 
 log = logging.getLogger("tokenwire.api")
 
@@ -64,6 +69,20 @@ class Header:
     id: str
     created: int
     model: str
+
+
+@dataclass(frozen=True)
+class Calls:
+    """A chat request's tools (services.openai_api.tools) and the model's format; plan None: no tools."""
+
+    plan: tools.ToolPlan | None = None
+    fmt: ToolFormat | None = None
+
+    def read(self, text: str, reason: str | None) -> list | None:
+        return tools.read_calls(text, reason or "", self.plan, self.fmt)
+
+
+NO_CALLS = Calls()
 
 
 @dataclass
@@ -105,7 +124,7 @@ def _error(error: BaseException, endpoint: Endpoint) -> ApiError:
 
 async def collect(
     endpoint: Endpoint, header: Header, n: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
-    metrics: ApiMetrics, logprobs: bool,
+    metrics: ApiMetrics, logprobs: bool, calls: Calls = NO_CALLS,
 ) -> dict:
     """Every choice collected into one response object. Raises ApiError."""
     choices = [_Choice(metrics.timer()) for _ in range(n)]
@@ -119,12 +138,17 @@ async def collect(
     for i, c in enumerate(choices):
         if c.reason is None:  # the text service's contract: a stream always ends with Finished
             raise ApiError(503, "the model service ended a generation early", "service_unavailable_error")
+        reason = c.reason
         if endpoint.chat:
             entry = {"index": i, "message": {"role": "assistant", "content": c.text, "refusal": None}}
+            made = calls.read(c.text, c.reason)
+            if made:
+                entry["message"].update(content=None, tool_calls=[tools.call_json(call) for call in made])
+                reason = "tool_calls"
             entry["logprobs"] = {"content": conversion.chat_logprobs(c.logprobs), "refusal": None} if logprobs else None
         else:
             entry = {"index": i, "text": c.text, "logprobs": conversion.completion_logprobs(c.logprobs, 0) if logprobs else None}
-        entry["finish_reason"] = c.reason
+        entry["finish_reason"] = reason
         out.append(entry)
     return {
         "id": header.id, "object": endpoint.object, "created": header.created, "model": header.model,
@@ -134,10 +158,11 @@ async def collect(
 
 async def chunks(
     endpoint: Endpoint, header: Header, n: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
-    metrics: ApiMetrics, logprobs: bool, include_usage: bool,
+    metrics: ApiMetrics, logprobs: bool, include_usage: bool, calls: Calls = NO_CALLS,
 ) -> AsyncIterator[bytes]:
     """The SSE events of a stream, [DONE] last (see the module docstring for what holds)."""
     choices = [_Choice(metrics.timer()) for _ in range(n)]
+    held = [tools.ToolStream(calls.plan if endpoint.chat else None, calls.fmt) for _ in range(n)]
 
     def chunk(choice: dict | None) -> bytes:
         return sse({
@@ -152,15 +177,17 @@ async def chunks(
         async with contextlib.aclosing(events):
             async for index, response in events:
                 c = choices[index]
-                offset = len(c.text)
                 c.add(response)
                 if response.HasField("delta"):
-                    delta = response.delta
-                    if not delta.text and not (logprobs and delta.logprobs):
+                    out = held[index].feed(response.delta.text, list(response.delta.logprobs))
+                    if out is None or not (out[0] or (logprobs and out[1])):
                         continue
-                    yield chunk(_delta(endpoint, index, delta, logprobs, offset))
+                    yield chunk(_delta(endpoint, index, *out, logprobs, len(c.text) - len(out[0])))
                 else:
-                    yield chunk(_last(endpoint, index, c.reason))
+                    entries, reason = _finish_held(endpoint, index, held[index], c, calls, logprobs)
+                    for entry in entries:
+                        yield chunk(entry)
+                    yield chunk(_last(endpoint, index, reason))
         if any(c.reason is None for c in choices):
             raise ApiError(503, "the model service ended a generation early", "service_unavailable_error")
         if include_usage:
@@ -175,15 +202,46 @@ async def chunks(
     yield DONE
 
 
-def _delta(endpoint: Endpoint, index: int, delta: text_pb2.TextDelta, logprobs: bool, offset: int) -> dict:
+def _delta(endpoint: Endpoint, index: int, text: str, entries: list, logprobs: bool, offset: int) -> dict:
+    """A content delta: `text` and its logprob `entries`, `offset` its place in the choice's text."""
     if endpoint.chat:
-        entry = {"index": index, "delta": {"content": delta.text}}
-        entry["logprobs"] = {"content": conversion.chat_logprobs(delta.logprobs), "refusal": None} if logprobs else None
+        entry = {"index": index, "delta": {"content": text}}
+        entry["logprobs"] = {"content": conversion.chat_logprobs(entries), "refusal": None} if logprobs else None
     else:
-        entry = {"index": index, "text": delta.text}
-        entry["logprobs"] = conversion.completion_logprobs(delta.logprobs, offset) if logprobs else None
+        entry = {"index": index, "text": text}
+        entry["logprobs"] = conversion.completion_logprobs(entries, offset) if logprobs else None
     entry["finish_reason"] = None
     return entry
+
+
+def _finish_held(
+    endpoint: Endpoint, index: int, held: tools.ToolStream, c: _Choice, calls: Calls, logprobs: bool,
+) -> tuple[list[dict], str | None]:
+    """A finished choice's held answer as chunk entries, and its finish reason: its calls (the held
+    tokens' logprobs on the first call's first delta), or its text after all."""
+    if not held.holding:
+        return [], c.reason
+    made = calls.read(held.held, c.reason)
+    if not made:
+        text = held.held
+        sent = [_delta(endpoint, index, text, held.entries, logprobs, len(c.text) - len(text))] if text or held.entries else []
+        return sent, c.reason
+    out = []
+    entries = {"content": conversion.chat_logprobs(held.entries), "refusal": None} if logprobs else None
+    for j, call in enumerate(made):
+        for part in _call_deltas(j, tools.call_json(call)):
+            out.append({"index": index, "delta": {"tool_calls": [part]}, "logprobs": entries, "finish_reason": None})
+            entries = None
+    return out, "tool_calls"
+
+
+def _call_deltas(index: int, call: dict) -> list[dict]:
+    """One call as its two deltas: id, type and name first (arguments empty), then the arguments."""
+    function = call["function"]
+    return [
+        {"index": index, "id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}},
+        {"index": index, "function": {"arguments": function["arguments"]}},
+    ]
 
 
 def _last(endpoint: Endpoint, index: int, reason: str | None) -> dict:

@@ -5,20 +5,25 @@ generation; with a seed, choice i samples with seed + i, so the choices differ a
 repeats exactly. Sampling follows the API's defaults: temperature 1, no nucleus cut; top_p 0
 (the limit of a vanishing nucleus) is greedy.
 
-Results: finish reasons are only ever `stop` or `length` (the contract has no other); usage
-counts the prompt once and every choice's completion tokens; logprob entries carry each token's
-text as the detokenizer produced it, so the entries' texts joined equal the content unless a
-stop string cut it (protos/text/v1/text.proto TokenLogprob).
+Results: finish reasons are `stop` or `length` (the text service's two), or `tool_calls` for an
+answer read as calls (services.openai_api.tools); usage counts the prompt once and every
+choice's completion tokens; logprob entries carry each token's text as the detokenizer produced
+it, so the entries' texts joined equal the content unless a stop string cut it
+(protos/text/v1/text.proto TokenLogprob).
 """
 
 from __future__ import annotations
 
 from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
+from services.openai_api import tools
 from services.openai_api.errors import ApiError, not_supported
 from services.openai_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.openai_api.structured import constraint_of
+from services.openai_api.tool_formats import ToolFormat
+from services.openai_api.tools import ToolPlan
 
-_REASONS = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}
+_REASONS = {decode_pb2.FINISH_REASON_STOP: "stop", decode_pb2.FINISH_REASON_LENGTH: "length"}  # `tool_calls`: tools.py
 # Roles the OpenAI API has that a chat template may not: "developer" is the newer name of "system".
 _ROLE_ALIASES = {"developer": "system"}
 
@@ -53,16 +58,15 @@ def _message_text(message: ChatMessage, i: int) -> str:
     return "".join(texts)
 
 
-def chat_pb(messages: list[ChatMessage], add_generation_prompt: bool = True) -> text_pb2.Chat:
-    """Messages as the text service's Chat (refusing tool turns and non-text parts)."""
+def chat_pb(
+    messages: list[ChatMessage], add_generation_prompt: bool = True, plan: ToolPlan | None = None, fmt: ToolFormat | None = None,
+) -> text_pb2.Chat:
+    """Messages as the text service's Chat: non-text parts refused; tool turns, earlier calls and
+    the offered tools written in the model's tool format `fmt` (services.openai_api.tools),
+    refused without one."""
     chat = text_pb2.Chat(add_generation_prompt=add_generation_prompt)
-    for i, message in enumerate(messages):
-        for field in ("tool_calls", "tool_call_id", "function_call"):
-            if getattr(message, field) is not None:
-                raise not_supported(f"messages[{i}].{field}")
-        if message.role == "tool":
-            raise not_supported(f"messages[{i}].role", "'tool' is not supported (no tool calling)")
-        chat.messages.add(role=_ROLE_ALIASES.get(message.role, message.role), content=_message_text(message, i))
+    for role, content in tools.conversation(messages, plan, fmt, _message_text):
+        chat.messages.add(role=_ROLE_ALIASES.get(role, role), content=content)
     return chat
 
 
@@ -82,16 +86,25 @@ def _prompt(body: CompletionRequest) -> str:
     return body.prompt[0]
 
 
-def generate_requests(body: CompletionRequest | ChatCompletionRequest, request_id: str) -> list[text_pb2.GenerateRequest]:
-    """The body's n GenerateRequests, choice i's request id `<request_id>-<i>`."""
+def generate_requests(
+    body: CompletionRequest | ChatCompletionRequest, request_id: str, plan: ToolPlan | None = None, fmt: ToolFormat | None = None,
+) -> list[text_pb2.GenerateRequest]:
+    """The body's n GenerateRequests, choice i's request id `<request_id>-<i>`; `plan` and `fmt`
+    are the chat body's tools (services.openai_api.tools.plan_of) and the model's tool format."""
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         request = _base(body, max_tokens)
-        request.chat.CopyFrom(chat_pb(body.messages))
+        request.chat.CopyFrom(chat_pb(body.messages, plan=plan, fmt=fmt))
         if body.top_logprobs and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         request.logprobs = bool(body.logprobs)
         request.top_logprobs = body.top_logprobs or 0
+        constraint = constraint_of(body.response_format)
+        if constraint is not None and plan is not None:
+            raise not_supported("response_format", "cannot be combined with tools unless tool_choice is \"none\"")
+        constraint = constraint or tools.constraint_of(plan, fmt)
+        if constraint is not None:
+            request.constraint.CopyFrom(constraint)
     else:
         request = _base(body, body.max_tokens)
         request.prompt = _prompt(body)

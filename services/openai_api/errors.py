@@ -5,8 +5,10 @@ Every non-2xx response is `{"error": {"message", "type", "param", "code"}}`:
   * a field we know but do not support: 400 naming it (`param`);
   * an unknown model: 404; an unknown path: 404; a method not allowed: 405;
   * the text service's status, mapped by `from_grpc`: INVALID_ARGUMENT 400 (param: the OpenAI
-    field the text service's field path comes from), RESOURCE_EXHAUSTED 429 with Retry-After,
-    UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything else 500 (logged);
+    field the text service's field path comes from; a constraint's message is rewritten to name
+    that field, e.g. `response_format.json_schema.schema: unsupported keyword ...`),
+    RESOURCE_EXHAUSTED 429 with Retry-After, UNAVAILABLE 503, DEADLINE_EXCEEDED 504, anything
+    else 500 (logged);
   * anything unexpected: 500, logged with its traceback, never sent.
 After a stream's 200 the same body goes out as an SSE `data:` event (services.openai_api.streaming).
 """
@@ -61,6 +63,15 @@ _PARAMS = {
     "stopping": "max_tokens",
     "top_logprobs": "top_logprobs",
     "request_id": None,
+    "constraint": None,  # by the whole path: _CONSTRAINT_PARAMS
+}
+# The constraint's fields -> the OpenAI field they come from (services.openai_api.structured,
+# services.openai_api.tools). Their messages are rewritten to name the OpenAI field too.
+_CONSTRAINT_PARAMS = {
+    "constraint.json_schema": "response_format.json_schema.schema",
+    "constraint.json_object": "response_format",
+    "constraint.lark": "tools",
+    "constraint.regex": "response_format",
 }
 
 
@@ -69,6 +80,8 @@ def _param(message: str, prompt_field: str, max_tokens_field: str) -> str | None
     head = path.split(".", 1)[0].split("[", 1)[0]
     if head not in _PARAMS:
         return None
+    if head == "constraint":
+        return _CONSTRAINT_PARAMS.get(path, "response_format")
     if head == "sampling":
         return path.rsplit(".", 1)[-1]
     param = _PARAMS[head]
@@ -80,6 +93,10 @@ def from_grpc(error: grpc.aio.AioRpcError, prompt_field: str = "prompt", max_tok
     request's own fields (chat: messages, max_completion_tokens)."""
     code, details = error.code(), error.details() or error.code().name
     if code == grpc.StatusCode.INVALID_ARGUMENT:
+        path, sep, reason = details.partition(":")
+        if sep and path.strip() in _CONSTRAINT_PARAMS:  # the client's own field name, not ours
+            details = f"{_CONSTRAINT_PARAMS[path.strip()]}:{reason}"
+            return ApiError(400, details, param=_CONSTRAINT_PARAMS[path.strip()])
         return ApiError(400, details, param=_param(details, prompt_field, max_tokens_field))
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return ApiError(429, details, "rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -55,9 +55,9 @@ class ChatMessage(_Body):
     role: Annotated[Text, Field(min_length=1)]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
-    tool_calls: Any = None  # not supported
-    tool_call_id: Any = None  # not supported
-    function_call: Any = None  # not supported
+    tool_calls: Any = None  # an assistant's earlier calls: services.openai_api.tools
+    tool_call_id: Any = None  # a tool turn's; accepted, unused (results are matched by order)
+    function_call: Any = None  # not supported (the deprecated form of tool_calls)
 
 
 class _Generation(_Body):
@@ -93,13 +93,13 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: TokenCount | None = None  # wins over max_tokens
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
-    # known, not supported unless neutral
-    tools: Any = None
+    tools: Any = None  # these three: services.openai_api.tools
     tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None  # services.openai_api.structured
+    # known, not supported unless neutral
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -152,17 +152,9 @@ def unsupported_fields(body: _Generation) -> list[str]:
     if isinstance(body, CompletionRequest):
         out += [name for name, on in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)) if on]
     if isinstance(body, ChatCompletionRequest):
-        for name in ("tools", "functions", "function_call", "audio", "prediction", "web_search_options"):
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options"):
             if getattr(body, name) is not None:
                 out.append(name)
-        if body.tool_choice not in (None, "none"):
-            out.append("tool_choice")
-        if body.response_format is not None and _format_type(body.response_format) != "text":
-            out.append("response_format")
         if body.modalities is not None and body.modalities != ["text"]:
             out.append("modalities")
     return out
-
-
-def _format_type(response_format: Any) -> Any:
-    return response_format.get("type") if isinstance(response_format, dict) else response_format

@@ -33,6 +33,7 @@ class Stack:
     def __init__(
         self, *, step_delay_s: float = 0.0, max_batch_size: int = 4, max_queue_size: int = 8,
         max_in_flight: int | None = None, auth_token: str | None = None, request_timeout_s: float | None = 60.0,
+        constrained: bool = False, tool_format: str | None = None,
     ) -> None:
         self.model = ScriptedModel(
             vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=max_batch_size,
@@ -40,6 +41,9 @@ class Stack:
         )
         self.max_queue_size, self.max_in_flight = max_queue_size, max_in_flight
         self.auth_token, self.request_timeout_s = auth_token, request_timeout_s
+        # constrained: the decode server compiles constraints against tiny-llama's tokenizer
+        # (the scripted model then writes its scripted id where allowed, else the lowest allowed)
+        self.constrained, self.tool_format = constrained, tool_format
         self.metrics = ApiMetrics()
         self.loop = asyncio.new_event_loop()
         self.decode: DecodeServer | None = None
@@ -69,11 +73,13 @@ class Stack:
             self._thread.join(10)
 
     async def _start(self) -> None:
-        self.decode = await start_decode_server(self.model, EngineConfig(max_queue_size=self.max_queue_size))
+        tokenizer_json = TINY / "tokenizer.json" if self.constrained else None
+        self.decode = await start_decode_server(self.model, EngineConfig(max_queue_size=self.max_queue_size), tokenizer_json=tokenizer_json)
         tokenizer = TextTokenizer.from_dir(TINY)
         self.text = await start_text_server(tokenizer, f"127.0.0.1:{self.decode.port}", max_in_flight=self.max_in_flight)
         options = ApiOptions(
-            f"127.0.0.1:{self.text.port}", MODEL_NAME, auth_token=self.auth_token, request_timeout_s=self.request_timeout_s
+            f"127.0.0.1:{self.text.port}", MODEL_NAME, auth_token=self.auth_token, request_timeout_s=self.request_timeout_s,
+            tool_format=self.tool_format,
         )
         self.app = create_app(options, self.metrics)
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_config=None, access_log=False))
