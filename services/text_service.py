@@ -278,7 +278,7 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
         self.max_input_chars = max_input_chars
         # a request's constraint is compiled here first, against this service's own tokenizer
         # file (none: constraints are refused), so one that does not compile never reaches the decoder
-        self.constraints = ConstraintCompiler(tokenizer.tokenizer_json, info.vocab_size, info.eos_token_ids)
+        self.constraints = ConstraintCompiler(getattr(tokenizer, "tokenizer_json", None), info.vocab_size, info.eos_token_ids)
 
     def _prepare(self, request: text_pb2.GenerateRequest) -> generation.TextRequest:
         return prepare_request(
