@@ -56,7 +56,7 @@ from engine.jax_backend.shapes import (
     MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk,
 )
 from engine.jax_backend.slot_table import SlotTable, require
-from engine.jax_backend.slot_sampling import TEMPERATURE, TOP_N, SlotSamplingState, chunk_arrays
+from engine.jax_backend.slot_sampling import TEMPERATURE, TOP_N, SlotSamplingState, chunk_arrays, mask_row
 from engine.jax_backend.steps import Pending, Steps, fetch
 from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
@@ -148,15 +148,12 @@ class JaxModel:
 
     @property
     def cache(self) -> transformer.KVCache:
-        """The current page pools (each step consumes (donates) their buffers and installs the
-        next) and a copy of the slots' block tables."""
+        """The current page pools (each step donates their buffers and installs the next) and a copy of the tables."""
         return transformer.KVCache(tuple(self._k), tuple(self._v), jnp.asarray(self._slots.tables))
 
     def decode_hlo(self, rows: int, attend: int, chunk: bool = False) -> str:
-        """The compiled decode step (with `chunk`, the one that takes a chunk along; with
-        split_sampler, its layers' executable) as HLO text (cached once warmed up), so tests can
-        check that it is one executable whose cache buffers are aliased to the output and never
-        copied."""
+        """The compiled decode step (`chunk`: the one taking a chunk along; split_sampler: its layers) as HLO
+        text, so tests can check that it is one executable whose cache buffers are aliased, never copied."""
         return self._lower_step(rows, attend, chunk).compile().as_text()
 
     def _lower_step(self, rows: int, attend: int, chunk: bool = False):
@@ -271,27 +268,14 @@ class JaxModel:
         require(all(0 <= t < self.config.vocab_size for t in setup.masked_token_ids), "a masked id outside the vocabulary")
         require(setup.sampling.seed is not None, "no seed (the engine sets one for every request)")
         self._sampling.take(slot, setup.sampling)
-        if setup.banned is not None:  # a constrained request's first row (it holds its masked ids)
-            mask_row = self._ban_row(setup.banned)
-        else:
-            mask_row = np.zeros(self._head_size, bool)
-            mask_row[[t for t in setup.masked_token_ids if t < self._head_size]] = True  # others are never sampled
-        self._mask = self._steps.write_mask(self._mask, mask_row, np.int32(slot))
+        row = mask_row(self._head_size, self.info.vocab_size, setup.masked_token_ids, setup.banned)  # [V']
+        self._mask = self._steps.write_mask(self._mask, row, np.int32(slot))
         self._slots.filling[slot] = True
 
     def ban(self, slot: int, banned: np.ndarray) -> None:
-        """The slot's mask row from the next dispatch on (one small host-to-device write): a
-        constrained request's banned ids, [V] bool, padded with False to the head's V' (the ids
-        past the vocabulary are never sampled anyway)."""
+        """A constrained request's banned ids [V] bool: the slot's mask row from the next dispatch on."""
         require(not self._slots.free(slot), f"ban on slot {slot}, which holds no request")
-        self._mask = self._steps.write_mask(self._mask, self._ban_row(banned), np.int32(slot))
-
-    def _ban_row(self, banned: np.ndarray) -> np.ndarray:
-        require(banned.dtype == bool and banned.shape == (self.info.vocab_size,), f"a banned row of {banned.dtype} {banned.shape}")
-        n = min(self.info.vocab_size, self._head_size)
-        row = np.zeros(self._head_size, bool)  # [V']
-        row[:n] = banned[:n]
-        return row
+        self._mask = self._steps.write_mask(self._mask, mask_row(self._head_size, self.info.vocab_size, banned=banned), np.int32(slot))
 
     def set_pages(self, slot: int, pages: Sequence[int]) -> None:
         """The slot's block table from now on (host only: each call takes the table along)."""

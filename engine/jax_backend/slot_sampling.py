@@ -18,6 +18,7 @@ from engine.core.model import DecodeInput
 from engine.core.request import SamplingParams
 from engine.jax_backend import sampling
 from engine.jax_backend.sampling import SlotSampling
+from engine.jax_backend.slot_table import require
 
 # Columns of a decode step's packed host inputs ([R, 9 + W] i32 and [R, 3] f32): the row's block
 # table [W] fills the i32 columns from TABLE on.
@@ -68,6 +69,20 @@ class SlotSamplingState:
             floats[s] = self.temperature[s], self.top_p[s], self.min_p[s]
         ints[:, SEED_HI:SEED_LO + 1] = self.seed[:rows].view(np.int32)
         return ints, floats
+
+
+def mask_row(head_size: int, vocab_size: int, masked_ids=(), banned: np.ndarray | None = None) -> np.ndarray:
+    """A slot's mask row [V'] bool (True: never sampled while a step says `masked`): a constrained
+    request's banned ids ([V] bool, which hold its masked ids too), else its masked ids. Ids past
+    the vocabulary (V' > V, a head padded for the tokenizer or a mesh) are never sampled anyway."""
+    row = np.zeros(head_size, bool)  # [V']
+    if banned is not None:
+        require(banned.dtype == bool and banned.shape == (vocab_size,), f"a banned row of {banned.dtype} {banned.shape}")
+        n = min(vocab_size, head_size)
+        row[:n] = banned[:n]
+    else:
+        row[[t for t in masked_ids if t < head_size]] = True
+    return row
 
 
 def chunk_arrays(
