@@ -1,5 +1,6 @@
 """The model runs on 4 forced CPU devices, done once per test run in one child interpreter
-(tests/support/tp_worker.py), for tests/test_tensor_parallel.py and tests/test_split_sampler.py.
+(tests/support/tp_worker.py), for tests/test_tensor_parallel.py and tests/test_split_sampler.py,
+whichever pytest-xdist workers run them (`runs`).
 
 JAX fixes its device count when its backend starts, and the test session's has one device, so
 these runs need a child started with JAX_NUM_CPU_DEVICES; each child is an interpreter start, a
@@ -9,6 +10,7 @@ of the 4 devices, as `--tensor-parallel 2` takes them on a bigger host).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -42,19 +44,30 @@ def odd_vocabulary(folder: Path) -> Path:
 
 def runs(tmp_path_factory) -> dict:
     """The child's JSON (tp_worker's keys: "NAME/SIZE" per run, "tiny-qwen2/2" the odd
-    vocabulary's, "split-sampler"), run on the first call of the test run."""
+    vocabulary's, "split-sampler"), run once per test run: the first caller, in whichever
+    pytest-xdist worker, runs the child under the run's lock and leaves its JSON in the run's
+    directory (conftest, TOKENWIRE_TEST_RUN_DIR) for the other workers, which wait on the lock."""
     if not _done:
-        specs = [f"{name}:{','.join(map(str, sizes))}:{2 if name == TWO_SLOTS else 1}" for name, sizes in RUNS.items()]
-        specs.append(f"{odd_vocabulary(tmp_path_factory.mktemp('odd') / 'tiny-qwen2-509')}:2")
-        # pinned to the CPU platform (so float32) even on a GPU host: greedy ids equal to one
-        # device's and batch invariance are float32 CPU claims (tests/support/backend.py)
-        env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu"}
-        done = subprocess.run(
-            [sys.executable, "-m", "tests.support.tp_worker", *specs, "--split-sampler"], cwd=ROOT, env=env,
-            capture_output=True, text=True, timeout=600,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        out = json.loads(done.stdout)
-        out["tiny-qwen2/2"] = next(v for k, v in out.items() if k.endswith("tiny-qwen2-509/2"))
-        _done.update(out)
+        shared = Path(os.environ["TOKENWIRE_TEST_RUN_DIR"]) / "forced-devices.json"
+        with open(shared.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if not shared.exists():
+                shared.write_text(json.dumps(_run_child(tmp_path_factory)))
+            _done.update(json.loads(shared.read_text()))
     return _done
+
+
+def _run_child(tmp_path_factory) -> dict:
+    specs = [f"{name}:{','.join(map(str, sizes))}:{2 if name == TWO_SLOTS else 1}" for name, sizes in RUNS.items()]
+    specs.append(f"{odd_vocabulary(tmp_path_factory.mktemp('odd') / 'tiny-qwen2-509')}:2")
+    # pinned to the CPU platform (so float32) even on a GPU host: greedy ids equal to one
+    # device's and batch invariance are float32 CPU claims (tests/support/backend.py)
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.tp_worker", *specs, "--split-sampler"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    out["tiny-qwen2/2"] = next(v for k, v in out.items() if k.endswith("tiny-qwen2-509/2"))
+    return out
