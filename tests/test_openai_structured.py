@@ -6,22 +6,27 @@ not, with tiny-llama's real tokenizer) through the official `openai` SDK.
 The scripted model is no language model, so whatever it writes under a constraint is valid only
 because the decoder held it to the schema: every parse below would fail on its free output.
 Strings and integers in the schemas are bounded (maxLength, minimum/maximum) so that its
-outputs end within max_tokens; the one unbounded string shows the `length` cut.
+outputs end within max_tokens; the one unbounded string shows the `length` cut. At the end, a
+suite of 31 Pydantic models all parse, and the Pydantic types whose schemas the compiler refuses
+get a 400 naming the keyword.
 """
 
 from __future__ import annotations
 
-import enum
 import json
-from typing import Literal, Optional
+import pathlib
+from typing import Literal
 
 import httpx2 as httpx
+import jsonschema
 import openai
 import pytest
+from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
 from engine.constraints import Constraint, Vocabulary
 from tests.support.openai_stack import MODEL_NAME, TINY, Stack
+from tests.support.schema_suite import SUITE, Digit, Person
 from tokenizer_svc.tokenizer import TextTokenizer
 
 TOKENIZER = TextTokenizer.from_dir(TINY)
@@ -48,29 +53,6 @@ def ask(text: str) -> list[dict]:
 
 def post(stack: Stack, body: dict) -> httpx.Response:
     return httpx.post(stack.url + "/chat/completions", json=body, timeout=30)
-
-
-class Color(str, enum.Enum):
-    red = "red"
-    green = "green"
-    blue = "blue"
-
-
-class Address(BaseModel):
-    city: str = Field(max_length=6)
-    zip: int = Field(ge=0, le=99)
-
-
-class Person(BaseModel):
-    """Nested objects, an enum (through $defs/$ref), arrays with minItems, an optional field."""
-
-    name: str = Field(max_length=8)
-    color: Color
-    tags: list[Literal["a", "b"]] = Field(min_length=2, max_length=3)
-    home: Address
-    nickname: Optional[str] = Field(default=None, max_length=4)  # noqa: UP045 (what users write)
-    previous: list[Address] = Field(min_length=1, max_length=2)
-    active: bool
 
 
 class Free(BaseModel):
@@ -191,4 +173,56 @@ def test_a_schema_the_compiler_refuses_is_400_naming_the_keyword_and_never_decod
     error = answer.json()["error"]
     assert error["param"] == "response_format.json_schema.schema"
     assert error["message"].startswith("response_format.json_schema.schema:") and keyword in error["message"], error
+    assert stack.model.prefills == prefills
+
+
+# --- a suite of schemas (tests/support/schema_suite.py), and the Pydantic types refused ---------------
+
+
+@pytest.mark.parametrize("model", SUITE, ids=[m.__name__ for m in SUITE])
+def test_a_suite_of_pydantic_models_all_parse(stack, model):
+    completion = client(stack).chat.completions.parse(model=MODEL_NAME, messages=ask(model.__name__), response_format=model, max_tokens=400)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, model)
+    assert model.model_validate_json(choice.message.content) == choice.message.parsed
+    jsonschema.validate(json.loads(choice.message.content), to_strict_json_schema(model))  # the schema the SDK sent
+
+
+def test_the_suite_is_at_least_thirty_distinct_schemas():
+    assert len({json.dumps(to_strict_json_schema(m), sort_keys=True) for m in SUITE}) == len(SUITE) >= 30
+
+
+class Unique(BaseModel):
+    s: set[Digit]
+
+
+class ByName(BaseModel):
+    d: dict[Literal["a", "b"], Digit]
+
+
+class Raw(BaseModel):
+    b: bytes
+
+
+class Where(BaseModel):
+    p: pathlib.Path
+
+
+class Lookaround(BaseModel):
+    s: str = Field(json_schema_extra={"pattern": r"^(?=.*\d)[a-z0-9]{3,5}$"})
+
+
+@pytest.mark.parametrize(
+    "model, keyword",
+    [(Unique, '"uniqueItems"'), (ByName, '"propertyNames"'), (Raw, '"format": "binary"'), (Where, '"format": "path"'),
+     (Lookaround, "look-around")],
+    ids=["set", "dict-by-literal", "bytes", "path", "look-around"],
+)
+def test_pydantic_types_the_compiler_refuses_are_400_naming_the_keyword(stack, model, keyword):
+    prefills = stack.model.prefills
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(stack).chat.completions.parse(model=MODEL_NAME, messages=ask("x"), response_format=model)
+    error = refused.value.body
+    assert error["param"] == "response_format.json_schema.schema" and keyword in error["message"], error
     assert stack.model.prefills == prefills
