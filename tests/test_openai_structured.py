@@ -20,6 +20,7 @@ from typing import Literal
 import httpx2 as httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
 from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
@@ -134,6 +135,33 @@ def test_max_tokens_cutting_the_json_is_length_never_stop(stack):
     assert reasons == ["length"] and text.startswith('{"note":"')
     with pytest.raises(ValueError):
         json.loads(text)
+
+
+def test_stop_strings_and_max_tokens_with_a_schema(stack):
+    """As docs/constraints.md says: a stop string is matched inside the JSON too and ends the
+    content there with finish_reason "stop" (so parse() fails validation: the caller cut it); a
+    stop string that never occurs changes nothing; a max_tokens cut is "length" whatever the stop
+    strings."""
+    sdk = client(stack)
+    request = {"model": MODEL_NAME, "messages": ask("stop"), "response_format": Person, "max_tokens": 400}
+    whole = sdk.chat.completions.parse(**request).choices[0]
+    assert whole.finish_reason == "stop" and isinstance(whole.message.parsed, Person)
+    never = sdk.chat.completions.parse(**request, stop=["zzz", "}}"]).choices[0]
+    assert (never.message.content, never.message.parsed) == (whole.message.content, whole.message.parsed)
+    raw = {**request, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "person", "schema": to_strict_json_schema(Person), "strict": True}}, "stop": ['"color"']}
+    cut = sdk.chat.completions.create(**raw)
+    content = whole.message.content
+    assert (cut.choices[0].finish_reason, cut.choices[0].message.content) == ("stop", content[:content.index('"color"')])
+    with pytest.raises(pydantic.ValidationError):
+        sdk.chat.completions.parse(**request, stop=['"color"'])
+    chunks = list(sdk.chat.completions.create(**raw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    with pytest.raises(openai.LengthFinishReasonError):
+        sdk.chat.completions.parse(**{**request, "max_tokens": 9}, stop=["zzz"])
+    assert sdk.chat.completions.create(**{**request, "max_tokens": 9, "response_format": {"type": "json_object"}},
+                                       stop=["zzz"]).choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize(

@@ -208,6 +208,21 @@ def test_streamed_tool_calls_have_id_and_name_in_their_first_delta_only(stack):
     assert isinstance(final.choices[0].message.tool_calls[0].function.parsed_arguments, (Add, Weather))
 
 
+def test_a_stop_string_that_cuts_a_forced_call_leaves_text(stack):
+    """As docs/constraints.md says: the stop string is matched inside the call too; what is left
+    is no whole call (here even a whole call's closing tag is cut), so it is content, "stop"."""
+    request = {"model": MODEL_NAME, "messages": ask("call"), "tools": TOOLS, "tool_choice": "required",
+               "parallel_tool_calls": False, "max_tokens": 200}
+    whole = client(stack).chat.completions.create(**request).choices[0]
+    assert whole.finish_reason == "tool_calls"
+    for stop in ('"b"', "</tool_call>"):
+        cut = client(stack).chat.completions.create(**request, stop=[stop]).choices[0]
+        assert cut.finish_reason == "stop" and cut.message.tool_calls is None, cut
+        assert cut.message.content.startswith("<tool_call>[{") and stop not in cut.message.content
+    never = client(stack).chat.completions.create(**request, stop=["zzz"]).choices[0]
+    assert never.finish_reason == "tool_calls" and never.message.tool_calls[0].function == whole.message.tool_calls[0].function
+
+
 def test_auto_may_answer_in_text(stack):
     sdk = client(stack)
     answer = sdk.chat.completions.create(model=MODEL_NAME, messages=ask("hello"), tools=TOOLS, max_tokens=20)
