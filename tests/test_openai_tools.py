@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 
 from tests.support.openai_stack import MODEL_NAME, Stack
 
+
 @pytest.fixture(scope="module")
 def stack():
     with Stack(constrained=True, max_context_length=2048) as s:  # four tools' descriptions take 1,500 tokens
@@ -81,6 +82,7 @@ TOOL_SETS = {
 FORCED = [(k, "required") for k in TOOL_SETS] + [
     (k, {"type": "function", "function": {"name": t["function"]["name"]}}) for k, ts in TOOL_SETS.items() for t in ts
 ]
+FORCED_IDS = [f"{k}-{c if isinstance(c, str) else c['function']['name']}" for k, c in FORCED]
 
 
 def assert_allowed_and_valid(name: str, arguments: str, tool_set: list[dict], choice) -> None:
@@ -117,11 +119,12 @@ def test_a_forced_call_is_a_call_whose_arguments_match_the_schema(stack, choice,
     assert model.model_validate_json(call.function.arguments) == call.function.parsed_arguments
 
 
-@pytest.mark.parametrize("tool_set, choice", FORCED, ids=[f"{k}-{c if isinstance(c, str) else c['function']['name']}" for k, c in FORCED])
+@pytest.mark.parametrize("tool_set, choice", FORCED, ids=FORCED_IDS)
 def test_every_forced_call_is_an_allowed_tool_with_valid_arguments(stack, tool_set, choice):
     """Over tool sets, "required" and each tool named, sampled at temperature 1 with several seeds.
     (The scripted model ignores sampling parameters: the spread of samples a real model would
-    draw is covered by the seeded random walks of each format's grammar at the end.)"""
+    draw is covered by the seeded temperature-1 walks of each format's grammar in
+    tests/test_openai_tool_formats.py.)"""
     for seed in (1, 2, 3):
         completion = client(stack).chat.completions.create(
             model=MODEL_NAME, messages=ask(f"call {seed}"), tools=TOOL_SETS[tool_set], tool_choice=choice,
@@ -156,7 +159,7 @@ def _request(tool_set: str, choice) -> dict:
     }
 
 
-@pytest.mark.parametrize("tool_set, choice", FORCED, ids=[f"{k}-{c if isinstance(c, str) else c['function']['name']}" for k, c in FORCED])
+@pytest.mark.parametrize("tool_set, choice", FORCED, ids=FORCED_IDS)
 def test_streamed_calls_reassemble_to_exactly_the_collected_ones(stack, tool_set, choice):
     _reassembled(stack, _request(tool_set, choice))
 
@@ -165,8 +168,8 @@ def test_streamed_calls_reassemble_to_exactly_the_collected_ones(stack, tool_set
 def test_streamed_calls_reassemble_in_the_other_formats_too(fmt):
     """The same through a front told to use Qwen's or Llama 3's format (the detected one is SmolLM2's)."""
     with Stack(constrained=True, tool_format=fmt, max_context_length=2048) as other:
-        for tool_set, choice in FORCED[:1] + FORCED[len(TOOL_SETS):len(TOOL_SETS) + 2]:  # add+weather: required, add, weather
-            _reassembled(other, _request(tool_set, choice))
+        for choice in ("required", {"type": "function", "function": {"name": "add"}}, {"type": "function", "function": {"name": "weather"}}):
+            _reassembled(other, _request("add+weather", choice))
 
 
 def test_parallel_calls_are_allowed_unless_turned_off(stack):

@@ -18,6 +18,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, Field
 
+
 class Color(str, enum.Enum):
     red = "red"
     green = "green"
