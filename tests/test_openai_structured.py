@@ -6,22 +6,28 @@ not, with tiny-llama's real tokenizer) through the official `openai` SDK.
 The scripted model is no language model, so whatever it writes under a constraint is valid only
 because the decoder held it to the schema: every parse below would fail on its free output.
 Strings and integers in the schemas are bounded (maxLength, minimum/maximum) so that its
-outputs end within max_tokens; the one unbounded string shows the `length` cut.
+outputs end within max_tokens; the one unbounded string shows the `length` cut. At the end, a
+suite of 31 Pydantic models all parse, and the Pydantic types whose schemas the compiler refuses
+get a 400 naming the keyword.
 """
 
 from __future__ import annotations
 
-import enum
 import json
-from typing import Literal, Optional
+import pathlib
+from typing import Literal
 
 import httpx2 as httpx
+import jsonschema
 import openai
+import pydantic
 import pytest
+from openai.lib._pydantic import to_strict_json_schema
 from pydantic import BaseModel, Field
 
 from engine.constraints import Constraint, Vocabulary
 from tests.support.openai_stack import MODEL_NAME, TINY, Stack
+from tests.support.schema_suite import SUITE, Digit, Person
 from tokenizer_svc.tokenizer import TextTokenizer
 
 TOKENIZER = TextTokenizer.from_dir(TINY)
@@ -48,29 +54,6 @@ def ask(text: str) -> list[dict]:
 
 def post(stack: Stack, body: dict) -> httpx.Response:
     return httpx.post(stack.url + "/chat/completions", json=body, timeout=30)
-
-
-class Color(str, enum.Enum):
-    red = "red"
-    green = "green"
-    blue = "blue"
-
-
-class Address(BaseModel):
-    city: str = Field(max_length=6)
-    zip: int = Field(ge=0, le=99)
-
-
-class Person(BaseModel):
-    """Nested objects, an enum (through $defs/$ref), arrays with minItems, an optional field."""
-
-    name: str = Field(max_length=8)
-    color: Color
-    tags: list[Literal["a", "b"]] = Field(min_length=2, max_length=3)
-    home: Address
-    nickname: Optional[str] = Field(default=None, max_length=4)  # noqa: UP045 (what users write)
-    previous: list[Address] = Field(min_length=1, max_length=2)
-    active: bool
 
 
 class Free(BaseModel):
@@ -154,6 +137,33 @@ def test_max_tokens_cutting_the_json_is_length_never_stop(stack):
         json.loads(text)
 
 
+def test_stop_strings_and_max_tokens_with_a_schema(stack):
+    """As docs/constraints.md says: a stop string is matched inside the JSON too and ends the
+    content there with finish_reason "stop" (so parse() fails validation: the caller cut it); a
+    stop string that never occurs changes nothing; a max_tokens cut is "length" whatever the stop
+    strings."""
+    sdk = client(stack)
+    request = {"model": MODEL_NAME, "messages": ask("stop"), "response_format": Person, "max_tokens": 400}
+    whole = sdk.chat.completions.parse(**request).choices[0]
+    assert whole.finish_reason == "stop" and isinstance(whole.message.parsed, Person)
+    never = sdk.chat.completions.parse(**request, stop=["zzz", "}}"]).choices[0]
+    assert (never.message.content, never.message.parsed) == (whole.message.content, whole.message.parsed)
+    raw = {**request, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "person", "schema": to_strict_json_schema(Person), "strict": True}}, "stop": ['"color"']}
+    cut = sdk.chat.completions.create(**raw)
+    content = whole.message.content
+    assert (cut.choices[0].finish_reason, cut.choices[0].message.content) == ("stop", content[:content.index('"color"')])
+    with pytest.raises(pydantic.ValidationError):
+        sdk.chat.completions.parse(**request, stop=['"color"'])
+    chunks = list(sdk.chat.completions.create(**raw, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == cut.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    with pytest.raises(openai.LengthFinishReasonError):
+        sdk.chat.completions.parse(**{**request, "max_tokens": 9}, stop=["zzz"])
+    assert sdk.chat.completions.create(**{**request, "max_tokens": 9, "response_format": {"type": "json_object"}},
+                                       stop=["zzz"]).choices[0].finish_reason == "length"
+
+
 @pytest.mark.parametrize(
     "response_format, param",
     [
@@ -191,4 +201,56 @@ def test_a_schema_the_compiler_refuses_is_400_naming_the_keyword_and_never_decod
     error = answer.json()["error"]
     assert error["param"] == "response_format.json_schema.schema"
     assert error["message"].startswith("response_format.json_schema.schema:") and keyword in error["message"], error
+    assert stack.model.prefills == prefills
+
+
+# --- a suite of schemas (tests/support/schema_suite.py), and the Pydantic types refused ---------------
+
+
+@pytest.mark.parametrize("model", SUITE, ids=[m.__name__ for m in SUITE])
+def test_a_suite_of_pydantic_models_all_parse(stack, model):
+    completion = client(stack).chat.completions.parse(model=MODEL_NAME, messages=ask(model.__name__), response_format=model, max_tokens=400)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, model)
+    assert model.model_validate_json(choice.message.content) == choice.message.parsed
+    jsonschema.validate(json.loads(choice.message.content), to_strict_json_schema(model))  # the schema the SDK sent
+
+
+def test_the_suite_is_at_least_thirty_distinct_schemas():
+    assert len({json.dumps(to_strict_json_schema(m), sort_keys=True) for m in SUITE}) == len(SUITE) >= 30
+
+
+class Unique(BaseModel):
+    s: set[Digit]
+
+
+class ByName(BaseModel):
+    d: dict[Literal["a", "b"], Digit]
+
+
+class Raw(BaseModel):
+    b: bytes
+
+
+class Where(BaseModel):
+    p: pathlib.Path
+
+
+class Lookaround(BaseModel):
+    s: str = Field(json_schema_extra={"pattern": r"^(?=.*\d)[a-z0-9]{3,5}$"})
+
+
+@pytest.mark.parametrize(
+    "model, keyword",
+    [(Unique, '"uniqueItems"'), (ByName, '"propertyNames"'), (Raw, '"format": "binary"'), (Where, '"format": "path"'),
+     (Lookaround, "look-around")],
+    ids=["set", "dict-by-literal", "bytes", "path", "look-around"],
+)
+def test_pydantic_types_the_compiler_refuses_are_400_naming_the_keyword(stack, model, keyword):
+    prefills = stack.model.prefills
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(stack).chat.completions.parse(model=MODEL_NAME, messages=ask("x"), response_format=model)
+    error = refused.value.body
+    assert error["param"] == "response_format.json_schema.schema" and keyword in error["message"], error
     assert stack.model.prefills == prefills

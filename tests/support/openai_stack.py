@@ -33,11 +33,11 @@ class Stack:
     def __init__(
         self, *, step_delay_s: float = 0.0, max_batch_size: int = 4, max_queue_size: int = 8,
         max_in_flight: int | None = None, auth_token: str | None = None, request_timeout_s: float | None = 60.0,
-        constrained: bool = False, tool_format: str | None = None,
+        constrained: bool = False, tool_format: str | None = None, max_context_length: int = 1024,
     ) -> None:
         self.model = ScriptedModel(
             vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=max_batch_size,
-            max_context_length=1024, step_delay_s=step_delay_s,
+            max_context_length=max_context_length, step_delay_s=step_delay_s,
         )
         self.max_queue_size, self.max_in_flight = max_queue_size, max_in_flight
         self.auth_token, self.request_timeout_s = auth_token, request_timeout_s
