@@ -94,7 +94,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from engine.core.admission import admit, reserve_pages
-from engine.core.constrained import banned_row
+from engine.core.constrained import banned_row, banned_rows
 from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
 from engine.core.kv_pages import KvPages, PageStats
@@ -596,21 +596,32 @@ class Engine:
         return seconds
 
     def _inputs(self, lives: list[_Live]) -> list[DecodeInput]:
-        """The step's rows; a constrained request's next row of banned ids is sent first
-        (`model.ban`; it has no step in flight, so its count is exact), and one whose row allows
-        nothing is failed and left out."""
-        inputs = []
-        for live in lives:
-            masked = live.rule.masks_control_tokens(live.resumed + 1 + live.steps)
-            if live.matcher is not None:
-                row = self._row(live, masked)
-                if row is None:
-                    continue
-                self.model.ban(live.slot, row)
-                masked = True
-            # token_id None: the slot's last sample, still on the device
-            inputs.append(DecodeInput(slot=live.slot, token_id=None, position=len(live.prompt) + live.steps, masked=masked))
-        return inputs
+        """The step's rows. The constrained requests' next rows of banned ids are computed
+        together (engine.core.constrained.banned_rows: one parallel call into the grammar
+        library) and sent in one `model.ban` before the step (none has a step in flight, so
+        their counts are exact); one whose row allows nothing, or whose matcher failed, is
+        failed and left out, alone."""
+        masked = {live.slot: live.rule.masks_control_tokens(live.resumed + 1 + live.steps) for live in lives}
+        held = [live for live in lives if live.matcher is not None]
+        if held:
+            rows, errors = banned_rows(
+                [live.matcher for live in held], self.model.info.vocab_size,
+                [live.rule.control_token_ids for live in held], [masked[live.slot] for live in held],
+            )  # [R, V]
+            for live, error in zip(held, errors):
+                if error is not None:
+                    self._release(live)
+                    live.sink.fail(error)
+            keep = [i for i, error in enumerate(errors) if error is None]
+            if keep:
+                self.model.ban([held[i].slot for i in keep], rows[keep])
+            for i in keep:
+                masked[held[i].slot] = True
+        # token_id None: the slot's last sample, still on the device
+        return [
+            DecodeInput(slot=live.slot, token_id=None, position=len(live.prompt) + live.steps, masked=masked[live.slot])
+            for live in lives if self._active.get(live.slot) is live
+        ]
 
     def _take_in_flight(self) -> tuple[list[_Live], float, bool]:
         """The step in flight (no longer in flight once this returns), when its time started (its

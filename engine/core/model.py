@@ -23,7 +23,7 @@ A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
 A constrained request (issue 43) samples every token under a row of banned ids that depends on
 the tokens before it: its first row comes with its slot (`SlotSetup.banned`), each later one by
-`ban` before the step that samples under it, so the scheduler reads a constrained request's
+`ban` (every constrained row of a step in one call) before the step that samples under it, so the scheduler reads a constrained request's
 step before it dispatches the next (engine.core.engine).
 """
 
@@ -192,10 +192,11 @@ class Model(Protocol):
         for a cached twin holding the same KV. It may be called while a step is in flight; the
         steps dispatched after it use the new table."""
 
-    def ban(self, slot: int, banned: np.ndarray) -> None:
-        """Replace the taken slot's row of banned ids (the row its `SlotSetup` wrote) with
-        `banned`, [V] bool (True = never sampled while a step says `masked`), for the steps
-        dispatched after this call. A constrained request's next row (engine.core.constrained)."""
+    def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
+        """Replace each of the taken `slots`' rows of banned ids (the row its `SlotSetup` wrote)
+        with its row of `banned`, [R, V] bool (R = len(slots); True = never sampled while a step
+        says `masked`), for the steps dispatched after this call: a decode step's constrained
+        requests' next rows (engine.core.constrained), all in one call."""
 
     def release(self, slot: int) -> None:
         """Forget the slot's request and clear its block table; the slot may be prefilled again

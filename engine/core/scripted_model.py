@@ -173,10 +173,13 @@ class ScriptedModel:
             self._banned[slot] = self._row(setup.banned)
         self._top[slot] = min(setup.sampling.top_logprobs, self.info.vocab_size)
 
-    def ban(self, slot: int, banned: np.ndarray) -> None:
-        if slot not in self._masked:
-            raise ModelUsageError(f"ban on slot {slot}, which holds no request")
-        self._banned[slot] = self._row(banned)
+    def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
+        if np.shape(banned)[:1] != (len(slots),) or len(set(slots)) != len(slots):
+            raise ModelUsageError(f"{len(slots)} slots (each once) for banned rows of shape {np.shape(banned)}")
+        for slot, row in zip(slots, banned):
+            if slot not in self._masked:
+                raise ModelUsageError(f"ban on slot {slot}, which holds no request")
+            self._banned[slot] = self._row(row)
         self.bans += 1
 
     def _row(self, banned: np.ndarray) -> np.ndarray:

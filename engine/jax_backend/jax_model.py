@@ -56,7 +56,7 @@ from engine.jax_backend.shapes import (
     MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk,
 )
 from engine.jax_backend.slot_table import SlotTable, require
-from engine.jax_backend.slot_sampling import TEMPERATURE, TOP_N, SlotSamplingState, chunk_arrays, mask_row
+from engine.jax_backend.slot_sampling import TEMPERATURE, TOP_N, SlotSamplingState, chunk_arrays, mask_row, mask_rows
 from engine.jax_backend.steps import Pending, Steps, fetch
 from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
@@ -190,6 +190,8 @@ class JaxModel:
             self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, layers=1)
             last = self._steps.last_hidden(x, np.int32(1))
         self._mask = self._steps.write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
+        for rows in self.shapes.rows:  # `ban`'s sizes
+            self._mask = self._steps.write_masks(self._mask, np.zeros((rows, self._head_size), bool), np.zeros(rows, np.int32))
         one = np.zeros(1, np.int32)
         self._sample(self._steps.sample, last, one, np.ones(1, bool), np.zeros(1, bool), one)
         for rows in self.shapes.rows:  # a step with every row idle writes nothing and samples for nobody
@@ -210,9 +212,7 @@ class JaxModel:
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
-        sample = self.prefill_chunk(slot, prompt_token_ids, 0, len(prompt_token_ids), setup, masked)
-        assert sample is not None  # the chunk ends the prompt
-        return sample
+        return self.prefill_chunk(slot, prompt_token_ids, 0, len(prompt_token_ids), setup, masked)  # (it ends the prompt: a Sample)
 
     def prefill_chunk(
         self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
@@ -272,10 +272,11 @@ class JaxModel:
         self._mask = self._steps.write_mask(self._mask, row, np.int32(slot))
         self._slots.filling[slot] = True
 
-    def ban(self, slot: int, banned: np.ndarray) -> None:
-        """A constrained request's banned ids [V] bool: the slot's mask row from the next dispatch on."""
-        require(not self._slots.free(slot), f"ban on slot {slot}, which holds no request")
-        self._mask = self._steps.write_mask(self._mask, mask_row(self._head_size, self.info.vocab_size, banned=banned), np.int32(slot))
+    def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
+        """Banned ids [R, V] bool: the slots' mask rows from the next dispatch on, in one device call."""
+        require(not any(self._slots.free(s) for s in slots), f"ban on slots {list(slots)}, not all holding a request")
+        rows = mask_rows(self._head_size, self.info.vocab_size, slots, banned, bucket(self.shapes.rows, len(slots)))
+        self._mask = self._steps.write_masks(self._mask, *rows)  # [B, V'] with rows [R', V'] at slots [R']
 
     def set_pages(self, slot: int, pages: Sequence[int]) -> None:
         """The slot's block table from now on (host only: each call takes the table along)."""
@@ -313,8 +314,7 @@ class JaxModel:
             self._slots.length[chunk.slot] = chunk.end
 
     def collect(self) -> list[Sample]:
-        """The samples of the oldest dispatched step, one per input in input order; waits for
-        the device to finish it."""
+        """The oldest dispatched step's samples, one per input in input order (waits for the device)."""
         require(bool(self._pending), "collect with no step dispatched")
         step = self._pending.popleft()
         tokens, logprobs, tops = fetch(step.samples, step.top_n)
