@@ -567,11 +567,16 @@ class Engine:
         flight emits a token unless it finishes the request, in which case the new step's sample
         is discarded, so positions and masking follow from the count of steps alone. When a row
         cannot get a page, the step in flight is read first (it may finish requests, freeing
-        theirs), then requests are preempted until every row has one (`_make_room`).
+        theirs), then requests are preempted until every row has one (`_make_room`). A step
+        with a constrained row needs the step in flight's samples for its rows of banned ids:
+        where the model samples apart, its layers go first and its sampling after the rows
+        (`_dispatch_constrained`); elsewhere the step in flight is read before it.
         -> the read step's time (see `on_step`), or None when none was read or it cannot be told apart."""
         seconds = None
         lives = self._decoding()
-        if self._in_flight and any(live.matcher is not None for live in lives):
+        constrained = any(live.matcher is not None for live in lives)
+        apart = constrained and self.model.samples_apart
+        if self._in_flight and constrained and not apart:
             seconds = self._read(*self._take_in_flight())  # a constrained row's next ban needs its token
             lives = self._decoding()
         if not self._grow(lives):
@@ -579,6 +584,8 @@ class Engine:
                 seconds = self._read(*self._take_in_flight())
             lives = self._make_room()
         chunk, self._chunk = self._chunk, None
+        if apart and lives:
+            return self._dispatch_constrained(lives, chunk)
         inputs = self._inputs(lives)
         lives = [live for live in lives if self._active.get(live.slot) is live]  # (less any whose row failed)
         dispatched_at = time.perf_counter()
@@ -595,33 +602,65 @@ class Engine:
             seconds = self._read(previous, started, timed)
         return seconds
 
+    def _dispatch_constrained(self, lives: list[_Live], chunk: ChunkInput | None) -> float | None:
+        """A step with constrained rows on a model that samples apart: its layers are dispatched
+        (each row fed the sample the device holds), the step in flight is read while they run
+        (its tokens advance the matchers; requests it finishes have their samples of this step
+        discarded, as after any step), then the constrained rows still running get their rows
+        (`_bans`, one parallel grammar call and one `model.ban`) and the step's sampling is
+        dispatched. So the host's grammar work hides behind the device's layers. A constrained
+        row is masked in every step (a stale row is never sampled from: its request is gone).
+        -> the read step's time, as `_decode_step`."""
+        inputs = [
+            DecodeInput(live.slot, None, len(live.prompt) + live.steps,
+                        live.matcher is not None or live.rule.masks_control_tokens(live.resumed + 1 + live.steps))
+            for live in lives
+        ]
+        dispatched_at = time.perf_counter()
+        self.model.dispatch(inputs, chunk, sample_later=True)
+        for live in lives:
+            live.steps += 1
+        previous, started, timed = self._take_in_flight()
+        seconds = self._read(previous, started, timed) if previous else None
+        held = [live for live in lives if live.matcher is not None and self._active.get(live.slot) is live]
+        if held:
+            self._bans(held, {live.slot: live.rule.masks_control_tokens(live.resumed + live.steps) for live in held})
+        self.model.dispatch_sampling()
+        self._in_flight, self._dispatched_at = lives, dispatched_at
+        return seconds
+
     def _inputs(self, lives: list[_Live]) -> list[DecodeInput]:
-        """The step's rows. The constrained requests' next rows of banned ids are computed
-        together (engine.core.constrained.banned_rows: one parallel call into the grammar
-        library) and sent in one `model.ban` before the step (none has a step in flight, so
-        their counts are exact); one whose row allows nothing, or whose matcher failed, is
-        failed and left out, alone."""
+        """The step's rows; the constrained requests' next rows of banned ids are sent first
+        (`_bans`: none has a step in flight, so their counts are exact), and one whose row
+        allows nothing, or whose matcher failed, is failed and left out, alone."""
         masked = {live.slot: live.rule.masks_control_tokens(live.resumed + 1 + live.steps) for live in lives}
         held = [live for live in lives if live.matcher is not None]
         if held:
-            rows, errors = banned_rows(
-                [live.matcher for live in held], self.model.info.vocab_size,
-                [live.rule.control_token_ids for live in held], [masked[live.slot] for live in held],
-            )  # [R, V]
-            for live, error in zip(held, errors):
-                if error is not None:
-                    self._release(live)
-                    live.sink.fail(error)
-            keep = [i for i, error in enumerate(errors) if error is None]
-            if keep:
-                self.model.ban([held[i].slot for i in keep], rows[keep])
-            for i in keep:
-                masked[held[i].slot] = True
+            masked.update((slot, True) for slot in self._bans(held, masked))
         # token_id None: the slot's last sample, still on the device
         return [
             DecodeInput(slot=live.slot, token_id=None, position=len(live.prompt) + live.steps, masked=masked[live.slot])
             for live in lives if self._active.get(live.slot) is live
         ]
+
+    def _bans(self, held: list[_Live], mask_control: dict[int, bool]) -> list[int]:
+        """The constrained requests' next rows of banned ids, computed together
+        (engine.core.constrained.banned_rows: one parallel call into the grammar library) and
+        sent in one `model.ban`; `mask_control[slot]`: the row bans the control ids too (below
+        min_output_tokens). One whose row allows nothing, or whose matcher failed, is failed and
+        its slot freed, alone. -> the slots banned."""
+        rows, errors = banned_rows(
+            [live.matcher for live in held], self.model.info.vocab_size,
+            [live.rule.control_token_ids for live in held], [mask_control[live.slot] for live in held],
+        )  # [R, V]
+        for live, error in zip(held, errors):
+            if error is not None:
+                self._release(live)
+                live.sink.fail(error)
+        keep = [i for i, error in enumerate(errors) if error is None]
+        if keep:
+            self.model.ban([held[i].slot for i in keep], rows[keep])
+        return [held[i].slot for i in keep]
 
     def _take_in_flight(self) -> tuple[list[_Live], float, bool]:
         """The step in flight (no longer in flight once this returns), when its time started (its
