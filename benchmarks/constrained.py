@@ -137,12 +137,16 @@ def main() -> None:
     parser.add_argument("--batches", default="32,1", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
     parser.add_argument("--tokens", type=int, default=48, help="max output tokens a request")
+    parser.add_argument("--split-sampler", choices=["on", "off"], default=None,
+                        help="the step's sampler apart from its layers (both kinds of burst; default: the backend's, "
+                        "off on the CPU); on, a constrained step's rows are computed while its layers run")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     model_dir = resolve_model(args.model, log=lambda line: print(line, file=sys.stderr))
     print(f"machine: {describe('jax', 'jaxlib', 'numpy', 'llguidance')}")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
-    model = JaxModel.load(model_dir, max_batch_size=max(batches), max_context_length=512)
+    split = None if args.split_sampler is None else args.split_sampler == "on"
+    model = JaxModel.load(model_dir, max_batch_size=max(batches), max_context_length=512, split_sampler=split)
     model.warm_up()
     compiler = ConstraintCompiler(model_dir / "tokenizer.json", model.info.vocab_size, model.info.eos_token_ids)
     grammar = compiler.compile(Constraint("json_schema", json.dumps(SCHEMA)))
@@ -161,7 +165,8 @@ def main() -> None:
     engine.start()
     print(
         f"model {model.info.model_id}: weights {'int8' if model.int8 else 'float'}, CPU kernels "
-        f"{'on' if model.kernels else 'off'} ({model.cpu_threads} threads), split sampler {model.split_sampler}; "
+        f"{'on' if model.kernels else 'off'} ({model.cpu_threads} threads), split sampler {model.split_sampler} "
+        f"({'layers, then rows, then sampling' if model.samples_apart else 'step in flight read before a constrained step'}); "
         f"prompt {len(prompt)} tokens, {args.tokens} output tokens a request, schema {json.dumps(SCHEMA)}"
     )
     try:
