@@ -68,12 +68,19 @@ chunk, with no events, before the next step.
 Constrained requests (issue 43; engine.core.constrained): each sample is drawn under a row of
 banned ids that its matcher (`Request.constraint.matcher()`) computes from the output so far. The
 prefill's row goes with the slot (`SlotSetup.banned`); every emitted token advances the matcher
-(`decide`, which finishes with STOP once the output is whole); before each decode step the
-request's next row is sent (`model.ban`). That row depends on the token just sampled, so a step
-whose batch holds a constrained request reads the step in flight BEFORE it is dispatched: for
-that step the host does not run one behind (the device idles while the host reads and computes
-the rows). A batch with no constrained request runs as above, unchanged. (Milestone 2 of issue 43
-is to overlap the row's computation with the step's layers.) A row that allows no token fails
+(`decide`, which finishes with STOP once the output is whole); before each decode step samples,
+the constrained requests' next rows are computed together (`banned_rows`, one parallel call into
+the grammar library) and sent in one `model.ban`. A row depends on the token just sampled, so
+a step whose batch holds a constrained request needs the step in flight read first. Where the
+model samples apart from its layers (`Model.samples_apart`), the step's layers are dispatched
+first, the step in flight is read and the rows computed while they run, then the step's sampling
+is dispatched (`_dispatch_constrained`): the host's grammar work hides behind the device's
+layers, and a request that the read finished has its sample of the new step discarded, as
+above. Elsewhere the step in flight is read BEFORE the step is dispatched: for that step the
+host does not run one behind (the device idles while the host reads and computes the rows). A
+batch with no constrained request runs as above, unchanged. The step's sampling waits for every
+row; a slow one is bounded by the grammar library's per-step limits, past which its request
+fails alone (docs/constraints.md, "A late row"). A row that allows no token fails
 its request with InvalidArgument, not the engine.
 After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
 run (AsyncEngine sends the step's events for all its requests to the event loop with one wake-up
