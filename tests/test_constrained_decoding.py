@@ -457,7 +457,10 @@ def test_tiny_llama_split_sampler_samples_apart_and_keeps_the_schema(tok):
     grammar refuses), and the free stream is the one it is alone."""
     from engine.jax_backend.jax_model import JaxModel
 
-    model = JaxModel.load(TINY, max_batch_size=2, max_context_length=64, min_bucket=64, split_sampler=True)
+    # few shapes (one row bucket, one prompt bucket, no chunk along): warm-up is most of its time
+    model = JaxModel.load(
+        TINY, max_batch_size=2, max_context_length=64, min_bucket=64, split_sampler=True, fused_chunk_tokens=0, min_rows=2,
+    )
     assert model.samples_apart
     compiler = ConstraintCompiler(TOKENIZER_JSON, model.info.vocab_size, model.info.eos_token_ids)
     grammar = compiler.compile(Constraint("json_schema", json.dumps(TINY_SCHEMA)))
