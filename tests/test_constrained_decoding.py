@@ -24,7 +24,7 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from engine.constraints.spec import Constraint
+from engine.constraints.spec import Constraint, ConstraintError
 from engine.core.constrained import NO_TOKENIZER, ConstraintCompiler
 from engine.core.engine import Engine, EngineConfig
 from engine.core.engine_process import EngineProcess
@@ -279,6 +279,26 @@ def test_a_row_that_allows_nothing_fails_the_request_not_the_engine(tok):
         assert run(engine, small, "regex", "a").tokens == [A]
     finally:
         engine.stop()
+
+
+def test_banned_rows_of_several_matchers_at_once_are_each_ones_own_and_a_failed_one_is_apart(compiler):
+    """One parallel call (engine.constraints.matcher.banned_rows) gives each matcher the row its
+    own `banned()` gives, whatever its state; a failed matcher gets its error and an all-banned
+    row, and the others their rows."""
+    from engine.constraints.matcher import banned_rows
+
+    matchers = [compiler.compile(Constraint("regex", text)).matcher() for text in ("[ab]{3}", "a(bc){2}", "[ab]{3}", "a+")]
+    matchers[1].advance(AB)
+    matchers[2].advance(A)
+    matchers[2].advance(A)  # one letter left: "ab" no longer allowed
+    with pytest.raises(ConstraintError):
+        matchers[3].advance(B)  # "b" where only "a" may be: the matcher has failed
+    rows, errors = banned_rows(matchers)  # [4, V]
+    assert rows.shape == (4, 512) and [e is None for e in errors] == [True, True, True, False]
+    for i in range(3):
+        assert (rows[i] == matchers[i].banned()).all()
+    assert not (rows[0] == rows[1]).all() and not (rows[0] == rows[2]).all()  # three different states
+    assert rows[3].all() and errors[3].field == "constraint.regex"
 
 
 def test_a_compiled_constraint_pickles_for_the_engine_process(compiler):
