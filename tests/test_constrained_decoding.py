@@ -24,7 +24,7 @@ import jsonschema
 import pytest
 from tokenizers import Tokenizer
 
-from engine.constraints.spec import Constraint
+from engine.constraints.spec import Constraint, ConstraintError
 from engine.core.constrained import NO_TOKENIZER, ConstraintCompiler
 from engine.core.engine import Engine, EngineConfig
 from engine.core.engine_process import EngineProcess
@@ -45,7 +45,7 @@ from tokenizer_svc.tokenizer import TextTokenizer
 TINY = Path(__file__).parent / "assets" / "tiny-llama"
 TOKENIZER_JSON = TINY / "tokenizer.json"
 EOS = frozenset({0, 2})
-A, B, AB = 67, 68, 432  # "a", "b", "ab" in tiny-llama's vocabulary
+A, B, C, AB = 67, 68, 69, 432  # "a", "b", "c", "ab" in tiny-llama's vocabulary
 STOP, LENGTH = dpb.FINISH_REASON_STOP, dpb.FINISH_REASON_LENGTH
 SCHEMAS = [
     {"type": "object", "properties": {"x": {"type": "integer"}, "s": {"enum": ["hi", "yo"]}}, "required": ["x", "s"]},
@@ -163,6 +163,44 @@ def test_a_constrained_batch_reads_its_step_before_the_next_an_unconstrained_one
             engine.stop()
 
 
+def test_a_model_that_samples_apart_reads_the_step_in_flight_while_the_next_ones_layers_run(compiler):
+    """With `samples_apart` a constrained step's layers are dispatched before the step in flight
+    is read, and its sampling after its rows: "a(bc){2}" wants "c" after "ab" and "b" after "c",
+    so a step sampled under the row before its own (a sampling dispatched with its layers) takes
+    an id the grammar refuses."""
+    model = scripted(samples_apart=True)
+    engine = Engine(model)
+    engine.start()
+    try:
+        sink = run(engine, compiler, "regex", "a(bc){2}")
+        assert sink.tokens == [AB, C, B, C] and (finished(sink).reason, finished(sink).stop_token_id) == (FinishReason.STOP, None)
+        assert model.bans == 3 and any(dispatched > read for read, dispatched in model.reads)
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["read-first", "layers-first"])
+def test_a_steps_constrained_rows_go_in_one_ban_and_a_failed_row_fails_its_request_alone(tok, apart):
+    """Two constrained requests and a free one in one batch: each step's two rows go in one
+    `ban`; a request whose row comes to allow nothing (with a head of 100 ids, "a" then "é",
+    whose bytes are past id 100) fails alone, and the others go on."""
+    small = ConstraintCompiler(TOKENIZER_JSON, 100, EOS)
+    model = ScriptedModel(vocab_size=100, eos_token_ids=EOS, max_batch_size=4, max_context_length=64, samples_apart=apart)
+    engine = Engine(model)
+    engine.start()
+    try:
+        sinks = [Recorder() for _ in range(4)]
+        for sink, (prompt, text) in zip(sinks, [((10,), "[ab]{4}"), ((20,), "[ab]{4}"), ((30,), "aé"), ((40,), None)]):
+            grammar = None if text is None else small.compile(Constraint("regex", text))
+            engine.submit(Request("r", prompt, stopping=StoppingCriteria(8), constraint=grammar), sink)
+        assert all(sink.done.wait(10) for sink in sinks)
+        assert sinks[0].tokens == sinks[1].tokens == [A, B] * 2 and sinks[3].tokens == list(range(41, 49))
+        assert isinstance(sinks[2].error, InvalidArgument) and sinks[2].tokens == [A]
+        assert model.bans <= model.decode_steps  # (one call a step, however many rows)
+    finally:
+        engine.stop()
+
+
 def test_an_unconstrained_request_beside_a_constrained_one_is_unchanged(engine, compiler):
     free, held = Recorder(), Recorder()
     engine.submit(Request("free", (100,), stopping=StoppingCriteria(12)), free)
@@ -241,6 +279,26 @@ def test_a_row_that_allows_nothing_fails_the_request_not_the_engine(tok):
         assert run(engine, small, "regex", "a").tokens == [A]
     finally:
         engine.stop()
+
+
+def test_banned_rows_of_several_matchers_at_once_are_each_ones_own_and_a_failed_one_is_apart(compiler):
+    """One parallel call (engine.constraints.matcher.banned_rows) gives each matcher the row its
+    own `banned()` gives, whatever its state; a failed matcher gets its error and an all-banned
+    row, and the others their rows."""
+    from engine.constraints.matcher import banned_rows
+
+    matchers = [compiler.compile(Constraint("regex", text)).matcher() for text in ("[ab]{3}", "a(bc){2}", "[ab]{3}", "a+")]
+    matchers[1].advance(AB)
+    matchers[2].advance(A)
+    matchers[2].advance(A)  # one letter left: "ab" no longer allowed
+    with pytest.raises(ConstraintError):
+        matchers[3].advance(B)  # "b" where only "a" may be: the matcher has failed
+    rows, errors = banned_rows(matchers)  # [4, V]
+    assert rows.shape == (4, 512) and [e is None for e in errors] == [True, True, True, False]
+    for i in range(3):
+        assert (rows[i] == matchers[i].banned()).all()
+    assert not (rows[0] == rows[1]).all() and not (rows[0] == rows[2]).all()  # three different states
+    assert rows[3].all() and errors[3].field == "constraint.regex"
 
 
 def test_a_compiled_constraint_pickles_for_the_engine_process(compiler):
@@ -409,3 +467,37 @@ async def test_tiny_llama_greedy_stream_under_a_json_schema_parses_and_validates
     finally:
         await text.stop(None)
         await decode.stop(None)
+
+
+def test_tiny_llama_split_sampler_samples_apart_and_keeps_the_schema(tok):
+    """The real model with its sampler apart from its layers (split_sampler): a constrained
+    step's layers run while the host reads the step before and computes the rows, its sampling
+    after them. A stream under the schema and a free one beside it: random weights write JSON
+    only if every step sampled under its own row (a row one step late lets through an id the
+    grammar refuses), and the free stream is the one it is alone."""
+    from engine.jax_backend.jax_model import JaxModel
+
+    # few shapes (one row bucket, one prompt bucket, no chunk along): warm-up is most of its time
+    model = JaxModel.load(
+        TINY, max_batch_size=2, max_context_length=64, min_bucket=64, split_sampler=True, fused_chunk_tokens=0, min_rows=2,
+    )
+    assert model.samples_apart
+    compiler = ConstraintCompiler(TOKENIZER_JSON, model.info.vocab_size, model.info.eos_token_ids)
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(TINY_SCHEMA)))
+    model.warm_up()
+    engine = Engine(model)
+    engine.start()
+    try:
+        prompt = tuple(tok.encode("The answer:").ids)
+        alone = Recorder()
+        engine.submit(Request("alone", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), alone)
+        assert alone.done.wait(60)
+        held, free = Recorder(), Recorder()
+        engine.submit(Request("held", prompt, stopping=StoppingCriteria(48), constraint=grammar), held)
+        engine.submit(Request("free", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), free)
+        assert held.done.wait(60) and free.done.wait(60)
+        assert finished(held).reason == FinishReason.STOP
+        jsonschema.validate(json.loads(tok.decode(held.tokens)), TINY_SCHEMA)
+        assert free.tokens == alone.tokens
+    finally:
+        engine.stop()

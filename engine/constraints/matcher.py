@@ -2,16 +2,18 @@
 
 The engine's contract is three calls per emitted token: `banned()` for the row the sampler masks
 with, `advance(id)` with the id it sampled, and `complete()` to ask whether the output is whole.
+A decode step asks for all its constrained rows at once (`banned_rows`): llguidance computes
+them in parallel on its own threads, into one bitmask, and one unpacking turns it into the rows.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
-from llguidance import LLMatcher
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance import LLExecutor, LLMatcher
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from engine.constraints.spec import ConstraintError
 
@@ -63,11 +65,7 @@ class Matcher:
         """
         self._raise_if_failed()
         fill_next_token_bitmask(self._state, self._bitmask)
-        allowed = np.unpackbits(self._bitmask.view(np.uint8), count=self._tokenizer_size, bitorder="little")  # [V_tok]
-        banned = np.ones(self._vocab_size, dtype=bool)  # [V]; ids past the tokenizer stay banned
-        n = min(self._vocab_size, self._tokenizer_size)
-        banned[:n] = allowed[:n] == 0
-        return banned
+        return _banned(self._bitmask, self._vocab_size, self._tokenizer_size)[0]
 
     def advance(self, token_id: int) -> None:
         """Consume one sampled id; raises ConstraintError if the grammar does not allow it here."""
@@ -89,3 +87,45 @@ class Matcher:
         if self._state.is_error():
             first = self._state.get_error().strip().splitlines()
             raise ConstraintError(self._field, context + (first[0] if first else "the grammar refused a token"))
+
+
+_executor: LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def banned_rows(matchers: Sequence[Matcher]) -> tuple[np.ndarray, list[ConstraintError | None]]:
+    """`banned()` of every matcher (all of one vocabulary) in one call: llguidance's executor
+    computes the masks in parallel into one bitmask [R, ceil(V_tok / 32)], unpacked once.
+    -> (rows [R, V] bool, per row the ConstraintError of a failed matcher, whose row is all
+    banned, or None): one failed request must not fail its neighbours' rows."""
+    global _executor
+    first = matchers[0]
+    if any((m._vocab_size, m._tokenizer_size) != (first._vocab_size, first._tokenizer_size) for m in matchers):
+        raise ValueError("banned_rows over matchers of different vocabularies")
+    errors: list[ConstraintError | None] = []
+    for m in matchers:
+        try:
+            m._raise_if_failed()
+            errors.append(None)
+        except ConstraintError as error:
+            errors.append(error)
+    bitmask = allocate_token_bitmask(len(matchers), first._tokenizer_size)  # [R, ceil(V_tok / 32)] int32
+    live = [(m._state, i) for i, m in enumerate(matchers) if errors[i] is None]
+    if live:
+        with _executor_lock:
+            if _executor is None:
+                _executor = LLExecutor()
+        fill_next_token_bitmask_par(_executor, live, bitmask)
+    rows = _banned(bitmask, first._vocab_size, first._tokenizer_size)  # [R, V]
+    rows[[i for i, e in enumerate(errors) if e is not None]] = True
+    return rows, errors
+
+
+def _banned(bitmask: np.ndarray, vocab_size: int, tokenizer_size: int) -> np.ndarray:
+    """llguidance's bitmask [R, ceil(V_tok / 32)] (bit set = allowed) -> [R, V] bool, True =
+    banned; ids past the tokenizer (a head wider than it) stay banned."""
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=tokenizer_size, bitorder="little")  # [R, V_tok]
+    banned = np.ones((bitmask.shape[0], vocab_size), dtype=bool)  # [R, V]
+    n = min(vocab_size, tokenizer_size)
+    banned[:, :n] = allowed[:, :n] == 0
+    return banned

@@ -15,7 +15,8 @@ and the scheduler need around it:
   against that process's own copy of the vocabulary (engine.constraints.vocabulary).
 * `banned_row`: the [V] row a constrained request's next sample is drawn under: what its
   matcher bans (EOS unless the output so far is a whole sentence of the language), and the
-  request's control ids too while it is below min_output_tokens.
+  request's control ids too while it is below min_output_tokens. `banned_rows` is the same for
+  every constrained row of a decode step at once (llguidance computes them in parallel).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:  # (imported where used: the scheduler imports this module, an
 log = logging.getLogger(__name__)
 
 NO_TOKENIZER = "this model has no tokenizer to compile constraints against"
+NOTHING_ALLOWED = "no token of this model's vocabulary can continue the output"
 
 
 def constraint_error(error: ConstraintError) -> InvalidArgument:
@@ -107,5 +109,30 @@ def banned_row(matcher, vocab_size: int, control_token_ids: frozenset[int], mask
         row = row.copy()
         row[list(control_token_ids)] = True
     if row.all():
-        raise InvalidArgument("constraint", "no token of this model's vocabulary can continue the output")
+        raise InvalidArgument("constraint", NOTHING_ALLOWED)
     return row
+
+
+def banned_rows(
+    matchers: Sequence, vocab_size: int, control_token_ids: Sequence[frozenset[int]], mask_control: Sequence[bool],
+) -> tuple[np.ndarray, list[InvalidArgument | None]]:
+    """`banned_row` of several requests at once (a decode step's constrained rows), the grammar
+    work done in one parallel call (engine.constraints.matcher.banned_rows). -> (rows [R, V]
+    bool, per row None or the InvalidArgument that fails that request alone: its matcher
+    failed, or its row allows nothing)."""
+    from engine.constraints.matcher import banned_rows as grammar_rows
+
+    rows, failures = grammar_rows(matchers)  # [R, V]
+    if rows.shape[1] != vocab_size:
+        raise ValueError(f"banned rows of shape {rows.shape} for a vocabulary of {vocab_size}")
+    errors: list[InvalidArgument | None] = []
+    for i, failure in enumerate(failures):
+        if failure is None and mask_control[i] and control_token_ids[i]:
+            rows[i, list(control_token_ids[i])] = True
+        if failure is not None:
+            errors.append(constraint_error(failure))
+        elif rows[i].all():
+            errors.append(InvalidArgument("constraint", NOTHING_ALLOWED))
+        else:
+            errors.append(None)
+    return rows, errors

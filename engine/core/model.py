@@ -23,8 +23,11 @@ A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
 A constrained request (issue 43) samples every token under a row of banned ids that depends on
 the tokens before it: its first row comes with its slot (`SlotSetup.banned`), each later one by
-`ban` before the step that samples under it, so the scheduler reads a constrained request's
-step before it dispatches the next (engine.core.engine).
+`ban` (every constrained row of a step in one call) before the step that samples under it.
+That row depends on the token just sampled, so the scheduler reads a constrained request's step
+before the next one samples: where the model `samples_apart`, it dispatches the next step's
+layers first and its sampling after the rows (`dispatch(..., sample_later=True)`, `ban`,
+`dispatch_sampling`); elsewhere it reads before it dispatches (engine.core.engine).
 """
 
 from __future__ import annotations
@@ -144,6 +147,9 @@ class Model(Protocol):
     # the most prompt tokens, all prompts together, one `prefill_packed` call takes (0: none; each
     # prompt is its own `prefill`)
     packed_prefill_tokens: int
+    # whether `dispatch(..., sample_later=True)` is supported: a step's layers start at once and
+    # its sampling at `dispatch_sampling`, under the rows `ban` wrote in between
+    samples_apart: bool
 
     def warm_up(self) -> None:
         """Compile every shape the model will use; nothing compiles after this."""
@@ -174,12 +180,21 @@ class Model(Protocol):
         """One step for the given slots; returns one sample per input, in the same order.
         `dispatch` then `collect`, with no other step in flight."""
 
-    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None) -> None:
+    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None, sample_later: bool = False) -> None:
         """Start one step for the given slots (not empty) and return without waiting for its
         samples. Positions are checked against the slots' own counts, which a dispatch advances,
         so a step may be dispatched while the previous one is in flight. With `chunk` (at most
         `fused_chunk_tokens` tokens, for a slot that is not one of the inputs), that prompt chunk
-        is prefilled in the same step, as if by `prefill_chunk` just before it."""
+        is prefilled in the same step, as if by `prefill_chunk` just before it. With
+        `sample_later` (where `samples_apart`) only the step's layers start; its sampling waits
+        for `dispatch_sampling`, and no other step may be dispatched until then."""
+
+    def dispatch_sampling(self) -> None:
+        """Start the sampling of the step dispatched with `sample_later`, under each slot's row
+        of banned ids as it is now (the rows `ban` wrote after that dispatch apply): a
+        constrained request's next row, computed from the previous step's samples while this
+        step's layers run. Its samples are collected in turn, as any step's."""
+
 
     def collect(self) -> list[Sample]:
         """Wait for the oldest dispatched step: one sample per input, in input order."""
@@ -192,10 +207,11 @@ class Model(Protocol):
         for a cached twin holding the same KV. It may be called while a step is in flight; the
         steps dispatched after it use the new table."""
 
-    def ban(self, slot: int, banned: np.ndarray) -> None:
-        """Replace the taken slot's row of banned ids (the row its `SlotSetup` wrote) with
-        `banned`, [V] bool (True = never sampled while a step says `masked`), for the steps
-        dispatched after this call. A constrained request's next row (engine.core.constrained)."""
+    def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
+        """Replace each of the taken `slots`' rows of banned ids (the row its `SlotSetup` wrote)
+        with its row of `banned`, [R, V] bool (R = len(slots); True = never sampled while a step
+        says `masked`), for the steps dispatched after this call: a decode step's constrained
+        requests' next rows (engine.core.constrained), all in one call."""
 
     def release(self, slot: int) -> None:
         """Forget the slot's request and clear its block table; the slot may be prefilled again

@@ -7,7 +7,8 @@ count skips forward to the first id that is not masked. A slot with a row of ban
 constrained request: `SlotSetup.banned`, then `ban`) samples, in a `masked` step, its scripted id
 if the row allows it, else the lowest id the row allows (a row that allows none, or is not [V]
 bool, raises ModelUsageError, as a real model would sample garbage); `bans` counts the `ban`
-calls. Sampling parameters are ignored.
+calls. With `samples_apart`, `dispatch(..., sample_later=True)` writes the step's inputs and
+`dispatch_sampling` draws its samples, under the rows as they are then. Sampling parameters are ignored.
 The logprob of token `t` is `-(t % 10) / 10`. With `sampling.top_logprobs = k`, the
 alternatives are the sampled token and the k - 1 ids after it, `(t + i) % vocab_size` with
 logprob `-(t % 10) / 10 - i`.
@@ -71,6 +72,7 @@ class ScriptedModel:
         page_size: int = 16,
         fused_chunk_tokens: int = 0,
         packed_prefill_tokens: int = 0,
+        samples_apart: bool = False,
     ) -> None:
         self.info = ModelInfo(model_id, vocab_size, max_context_length, max_batch_size, frozenset(eos_token_ids))
         if kv_cache_tokens < 0 or page_size < 1:
@@ -87,6 +89,8 @@ class ScriptedModel:
         self.default_step_tokens = 256
         self.fused_chunk_tokens = fused_chunk_tokens
         self.packed_prefill_tokens = packed_prefill_tokens
+        self.samples_apart = samples_apart
+        self._held: list[tuple[DecodeInput, int]] | None = None  # a step's (input, id fed) whose sampling waits
         self.fused_chunks = 0  # chunks that came with a decode step (recorded in `calls` as a prefill before it)
         self.step_delay_s = step_delay_s
         self.fail_at_step = fail_at_step  # decode step number (1-based) that raises, to test failures
@@ -99,7 +103,7 @@ class ScriptedModel:
         self.prefills = 0  # counters, so tests can check e.g. that N = 1 never decodes
         self.decode_steps = 0
         self._last: dict[int, int] = {}  # slot -> its last sample, the next step's input
-        self.reads: list[tuple[int, int]] = []
+        self.reads: list[tuple[int, int]] = []  # (the step read, the steps dispatched by then)
         self._next_free = 0.0  # when the "device" finishes the steps dispatched so far (perf_counter)
         self._pending: collections.deque[tuple[int, float, list[Sample]]] = collections.deque()  # (step, due, samples)
 
@@ -173,10 +177,13 @@ class ScriptedModel:
             self._banned[slot] = self._row(setup.banned)
         self._top[slot] = min(setup.sampling.top_logprobs, self.info.vocab_size)
 
-    def ban(self, slot: int, banned: np.ndarray) -> None:
-        if slot not in self._masked:
-            raise ModelUsageError(f"ban on slot {slot}, which holds no request")
-        self._banned[slot] = self._row(banned)
+    def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
+        if np.shape(banned)[:1] != (len(slots),) or len(set(slots)) != len(slots):
+            raise ModelUsageError(f"{len(slots)} slots (each once) for banned rows of shape {np.shape(banned)}")
+        for slot, row in zip(slots, banned):
+            if slot not in self._masked:
+                raise ModelUsageError(f"ban on slot {slot}, which holds no request")
+            self._banned[slot] = self._row(row)
         self.bans += 1
 
     def _row(self, banned: np.ndarray) -> np.ndarray:
@@ -232,7 +239,11 @@ class ScriptedModel:
         self.dispatch(inputs)
         return self.collect()
 
-    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None) -> None:
+    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None, sample_later: bool = False) -> None:
+        if self._held is not None:
+            raise ModelUsageError("a decode step dispatched while the last one's sampling waits")
+        if sample_later and not self.samples_apart:
+            raise ModelUsageError("sample_later on a model that does not sample apart")
         if not inputs:
             raise ModelUsageError("a decode step with no inputs")
         if chunk is not None:
@@ -249,15 +260,30 @@ class ScriptedModel:
                 raise ModelUsageError(f"slot {i.slot} decoded before its last prefill chunk")
             if i.position >= self.info.max_context_length:
                 raise ModelUsageError(f"slot {i.slot} decoded past the context")
-        samples = []
+        held = []
         for i in inputs:
             fed = self._last[i.slot] if i.token_id is None else i.token_id
             self._write(i.slot, i.position, (fed,))
+            held.append((i, fed))
+        self._check()
+        self._next_free = max(self._next_free, time.perf_counter()) + self.step_delay_s
+        self._held = held
+        if not sample_later:
+            self.dispatch_sampling()
+
+    def dispatch_sampling(self) -> None:
+        """The held step's samples, under each slot's banned row as it is now."""
+        if self._held is None:
+            raise ModelUsageError("dispatch_sampling with no step waiting for its sampling")
+        held, self._held = self._held, None
+        samples = []
+        for i, fed in held:
+            if i.slot not in self._masked:  # released since the dispatch: its sample is discarded
+                samples.append(Sample(0, 0.0))
+                continue
             sample = self._next(i.slot, fed, i.masked)
             self._last[i.slot] = sample.token_id
             samples.append(sample)
-        self._check()
-        self._next_free = max(self._next_free, time.perf_counter()) + self.step_delay_s
         self._pending.append((self.decode_steps, self._next_free, samples))
 
     def collect(self) -> list[Sample]:

@@ -50,13 +50,14 @@ from engine.core.model import (
 )
 from engine.core.model_options import SERVED, ModelOptions
 from engine.jax_backend import cpu_kernels, host_memory, loading, mesh, packed_prefill, quantize, ragged_attention, transformer
+from engine.jax_backend.decode_launch import DecodeLaunch
 from engine.jax_backend.backend_profile import PACKED_TOKENS, profile
 from engine.jax_backend.loading import auto_weights, int8_layout
 from engine.jax_backend.shapes import (
     MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk,
 )
 from engine.jax_backend.slot_table import SlotTable, require
-from engine.jax_backend.slot_sampling import TEMPERATURE, TOP_N, SlotSamplingState, chunk_arrays, mask_row
+from engine.jax_backend.slot_sampling import SlotSamplingState, chunk_arrays, mask_row, mask_rows
 from engine.jax_backend.steps import Pending, Steps, fetch
 from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
@@ -67,7 +68,7 @@ __all__ = [  # what callers import from here (the rest lives in the modules abov
 ]
 
 
-class JaxModel:
+class JaxModel(DecodeLaunch):
     """A loaded checkpoint plus its device state; implements engine.core.model.Model."""
 
     def __init__(
@@ -90,6 +91,7 @@ class JaxModel:
         self._mask = jnp.zeros((b, self._head_size), bool, device=replicated)
         self._last = jnp.zeros(b, jnp.int32, device=replicated)  # [B] last samples
         self._pending: collections.deque[Pending] = collections.deque()  # dispatched steps, oldest first
+        self._held = None  # a split step whose sampling waits (decode_launch.Held)
         jit_options = dict(compiler_options=backend.compiler_options)
         # For operators: "on: <origin> <path>", "off: <reason>" or "not applicable: <reason>".
         self.kernel_state, self.cpu_threads = loading.cpu_kernels_for(
@@ -110,6 +112,7 @@ class JaxModel:
         self.fused_chunk_tokens = self.shapes.fused_chunk_tokens
         self.packed_prefill_tokens = self.shapes.packed_prefill_tokens
         self.split_sampler = backend.split_sampler if split_sampler is None else split_sampler
+        self.samples_apart = self.split_sampler  # dispatch(..., sample_later=True): engine.core.model
         # split: the greedy sampler for a step whose rows are all greedy (False: never; a switch for
         # measurements on one host: every process of a multi-host group must pick alike)
         self.greedy_variant = True
@@ -156,23 +159,6 @@ class JaxModel:
         text, so tests can check that it is one executable whose cache buffers are aliased, never copied."""
         return self._lower_step(rows, attend, chunk).compile().as_text()
 
-    def _lower_step(self, rows: int, attend: int, chunk: bool = False):
-        ints, floats = self._put(self._pack([], rows))
-        along = self._put(chunk_arrays(self._null_table, [0] * self.shapes.fused[-1], 0)) if chunk else None
-        if self.split_sampler:
-            return self._steps.layers_step.lower(*self._layers_args(ints, along), cfg=self.config, attend=attend)
-        return self._steps.step.lower(*self._step_args(ints, floats, along), cfg=self.config, attend=attend)
-
-    def _step_args(self, ints, floats, along) -> tuple:
-        """The one-executable decode step's positional arguments (steps.decode_step)."""
-        w = self._weights
-        return (w.embed, w.final_norm, self._lm_head, self._decode_weights, tuple(self._k), tuple(self._v), self._last,
-                self._mask, ints, floats, along)
-
-    def _layers_args(self, ints, along) -> tuple:
-        """The split step's layers' positional arguments (steps.decode_layers)."""
-        return (self._weights.embed, self._decode_weights, tuple(self._k), tuple(self._v), self._last, ints, along)
-
     def compilations(self) -> int:
         """How many (function, shape) variants this model has compiled so far."""
         return sum(f._cache_size() for f in self._steps.jitted())
@@ -190,6 +176,8 @@ class JaxModel:
             self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, layers=1)
             last = self._steps.last_hidden(x, np.int32(1))
         self._mask = self._steps.write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
+        for rows in self.shapes.rows:  # `ban`'s sizes
+            self._mask = self._steps.write_masks(self._mask, np.zeros((rows, self._head_size), bool), np.zeros(rows, np.int32))
         one = np.zeros(1, np.int32)
         self._sample(self._steps.sample, last, one, np.ones(1, bool), np.zeros(1, bool), one)
         for rows in self.shapes.rows:  # a step with every row idle writes nothing and samples for nobody
@@ -210,9 +198,7 @@ class JaxModel:
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
-        sample = self.prefill_chunk(slot, prompt_token_ids, 0, len(prompt_token_ids), setup, masked)
-        assert sample is not None  # the chunk ends the prompt
-        return sample
+        return self.prefill_chunk(slot, prompt_token_ids, 0, len(prompt_token_ids), setup, masked)  # (it ends the prompt: a Sample)
 
     def prefill_chunk(
         self, slot: int, prompt_token_ids: Sequence[int], start: int, end: int, setup: SlotSetup, masked: bool
@@ -272,26 +258,28 @@ class JaxModel:
         self._mask = self._steps.write_mask(self._mask, row, np.int32(slot))
         self._slots.filling[slot] = True
 
-    def ban(self, slot: int, banned: np.ndarray) -> None:
-        """A constrained request's banned ids [V] bool: the slot's mask row from the next dispatch on."""
-        require(not self._slots.free(slot), f"ban on slot {slot}, which holds no request")
-        self._mask = self._steps.write_mask(self._mask, mask_row(self._head_size, self.info.vocab_size, banned=banned), np.int32(slot))
+    def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
+        """Banned ids [R, V] bool: the slots' mask rows from the next dispatch on, in one device call."""
+        require(not any(self._slots.free(s) for s in slots), f"ban on slots {list(slots)}, not all holding a request")
+        rows = mask_rows(self._head_size, self.info.vocab_size, slots, banned, bucket(self.shapes.rows, len(slots)))
+        self._mask = self._steps.write_masks(self._mask, *rows)  # [B, V'] with rows [R', V'] at slots [R']
 
     def set_pages(self, slot: int, pages: Sequence[int]) -> None:
         """The slot's block table from now on (host only: each call takes the table along)."""
         self._slots.set_pages(slot, pages)
 
     def decode(self, inputs: Sequence[DecodeInput]) -> list[Sample]:
-        require(not self._pending, "decode with a dispatched step not yet collected")
+        require(not self._pending and self._held is None, "decode with a dispatched step not yet collected")
         self.dispatch(inputs)
         return self.collect()
 
-    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None) -> None:
+    def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None, sample_later: bool = False) -> None:
         """Enqueue one decode step and return without waiting for it: the device runs it while
         the host reads the previous step (`collect`). An input whose token_id is None feeds the
         slot's last sample, which never left the device. A `chunk` (at most fused_chunk_tokens,
         padded to their compiled size) is prefilled in the same executable
-        (transformer.mixed_layers), its slot then awaiting its next chunk as after prefill_chunk."""
+        (transformer.mixed_layers), its slot then awaiting its next chunk as after prefill_chunk.
+        `sample_later` (split_sampler): the layers only, the sampling at `dispatch_sampling`."""
         slots, given = self._slots.check_step(inputs)
         rows = bucket(self.shapes.rows, int(slots.max()) + 1)
         attend = bucket(self.shapes.attend, int(given.max()) + 1)
@@ -307,44 +295,18 @@ class JaxModel:
             if self._slots.free(c.slot):  # from 0, or after a prefix hit's pages
                 self._take(c.slot, c.setup)
             arrays = chunk_arrays(self._slots.tables[c.slot], c.prompt_token_ids[c.start : c.end], c.start, size)
-        self._launch(slots, *self._pack(inputs, rows), attend, arrays)
+        self._launch(slots, *self._pack(inputs, rows), attend, arrays, sample_later=sample_later)
         self._slots.length[slots] += 1
         if chunk is not None:
             self._slots.length[chunk.slot] = chunk.end
 
     def collect(self) -> list[Sample]:
-        """The samples of the oldest dispatched step, one per input in input order; waits for
-        the device to finish it."""
-        require(bool(self._pending), "collect with no step dispatched")
+        """The oldest dispatched step's samples, one per input in input order (waits for the device)."""
+        require(bool(self._pending), "collect with no step dispatched (or only one whose sampling waits)")
         step = self._pending.popleft()
         tokens, logprobs, tops = fetch(step.samples, step.top_n)
         slots = step.slots.tolist()
         return [Sample(t, p, tops[s]) for s, t, p in zip(slots, tokens[slots].tolist(), logprobs[slots].tolist())]
-
-    def _launch(
-        self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, attend: int,
-        chunk: tuple[np.ndarray, np.ndarray] | None = None, greedy_only: bool | None = None,
-    ) -> None:
-        """Enqueue a decode step: one executable, or with split_sampler the layers and then the
-        sampler variant `greedy_only` says (None: greedy where every row is greedy and wants no
-        alternatives, and greedy_variant allows it)."""
-        along = None if chunk is None else self._put(chunk)
-        if not self.split_sampler:
-            k, v, self._last, *samples = self._steps.step(
-                *self._step_args(*self._put((ints, floats)), along), cfg=self.config, attend=attend
-            )
-        else:
-            ints_d, floats_d = self._put((ints, floats)) if self.plan else jax.device_put((ints, floats))  # once for both calls
-            k, v, x = self._steps.layers_step(*self._layers_args(ints_d, along), cfg=self.config, attend=attend)
-            if greedy_only is None:
-                greedy_only = self.greedy_variant and not (floats[:, TEMPERATURE] > 0).any() and not (ints[:, TOP_N] > 0).any()
-            self.sampler_calls["greedy" if greedy_only else "full"] += 1
-            self._last, *samples = self._steps.step_sampler(
-                x, self._weights.final_norm, self._lm_head, self._mask, self._last, ints_d, floats_d, cfg=self.config,
-                greedy_only=bool(greedy_only),
-            )
-        self._k, self._v = list(k), list(v)
-        self._pending.append(Pending(slots, ints[:, TOP_N].copy(), tuple(samples)))
 
     def release(self, slot: int) -> None:
         self._slots.release(slot)

@@ -3,7 +3,7 @@
 The mesh (engine.jax_backend.mesh) spans every process's devices, so every jitted call is a
 collective: each process must make the same calls, with the same host arguments, in the same
 order. Process 0 runs the gRPC server and the scheduler; its model is wrapped in a `Leader`,
-which publishes each call the scheduler makes (set_pages, prefill, decode, ban, release, ...) to JAX's
+which publishes each call the scheduler makes (set_pages, prefill, decode, ban, dispatch_sampling, ...) to JAX's
 coordination key-value store (the service `jax.distributed.initialize` starts in process 0) under
 a numbered key, then makes it. Every other process runs `follow`: it reads key 0, 1, 2, ... and
 makes the same call on its own copy of the model. The per-step decisions thus travel through

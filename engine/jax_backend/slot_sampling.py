@@ -85,6 +85,21 @@ def mask_row(head_size: int, vocab_size: int, masked_ids=(), banned: np.ndarray 
     return row
 
 
+def mask_rows(head_size: int, vocab_size: int, slots: Sequence[int], banned: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Several slots' mask rows at once from their banned ids [R, V] bool, padded to `size` rows
+    (a compiled row count) by repeating the first: -> (rows [size, V'] bool, slots [size] i32)."""
+    r = len(slots)
+    require(banned.dtype == bool and banned.shape == (r, vocab_size) and 0 < r <= size, f"banned rows of {banned.dtype} {banned.shape} for {r} slots")
+    require(len(set(slots)) == r, "a slot twice in one ban")
+    rows = np.zeros((size, head_size), bool)  # [size, V']
+    n = min(vocab_size, head_size)
+    rows[:r, :n] = banned[:, :n]
+    rows[r:] = rows[0]
+    padded = np.full(size, slots[0], np.int32)
+    padded[:r] = slots
+    return rows, padded
+
+
 def chunk_arrays(
     table: np.ndarray, ids: Sequence[int], start: int, size: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

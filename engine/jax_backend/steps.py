@@ -55,6 +55,12 @@ def write_mask(mask: jax.Array, row: jax.Array, slot: jax.Array) -> jax.Array:
     return jax.lax.dynamic_update_slice(mask, row[None], (slot, 0))  # [B, V'] with row [V'] at slot
 
 
+def write_masks(mask: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """mask [B, V'] with rows [R, V'] at slots [R] (a slot listed twice is given the same row
+    twice: the host pads R to a compiled size so)."""
+    return mask.at[slots].set(rows)
+
+
 def head_and_sample(
     x: jax.Array,  # [R, 1, E]
     final_norm: jax.Array,
@@ -235,6 +241,7 @@ class Steps:
         )
         self.last_hidden = jax.jit(own(last_hidden), **o)
         self.write_mask = jax.jit(own(write_mask), donate_argnums=0, **o)
+        self.write_masks = jax.jit(own(write_masks), donate_argnums=0, **o)  # compiled per row bucket
         self.sample = jax.jit(own(head_and_sample, head_size=head_size), static_argnames="cfg", donate_argnames="last", **o)
         self.packed_sample = jax.jit(
             own(rows_head_and_sample, head_size=head_size), static_argnames="cfg", donate_argnames="last", **o
@@ -243,6 +250,6 @@ class Steps:
     def jitted(self) -> tuple:
         """Every jitted function (for counting compilations)."""
         return (
-            self.embed, self.prefill_layers, self.step, self.last_hidden, self.write_mask, self.sample,
+            self.embed, self.prefill_layers, self.step, self.last_hidden, self.write_mask, self.write_masks, self.sample,
             self.packed_layers, self.packed_ends, self.packed_sample, self.layers_step, self.step_sampler,
         )
