@@ -253,6 +253,7 @@ def test_nothing_compiles_after_warm_up(model):
     layers = rows * attend * (1 + along) + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
     samplers = 2 * rows if model.split_sampler else 0  # an accelerator's decode step: greedy and full samplers apart
     small = prompts + prompts + 1 + 1  # embed and last of a prompt; write_mask; a prompt's head and sampling
+    small += rows  # write_masks: a step's constrained rows' mask rows, one call per row bucket
     packed = model.packed_prefill_sizes  # a packed prefill: one layer and the last positions per size
     every = tuple(t for t in model.buckets if t <= 256)  # the CPU packs every prompt bucket, an accelerator the largest
     assert packed == (every if jax.default_backend() == "cpu" else every[-1:])
