@@ -28,7 +28,7 @@ from engine.constraints.spec import Constraint, ConstraintError
 from engine.core.constrained import NO_TOKENIZER, ConstraintCompiler
 from engine.core.engine import Engine, EngineConfig
 from engine.core.engine_process import EngineProcess
-from engine.core.errors import InvalidArgument
+from engine.core.errors import DecoderFault, InvalidArgument
 from engine.core.events import Finished, FinishReason
 from engine.core.request import Request, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
@@ -277,6 +277,31 @@ def test_a_row_that_allows_nothing_fails_the_request_not_the_engine(tok):
         assert isinstance(sink.error, InvalidArgument) and sink.error.field == "constraint"
         assert sink.tokens == []
         assert run(engine, small, "regex", "a").tokens == [A]
+    finally:
+        engine.stop()
+
+
+class IgnoresBans(ScriptedModel):
+    """A broken model: it takes the banned rows and samples its script regardless."""
+
+    def ban(self, slots, banned) -> None:
+        pass
+
+
+def test_a_model_that_samples_a_banned_id_fails_that_request_not_the_engine(compiler):
+    """Past the first token (sampled under the row its setup carries), the model keeps sampling
+    under that first row, which does not hold JSON's next step: the matcher refuses an id, the
+    request fails with DecoderFault (INTERNAL: a model bug, not the caller's), and the engine
+    serves the next request."""
+    engine = Engine(IgnoresBans(vocab_size=512, eos_token_ids=EOS, max_batch_size=2, max_context_length=64))
+    engine.start()
+    try:
+        sink = run(engine, compiler, "json_object", "", n=8)
+        assert isinstance(sink.error, DecoderFault) and "constraint bans" in str(sink.error)
+        assert engine.stats().alive and engine.stats().slots_in_use == 0
+        plain = run(engine, compiler, None, "", n=3)
+        finished(plain)
+        assert plain.tokens == [11, 12, 13] and engine.stats().alive
     finally:
         engine.stop()
 

@@ -16,17 +16,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support.pages import own_pages_all
+from support.greedy import greedy_ids
 
-from engine.core.model import DecodeInput, SlotSetup
-from engine.core.request import SamplingParams
 from engine.jax_backend import channel_quant, memory_plan, quantize, transformer
 from engine.jax_backend.jax_model import JaxModel
 from engine.jax_backend.weights import load_channels, load_checkpoint
 from engine.model_store.checkpoint import tokenizer_size
 
 ASSETS = Path(__file__).parent / "assets"
-GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
 # |logit - bfloat16's| <= BOUND x the row's largest |bfloat16 logit|, over every id of every
 # teacher-forced step of tiny-llama's golden cases (measured: int8 0.031, fp8 0.094; tiny-qwen2/3
 # alike). fp8's e4m3 keeps 3 bits of mantissa on both operands, int8 ~7 on one.
@@ -151,18 +148,6 @@ def test_a_tied_head_is_the_int8_embedding_and_the_plan_counts_it_once():
     assert plan.weights == quantize.weight_bytes(ckpt.weights)
 
 
-def _greedy(model: JaxModel, prompts: list[tuple[int, ...]], n: int, fed: list[list[int]] | None = None) -> list[list[int]]:
-    """Greedy ids; with `fed`, each step is fed fed[slot][i] instead of the model's own pick."""
-    own_pages_all(model)
-    ids = [[model.prefill(slot, p, GREEDY, False).token_id] for slot, p in enumerate(prompts)]
-    for i in range(n - 1):
-        last = [(fed[slot][i] if fed else ids[slot][-1]) for slot in range(len(prompts))]
-        outs = model.decode([DecodeInput(slot, last[slot], len(p) + i, False) for slot, p in enumerate(prompts)])
-        for slot, sample in enumerate(outs):
-            ids[slot].append(sample.token_id)
-    for slot in range(len(prompts)):
-        model.release(slot)
-    return ids
 
 
 def test_the_engine_serves_them_where_the_cpu_kernels_are_off_or_on(cpu_backend, loaded_kernels):
@@ -179,7 +164,7 @@ def test_the_engine_serves_them_where_the_cpu_kernels_are_off_or_on(cpu_backend,
     assert model.kernels and model._weights.layers[0].w_qkv.q.dtype == channel_quant.FP8
     assert all(layer.panels is None for layer in model._decode_weights)
     cases = json.loads((path / "golden.json").read_text())["cases"]
-    got = _greedy(model, [tuple(c["prompt_ids"]) for c in cases], 4)
+    got = greedy_ids(model, [tuple(c["prompt_ids"]) for c in cases], 4)
     assert got == [c["greedy_ids"][:4] for c in cases]
 
 

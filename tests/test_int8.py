@@ -16,11 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from support import tiny_gguf
-from support.pages import own_pages_all
+from support.greedy import greedy_ids
 from support.pool_threads import on_threads
 
-from engine.core.model import DecodeInput, SlotSetup
-from engine.core.request import SamplingParams
 from engine.jax_backend import cpu_kernels, quantize
 from engine.jax_backend import weights as weights_mod
 from engine.jax_backend.jax_model import JaxModel
@@ -28,7 +26,6 @@ from engine.model_store import gguf_blocks, gguf_convert
 from engine.model_store.gguf_convert import convert_gguf
 
 ASSETS = Path(__file__).parent / "assets"
-GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
 T = gguf.GGMLQuantizationType
 
 pytestmark = pytest.mark.usefixtures("loaded_kernels")  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
@@ -183,19 +180,6 @@ def test_the_thread_count_is_respected():
     np.testing.assert_array_equal(results["panel", 1], results["panel", 2])
 
 
-def _greedy(model: JaxModel, prompts: list[tuple[int, ...]], n: int, fed: list[list[int]] | None = None) -> list[list[int]]:
-    """Greedy ids; with `fed`, each step is fed fed[slot][i] instead of the model's own last pick
-    (teacher forcing: the picks are then compared at equal histories)."""
-    own_pages_all(model)
-    ids = [[model.prefill(slot, p, GREEDY, False).token_id] for slot, p in enumerate(prompts)]
-    for i in range(n - 1):
-        last = [(fed[slot][i] if fed else ids[slot][-1]) for slot in range(len(prompts))]
-        outs = model.decode([DecodeInput(slot, last[slot], len(p) + i, False) for slot, p in enumerate(prompts)])
-        for slot, sample in enumerate(outs):
-            ids[slot].append(sample.token_id)
-    for slot in range(len(prompts)):
-        model.release(slot)
-    return ids
 
 
 def test_int8_greedy_ids_follow_float32_with_a_quarter_of_the_bytes_and_no_compiles_after_warm_up():
@@ -211,9 +195,9 @@ def test_int8_greedy_ids_follow_float32_with_a_quarter_of_the_bytes_and_no_compi
     assert quantize.weight_bytes(int8._weights) <= 0.3 * quantize.weight_bytes(f32._weights)
     int8.warm_up()
     compiled = int8.compilations()
-    want = _greedy(f32, prompts[:1], 16) + _greedy(f32, prompts[1:], 16)
-    forced = _greedy(int8, prompts[:1], 16, want[:1]) + _greedy(int8, prompts[1:], 16, want[1:])
-    free = _greedy(int8, prompts[:1], 16) + _greedy(int8, prompts[1:], 16)
+    want = greedy_ids(f32, prompts[:1], 16) + greedy_ids(f32, prompts[1:], 16)
+    forced = greedy_ids(int8, prompts[:1], 16, want[:1]) + greedy_ids(int8, prompts[1:], 16, want[1:])
+    free = greedy_ids(int8, prompts[:1], 16) + greedy_ids(int8, prompts[1:], 16)
     assert int8.compilations() == compiled
     same = sum(a == b for ra, rb in zip(want, forced) for a, b in zip(ra, rb))
     assert same >= 0.95 * 48, (want, forced)
@@ -332,8 +316,8 @@ def test_a_gguf_directory_serves_int8_from_its_blocks_in_the_float32_layout(tmp_
             np.testing.assert_array_equal(np.asarray(quantize.dequantize(getattr(b, field))).T, np.asarray(getattr(a, field)), err_msg=field)
         np.testing.assert_array_equal(np.asarray(b.attn_norm), np.asarray(a.attn_norm))
     prompts = [(5, 70, 80, 90), (100, 101)]
-    want = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="float32"), prompts, 12)
-    got = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="int8"), prompts, 12)
+    want = greedy_ids(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="float32"), prompts, 12)
+    got = greedy_ids(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="int8"), prompts, 12)
     assert got == want
 
 
@@ -372,8 +356,8 @@ def test_a_q4_1_gguf_serves_its_own_values_and_a_directory_without_one_is_quanti
             assert getattr(b, field).offset is not None, field
             np.testing.assert_array_equal(np.asarray(quantize.dequantize(getattr(b, field))).T, np.asarray(getattr(a, field)), err_msg=field)
     prompts = [(5, 70, 80, 90), (100, 101)]
-    want = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="float32"), prompts, 12)
-    got = _greedy(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="int8"), prompts, 12)
+    want = greedy_ids(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="float32"), prompts, 12)
+    got = greedy_ids(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="int8"), prompts, 12)
     assert got == want
     (model_dir / gguf_convert.GGUF_NAME).unlink()
     from_f32 = weights_mod.load_int8(model_dir).weights
@@ -403,12 +387,12 @@ def test_the_default_model_served_int8_from_its_gguf_follows_float32(real_model)
     assert (model_dir / gguf_convert.GGUF_NAME).is_file()
     prompts = [tuple(p) for p in agreement_prompts(model_dir)]
     kw = dict(max_batch_size=8, max_context_length=256)
-    want = _greedy(JaxModel.load(model_dir, weights="float32", **kw), prompts, AGREEMENT_TOKENS)  # (served: int8)
+    want = greedy_ids(JaxModel.load(model_dir, weights="float32", **kw), prompts, AGREEMENT_TOKENS)  # (served: int8)
     int8 = JaxModel.load(model_dir, weights="int8", **kw)
-    assert agreement(want, _greedy(int8, prompts, AGREEMENT_TOKENS)) >= 0.95
+    assert agreement(want, greedy_ids(int8, prompts, AGREEMENT_TOKENS)) >= 0.95
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     france = tuple(tok.encode(chat_prompt("What is the capital of France?"), add_special_tokens=False).ids)
-    (answer,) = _greedy(int8, [france], 8)
+    (answer,) = greedy_ids(int8, [france], 8)
     assert tok.decode(answer[: answer.index(2)]) == "The capital of France is Paris."
 
 

@@ -17,7 +17,6 @@ import json
 import pathlib
 from typing import Literal
 
-import httpx2 as httpx
 import jsonschema
 import openai
 import pydantic
@@ -27,6 +26,9 @@ from pydantic import BaseModel, Field
 
 from engine.constraints import Constraint, Vocabulary
 from tests.support.openai_stack import MODEL_NAME, TINY, Stack
+from tests.support.openai_stack import json_ask as ask
+from tests.support.openai_stack import post_chat as post
+from tests.support.openai_stack import sdk_client as client
 from tests.support.schema_suite import SUITE, Digit, Person
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -42,18 +44,6 @@ def stack():
 @pytest.fixture(scope="module")
 def vocabulary():
     return Vocabulary.from_tokenizer_json(TINY / "tokenizer.json", 512, frozenset({0, 2}))
-
-
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url, api_key="unused", _strict_response_validation=True, timeout=30)
-
-
-def ask(text: str) -> list[dict]:
-    return [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": text}]
-
-
-def post(stack: Stack, body: dict) -> httpx.Response:
-    return httpx.post(stack.url + "/chat/completions", json=body, timeout=30)
 
 
 class Free(BaseModel):

@@ -18,24 +18,15 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.support.openai_stack import MODEL_NAME, Stack
+from tests.support.openai_stack import json_ask as ask
+from tests.support.openai_stack import post_chat as post
+from tests.support.openai_stack import sdk_client as client
 
 
 @pytest.fixture(scope="module")
 def stack():
     with Stack(constrained=True, max_context_length=2048) as s:  # four tools' descriptions take 1,500 tokens
         yield s
-
-
-def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=stack.url, api_key="unused", _strict_response_validation=True, timeout=30)
-
-
-def ask(text: str) -> list[dict]:
-    return [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": text}]
-
-
-def post(stack: Stack, body: dict) -> httpx.Response:
-    return httpx.post(stack.url + "/chat/completions", json=body, timeout=30)
 
 
 class Add(BaseModel):

@@ -102,7 +102,7 @@ from typing import Callable, Protocol
 
 from engine.core.admission import admit, reserve_pages
 from engine.core.constrained import banned_row, banned_rows
-from engine.core.errors import EngineStopped, InvalidArgument, QueueFull
+from engine.core.errors import DecoderFault, EngineStopped, InvalidArgument, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
 from engine.core.kv_pages import KvPages, PageStats
 from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, PromptInput, Sample, SlotSetup
@@ -695,8 +695,19 @@ class Engine:
         return self._read_at - started if timed else None
 
     def _advance(self, live: _Live, sample: Sample) -> None:
-        """Apply the one decision to a sampled token and send the resulting events."""
-        decision = decide(sample.token_id, live.emitted, live.rule, live.matcher)
+        """Apply the one decision to a sampled token and send the resulting events. A constrained
+        request whose matcher refuses the id (the model sampled past its banned row: a model
+        bug, not the caller's) fails alone, with DecoderFault; the engine goes on."""
+        try:
+            decision = decide(sample.token_id, live.emitted, live.rule, live.matcher)
+        except ValueError as error:  # engine.constraints.ConstraintError, from Matcher.advance
+            if live.matcher is None:
+                raise
+            log.error("request %s: the model sampled id %d, which its constraint bans: %s",
+                      live.request.request_id, sample.token_id, error)
+            self._release(live)
+            live.sink.fail(DecoderFault(f"the model sampled id {sample.token_id}, which the request's constraint bans"))
+            return
         events: list[Event] = []
         if decision.emit:
             live.emitted += 1

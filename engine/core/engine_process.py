@@ -54,7 +54,7 @@ from typing import Callable
 
 from engine.core.admission import admit
 from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink
-from engine.core.errors import EngineStopped, InvalidArgument, ModelLoadFailed, QueueFull
+from engine.core.errors import DecoderFault, EngineStopped, InvalidArgument, ModelLoadFailed, QueueFull
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
 from engine.core.kv_pages import PageStats
 from engine.core.model import KvLayout, ModelFactory, ModelInfo, load
@@ -295,9 +295,10 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
 
 
 # as the child's engine raised them (an InvalidArgument: a constrained request whose grammar
-# allows no token, engine.core.constrained.banned_row)
+# allows no token, engine.core.constrained.banned_row; a DecoderFault: the model sampled an id
+# its constraint bans)
 _FAILURES = {
-    "QueueFull": QueueFull, "EngineStopped": EngineStopped,
+    "QueueFull": QueueFull, "EngineStopped": EngineStopped, "DecoderFault": DecoderFault,
     "InvalidArgument": lambda message: InvalidArgument(*message.split(": ", 1)) if ": " in message else InvalidArgument("constraint", message),
 }
 

@@ -133,3 +133,22 @@ class Stack:
             for metric in self.metrics.requests.collect() for s in metric.samples
             if s.name.endswith("_total") and s.labels["path"] == path
         }
+
+
+def sdk_client(stack: Stack):
+    """The official SDK against the stack, validating every response strictly."""
+    import openai
+
+    return openai.OpenAI(base_url=stack.url, api_key="unused", _strict_response_validation=True, timeout=30)
+
+
+def json_ask(text: str) -> list[dict]:
+    """Chat messages asking, in the user turn, for an answer in JSON."""
+    return [{"role": "system", "content": "Answer in JSON."}, {"role": "user", "content": text}]
+
+
+def post_chat(stack: Stack, body: dict):
+    """POST /chat/completions as a raw request (for what the SDK would refuse to send or read)."""
+    import httpx2 as httpx
+
+    return httpx.post(stack.url + "/chat/completions", json=body, timeout=30)
