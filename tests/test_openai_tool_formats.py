@@ -111,20 +111,31 @@ def vocabulary():
     return Vocabulary.from_tokenizer_json(TINY / "tokenizer.json", 512, frozenset({0, 2}))
 
 
-def _walk(vocabulary, lark: str, start: int) -> str:
-    """The scripted model's policy under the grammar: id+1 where allowed, else the lowest allowed."""
+def _generate(vocabulary, lark: str, pick) -> str:
+    """The text of ids chosen one at a time under the grammar by `pick(banned [V], last id)`, up to
+    EOS (0 or 2, allowed only where the grammar accepts) or a complete output, at most 400 ids."""
     matcher = vocabulary.compile(Constraint("lark", lark)).matcher()
-    out, token = [], start
+    out, token = [], None
     for _ in range(400):
-        allowed = ~matcher.banned()  # [V]
-        token = token + 1 if token + 1 < 512 and allowed[token + 1] else int(allowed.argmax())
+        token = pick(matcher.banned(), token)
         if token in (0, 2):
             break
         matcher.advance(token)
         out.append(token)
         if matcher.complete():
             break
+    assert matcher.complete() or token in (0, 2), "the walk did not end within 400 tokens"
     return TOKENIZER.decode(out)
+
+
+def _walk(vocabulary, lark: str, start: int) -> str:
+    """The scripted model's policy under the grammar: id+1 where allowed, else the lowest allowed."""
+
+    def pick(banned, last):
+        nxt = (start if last is None else last) + 1
+        return nxt if nxt < 512 and not banned[nxt] else int(np.argmin(banned))
+
+    return _generate(vocabulary, lark, pick)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -144,20 +155,13 @@ def test_each_format_s_grammar_only_writes_calls_it_reads_back(vocabulary, fmt, 
 def _sample(vocabulary, lark: str, rng: np.random.Generator) -> str:
     """A temperature-1 sample from random logits under the grammar, as the decoder samples: the
     banned ids masked before the softmax, EOS allowed only where the grammar accepts."""
-    matcher = vocabulary.compile(Constraint("lark", lark)).matcher()
-    out = []
-    for _ in range(400):
-        logits = np.where(matcher.banned(), -np.inf, 3 * rng.standard_normal(512))  # [V]
+
+    def pick(banned, last):
+        logits = np.where(banned, -np.inf, 3 * rng.standard_normal(512))  # [V]
         p = np.exp(logits - logits.max())  # [V]
-        token = int(rng.choice(512, p=p / p.sum()))
-        if token in (0, 2):
-            break
-        matcher.advance(token)
-        out.append(token)
-        if matcher.complete():
-            break
-    assert matcher.complete() or token in (0, 2), "the walk did not end within 400 tokens"
-    return TOKENIZER.decode(out)
+        return int(rng.choice(512, p=p / p.sum()))
+
+    return _generate(vocabulary, lark, pick)
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
