@@ -10,6 +10,7 @@ Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (Hypothesis's own convention; 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import secrets
 import shutil
@@ -25,9 +26,25 @@ from engine.core.engine import EngineConfig
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2_grpc
 from services.decode_server import start_decode_server
-from support import cpu_alone, prerequisites
+from support import cpu_alone, file_order, prerequisites
 from support.backend import require_cpu
 from support.examples import FULL
+
+# On a CPU-only install the test run compiles at LLVM's optimization level 0 (XLA_FLAGS, inherited
+# by the servers and children that tests start): the same HLO, run by code that LLVM optimized
+# less, for about 40% less CPU per compile, and compiles are most of this suite's time on the
+# 2-core machine (docs/notes/test-suite-time.md). Results can differ from the served build's in
+# the last bit of a float (the order of a vectorized sum); every comparison in the suite is
+# between paths of this same run or against a reference within a tolerance. Where a GPU plugin is
+# installed (scripts/gpu_check runs the suite there) nothing changes, and
+# TOKENWIRE_TEST_SERVED_XLA=1 compiles at XLA's default, as decode-server does.
+def _accelerator_installed() -> bool:
+    return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+
+
+if not (os.environ.get("TOKENWIRE_TEST_SERVED_XLA") or _accelerator_installed()
+        or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 # No Hypothesis deadline in either: a deadline is a wall-clock bound on each example, which a
 # loaded host breaks (speed is the benchmarks' question).
@@ -132,6 +149,7 @@ def pytest_configure(config) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ[_RUN_DIR] = tempfile.mkdtemp(prefix="tokenwire-test-run-")
     cpu_alone.open_lock(Path(os.environ[_RUN_DIR]) / "cpu.lock")
+    file_order.register(config)  # whole files longest first, for scripts/test's workers
 
 
 def pytest_unconfigure(config) -> None:
