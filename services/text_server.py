@@ -220,4 +220,7 @@ async def start_text_server(
         "text service on %s:%d, decoder %s serving %s (%d ready replica(s))",
         options.host, running.port, decoder_target, info.model_id, len(census.ready_ids()),
     )
+    tools = tokenizer.tool_template  # what DescribeChat tells the HTTP front
+    log.info("chat template: tool calls in the %s format, tools shown %s", tools.format or "no known",
+             "by the template" if tools.renders_tools else "by the caller")
     return server
