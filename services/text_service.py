@@ -162,18 +162,37 @@ def _tokenize_response(ids: Sequence[int], in_pieces: bool) -> text_pb2.Tokenize
 
 
 NO_ARGUMENTS = {"type": "object", "properties": {}}
+# As deep as a constraint's JSON Schema may nest (docs/constraints.md): the template writes the
+# schema with `tojson`, and the shield walks it, both recursively.
+MAX_TOOL_DEPTH = 128
+
+
+def _depth(value: object) -> int:
+    """How many levels of objects and arrays a JSON value nests ({}: 1, a scalar: 0), without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            pending += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
 
 
 def _tool_from_pb(tool: text_pb2.ChatTool, i: int) -> dict:
     """A ChatTool as chat templates take it: OpenAI's {"type": "function", "function": {...}}."""
+    field = f"chat.tools[{i}].parameters"
     if not tool.name:
         raise InvalidArgument(f"chat.tools[{i}].name", "must not be empty")
     try:
         parameters = json.loads(tool.parameters) if tool.parameters else NO_ARGUMENTS
     except ValueError as error:
-        raise InvalidArgument(f"chat.tools[{i}].parameters", f"is not JSON: {error}") from None
+        raise InvalidArgument(field, f"is not JSON: {error}") from None
+    except RecursionError:
+        raise InvalidArgument(field, f"nests deeper than {MAX_TOOL_DEPTH} levels") from None
     if not isinstance(parameters, dict):
-        raise InvalidArgument(f"chat.tools[{i}].parameters", "must be a JSON object (a JSON Schema)")
+        raise InvalidArgument(field, "must be a JSON object (a JSON Schema)")
+    if _depth(parameters) > MAX_TOOL_DEPTH:
+        raise InvalidArgument(field, f"nests deeper than {MAX_TOOL_DEPTH} levels")
     return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": parameters}}
 
 

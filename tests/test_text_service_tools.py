@@ -71,6 +71,8 @@ async def test_chat_tools_are_shown_by_the_template(tmp_path):
         ids = list((await stub.Tokenize(pb.TokenizeRequest(chat=_chat(ADD)))).token_ids)
         without = list((await stub.Tokenize(pb.TokenizeRequest(chat=_chat()))).token_ids)
         bare = list((await stub.Tokenize(pb.TokenizeRequest(chat=_chat(pb.ChatTool(name="ping"))))).token_ids)
+        deepest = '{"a":' * 127 + "{}" + "}" * 127  # 128 levels: the most allowed
+        assert (await stub.Tokenize(pb.TokenizeRequest(chat=_chat(pb.ChatTool(name="deep", parameters=deepest))))).token_ids
     tool = {"type": "function", "function": {"name": "add", "description": "Add one.", "parameters": PARAMETERS}}
     assert ids == tokenizer.encode_chat([ChatMessage("user", "add one to 1")], tools=[tool])
     assert f"<tools>\n{json.dumps(tool)}\n</tools>" in tokenizer.decode(ids, keep_special_tokens=True)
@@ -85,11 +87,12 @@ async def test_chat_tools_are_shown_by_the_template(tmp_path):
         (pb.ChatTool(name="", parameters="{}"), "chat.tools[0].name"),
         (pb.ChatTool(name="f", parameters="{"), "chat.tools[0].parameters"),
         (pb.ChatTool(name="f", parameters="[1]"), "chat.tools[0].parameters"),
-        (pb.ChatTool(name="f", description="x" * 200), "chat.messages"),  # tools count toward max_input_chars
+        (pb.ChatTool(name="f", parameters='{"a":' * 128 + "{}" + "}" * 128), "chat.tools[0].parameters"),  # 129 levels
+        (pb.ChatTool(name="f", description="x" * 2000), "chat.messages"),  # tools count toward max_input_chars
     ],
 )
 async def test_bad_chat_tools_are_invalid_argument_naming_the_field(tmp_path, tool, field):
-    async with tokenizer_stub(tiny_with_template(QWEN25, tmp_path), max_input_chars=100) as stub:
+    async with tokenizer_stub(tiny_with_template(QWEN25, tmp_path), max_input_chars=1500) as stub:
         with pytest.raises(grpc.aio.AioRpcError) as err:
             await stub.Tokenize(pb.TokenizeRequest(chat=_chat(tool)))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
