@@ -26,7 +26,7 @@ MAX_REQUEST_ID_LENGTH = 128
 
 # --- the text service's input limits, checked before any tokenizing ----------------------------
 
-# Characters of text input (a prompt, Tokenize text, a chat's roles and contents summed).
+# Characters of text input (a prompt, Tokenize text, a chat's roles, contents and tools summed).
 # 1 Mi characters: a 128 Ki-token context (the largest common one) at 8 characters per token
 # (generous: English BPE averages about 4), which bounds the CPU one request's tokenizing takes
 # (docs/benchmarks.md, 'Figures behind code comments').

@@ -18,8 +18,9 @@ function, then its result) and looks at what came out:
 with `tools`: then the template's own words show the tools (Qwen's `# Tools` system section,
 Llama's tool list in the first user turn), which is what the model was trained on.
 
-Templates are rendered as transformers renders them (tokenizer_svc.chat), so a template that
-raises on the probe, or writes nothing for it, is simply "no format": never an error.
+Templates are rendered as transformers renders them (tokenizer_svc.chat). One that raises on
+the probe, or writes nothing for it, is "no format", never an error: reading the format must not
+stop a model from loading.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import json
 import re
 from dataclasses import dataclass
 
-from tokenizer_svc.chat import ChatTemplate, ChatTemplateError
+from tokenizer_svc.chat import ChatTemplate
 
 QWEN, SMOLLM2, LLAMA3 = "qwen", "smollm2", "llama3"
 
@@ -99,9 +100,11 @@ def format_of(text: str) -> str | None:
 
 
 def _rendered(template: ChatTemplate, messages: list[dict], tools: list[dict] | None) -> str | None:
+    """The template's text for the probe, or None when it fails in any way: a template that
+    cannot render the probe has no format we can read, and must not stop the model loading."""
     try:
         return template.render_values(messages=messages, tools=tools, add_generation_prompt=True)
-    except ChatTemplateError:
+    except Exception:  # ChatTemplateError, and whatever else a template raises
         return None
 
 

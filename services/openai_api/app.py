@@ -11,8 +11,9 @@ model name (404), refuse known-but-unsupported fields (400 naming the first), lo
 check `response_format` and the tools (services.openai_api.structured, .tools; the model's tool
 format is the one its chat template writes, asked of the text service's DescribeChat once, on
 the first request that needs it), then open one text-service `Generate` per choice.
-Non-streamed: collect them while watching for the client's disconnect. Streamed: wait for the first event, so that a refusal (400, 429, 503)
-is still an HTTP status, then answer 200 with the event stream. Leaving early in any way closes
+Non-streamed: collect them while watching for the client's disconnect. Streamed: wait for the
+first event, so that a refusal (400, 429, 503) is still an HTTP status, then answer 200 with the
+event stream. Leaving early in any way closes
 the gRPC calls, which cancels the text service's work and frees the decode slot.
 
 Bearer auth: with `auth_token` set, every route but /health and /ready needs
