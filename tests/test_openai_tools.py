@@ -2,8 +2,9 @@
 turns, calls read back (services.openai_api.tools, .tool_formats), on the real stack
 (tests/support/openai_stack.py: the scripted model, which takes its scripted id when the
 constraint allows it and the lowest allowed id when not, with tiny-llama's real tokenizer) through
-the official `openai` SDK. Each family's format without a stack is in
-tests/test_openai_tool_formats.py.
+the official `openai` SDK. Its ChatML template writes no tool calls, so the front uses its
+fallback format, SmolLM2's; one test swaps in Qwen2.5's template to get Qwen's. Each family's
+format without a stack is in tests/test_openai_tool_formats.py.
 """
 
 from __future__ import annotations
