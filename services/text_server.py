@@ -143,7 +143,7 @@ async def start_text_server(
     model they serve that fits this tokenizer, then serve. Raises ModelMismatch, or
     grpc.aio.AioRpcError when no decoder can be reached in time.
 
-    Limits: text input (a prompt, Tokenize text, a chat's roles and contents summed) over
+    Limits: text input (a prompt, Tokenize text, a chat's roles, contents and tools summed) over
     `max_input_chars` characters and a Detokenize over `max_detokenize_ids` ids are
     INVALID_ARGUMENT before any tokenizing; a request that would be one more than
     `max_in_flight` (Generate, Complete, Tokenize, Detokenize together; None: no cap) is
@@ -220,4 +220,8 @@ async def start_text_server(
         "text service on %s:%d, decoder %s serving %s (%d ready replica(s))",
         options.host, running.port, decoder_target, info.model_id, len(census.ready_ids()),
     )
+    tools = tokenizer.tool_template  # what DescribeChat tells the HTTP front
+    log.info("chat template: tool calls %s, tools shown by %s",
+             f"in the {tools.format!r} format" if tools.format else "in no format known here",
+             "the template" if tools.renders_tools else "the caller")
     return server

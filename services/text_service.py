@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -32,7 +33,7 @@ from typing import AsyncGenerator, AsyncIterator, Callable, Iterator, Sequence, 
 
 from engine.core.async_engine import AsyncEngine
 from engine.core.constrained import ConstraintCompiler
-from engine.core.errors import check_token_ids
+from engine.core.errors import InvalidArgument, check_token_ids
 from engine.core.events import Event, Finished
 from engine.core.model import ModelInfo
 from protos.decode.v1 import decode_pb2
@@ -43,7 +44,7 @@ from services.decode_events import event_to_pb
 from services.errors import grpc_errors
 from services.metrics import Metrics
 from services.sent_together import sent_together
-from tokenizer_svc import generation
+from tokenizer_svc import generation, tool_template
 from tokenizer_svc.chat import ChatMessage
 from tokenizer_svc.generation import (
     Chat,
@@ -160,9 +161,62 @@ def _tokenize_response(ids: Sequence[int], in_pieces: bool) -> text_pb2.Tokenize
 # --- protobuf <-> tokenizer_svc ----------------------------------------------------------------
 
 
+NO_ARGUMENTS = {"type": "object", "properties": {}}
+# As deep as a constraint's JSON Schema may nest (docs/constraints.md): the template writes the
+# schema with `tojson`, and the shield walks it, both recursively.
+MAX_TOOL_DEPTH = 128
+
+
+def _depth(value: object) -> int:
+    """How many levels of objects and arrays a JSON value nests ({}: 1, a scalar: 0), without recursion."""
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            pending += [(v, depth + 1) for v in (item.values() if isinstance(item, dict) else item)]
+    return deepest
+
+
+def _tool_from_pb(tool: text_pb2.ChatTool, i: int) -> dict:
+    """A ChatTool as chat templates take it: OpenAI's {"type": "function", "function": {...}}."""
+    field = f"chat.tools[{i}].parameters"
+    if not tool.name:
+        raise InvalidArgument(f"chat.tools[{i}].name", "must not be empty")
+    try:
+        parameters = json.loads(tool.parameters) if tool.parameters else NO_ARGUMENTS
+    except ValueError as error:
+        raise InvalidArgument(field, f"is not JSON: {error}") from None
+    except RecursionError:
+        raise InvalidArgument(field, f"nests deeper than {MAX_TOOL_DEPTH} levels") from None
+    if not isinstance(parameters, dict):
+        raise InvalidArgument(field, "must be a JSON object (a JSON Schema)")
+    if _depth(parameters) > MAX_TOOL_DEPTH:
+        raise InvalidArgument(field, f"nests deeper than {MAX_TOOL_DEPTH} levels")
+    return {"type": "function", "function": {"name": tool.name, "description": tool.description, "parameters": parameters}}
+
+
 def chat_from_pb(chat: text_pb2.Chat) -> Chat:
     add_generation_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
-    return Chat(tuple(ChatMessage(m.role, m.content) for m in chat.messages), add_generation_prompt)
+    tools = tuple(_tool_from_pb(t, i) for i, t in enumerate(chat.tools))
+    return Chat(tuple(ChatMessage(m.role, m.content) for m in chat.messages), add_generation_prompt, tools)
+
+
+_TOOL_FORMATS = {
+    tool_template.QWEN: text_pb2.TOOL_FORMAT_QWEN,
+    tool_template.SMOLLM2: text_pb2.TOOL_FORMAT_SMOLLM2,
+    tool_template.LLAMA3: text_pb2.TOOL_FORMAT_LLAMA3,
+}
+
+
+def chat_description(tokenizer: TextTokenizer) -> text_pb2.ChatDescription:
+    """What the tokenizer's chat template does with tools (read once, when it was loaded)."""
+    tools = tokenizer.tool_template
+    return text_pb2.ChatDescription(
+        has_template=tokenizer.chat_template is not None,
+        tool_format=_TOOL_FORMATS.get(tools.format, text_pb2.TOOL_FORMAT_UNSPECIFIED),
+        renders_tools=tools.renders_tools,
+    )
 
 
 def encode_chat(tokenizer: TextTokenizer, chat: text_pb2.Chat) -> list[int]:
@@ -238,6 +292,10 @@ class TokenizerServicer(text_pb2_grpc.TokenizerServicer):
             size = validation.id_count("token_ids", request.token_ids, self.max_detokenize_ids)
             text = await _work(size, _decode_in_pieces, self.tokenizer, request.token_ids, request.keep_special_tokens, "token_ids")
             return text_pb2.DetokenizeResponse(text=text)
+
+    @grpc_errors
+    async def DescribeChat(self, request: text_pb2.DescribeChatRequest, context):
+        return chat_description(self.tokenizer)  # read at load: nothing to admit or wait for
 
 
 # --- where the decode runs ---------------------------------------------------------------------

@@ -26,7 +26,7 @@ MAX_REQUEST_ID_LENGTH = 128
 
 # --- the text service's input limits, checked before any tokenizing ----------------------------
 
-# Characters of text input (a prompt, Tokenize text, a chat's roles and contents summed).
+# Characters of text input (a prompt, Tokenize text, a chat's roles, contents and tools summed).
 # 1 Mi characters: a 128 Ki-token context (the largest common one) at 8 characters per token
 # (generous: English BPE averages about 4), which bounds the CPU one request's tokenizing takes
 # (docs/benchmarks.md, 'Figures behind code comments').
@@ -50,14 +50,16 @@ def text_chars(field: str, text: str, limit: int) -> int:
 
 
 def chat_chars(chat: text_pb2.Chat, limit: int, field: str = "chat.messages") -> int:
-    """The characters of a chat's roles and contents, summed (what its template renders besides
-    its own markup); InvalidArgument naming `field` when there are more than MAX_CHAT_MESSAGES
-    messages or more than `limit` characters."""
+    """The characters of a chat's roles and contents and its tools' texts, summed (what its
+    template renders besides its own markup); InvalidArgument naming `field` when there are more
+    than MAX_CHAT_MESSAGES messages or more than `limit` characters."""
     if len(chat.messages) > MAX_CHAT_MESSAGES:
         raise InvalidArgument(field, _over(len(chat.messages), "messages", MAX_CHAT_MESSAGES))
     total = sum(len(m.role) + len(m.content) for m in chat.messages)
+    total += sum(len(t.name) + len(t.description) + len(t.parameters) for t in chat.tools)
     if total > limit:
-        raise InvalidArgument(field, _over(total, "characters (roles and contents summed)", limit))
+        what = "roles, contents and tools" if chat.tools else "roles and contents"
+        raise InvalidArgument(field, _over(total, f"characters ({what} summed)", limit))
     return total
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import math
 import operator
@@ -276,12 +277,33 @@ def chat_messages(chat: tpb.Chat) -> tuple[tuple[ChatMessage, ...], bool]:
     return tuple(ChatMessage(m.role, m.content) for m in chat.messages), add
 
 
+def _nesting(value) -> int:
+    return 1 + max(map(_nesting, value.values() if isinstance(value, dict) else value), default=0) if isinstance(value, (dict, list)) else 0
+
+
+def _tool_problems(chat: tpb.Chat) -> set[str]:
+    """A tool with no name or parameters that are not a JSON object's text; any tool at all, since
+    the fuzzed model's ChatML template shows none (the text service refuses `chat.tools` then)."""
+    problems = set()
+    for i, tool in enumerate(chat.tools):
+        problems |= {"chat.tools"} | ({f"chat.tools[{i}].name"} if not tool.name else set())
+        try:
+            value = json.loads(tool.parameters) if tool.parameters else {}
+            if not isinstance(value, dict) or _nesting(value) > 128:  # text.proto's limit
+                raise ValueError
+        except (ValueError, RecursionError):
+            problems.add(f"chat.tools[{i}].parameters")
+    return problems
+
+
 def chat_problems(tokenizer: TextTokenizer, chat: tpb.Chat) -> set[str]:
-    """The fields of a chat that are out of range: no messages, an empty role, or a message the
-    tokenizer itself cannot encode as plain text (ChatTemplateError: tests/test_chat_forgery.py)."""
+    """The fields of a chat that are out of range: no messages, an empty role, a tool (see
+    `_tool_problems`), or a message the tokenizer itself cannot encode as plain text
+    (ChatTemplateError: tests/test_chat_forgery.py)."""
+    tools = _tool_problems(chat)
     if not chat.messages:
-        return {"chat.messages"}
-    problems = {f"chat.messages[{i}].role" for i, m in enumerate(chat.messages) if not m.role}
+        return {"chat.messages"} | tools
+    problems = {f"chat.messages[{i}].role" for i, m in enumerate(chat.messages) if not m.role} | tools
     if not problems:
         try:
             tokenizer.encode_chat(*chat_messages(chat))
@@ -593,6 +615,7 @@ detokenize_requests = st.builds(
 REQUESTS = {  # request type -> well-formed messages of it, for corrupting
     dpb.DecodeRequest: decode_requests(),
     dpb.GetModelInfoRequest: st.just(dpb.GetModelInfoRequest()),
+    tpb.DescribeChatRequest: st.just(tpb.DescribeChatRequest()),
     tpb.TokenizeRequest: tokenize_requests,
     tpb.DetokenizeRequest: detokenize_requests,
     tpb.GenerateRequest: generate_requests,

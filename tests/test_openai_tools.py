@@ -2,8 +2,9 @@
 turns, calls read back (services.openai_api.tools, .tool_formats), on the real stack
 (tests/support/openai_stack.py: the scripted model, which takes its scripted id when the
 constraint allows it and the lowest allowed id when not, with tiny-llama's real tokenizer) through
-the official `openai` SDK. Each family's format without a stack is in
-tests/test_openai_tool_formats.py.
+the official `openai` SDK. Its ChatML template writes no tool calls, so the front uses its
+fallback format, SmolLM2's; one test swaps in Qwen2.5's template to get Qwen's. Each family's
+format without a stack is in tests/test_openai_tool_formats.py.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from tests.support.chat_templates import QWEN25, tiny_with_template
 from tests.support.openai_stack import MODEL_NAME, Stack
 from tests.support.openai_stack import json_ask as ask
 from tests.support.openai_stack import post_chat as post
 from tests.support.openai_stack import sdk_client as client
+from tokenizer_svc.chat import ChatMessage
+from tokenizer_svc.tokenizer import TextTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +90,31 @@ def assert_allowed_and_valid(name: str, arguments: str, tool_set: list[dict], ch
     MODELS[name].model_validate_json(arguments)
 
 
-def test_the_tool_format_is_detected_from_the_tokenizer(stack):
-    """tiny-llama's tokenizer has neither <tool_call> nor <|python_tag|> as one token: SmolLM2's format."""
+def test_a_template_without_a_tool_section_gets_smollm2_s_format(stack):
+    """tiny-llama's ChatML template writes no tool calls: the front falls back to SmolLM2's format."""
     cut = client(stack).chat.completions.create(
         model=MODEL_NAME, messages=ask("add"), tools=TOOLS, tool_choice="required", max_tokens=20
     )
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
     assert cut.choices[0].message.content.startswith("<tool_call>[{")  # a cut call stays text
+
+
+def test_a_forced_call_on_qwen_s_template_comes_out_in_qwen_s_format(tmp_path):
+    """tiny-llama's tokenizer with Qwen2.5's chat template: the text service reads Qwen's format
+    from it, the template shows the tools in its own words, and a forced call is Qwen's block."""
+    model_dir = tiny_with_template(QWEN25, tmp_path)
+    request = {"model": MODEL_NAME, "messages": ask("call"), "tools": TOOLS, "tool_choice": "required"}
+    with Stack(constrained=True, tokenizer_dir=model_dir, max_context_length=2048) as qwen:
+        cut = client(qwen).chat.completions.create(**request, max_tokens=20).choices[0]
+        whole = client(qwen).chat.completions.create(**request, parallel_tool_calls=False, max_tokens=200)
+    assert cut.finish_reason == "length" and cut.message.content.startswith('<tool_call>\n{"name":"'), cut
+    assert whole.choices[0].finish_reason == "tool_calls"
+    [call] = whole.choices[0].message.tool_calls
+    assert_allowed_and_valid(call.function.name, call.function.arguments, TOOLS, "required")
+    shown = [{"type": "function", "function": {k: t["function"][k] for k in ("name", "description", "parameters")}} for t in TOOLS]
+    conversation = [ChatMessage(m["role"], m["content"]) for m in ask("call")]
+    prompt = TextTokenizer.from_dir(model_dir).encode_chat(conversation, tools=shown)  # Qwen's "# Tools" section
+    assert whole.usage.prompt_tokens == len(prompt)
 
 
 @pytest.mark.parametrize("choice, name", [("required", None), ({"type": "function", "function": {"name": "weather"}}, "weather")])

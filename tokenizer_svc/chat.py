@@ -5,15 +5,16 @@ there: a jinja2 `ImmutableSandboxedEnvironment` with `trim_blocks`, `lstrip_bloc
 `loopcontrols` extension; `raise_exception(msg)` and `strftime_now(fmt)` as globals; a `tojson`
 filter that keeps non-ASCII text as is (json.dumps with ensure_ascii=False); a `namespace` that
 refuses underscore-prefixed attributes; and the variables `messages` (a list of {"role", "content"}
-dicts), `tools` and `documents` (None), `add_generation_prompt`, and the named special tokens the
-tokenizer config sets (`bos_token`, `eos_token`, `unk_token`, ...; unset ones stay undefined).
+dicts), `tools` (the chat's tools as JSON values, or None without any), `documents` (None),
+`add_generation_prompt`, and the named special tokens the tokenizer config sets (`bos_token`,
+`eos_token`, `unk_token`, ...; unset ones stay undefined).
 
 The template comes from chat_template.jinja if the directory has one (newer transformers save it
 there), else from tokenizer_config.json's "chat_template": a string, or a list of
 {"name", "template"} of which the one named "default" is used.
 
-Where we differ from transformers: text a user writes (a message's role or content) never becomes
-a special token. transformers renders the template and tokenizes the result, so "<|im_end|>" typed
+Where we differ from transformers: text a user writes (a message's role or content, any string in
+a tool) never becomes a special token. transformers renders the template and tokenizes the result, so "<|im_end|>" typed
 in a message is the real control token and a user can forge a turn. Here `SpecialTextShield` hands
 the template each message with special-token text swapped for private-use stand-ins; the tokenizer
 (`TextTokenizer.encode_chat`) turns them back into the same text, encoded as plain text. Messages
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import jinja2
 from jinja2.ext import loopcontrols
@@ -105,18 +106,26 @@ class ChatTemplate:
         *,
         add_generation_prompt: bool = True,
         special_tokens: Mapping[str, str] | None = None,
+        tools: Sequence[object] = (),
     ) -> str:
         """The template's text; any error the template raises becomes ChatTemplateError with its message.
 
-        `special_tokens` maps names such as "bos_token" to token text; they are template variables."""
+        `special_tokens` maps names such as "bos_token" to token text; they are template variables.
+        `tools` (JSON values, OpenAI's {"type": "function", "function": {...}}) are the template's
+        `tools` variable; none: None, as transformers passes it."""
+        return self.render_values(
+            **(special_tokens or {}),
+            messages=[{"role": m.role, "content": m.content} for m in messages],
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+        )
+
+    def render_values(self, **variables: object) -> str:
+        """The template rendered with these variables (`documents` None unless given), errors
+        mapped as in `render`. For callers that need messages beyond (role, content), such as
+        tokenizer_svc.tool_template's probe of an assistant turn with `tool_calls`."""
         try:
-            return self._template.render(
-                **(special_tokens or {}),
-                messages=[{"role": m.role, "content": m.content} for m in messages],
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-            )
+            return self._template.render(**{"documents": None, "tools": None, **variables})
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
@@ -211,12 +220,25 @@ class SpecialTextShield:
         Messages without special-token text come back as they are, and the table is empty when no
         message had any. Stand-in characters are none of those in the messages, in the special
         texts, or in `avoid` (the template's source)."""
+        shielded, _, restore = self.shield_chat(messages, (), avoid)
+        return shielded, restore
+
+    def shield_chat(
+        self, messages: Sequence[ChatMessage], tools: Sequence[object], avoid: str = ""
+    ) -> tuple[Sequence[ChatMessage], Sequence[object], dict[int, str]]:
+        """`shield` for a chat with tools: (messages, tools, table). Every string in `tools` (JSON
+        values: object keys too) is shielded as a message's content is; a template writes tools
+        with `tojson`, which leaves the stand-ins as they are. Stand-ins avoid the tools' text too."""
         plans = [(m, self._ranges(m.role), self._ranges(m.content)) for m in messages]
-        if not any(role or content for _, role, content in plans):
-            return messages, {}
+        tool_texts = [text for tool in tools for text in strings_of(tool)]
+        tool_plans = {text: spans for text in tool_texts if (spans := self._ranges(text))}
+        if not tool_plans and not any(role or content for _, role, content in plans):
+            return messages, tools, {}
         taken = set(avoid) | self._chars
         for m in messages:
             taken.update(m.role, m.content)
+        for text in tool_texts:
+            taken.update(text)
         free = (chr(c) for lo, hi in _STAND_IN_RANGES for c in range(lo, hi + 1) if chr(c) not in taken)
         stand_ins: dict[str, str] = {}  # special text (or piece of one) -> its stand-in
 
@@ -238,4 +260,31 @@ class SpecialTextShield:
             ChatMessage(replace(m.role, role), replace(m.content, content)) if role or content else m
             for m, role, content in plans
         ]
-        return shielded, {ord(stand_in): text for text, stand_in in stand_ins.items()}
+        shielded_tools = [
+            _map_strings(tool, lambda text: replace(text, tool_plans[text]) if text in tool_plans else text) for tool in tools
+        ]
+        return shielded, shielded_tools, {ord(stand_in): text for text, stand_in in stand_ins.items()}
+
+
+def strings_of(value: object) -> Iterator[str]:
+    """Every string in a JSON value: object keys and string values, at any depth."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from strings_of(key)
+            yield from strings_of(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from strings_of(item)
+
+
+def _map_strings(value: object, fn: Callable[[str], str]) -> object:
+    """A JSON value with `fn` applied to each of its strings (object keys too)."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, Mapping):
+        return {fn(key) if isinstance(key, str) else key: _map_strings(item, fn) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(item, fn) for item in value]
+    return value

@@ -60,6 +60,9 @@ class Chat:
 
     messages: tuple[ChatMessage, ...]
     add_generation_prompt: bool = True
+    # functions the model may call, as the template's `tools` variable (JSON values: OpenAI's
+    # {"type": "function", "function": {...}}); only for a template that shows them itself
+    tools: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,14 +139,17 @@ class MissingLogprob(DecoderFault):
 def encode_chat(tokenizer: TextTokenizer, chat: Chat) -> list[int]:
     """The chat's prompt ids (`TextTokenizer.encode_chat`: special-token text in a message is plain
     text). InvalidArgument for no messages, an empty role, no template, a template that raised
-    (its message is kept), or a message the tokenizer cannot encode without a special token."""
+    (its message is kept), a message the tokenizer cannot encode without a special token, or
+    tools for a template that does not show them (they would vanish from the prompt unseen)."""
     if not chat.messages:
         raise InvalidArgument("chat.messages", "must not be empty")
     for i, message in enumerate(chat.messages):
         if not message.role:
             raise InvalidArgument(f"chat.messages[{i}].role", "must not be empty")
+    if chat.tools and not tokenizer.tool_template.renders_tools:
+        raise InvalidArgument("chat.tools", "this model's chat template does not show tools: write them into a message")
     try:
-        return tokenizer.encode_chat(chat.messages, add_generation_prompt=chat.add_generation_prompt)
+        return tokenizer.encode_chat(chat.messages, add_generation_prompt=chat.add_generation_prompt, tools=chat.tools)
     except ChatTemplateError as error:
         problem = str(error)
     raise InvalidArgument("chat", problem)

@@ -32,7 +32,10 @@ from tokenizer_svc.chat import (
     ChatTemplateError,
     SpecialTextShield,
     load_chat_template,
+    strings_of,
 )
+from tokenizer_svc import tool_template
+from tokenizer_svc.tool_template import TemplateTools
 from tokenizer_svc.vocabulary import Vocabulary
 
 _NO_TEMPLATE = "this tokenizer has no chat template (tokenizer_config.json or chat_template.jinja)"
@@ -84,6 +87,10 @@ class TextTokenizer:
         # Named special tokens ("bos_token" -> "<s>") from tokenizer_config.json; chat templates see them.
         self.special_token_names: Mapping[str, str] = dict(special_token_names or {})
         self.chat_template = chat_template
+        # the tool-call format the template writes, and whether it shows a chat's tools itself
+        self.tool_template: TemplateTools = (
+            tool_template.read(chat_template) if chat_template is not None else tool_template.NO_TOOLS
+        )
         added = tokenizer.get_added_tokens_decoder()
         self._shield = SpecialTextShield(added[i].content for i in self.special_token_ids)
         # A special token with normalized=true is matched after the normalizer, so text that only
@@ -133,31 +140,38 @@ class TextTokenizer:
 
     # --- chat ---------------------------------------------------------------------------------
 
-    def render_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text the model's chat template makes of `messages` (ChatTemplateError if none)."""
+    def render_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[object] = ()
+    ) -> str:
+        """The prompt text the model's chat template makes of `messages` and `tools` (JSON values
+        the template sees as its `tools` variable); ChatTemplateError if there is no template."""
         if self.chat_template is None:
             raise ChatTemplateError(_NO_TEMPLATE)
         return self.chat_template.render(
-            messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special_token_names
+            messages, add_generation_prompt=add_generation_prompt, special_tokens=self.special_token_names, tools=tools
         )
 
-    def encode_chat(self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[ChatMessage], add_generation_prompt: bool = True, tools: Sequence[object] = ()
+    ) -> list[int]:
         """The chat's prompt ids: only the template's own text makes special ids.
 
         Messages without special-token text: transformers' apply_chat_template(tokenize=True)
         exactly, i.e. the rendered text encoded without the post-processor (the template writes
-        any BOS itself). Special-token text in a role or content (e.g. "<|im_end|>") is encoded
-        as plain text where transformers makes it the special token. ChatTemplateError when the
-        tokenizer cannot keep that promise for this chat (see `_ChatEncoder`)."""
+        any BOS itself). Special-token text in a role or content (e.g. "<|im_end|>"), or in any
+        string of `tools`, is encoded as plain text where transformers makes it the special
+        token. ChatTemplateError when the tokenizer cannot keep that promise for this chat (see
+        `_ChatEncoder`)."""
         if self.chat_template is None:
             raise ChatTemplateError(_NO_TEMPLATE)
         avoid = self.chat_template.source + "".join(self.special_token_names.values())
-        shielded, restore = self._shield.shield(messages, avoid=avoid)
+        shielded, shielded_tools, restore = self._shield.shield_chat(messages, tools, avoid)
         if self._normalized_special is not None:
             normalize = self._tokenizer.normalizer.normalize_str
-            if any(self._normalized_special.search(normalize(t)) for m in shielded for t in (m.role, m.content)):
+            texts = [t for m in shielded for t in (m.role, m.content)] + [t for tool in shielded_tools for t in strings_of(tool)]
+            if any(self._normalized_special.search(normalize(t)) for t in texts):
                 raise ChatTemplateError("a chat message holds text the tokenizer normalizes into a special token")
-        text = self.render_chat(shielded, add_generation_prompt)
+        text = self.render_chat(shielded, add_generation_prompt, shielded_tools)
         if not restore:
             return _encoding(self._tokenizer, text).ids
         return self._get_chat_encoder().encode(text, restore)

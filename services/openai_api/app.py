@@ -9,10 +9,11 @@ SERVING, which it does only while its decoder does: both backends reachable), /m
 A generation: validate the body (pydantic; 400 on failure, services.openai_api.errors), check the
 model name (404), refuse known-but-unsupported fields (400 naming the first), log unknown ones,
 check `response_format` and the tools (services.openai_api.structured, .tools; the model's tool
-format is detected once, on the first request that needs it, through the text service's
-Tokenize), then open one text-service `Generate` per choice. Non-streamed: collect them while watching for
-the client's disconnect. Streamed: wait for the first event, so that a refusal (400, 429, 503)
-is still an HTTP status, then answer 200 with the event stream. Leaving early in any way closes
+format is the one its chat template writes, asked of the text service's DescribeChat once, on
+the first request that needs it), then open one text-service `Generate` per choice.
+Non-streamed: collect them while watching for the client's disconnect. Streamed: wait for the
+first event, so that a refusal (400, 429, 503) is still an HTTP status, then answer 200 with the
+event stream. Leaving early in any way closes
 the gRPC calls, which cancels the text service's work and frees the decode slot.
 
 Bearer auth: with `auth_token` set, every route but /health and /ready needs
@@ -49,13 +50,14 @@ from services.openai_api.schemas import (
     unsupported_fields,
 )
 from services.openai_api.streaming import ClientGone, EventStream, first_and_rest, merged, until_disconnected
-from services.openai_api.tool_formats import FALLBACK, FORMATS, MARKERS, ToolFormat
+from services.openai_api.tool_formats import FALLBACK, FORMATS, ToolFormat
 from services.security import ClientTlsConfig
 from services.service_names import TEXT_GENERATION_SERVICE
 
 log = logging.getLogger("tokenwire.api")
 
 OPEN_PATHS = ("/health", "/ready")
+_FORMAT_NAMES = {text_pb2.TOOL_FORMAT_QWEN: "qwen", text_pb2.TOOL_FORMAT_SMOLLM2: "smollm2", text_pb2.TOOL_FORMAT_LLAMA3: "llama3"}
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 429, 500, 503, 504)}
 
 
@@ -70,7 +72,7 @@ class ApiOptions:
     auth_token: str | None = None  # the token clients of this front must send
     request_timeout_s: float | None = 600.0  # a generation's deadline at the text service (504 past it)
     ready_timeout_s: float = 2.0
-    tool_format: str | None = None  # services.openai_api.tool_formats.FORMATS; None: detected from the tokenizer
+    tool_format: str | None = None  # services.openai_api.tool_formats.FORMATS; None: the chat template's (DescribeChat)
 
 
 def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAPI:
@@ -96,22 +98,26 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         return state["client"]
 
     async def tool_format() -> ToolFormat:
-        """The model's tool format: given, or detected once from its tokenizer (tool_formats)."""
+        """The model's tool format: the one its chat template writes, as the text service reads it
+        (Tokenizer.DescribeChat; tool_formats), asked once; `options.tool_format` overrides it."""
         if "tool_format" not in state:
-            name = options.tool_format
-            if name is None:
-                name = FALLBACK
-                stub = text_pb2_grpc.TokenizerStub(client().channel)
-                for marker, candidate in MARKERS:
-                    try:
-                        answer = await stub.Tokenize(text_pb2.TokenizeRequest(text=marker), timeout=options.request_timeout_s)
-                    except grpc.aio.AioRpcError as error:
-                        raise from_grpc(error, "tools") from None
-                    if len(answer.token_ids) == 1:
-                        name = candidate
-                        break
-                log.info("tool calls in the %r format", name)
-            state["tool_format"] = FORMATS[name]
+            stub = text_pb2_grpc.TokenizerStub(client().channel)
+            try:
+                described = await stub.DescribeChat(text_pb2.DescribeChatRequest(), timeout=options.request_timeout_s)
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise from_grpc(error, "tools") from None
+                # a text service older than DescribeChat: its template is unknown here
+                log.warning("the text service cannot describe its chat template (no DescribeChat): its tool format is unknown")
+                described = text_pb2.ChatDescription()
+            template_format = _FORMAT_NAMES.get(described.tool_format)
+            name = options.tool_format or template_format or FALLBACK
+            fmt = FORMATS[name]
+            if described.renders_tools and name == template_format:  # the template's own words for its own format
+                fmt = fmt.shown_by_template()
+            log.info("tool calls in the %r format (the chat template's: %s), tools shown by %s", name,
+                     template_format or "none known", "the template" if fmt.template_shows_tools else "this front")
+            state["tool_format"] = fmt
         return state["tool_format"]
 
     def check_model(model: str | None) -> None:

@@ -63,8 +63,8 @@ def chat_pb(
 ) -> text_pb2.Chat:
     """Messages as the text service's Chat: non-text parts refused; tool turns, earlier calls and
     the offered tools written in the model's tool format `fmt` (services.openai_api.tools),
-    refused without one."""
-    chat = text_pb2.Chat(add_generation_prompt=add_generation_prompt)
+    refused without one; the offered tools in Chat.tools where the chat template shows them."""
+    chat = text_pb2.Chat(add_generation_prompt=add_generation_prompt, tools=tools.chat_tools(plan, fmt))
     for role, content in tools.conversation(messages, plan, fmt, _message_text):
         chat.messages.add(role=_ROLE_ALIASES.get(role, role), content=content)
     return chat

@@ -9,10 +9,12 @@ Three formats, each the one its family is trained on:
     block holding a JSON list of calls, results as Qwen's;
   * `llama3` (Llama 3.1/3.2 JSON tool calling): the answer is one JSON object
     `{"name": ..., "parameters": {...}}`, one call per answer, results in an `ipython` turn.
-The front cannot read the chat template (the text service renders it), so `detect` picks the
-format from the tokenizer's vocabulary through the text service's Tokenize: Qwen's tokenizers
-have `<tool_call>` as one token, Llama 3's have `<|python_tag|>`; any other model (SmolLM2,
-whose shipped template has no tool section, and the ChatML test checkpoints) gets `smollm2`.
+The format is the one the model's chat template writes: the text service reads it from the
+template (tokenizer_svc/tool_template.py, by rendering a probe call) and reports it with
+Tokenizer.DescribeChat. A template that writes none of them (SmolLM2's shipped one has no tool
+section, nor do the ChatML test checkpoints') gets FALLBACK, `smollm2`. Where the template also
+shows a `tools` list in its own words (Qwen's and Llama's do), the tools go to it as Chat.tools
+(`template_shows_tools`) instead of this module's `instructions`.
 
 An answer is read as calls only when it starts (after whitespace) with the format's opener and
 every call in it parses and names a tool offered; anything else stays text.
@@ -20,6 +22,7 @@ every call in it parses and names a tool offered; anything else stays text.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -75,6 +78,13 @@ class ToolFormat:
     opener = ""  # what an answer that calls starts with
     parallel = True  # whether one answer can hold several calls
     arguments_key = "arguments"
+    template_shows_tools = False  # the chat template shows the tools (Chat.tools), not `instructions`
+
+    def shown_by_template(self) -> "ToolFormat":
+        """This format, with the offered tools shown by the model's chat template."""
+        other = copy.copy(self)
+        other.template_shows_tools = True
+        return other
 
     def instructions(self, tools: list[Tool]) -> str:
         raise NotImplementedError
@@ -209,6 +219,4 @@ class Llama3Format(ToolFormat):
 
 
 FORMATS = {f.name: f for f in (QwenFormat(), SmolLM2Format(), Llama3Format())}
-# (marker, format): the first marker the tokenizer holds as one token decides
-MARKERS = (("<tool_call>", "qwen"), ("<|python_tag|>", "llama3"))
-FALLBACK = "smollm2"
+FALLBACK = "smollm2"  # for a template that writes no tool calls we know

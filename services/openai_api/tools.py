@@ -15,9 +15,11 @@ Request side (`plan_of`, `conversation`, `constraint_of`):
     .grammar), so every answer is a call whose arguments match the tool's schema.
   * `parallel_tool_calls` (default true): false allows one call per answer (Llama 3's format
     holds one anyway).
-  * the tools are shown in the format's words in the system message (appended to the first
-    system/developer message, or a new one first); an assistant turn's `tool_calls` are written
-    back in the format, and a `tool` turn becomes the format's result turn.
+  * the tools are shown by the model's chat template in its own words where it does that
+    (`chat_tools`: Chat.tools, when the format is the template's and ToolFormat
+    .template_shows_tools), else in the format's words in the system message (appended to the
+    first system/developer message, or a new one first); an assistant turn's `tool_calls` are
+    written back in the format, and a `tool` turn becomes the format's result turn.
 Answer side (`read_calls`, `ToolStream`): an answer that starts with the format's opener and
 parses as calls to offered tools becomes `message.tool_calls` (ids `call_<hex>`), content null,
 finish_reason `tool_calls`; a `length` cut stays text with `length`.
@@ -33,6 +35,7 @@ from typing import Any
 
 from engine.constraints import ConstraintError, lark_term
 from protos.decode.v1 import decode_pb2
+from protos.text.v1 import text_pb2
 from services.openai_api.errors import ApiError, not_supported
 from services.openai_api.tool_formats import Call, Tool, ToolFormat
 
@@ -158,13 +161,24 @@ def conversation(messages: list, plan: ToolPlan | None, fmt: ToolFormat | None, 
             turns.append((message.role, (text + "\n" if text else "") + fmt.render(calls)))
         else:
             turns.append((message.role, text_of(message, i)))
-    if plan is not None:
+    if plan is not None and not fmt.template_shows_tools:
         instructions = fmt.instructions(list(plan.tools))
         if turns and turns[0][0] in ("system", "developer"):
             turns[0] = (turns[0][0], f"{turns[0][1]}\n\n{instructions}" if turns[0][1] else instructions)
         else:
             turns.insert(0, ("system", instructions))
     return turns
+
+
+def chat_tools(plan: ToolPlan | None, fmt: ToolFormat | None) -> list[text_pb2.ChatTool]:
+    """The offered tools for the chat template to show, when it shows them (else none: they are
+    in the system message's instructions, `conversation`)."""
+    if plan is None or fmt is None or not fmt.template_shows_tools:
+        return []
+    return [
+        text_pb2.ChatTool(name=t.name, description=t.description, parameters=json.dumps(t.parameters, ensure_ascii=False))
+        for t in plan.tools
+    ]
 
 
 def call_json(call: Call) -> dict:

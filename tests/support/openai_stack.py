@@ -34,6 +34,7 @@ class Stack:
         self, *, step_delay_s: float = 0.0, max_batch_size: int = 4, max_queue_size: int = 8,
         max_in_flight: int | None = None, auth_token: str | None = None, request_timeout_s: float | None = 60.0,
         constrained: bool = False, tool_format: str | None = None, max_context_length: int = 1024,
+        tokenizer_dir: Path = TINY,
     ) -> None:
         self.model = ScriptedModel(
             vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=max_batch_size,
@@ -44,6 +45,9 @@ class Stack:
         # constrained: the decode server compiles constraints against tiny-llama's tokenizer
         # (the scripted model then writes its scripted id where allowed, else the lowest allowed)
         self.constrained, self.tool_format = constrained, tool_format
+        # the text service's tokenizer files: tiny-llama's, or a copy of them with another chat
+        # template (tests/support/chat_templates.py)
+        self.tokenizer_dir = tokenizer_dir
         self.metrics = ApiMetrics()
         self.loop = asyncio.new_event_loop()
         self.decode: DecodeServer | None = None
@@ -75,7 +79,7 @@ class Stack:
     async def _start(self) -> None:
         tokenizer_json = TINY / "tokenizer.json" if self.constrained else None
         self.decode = await start_decode_server(self.model, EngineConfig(max_queue_size=self.max_queue_size), tokenizer_json=tokenizer_json)
-        tokenizer = TextTokenizer.from_dir(TINY)
+        tokenizer = TextTokenizer.from_dir(self.tokenizer_dir)
         self.text = await start_text_server(tokenizer, f"127.0.0.1:{self.decode.port}", max_in_flight=self.max_in_flight)
         options = ApiOptions(
             f"127.0.0.1:{self.text.port}", MODEL_NAME, auth_token=self.auth_token, request_timeout_s=self.request_timeout_s,

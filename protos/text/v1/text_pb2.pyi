@@ -1,11 +1,23 @@
 from protos.decode.v1 import decode_pb2 as _decode_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ToolFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_FORMAT_UNSPECIFIED: _ClassVar[ToolFormat]
+    TOOL_FORMAT_QWEN: _ClassVar[ToolFormat]
+    TOOL_FORMAT_SMOLLM2: _ClassVar[ToolFormat]
+    TOOL_FORMAT_LLAMA3: _ClassVar[ToolFormat]
+TOOL_FORMAT_UNSPECIFIED: ToolFormat
+TOOL_FORMAT_QWEN: ToolFormat
+TOOL_FORMAT_SMOLLM2: ToolFormat
+TOOL_FORMAT_LLAMA3: ToolFormat
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")
@@ -16,12 +28,38 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class Chat(_message.Message):
-    __slots__ = ("messages", "add_generation_prompt")
+    __slots__ = ("messages", "add_generation_prompt", "tools")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     add_generation_prompt: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[ChatTool]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools: _Optional[_Iterable[_Union[ChatTool, _Mapping]]] = ...) -> None: ...
+
+class ChatTool(_message.Message):
+    __slots__ = ("name", "description", "parameters")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters: _Optional[str] = ...) -> None: ...
+
+class DescribeChatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChatDescription(_message.Message):
+    __slots__ = ("has_template", "tool_format", "renders_tools")
+    HAS_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    RENDERS_TOOLS_FIELD_NUMBER: _ClassVar[int]
+    has_template: bool
+    tool_format: ToolFormat
+    renders_tools: bool
+    def __init__(self, has_template: _Optional[bool] = ..., tool_format: _Optional[_Union[ToolFormat, str]] = ..., renders_tools: _Optional[bool] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "chat", "add_special_tokens")

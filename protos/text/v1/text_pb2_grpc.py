@@ -45,6 +45,11 @@ class TokenizerStub:
                 request_serializer=protos_dot_text_dot_v1_dot_text__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=protos_dot_text_dot_v1_dot_text__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.DescribeChat = channel.unary_unary(
+                '/tokenwire.text.v1.Tokenizer/DescribeChat',
+                request_serializer=protos_dot_text_dot_v1_dot_text__pb2.DescribeChatRequest.SerializeToString,
+                response_deserializer=protos_dot_text_dot_v1_dot_text__pb2.ChatDescription.FromString,
+                _registered_method=True)
 
 
 class TokenizerServicer:
@@ -65,6 +70,13 @@ class TokenizerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeChat(self, request, context):
+        """What the model's chat template does with tools, read from the template at start-up.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TokenizerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +89,11 @@ def add_TokenizerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=protos_dot_text_dot_v1_dot_text__pb2.DetokenizeRequest.FromString,
                     response_serializer=protos_dot_text_dot_v1_dot_text__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'DescribeChat': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeChat,
+                    request_deserializer=protos_dot_text_dot_v1_dot_text__pb2.DescribeChatRequest.FromString,
+                    response_serializer=protos_dot_text_dot_v1_dot_text__pb2.ChatDescription.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,33 @@ class Tokenizer:
             '/tokenwire.text.v1.Tokenizer/Detokenize',
             protos_dot_text_dot_v1_dot_text__pb2.DetokenizeRequest.SerializeToString,
             protos_dot_text_dot_v1_dot_text__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeChat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.text.v1.Tokenizer/DescribeChat',
+            protos_dot_text_dot_v1_dot_text__pb2.DescribeChatRequest.SerializeToString,
+            protos_dot_text_dot_v1_dot_text__pb2.ChatDescription.FromString,
             options,
             channel_credentials,
             insecure,
