@@ -221,32 +221,45 @@ def test_every_command_has_help(capsys):
         assert code == 0 and "usage: tokenwire " + name in out
 
 
-def test_readme_documents_every_flag_as_the_parser_has_it():
-    """Each flag's README row names its variable, its commands, its default and its --help text."""
-    import re
-
-    rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if m := re.fullmatch(r"\| `(TOKENWIRE_\w+)` \(`(--[\w-]+)`\) \| ([^|]*) \| ([^|]*) \| (.*) \|", line):
-            rows[m[2]] = (m[1], {c.strip() for c in m[3].split(",")}, m[4].strip("` "), m[5])
+def _flag_actions():
+    """(command, action) for every flag and argument of every command, the global ones as "tokenwire"."""
     parser = build_parser()
-    expected: dict[str, tuple] = {}
-    variants: dict[str, set] = {}  # (default, help) per command: a flag shared with other meanings has several
-    commands = [("all", parser)] + list(parser._subparsers._group_actions[0].choices.items())
-    for command, sub in commands:
-        for action in sub._actions:
-            for flag in (o for o in action.option_strings if o.startswith("--") and o != "--help"):
-                shown = "" if action.default is None or action.default is False or action.default in ([], "") else str(action.default)
-                help_text = action.help.rsplit(" [env ", 1)[0]
-                variable, names, _, _ = expected.get(flag, (env_name(flag), set(), shown, help_text))
-                expected[flag] = (variable, names | {command}, shown, help_text)
-                variants.setdefault(flag, set()).add((shown, help_text))
-    for flag, kinds in variants.items():
-        if len(kinds) > 1:  # the README describes every use in one row: check its variable and commands
-            expected[flag] = expected[flag][:2] + rows.get(flag, ("",) * 4)[2:]
-    assert sorted(rows) == sorted(expected), "README's configuration table and the parser differ in flags"
-    wrong = {flag: (rows[flag], want) for flag, want in expected.items() if rows[flag] != want}
-    assert not wrong, "README rows that differ from the parser (README, parser): " + repr(wrong)
+    commands = [("tokenwire", parser)] + list(parser._subparsers._group_actions[0].choices.items())
+    return [(name, a) for name, sub in commands for a in sub._actions if a.help and a.dest not in ("help", "command")]
+
+
+def test_the_configuration_reference_is_what_the_parser_generates():
+    """docs/configuration.md is written from the parser (services.config_reference); a flag added,
+    renamed or re-documented without regenerating it fails here. It names every flag."""
+    from services.config_reference import reference
+
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == reference(), "docs/configuration.md is stale: python -m services.config_reference > docs/configuration.md"
+    for command, action in _flag_actions():
+        name = action.option_strings[-1] if action.option_strings else action.metavar or action.dest
+        assert f"`{name}`" in committed, (command, name)
+        if action.option_strings:
+            assert f"`{env_name(name)}`" in committed, (command, name)
+
+
+def test_the_reference_ignores_variables_set_in_the_shell(monkeypatch):
+    """A TOKENWIRE_* variable changes a flag's default, but not the reference's defaults."""
+    from services.config_reference import reference
+
+    before = reference()
+    monkeypatch.setenv("TOKENWIRE_MAX_BATCH_SIZE", "3")
+    assert build_parser()._subparsers._group_actions[0].choices["decode-server"].get_default("max_batch_size") == 3
+    assert reference() == before and "| `8` |" in before
+
+
+def test_every_help_is_one_short_line():
+    """--help prints one line per flag (the long explanations are the reference's details), and a
+    flag that has details points there from its row."""
+    long = {(command, a.option_strings[-1] if a.option_strings else a.dest, a.summary if hasattr(a, "summary") else a.help)
+            for command, a in _flag_actions()
+            if len(getattr(a, "summary", a.help)) > 100 or "\n" in getattr(a, "summary", a.help)}
+    assert not long, long
+    assert all(hasattr(a, "summary") for command, a in _flag_actions() if a.option_strings)  # every flag through add_flag
 
 
 async def test_start_up_errors_are_one_line_and_exit_2(tmp_path):
