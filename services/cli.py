@@ -23,6 +23,7 @@ import logging
 import sys
 from pathlib import Path
 
+from engine.model_store.registry import ModelDownloadFailed
 from services.config import (
     ApiServerConfig,
     DecodeServerConfig,
@@ -36,10 +37,17 @@ from services.config import (
 from services.flags import build_parser
 
 
-def _model_dir(name_or_dir: str, cache: Path | None):
-    from engine.model_store.registry import resolve_model
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
-    return resolve_model(name_or_dir, cache, log=lambda line: print(line, file=sys.stderr))
+
+def _model_dir(name_or_dir: str, cache: Path | None):
+    """The model's directory, pulled first when a registered model is not prepared yet (its steps
+    and download progress on stderr)."""
+    from engine.model_store.registry import resolve_model
+    from services.download_progress import DownloadProgress
+
+    return resolve_model(name_or_dir, cache, log=_say, progress=DownloadProgress())
 
 
 def _require_jax(what: str) -> None:
@@ -378,8 +386,9 @@ async def _chat(a: argparse.Namespace) -> int:
 
 def _pull(a: argparse.Namespace) -> int:
     from engine.model_store.registry import pull
+    from services.download_progress import DownloadProgress
 
-    directory = pull(a.name, cache_dir(a), log=lambda line: print(line, file=sys.stderr))
+    directory = pull(a.name, cache_dir(a), log=_say, progress=DownloadProgress())
     print(directory)
     return 0
 
@@ -388,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return _run(args)
+    except ModelDownloadFailed as error:  # no network, an index down: a later try may succeed, so not 2
+        if args.log_level == "DEBUG":
+            raise
+        print(f"tokenwire {args.command}: {error}", file=sys.stderr)
+        return 1
     except (ValueError, OSError, RuntimeError) as error:  # bad model dir or name, TLS files, a taken port...
         if args.log_level == "DEBUG":
             raise
