@@ -271,6 +271,52 @@ async def test_start_up_errors_are_one_line_and_exit_2(tmp_path):
     assert code == 2 and "no decode service at 127.0.0.1:1" in err and "Traceback" not in err
 
 
+QUICK_START = ["--port", "0", "--cpu-kernels", "off", "--compilation-cache", "off"]
+
+
+@pytest.mark.parametrize("argv, reason", [
+    # the issue's case: the engine process refuses at load, naming what does not fit and what to lower
+    (["--max-batch-size", "1048576"], "refusing to serve: the model does not fit in memory: "),
+    (["--tensor-parallel", "3"], "refusing to serve: --tensor-parallel 3 does not divide the model's 4 attention heads"),
+    # flags that the parser takes one by one but that do not go together, refused before loading
+    (["--weights", "int8", "--tensor-parallel", "2"], "--weights int8 runs on one device: it cannot be combined with --tensor-parallel 2"),
+], ids=["memory", "tensor-parallel", "flags"])
+async def test_a_configuration_that_cannot_work_exits_2_with_its_reason_last(argv, reason):
+    """Through the real entry point: exit 2, the reason as the last line printed, and no word of a
+    restart anywhere (a supervisor would restart it forever)."""
+    code, _, err = await tokenwire("decode-server", "--model", str(TINY), *QUICK_START, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and reason in lines[-1], err
+    assert "supervisor" not in err and "Traceback" not in err, err
+
+
+def test_a_missing_extra_exits_2_naming_the_extra():
+    """api-server without the `api` extra (fastapi, uvicorn): one line saying what to install."""
+    for module in ("fastapi", "uvicorn"):
+        script = (f"import sys; sys.modules[{module!r}] = None  # as if the extra were not installed\n"
+                  "from services.cli import main; sys.exit(main(sys.argv[1:]))")
+        result = subprocess.run([sys.executable, "-c", script, "api-server", "--port", "0"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"tokenwire api-server: api-server needs the `api` extra ({module} is missing): pip install 'tokenwire[api]' "
+            "(--log-level DEBUG shows the traceback)"
+        ], result.stderr
+
+
+async def test_a_crash_at_load_keeps_exit_1_and_the_restart_message(tmp_path):
+    """Weights that cannot be read are not a setting to change: exit 1, for a supervisor to restart
+    the service, and the last line says so."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (TINY / name).is_file():
+            (tmp_path / name).write_bytes((TINY / name).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 4096)  # no header a reader can take
+    code, _, err = await tokenwire("decode-server", "--model", str(tmp_path), *QUICK_START)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "loading the model failed: " in last, err
+    assert last.endswith("exiting so a supervisor can restart the service"), err
+
+
 @pytest.mark.parametrize("argv", [["decode-server", "--model", str(TINY), "--port", "0"],
                                   ["generate", "--local", "--model", str(TINY), "hi"]])
 def test_commands_that_run_the_model_say_how_to_get_jax_when_it_is_missing(argv):
