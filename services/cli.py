@@ -9,107 +9,26 @@ Commands:
   health         check a server's gRPC health (exit 0 when SERVING)
   pull           prepare a registered model in the local cache; prints its directory last
 
-The flags are in services/flags.py (docs/configuration.md is generated from them).
+The flags are in services/flags.py (docs/configuration.md is generated from them); generate and
+chat in services/generation_commands.py; how a command finds and loads its model in
+services/model_loading.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
-import json
 import logging
 import sys
-from pathlib import Path
 
 from engine.model_store.registry import ModelDownloadFailed
-from services.config import (
-    ApiServerConfig,
-    DecodeServerConfig,
-    ModelOptions,
-    ProcessGroup,
-    TextServerConfig,
-    cache_dir,
-    model_options,
-    token,
-)
+from services.config import ApiServerConfig, DecodeServerConfig, TextServerConfig, cache_dir
 from services.flags import build_parser
+from services.generation_commands import chat, generate
+from services.model_loading import SCRIPTED_PREFIX, find_model_dir, load_model, require_jax, say, scripted_model
 
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _model_dir(name_or_dir: str, cache: Path | None):
-    """The model's directory, pulled first when a registered model is not prepared yet (its steps
-    and download progress on stderr)."""
-    from engine.model_store.registry import resolve_model
-    from services.download_progress import DownloadProgress
-
-    return resolve_model(name_or_dir, cache, log=_say, progress=DownloadProgress())
-
-
-def _require_jax(what: str) -> None:
-    """JAX comes with the `cpu`, `cuda12` or `cuda13` extra (or a GPU image's own); the text-side
-    install (`tokenwire[text]`) has none.
-    Looked up, not imported: the decode server's own process never needs it (its engine process does)."""
-    import importlib.util
-
-    if importlib.util.find_spec("jax") is None:
-        raise RuntimeError(
-            f"{what} runs the model with JAX, which this installation lacks: "
-            "pip install 'tokenwire[cpu]' (or 'tokenwire[cuda12]' / 'tokenwire[cuda13]' for an NVIDIA GPU)"
-        )
-
-
-def _load_model(model_dir, max_batch_size: int, options: ModelOptions, group: ProcessGroup | None = None):
-    """The model, split over `options.tensor_parallel` devices; in a process group, process 0's
-    wrapped to publish its steps and the others' to follow them (engine.jax_backend.multihost)."""
-    from engine.jax_backend.jax_model import JaxModel
-
-    if options.compilation_cache:  # before anything compiles
-        from engine.jax_backend import compilation_cache
-        from engine.model_store.registry import default_cache_dir
-
-        compilation_cache.enable((options.cache_dir or default_cache_dir()) / "xla")
-    if group is not None:
-        from engine.jax_backend import multihost
-
-        joined = multihost.Group(group.coordinator, group.num_processes, group.process_id, group.timeout_s)
-        multihost.initialize(joined, options.tensor_parallel // group.num_processes)
-    model = JaxModel.load(model_dir, options, max_batch_size=max_batch_size)
-    if group is None:
-        return model
-    return multihost.Leader(model) if joined.leads else multihost.Follower(model, joined)
-
-
-SCRIPTED_PREFIX = "scripted:"
-
-
-def scripted_model(
-    model_dir: Path, *, max_batch_size: int, max_context_length: int | None, step_ms: float, kv_cache_tokens: int = 0
-):
-    """The scripted model (engine.core.scripted_model: the token after t is t + 1) with a fixed
-    step time, in place of a real one: a stand-in for an accelerator when measuring the transport
-    (`decode-server --model scripted:DIR`, and benchmarks/transport.py in process). Its vocabulary
-    size and EOS ids are those of `model_dir`'s tokenizer, so a text service for that model can sit
-    in front of it."""
-    from engine.core.scripted_model import ScriptedModel
-    from engine.model_store.checkpoint import tokenizer_size
-    from engine.model_store.model_files import eos_token_ids
-
-    if not (model_dir / "tokenizer.json").is_file():
-        raise ValueError(f"--model scripted:DIR takes its vocabulary from DIR/tokenizer.json, and {model_dir} has none")
-    return ScriptedModel(
-        kv_cache_tokens=kv_cache_tokens,
-        vocab_size=tokenizer_size(model_dir, 1 << 31),
-        eos_token_ids=eos_token_ids(model_dir),
-        max_batch_size=max_batch_size,
-        max_context_length=max_context_length or 2048,
-        step_delay_s=step_ms / 1000,
-        model_id=f"{SCRIPTED_PREFIX}{model_dir.name}",
-    )
+_load_model = load_model  # the name tests/test_compilation_cache.py imports it by
 
 
 # -- commands -----------------------------------------------------------------------------
@@ -168,8 +87,8 @@ async def _decode_server(config: DecodeServerConfig) -> int:
     log = logging.getLogger("tokenwire")
     scripted = config.model.startswith(SCRIPTED_PREFIX)
     if not scripted:
-        _require_jax("decode-server")
-    model_dir = _model_dir(config.model.removeprefix(SCRIPTED_PREFIX), config.model_options.cache_dir)  # pull before serving
+        require_jax("decode-server")
+    model_dir = find_model_dir(config.model.removeprefix(SCRIPTED_PREFIX), config.model_options.cache_dir)  # pull before serving
     # Built in the engine process (engine.core.engine_process), so picklable: partials of
     # module-level functions.
     if scripted:
@@ -179,7 +98,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
             kv_cache_tokens=config.model_options.kv_cache_tokens,
         )
     else:
-        spawn_model = functools.partial(_load_model, model_dir, config.max_batch_size, config.model_options, config.group)
+        spawn_model = functools.partial(load_model, model_dir, config.max_batch_size, config.model_options, config.group)
     log_setup = functools.partial(configure_logging, logging.getLevelName(logging.getLogger().level))
     if config.group is not None and config.group.process_id > 0:
         return await _decode_follower(config, spawn_model, log_setup)
@@ -209,7 +128,7 @@ async def _text_server(config: TextServerConfig) -> int:
     from services.text_server import ModelMismatch, start_text_server
     from tokenizer_svc.tokenizer import TextTokenizer
 
-    tokenizer = TextTokenizer.from_dir(_model_dir(config.model, config.cache_dir))
+    tokenizer = TextTokenizer.from_dir(find_model_dir(config.model, config.cache_dir))
     metrics = Metrics()
     try:
         server = await start_text_server(
@@ -235,160 +154,11 @@ async def _text_server(config: TextServerConfig) -> int:
     return code
 
 
-def _generate_kwargs(a: argparse.Namespace) -> dict:
-    return dict(
-        max_output_tokens=a.max_tokens,
-        temperature=a.temperature,
-        top_k=a.top_k,
-        top_p=a.top_p,
-        min_p=a.min_p,
-        seed=a.seed,
-        stop_token_ids=a.stop_token_id or [],
-        ignore_eos=a.ignore_eos,
-        keep_special_tokens=a.keep_special_tokens,
-        stop_strings=a.stop or [],
-        include_stop_string=a.include_stop_string,
-    )
-
-
-def _completion_json(completion) -> str:
-    from protos.decode.v1 import decode_pb2
-
-    result = {
-        "text": completion.text,
-        "token_ids": list(completion.token_ids),
-        "reason": decode_pb2.FinishReason.Name(completion.reason).removeprefix("FINISH_REASON_").lower(),
-        "usage": {
-            "prompt_tokens": completion.usage.prompt_tokens,
-            "completion_tokens": completion.usage.completion_tokens,
-        },
-        "stop_token_id": completion.stop_token_id if completion.HasField("stop_token_id") else None,
-        "stop_string": completion.stop_string if completion.HasField("stop_string") else None,
-    }
-    return json.dumps(result, ensure_ascii=False)
-
-
-@contextlib.asynccontextmanager
-async def _generator(a: argparse.Namespace):
-    """Yield a function GenerateRequest -> stream of GenerateResponse: through a text-server, or
-    with --local the same text path over an in-process engine (no sockets)."""
-    if not a.local:
-        from services.client import AsyncTextClient
-
-        from services.security import ClientTlsConfig
-
-        tls = ClientTlsConfig.from_paths(a.tls_ca, a.tls_cert, a.tls_key)
-        async with AsyncTextClient(a.server, timeout=a.timeout, tls=tls, token=token(a)) as client:
-            yield client.stream
-        return
-
-    _require_jax("--local")
-    from engine.core.async_engine import AsyncEngine
-    from engine.core.constrained import ConstraintCompiler
-    from engine.core.engine import Engine
-    from services.text_server import check_tokenizer_matches
-    from services.text_service import TextGenerationServicer, engine_decode
-    from tokenizer_svc.tokenizer import TextTokenizer
-
-    model_dir = _model_dir(a.model, cache_dir(a))
-    model = _load_model(model_dir, 1, model_options(a, 1))
-    tokenizer = TextTokenizer.from_dir(model_dir)
-    check_tokenizer_matches(tokenizer, model.info)
-    model.warm_up()
-    engine = Engine(model)
-    engine.start()
-    try:
-        constraints = ConstraintCompiler(tokenizer.tokenizer_json, model.info.vocab_size, model.info.eos_token_ids)
-        servicer = TextGenerationServicer(tokenizer, engine_decode(AsyncEngine(engine), model.info, constraints), model.info)
-        yield lambda request: servicer.generate(request, a.timeout)
-    finally:
-        engine.stop()
-
-
-def _failure(command: str, error: Exception) -> int:
-    """Print a gRPC or validation error as one line; unexpected errors propagate."""
-    import grpc
-
-    from services.errors import status_for
-
-    mapped = (error.code(), error.details()) if isinstance(error, grpc.aio.AioRpcError) else status_for(error)
-    if mapped is None:
-        raise error
-    print(f"tokenwire {command}: {mapped[0].name}: {mapped[1]}", file=sys.stderr)
-    return 1
-
-
-async def _stream_text(responses) -> str:
-    """Print deltas as they arrive; return the whole text."""
-    text = ""
-    async for response in responses:
-        if response.HasField("delta"):
-            text += response.delta.text
-            print(response.delta.text, end="", flush=True)
-    print()
-    return text
-
-
-async def _generate(a: argparse.Namespace) -> int:
-    from services.client import generate_request
-    from services.text_service import collect
-
-    if a.chat:
-        turns = ([("system", a.system)] if a.system else []) + [("user", a.prompt)]
-        request = generate_request(chat=turns, **_generate_kwargs(a))
-    else:
-        request = generate_request(a.prompt, **_generate_kwargs(a))
-    if a.json_schema is not None and a.regex is not None:
-        print("tokenwire generate: --json-schema and --regex cannot both be set: give one constraint", file=sys.stderr)
-        return 2
-    if a.json_schema is not None:
-        try:
-            request.constraint.json_schema = Path(a.json_schema).read_text()
-        except (OSError, UnicodeDecodeError) as error:
-            print(f"tokenwire generate: --json-schema: cannot read {a.json_schema}: {error}", file=sys.stderr)
-            return 2
-    elif a.regex is not None:
-        request.constraint.regex = a.regex
-    try:
-        async with _generator(a) as generate:
-            if a.stream and not a.json:
-                await _stream_text(generate(request))
-            else:
-                completion = await collect(generate(request))
-                print(_completion_json(completion) if a.json else completion.text)
-    except Exception as error:
-        return _failure("generate", error)
-    return 0
-
-
-async def _chat(a: argparse.Namespace) -> int:
-    from services.client import generate_request
-
-    turns: list[tuple[str, str]] = [("system", a.system)] if a.system else []
-    try:
-        async with _generator(a) as generate:
-            print("tokenwire chat: type a message; an empty line or Ctrl-D ends.", file=sys.stderr)
-            while True:
-                try:
-                    line = await asyncio.to_thread(input, "you> ")
-                except EOFError:
-                    break
-                if not line.strip():
-                    break
-                turns.append(("user", line))
-                print("assistant> ", end="", flush=True)
-                reply = await _stream_text(generate(generate_request(chat=turns, **_generate_kwargs(a))))
-                turns.append(("assistant", reply))
-    except Exception as error:
-        return _failure("chat", error)
-    return 0
-
-
 def _pull(a: argparse.Namespace) -> int:
     from engine.model_store.registry import pull
     from services.download_progress import DownloadProgress
 
-    directory = pull(a.name, cache_dir(a), log=_say, progress=DownloadProgress())
+    directory = pull(a.name, cache_dir(a), log=say, progress=DownloadProgress())
     print(directory)
     return 0
 
@@ -446,9 +216,9 @@ def _run(args: argparse.Namespace) -> int:
             raise RuntimeError(f"api-server needs the `api` extra ({error.name} is missing): pip install 'tokenwire[api]'") from None
         return serve(config)
     if args.command == "generate":
-        return asyncio.run(_generate(args))
+        return asyncio.run(generate(args))
     if args.command == "chat":
-        return asyncio.run(_chat(args))
+        return asyncio.run(chat(args))
     if args.command == "health":
         from services.health_probe import health_check
         from services.security import ClientTlsConfig

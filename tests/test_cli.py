@@ -157,13 +157,13 @@ async def test_a_refusal_in_a_real_process_is_one_line_and_exit_2():
 
 @pytest.mark.parametrize("value, on", [("on", True), ("off", False)])
 def test_cpu_kernels_flag_reaches_the_model(value, on, caplog):
-    from services.cli import _load_model
+    from services.model_loading import load_model
     from services.config import DecodeServerConfig
 
     config = DecodeServerConfig.from_args(build_parser().parse_args(["decode-server", "--model", "m", "--cpu-kernels", value]))
     assert config.model_options.cpu_kernels is on
     with caplog.at_level("INFO", logger="engine"):
-        model = _load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
+        model = load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
     assert model.kernels is (on and cpu_kernels.load() is not None)
     assert ("turned off by configuration" in caplog.text) is not on
 
@@ -172,12 +172,12 @@ def test_cpu_kernels_flag_reaches_the_model(value, on, caplog):
 def test_a_step_budget_below_16_sets_the_smallest_chunk_shape(budget, smallest):
     """A small --max-step-tokens would gain nothing if its chunks were padded to the 16 shape; the
     CPU's default budget is 8 (0: no budget, the usual shapes)."""
-    from services.cli import _load_model
+    from services.model_loading import load_model
     from services.config import DecodeServerConfig
 
     flags = ["decode-server", "--model", "m", "--cpu-kernels", "off"] + ([] if budget is None else ["--max-step-tokens", budget])
     config = DecodeServerConfig.from_args(build_parser().parse_args(flags))
-    model = _load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
+    model = load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
     assert model.buckets[0] == smallest
 
 
