@@ -197,13 +197,17 @@ def _run_pip(cmd: list[str], progress: Progress | None) -> tuple[int, list[str]]
     """Run pip, passing its progress lines to `progress` as they come; its exit code and the last
     lines it said otherwise (for an error message)."""
     said: collections.deque[str] = collections.deque(maxlen=6)
+    done = total = 0
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             if m := _PIP_PROGRESS.fullmatch(line.strip()):
+                done, total = int(m[1]), int(m[2])
                 if progress is not None:
-                    progress(int(m[1]), int(m[2]))
+                    progress(done, total)
             elif line.strip():
                 said.append(line.rstrip())
+    if progress is not None and proc.returncode == 0 and done and not total:  # a size the index did not say
+        progress(done, done)  # its end, which the caller could not tell
     return proc.returncode, list(said)
 
 
