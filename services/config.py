@@ -55,9 +55,12 @@ timeout = _bounded(float, 0.0, None, "a number of seconds > 0", low_allowed=Fals
 fraction = _bounded(float, 0.0, 1.0, "a fraction in (0, 1]", low_allowed=False)  # a share of a device's memory
 
 
-def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs) -> None:
+def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, details: str = "", **kwargs) -> None:
     """Add `--flag` whose default comes from TOKENWIRE_FLAG when set; the help names the variable.
-    The variable is parsed here, so a bad value is an error that names the variable."""
+    The variable is parsed here, so a bad value is an error that names the variable. `help` is
+    the one line `--help` prints; `details`, the longer explanation that only the configuration
+    reference prints (services.config_reference). Both stay on the argparse action, with the
+    variable's name, for the reference to read: `summary`, `details`, `env`."""
     env = env_name(flag)
     value = os.environ.get(env)
     if kwargs.get("action") == "store_true":
@@ -70,7 +73,8 @@ def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, **kwargs)
         kwargs.pop("required", None)
     shown = kwargs.get("default")
     suffix = f" [env {env}" + (f"; default {shown}" if not (shown is None or shown is False or shown in ([], "")) else "") + "]"
-    parser.add_argument(flag, help=help + suffix, **kwargs)
+    action = parser.add_argument(flag, help=help + suffix, **kwargs)
+    action.summary, action.details, action.env = help, details, env
 
 
 def _env_value(text: str, kwargs: dict):

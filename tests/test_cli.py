@@ -157,13 +157,13 @@ async def test_a_refusal_in_a_real_process_is_one_line_and_exit_2():
 
 @pytest.mark.parametrize("value, on", [("on", True), ("off", False)])
 def test_cpu_kernels_flag_reaches_the_model(value, on, caplog):
-    from services.cli import _load_model
+    from services.model_loading import load_model
     from services.config import DecodeServerConfig
 
     config = DecodeServerConfig.from_args(build_parser().parse_args(["decode-server", "--model", "m", "--cpu-kernels", value]))
     assert config.model_options.cpu_kernels is on
     with caplog.at_level("INFO", logger="engine"):
-        model = _load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
+        model = load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
     assert model.kernels is (on and cpu_kernels.load() is not None)
     assert ("turned off by configuration" in caplog.text) is not on
 
@@ -172,12 +172,12 @@ def test_cpu_kernels_flag_reaches_the_model(value, on, caplog):
 def test_a_step_budget_below_16_sets_the_smallest_chunk_shape(budget, smallest):
     """A small --max-step-tokens would gain nothing if its chunks were padded to the 16 shape; the
     CPU's default budget is 8 (0: no budget, the usual shapes)."""
-    from services.cli import _load_model
+    from services.model_loading import load_model
     from services.config import DecodeServerConfig
 
     flags = ["decode-server", "--model", "m", "--cpu-kernels", "off"] + ([] if budget is None else ["--max-step-tokens", budget])
     config = DecodeServerConfig.from_args(build_parser().parse_args(flags))
-    model = _load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
+    model = load_model(ROOT / "tests" / "assets" / "tiny-llama", 1, config.model_options)
     assert model.buckets[0] == smallest
 
 
@@ -221,32 +221,47 @@ def test_every_command_has_help(capsys):
         assert code == 0 and "usage: tokenwire " + name in out
 
 
-def test_readme_documents_every_flag_as_the_parser_has_it():
-    """Each flag's README row names its variable, its commands, its default and its --help text."""
-    import re
-
-    rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if m := re.fullmatch(r"\| `(TOKENWIRE_\w+)` \(`(--[\w-]+)`\) \| ([^|]*) \| ([^|]*) \| (.*) \|", line):
-            rows[m[2]] = (m[1], {c.strip() for c in m[3].split(",")}, m[4].strip("` "), m[5])
+def _flag_actions():
+    """(command, action) for every flag and argument of every command, the global ones as "tokenwire"."""
     parser = build_parser()
-    expected: dict[str, tuple] = {}
-    variants: dict[str, set] = {}  # (default, help) per command: a flag shared with other meanings has several
-    commands = [("all", parser)] + list(parser._subparsers._group_actions[0].choices.items())
-    for command, sub in commands:
-        for action in sub._actions:
-            for flag in (o for o in action.option_strings if o.startswith("--") and o != "--help"):
-                shown = "" if action.default is None or action.default is False or action.default in ([], "") else str(action.default)
-                help_text = action.help.rsplit(" [env ", 1)[0]
-                variable, names, _, _ = expected.get(flag, (env_name(flag), set(), shown, help_text))
-                expected[flag] = (variable, names | {command}, shown, help_text)
-                variants.setdefault(flag, set()).add((shown, help_text))
-    for flag, kinds in variants.items():
-        if len(kinds) > 1:  # the README describes every use in one row: check its variable and commands
-            expected[flag] = expected[flag][:2] + rows.get(flag, ("",) * 4)[2:]
-    assert sorted(rows) == sorted(expected), "README's configuration table and the parser differ in flags"
-    wrong = {flag: (rows[flag], want) for flag, want in expected.items() if rows[flag] != want}
-    assert not wrong, "README rows that differ from the parser (README, parser): " + repr(wrong)
+    commands = [("tokenwire", parser)] + list(parser._subparsers._group_actions[0].choices.items())
+    return [(name, a) for name, sub in commands for a in sub._actions if a.help and a.dest not in ("help", "command")]
+
+
+def test_the_configuration_reference_is_what_the_parser_generates():
+    """docs/configuration.md is written from the parser (services.config_reference); a flag added,
+    renamed or re-documented without regenerating it fails here. It names every flag."""
+    from services.config_reference import reference
+
+    committed = (ROOT / "docs" / "configuration.md").read_text()
+    assert committed == reference(), "docs/configuration.md is stale: python -m services.config_reference > docs/configuration.md"
+    for command, action in _flag_actions():
+        name = action.option_strings[-1] if action.option_strings else action.metavar or action.dest
+        assert f"`{name}`" in committed, (command, name)
+        if action.option_strings:
+            assert f"`{env_name(name)}`" in committed, (command, name)
+
+
+def test_the_reference_ignores_variables_set_in_the_shell(monkeypatch):
+    """A TOKENWIRE_* variable changes a flag's default, but not the reference's defaults."""
+    from services.config_reference import reference
+
+    before = reference()
+    monkeypatch.setenv("TOKENWIRE_MAX_BATCH_SIZE", "3")
+    assert build_parser()._subparsers._group_actions[0].choices["decode-server"].get_default("max_batch_size") == 3
+    assert reference() == before and "| `8` |" in before
+
+
+def test_every_help_is_one_short_line():
+    """--help prints one line per flag; the long explanations are the reference's details."""
+    actions = _flag_actions()
+    assert all(hasattr(a, "summary") for _, a in actions if a.option_strings)  # every flag came through add_flag
+    helps = {(command, a.option_strings[-1] if a.option_strings else a.dest): getattr(a, "summary", a.help) for command, a in actions}
+    long = {flag: text for flag, text in helps.items() if len(text) > 100 or "\n" in text}
+    assert not long, long
+    reference = (ROOT / "docs" / "configuration.md").read_text()
+    detailed = [a for _, a in actions if getattr(a, "details", "")]
+    assert len(detailed) >= 20 and all(a.details in reference for a in detailed)  # the long texts went there
 
 
 async def test_start_up_errors_are_one_line_and_exit_2(tmp_path):
@@ -256,6 +271,52 @@ async def test_start_up_errors_are_one_line_and_exit_2(tmp_path):
         "text-server", "--model", str(TINY), "--decoder", "127.0.0.1:1", "--connect-timeout", "1", "--port", "0"
     )
     assert code == 2 and "no decode service at 127.0.0.1:1" in err and "Traceback" not in err
+
+
+QUICK_START = ["--port", "0", "--cpu-kernels", "off", "--compilation-cache", "off"]
+
+
+@pytest.mark.parametrize("argv, reason", [
+    # the issue's case: the engine process refuses at load, naming what does not fit and what to lower
+    (["--max-batch-size", "1048576"], "refusing to serve: the model does not fit in memory: "),
+    (["--tensor-parallel", "3"], "refusing to serve: --tensor-parallel 3 does not divide the model's 4 attention heads"),
+    # flags that the parser takes one by one but that do not go together, refused before loading
+    (["--weights", "int8", "--tensor-parallel", "2"], "--weights int8 runs on one device: it cannot be combined with --tensor-parallel 2"),
+], ids=["memory", "tensor-parallel", "flags"])
+async def test_a_configuration_that_cannot_work_exits_2_with_its_reason_last(argv, reason):
+    """Through the real entry point: exit 2, the reason as the last line printed, and no word of a
+    restart anywhere (a supervisor would restart it forever)."""
+    code, _, err = await tokenwire("decode-server", "--model", str(TINY), *QUICK_START, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and reason in lines[-1], err
+    assert "supervisor" not in err and "Traceback" not in err, err
+
+
+def test_a_missing_extra_exits_2_naming_the_extra():
+    """api-server without the `api` extra (fastapi, uvicorn): one line saying what to install."""
+    for module in ("fastapi", "uvicorn"):
+        script = (f"import sys; sys.modules[{module!r}] = None  # as if the extra were not installed\n"
+                  "from services.cli import main; sys.exit(main(sys.argv[1:]))")
+        result = subprocess.run([sys.executable, "-c", script, "api-server", "--port", "0"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip().splitlines() == [
+            f"tokenwire api-server: api-server needs the `api` extra ({module} is missing): pip install 'tokenwire[api]' "
+            "(--log-level DEBUG shows the traceback)"
+        ], result.stderr
+
+
+async def test_a_crash_at_load_keeps_exit_1_and_the_restart_message(tmp_path):
+    """Weights that cannot be read are not a setting to change: exit 1, for a supervisor to restart
+    the service, and the last line says so."""
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (TINY / name).is_file():
+            (tmp_path / name).write_bytes((TINY / name).read_bytes())
+    (tmp_path / "model.safetensors").write_bytes(b"\xff" * 4096)  # no header a reader can take
+    code, _, err = await tokenwire("decode-server", "--model", str(tmp_path), *QUICK_START)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "loading the model failed: " in last, err
+    assert last.endswith("exiting so a supervisor can restart the service"), err
 
 
 @pytest.mark.parametrize("argv", [["decode-server", "--model", str(TINY), "--port", "0"],

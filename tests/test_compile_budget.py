@@ -17,6 +17,8 @@ reads as the budget it is.
 
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 from engine.jax_backend.jax_model import JaxModel
@@ -27,16 +29,28 @@ LLAMA = Path(__file__).parent / "assets" / "tiny-llama"
 DEFAULTS = dict(max_batch_size=8, max_context_length=256, dtype="float32")
 
 
-def _warm(**kw) -> tuple[JaxModel, list[str]]:
+def _warm(caplog, **kw) -> tuple[JaxModel, list[str]]:
     model = JaxModel.load(LLAMA, **DEFAULTS, **kw)
-    with compile_events() as compiles:
+    with compile_events() as compiles, caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
         model.warm_up()
+    _check_progress(caplog, model.compilations())
     return model, compiles
 
 
-def test_the_cpu_shape_of_the_defaults_compiles_47_shapes():
+def _check_progress(caplog, compiled: int) -> None:
+    """Warm-up's log counts the shapes up front and says "compiled k of n shapes" as it goes: the
+    same n, which is what it compiles, k rising to n on the last line."""
+    said = [r.getMessage() for r in caplog.records if r.name == "engine.jax_backend.warm_up"]
+    assert said[0] == f"warm-up: compiling {compiled} shapes", said
+    counts = [(int(m[1]), int(m[2])) for line in said[1:] if (m := re.match(r"warm-up: compiled (\d+) of (\d+) shapes", line))]
+    assert len(counts) == len(said) - 1 >= 4, said  # a line at each quarter at least
+    assert {n for _, n in counts} == {compiled} and counts[-1][0] == compiled, said
+    assert [k for k, _ in counts] == sorted({k for k, _ in counts}), said  # rising
+
+
+def test_the_cpu_shape_of_the_defaults_compiles_47_shapes(caplog):
     prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
-    model, compiles = _warm(kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
+    model, compiles = _warm(caplog, kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
     assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
     assert model.buckets == (8, 16, 32, 64, 128, 256)  # from the CPU's default budget, 8
     # decode steps: 4 rows x 1 attend, alone and with an 8-token chunk along (the default budget);
@@ -50,10 +64,10 @@ def test_the_cpu_shape_of_the_defaults_compiles_47_shapes():
     assert len([c for c in compiles if "backend_compile" in c]) <= 47 + 4  # + jnp's own small helpers
 
 
-def test_the_plain_accelerator_shape_of_the_defaults_compiles_25_shapes():
+def test_the_plain_accelerator_shape_of_the_defaults_compiles_25_shapes(caplog):
     # an accelerator's defaults: no chunk along, rows from 16, one packed size (the largest, 256),
     # the sampler split off (greedy and full)
-    model, compiles = _warm(kernels=False, min_rows=16, fused_chunk_tokens=0, min_packed=256, split_sampler=True)
+    model, compiles = _warm(caplog, kernels=False, min_rows=16, fused_chunk_tokens=0, min_packed=256, split_sampler=True)
     assert model.row_buckets == (8,)  # the batch itself: no bucket below 16 rows
     assert model.attend_buckets == (128, 256)
     assert model.packed_prefill_sizes == (256,) and model.packed_prefill_rows == (8,)

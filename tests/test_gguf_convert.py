@@ -289,7 +289,7 @@ class FakeFetch:
     def __init__(self, source: Path):
         self.source, self.calls = source, 0
 
-    def __call__(self, spec, work: Path, log) -> Path:
+    def __call__(self, spec, work: Path, log, progress=None) -> Path:
         self.calls += 1
         return Path(shutil.copy(self.source, work / "model.gguf"))
 

