@@ -174,7 +174,7 @@ def _text_server(commands, max_input_chars, max_detokenize_ids, max_in_flight):
              details="Needs --decoder-tls-ca unless --decoder is a loopback address.", default=None)
     add_flag(p, "--decoder-auth-token-file", help="--decoder-auth-token read from this file", default=None)
     add_flag(p, "--max-input-chars", help="longest text input in characters; longer is INVALID_ARGUMENT",
-             details="A prompt, a Tokenize text, or a chat's roles and contents summed; refused before tokenizing.",
+             details="A prompt, a Tokenize text, or a chat's roles, contents and tools summed; refused before tokenizing.",
              type=positive, default=max_input_chars)
     add_flag(p, "--max-detokenize-ids", help="most ids in one Detokenize; more is INVALID_ARGUMENT", type=positive, default=max_detokenize_ids)
     add_flag(p, "--max-in-flight", help="requests handled at once; one more is RESOURCE_EXHAUSTED",
