@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from services.config import cache_dir, model_options, token
 from services.model_loading import find_model_dir, load_model, require_jax
