@@ -4,19 +4,25 @@ Regenerate (dev only, never in CI: CI reads the committed files and needs no tor
 
     python3 -m venv .venv-ref
     .venv-ref/bin/pip install torch==2.13.0 transformers==5.24.0 safetensors tokenizers numpy
-    .venv-ref/bin/python scripts/make_tiny_checkpoints.py
+    .venv-ref/bin/python scripts/make_tiny_checkpoints.py              # all of them
+    .venv-ref/bin/python scripts/make_tiny_checkpoints.py tiny-mistral # only those named
+
+Naming models remakes only those, with the tokenizer committed in tests/assets/tiny-llama (so
+the others and their goldens stay as they are); with no names the tokenizer is trained anew.
 
 Made with Python 3.11, torch 2.13.0+cpu, transformers 5.24.0, tokenizers 0.23.3, safetensors 0.8.0,
 numpy 2.4.6. The tokenizer is trained on the reference venv's Python standard library sources, so a
 different Python may give a different (equally valid) tokenizer; the goldens always match the files
 written next to them.
 
-Three models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> <|im_start|>
+Four models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> <|im_start|>
 <|im_end|>):
 - tiny-llama: LlamaForCausalLM, untied lm head, GQA 4/2, llama3 rope scaling that bites within
   the first few dozen positions (original context 32).
 - tiny-qwen2: Qwen2ForCausalLM, tied embeddings, q/k/v biases.
 - tiny-qwen3: Qwen3ForCausalLM, untied, q/k RMSNorm, explicit head_dim (32) != hidden / heads (16).
+- tiny-mistral: MistralForCausalLM with a sliding window of 8 positions (transformers masks keys
+  with q - k >= 8), so every greedy run outgrows it: the prompts of 7-30 tokens plus 16 steps.
 
 Weights are drawn wider than HF's init (std ~ 1/sqrt(fan_in), embeddings std 1) so logits are
 peaked and greedy choices are far from ties: parity tests can demand exactly equal ids.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -165,8 +172,11 @@ def make(name: str, config: transformers.PretrainedConfig, cls: type, tok: Token
     print(name, sorted(p.name for p in out.iterdir()))
 
 
-def main() -> None:
-    tok = train_tokenizer()
+MISTRAL_WINDOW = 8
+
+
+def main(names: list[str]) -> None:
+    tok = train_tokenizer() if not names else Tokenizer.from_file(str(ASSETS / "tiny-llama" / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     eot, im_end = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
     common = dict(
@@ -180,19 +190,31 @@ def main() -> None:
             "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
         },
     )
-    make("tiny-llama", llama, transformers.LlamaForCausalLM, tok, gen_eos=[im_end, eot])
+    models = {}
+    models["tiny-llama"] = (llama, transformers.LlamaForCausalLM, [im_end, eot])
     qwen2 = transformers.Qwen2Config(
         **common, num_hidden_layers=3, tie_word_embeddings=True, eos_token_id=eot, bos_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False,
     )
-    make("tiny-qwen2", qwen2, transformers.Qwen2ForCausalLM, tok, gen_eos=[im_end])
+    models["tiny-qwen2"] = (qwen2, transformers.Qwen2ForCausalLM, [im_end])
     qwen3 = transformers.Qwen3Config(
         **common, num_hidden_layers=2, head_dim=32, tie_word_embeddings=False, eos_token_id=im_end,
         bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
         use_sliding_window=False,
     )
-    make("tiny-qwen3", qwen3, transformers.Qwen3ForCausalLM, tok, gen_eos=[eot])
+    models["tiny-qwen3"] = (qwen3, transformers.Qwen3ForCausalLM, [eot])
+    mistral = transformers.MistralConfig(
+        **common, num_hidden_layers=2, tie_word_embeddings=False, eos_token_id=eot, bos_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=MISTRAL_WINDOW,
+    )
+    models["tiny-mistral"] = (mistral, transformers.MistralForCausalLM, [im_end])
+    unknown = set(names) - set(models)
+    if unknown:
+        raise SystemExit(f"unknown models {sorted(unknown)}; known: {sorted(models)}")
+    for name, (config, cls, gen_eos) in models.items():
+        if not names or name in names:
+            make(name, config, cls, tok, gen_eos=gen_eos)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

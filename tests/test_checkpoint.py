@@ -140,15 +140,16 @@ def test_wrong_shape_names_tensor_and_both_shapes(tmp_path):
         load_checkpoint(d)
 
 
-def test_mistral_loads_without_a_window_and_refuses_a_short_one(tmp_path):
+def test_mistral_loads_with_or_without_a_window_and_refuses_a_bad_one(tmp_path):
     d = _copy("tiny-llama", tmp_path)
     _edit_json(d / "config.json", architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None)
     assert load_checkpoint(d).config.architecture == "MistralForCausalLM"
-    _edit_json(d / "config.json", sliding_window=16)
-    with pytest.raises(CheckpointError, match="sliding_window 16"):
-        JaxModel.load(d, max_batch_size=1, max_context_length=32)
-    _edit_json(d / "config.json", sliding_window=4096)
-    assert JaxModel.load(d, max_batch_size=1, max_context_length=32).info.max_context_length == 32
+    _edit_json(d / "config.json", sliding_window=16)  # below the context: served (tests/test_sliding_window.py)
+    assert load_checkpoint(d).config.sliding_window == 16
+    for bad in (0, -4, 2.5, "16"):
+        _edit_json(d / "config.json", sliding_window=bad)
+        with pytest.raises(CheckpointError, match="sliding_window must be a whole number >= 1"):
+            load_checkpoint(d)
 
 
 def test_unsupported_rope_type_and_activation_are_named(tmp_path):

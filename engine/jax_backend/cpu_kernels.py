@@ -73,6 +73,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from engine.jax_backend.backend_profile import profile
 from engine.model_store.registry import default_cache_dir
@@ -84,6 +85,10 @@ HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
+# The same two with a sliding window (an attribute): separate targets, so that a model without a
+# window compiles to exactly the calls it did before windows existed.
+WINDOW_ATTENTION_TARGET = "tokenwire_decode_attention_window"
+WINDOW_CHUNK_TARGET = "tokenwire_chunk_attention_window"
 INT8_TARGET = "tokenwire_int8_matmul"
 INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
 INT4_TARGET = "tokenwire_int4_matmul"
@@ -132,7 +137,8 @@ class Untrusted(Exception):
 
 
 def decode_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, positions: jax.Array
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, positions: jax.Array,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one query per row over its sequence's paged keys at positions
     0..positions[r]: q [R, H, D] f32, k_pages / v_pages [K, N, P, D] f32 (the layer's pools),
@@ -140,15 +146,21 @@ def decode_attention(
     [R] i32 -> [R, H * D] f32. Equal (to float rounding) to the attention over the pages gathered
     into a window. Reads only the pages a row's positions need, in place; a position past the
     table is clamped into it (padding rows), and a table entry read that is not a page of the
-    pools fails the call with InvalidArgument (kernels/decode_attention.cc says why). Needs
-    `load()` to have succeeded."""
+    pools fails the call with InvalidArgument (kernels/decode_attention.cc says why). With a
+    `window` (static, >= 1), only positions positions[r] - window + 1 .. positions[r] are seen
+    (transformer.in_window), and the pages wholly before them are not read. Needs `load()` to
+    have succeeded."""
     r, h, d = q.shape
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct((r, h * d), jnp.float32))
-    return call(q, k_pages, v_pages, jnp.asarray(tables, jnp.int32), jnp.asarray(positions, jnp.int32))
+    operands = (q, k_pages, v_pages, jnp.asarray(tables, jnp.int32), jnp.asarray(positions, jnp.int32))
+    out = jax.ShapeDtypeStruct((r, h * d), jnp.float32)
+    if window is None:
+        return jax.ffi.ffi_call(ATTENTION_TARGET, out)(*operands)
+    return jax.ffi.ffi_call(WINDOW_ATTENTION_TARGET, out)(*operands, window=_window(window))
 
 
 def chunk_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array,
+    window: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one sequence's prefill chunk over its paged keys: q [C, H, D] f32
     (the queries at positions start..start+C-1), k_pages / v_pages [K, N, P, D] f32 (the chunk's
@@ -158,12 +170,24 @@ def chunk_attention(
     [0, start + C), in place, each key block loaded once for the G x 8 (AVX2) or G x 16 (AVX-512)
     queries of a kv head and tile of chunk positions (kernels/chunk_attention.cc says why, and
     what happens to a position past the table or a table entry outside the pools). D must be a
-    multiple of 8 (`chunk_attention_applies`); needs `load()` to have succeeded."""
+    multiple of 8 (`chunk_attention_applies`). With a `window` (static, >= 1), query i sees only
+    positions start + i - window + 1 .. start + i (transformer.in_window), and the key blocks
+    wholly before the first query's window are not read. Needs `load()` to have succeeded."""
     c, h, d = q.shape
     if not chunk_attention_applies(d):  # checked while tracing
         raise ValueError(f"chunk_attention takes a head dim that is a multiple of 8, got {d}")
-    call = jax.ffi.ffi_call(CHUNK_TARGET, jax.ShapeDtypeStruct((c, h * d), jnp.float32))
-    return call(q, k_pages, v_pages, jnp.asarray(table, jnp.int32), jnp.asarray(start, jnp.int32))
+    operands = (q, k_pages, v_pages, jnp.asarray(table, jnp.int32), jnp.asarray(start, jnp.int32))
+    out = jax.ShapeDtypeStruct((c, h * d), jnp.float32)
+    if window is None:
+        return jax.ffi.ffi_call(CHUNK_TARGET, out)(*operands)
+    return jax.ffi.ffi_call(WINDOW_CHUNK_TARGET, out)(*operands, window=_window(window))
+
+
+def _window(window: int) -> np.int64:
+    """A sliding window as the kernels' attribute (checked while tracing)."""
+    if window < 1:
+        raise ValueError(f"a sliding window must be >= 1 position, got {window}")
+    return np.int64(window)
 
 
 def chunk_attention_applies(head_dim: int) -> bool:
@@ -447,6 +471,8 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
         library = ctypes.CDLL(f"/proc/self/fd/{fd}")
         handlers = {
             ATTENTION_TARGET: library.TokenwireDecodeAttention, CHUNK_TARGET: library.TokenwireChunkAttention,
+            WINDOW_ATTENTION_TARGET: library.TokenwireDecodeAttentionWindow,
+            WINDOW_CHUNK_TARGET: library.TokenwireChunkAttentionWindow,
             INT8_TARGET: library.TokenwireInt8Matmul, INT8_OFFSET_TARGET: library.TokenwireInt8MatmulOffset,
             INT4_TARGET: library.TokenwireInt4Matmul,
             PANEL_TARGET: library.TokenwirePanelMatmul,
@@ -539,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
         path = build_library(args.build, args.cxx)
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
         symbols = (
-            "TokenwireDecodeAttention", "TokenwireChunkAttention", "TokenwireChunkAttentionIsa",
+            "TokenwireDecodeAttention", "TokenwireDecodeAttentionWindow", "TokenwireChunkAttention",
+            "TokenwireChunkAttentionWindow", "TokenwireChunkAttentionIsa",
             "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt4Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
             "TokenwireSetThreads",
         )

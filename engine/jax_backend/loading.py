@@ -27,7 +27,7 @@ from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize
 from engine.jax_backend.backend_profile import BackendProfile, profile
 from engine.jax_backend.shapes import ShapeKnobs
 from engine.jax_backend.weights import load_channels, load_checkpoint, load_int8, load_sharded
-from engine.model_store.checkpoint import CheckpointError, ModelConfig, parse_config, tokenizer_size
+from engine.model_store.checkpoint import ModelConfig, parse_config, tokenizer_size
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +137,7 @@ def _context(cfg: ModelConfig, max_batch_size: int, max_context_length: int | No
             f"max_context_length must be in 1..{cfg.max_position_embeddings} (the model's "
             f"max_position_embeddings), got {max_context_length}"
         )
-    context = max_context_length or min(cfg.max_position_embeddings, 2048)
-    if cfg.sliding_window is not None and cfg.sliding_window < context:
-        raise CheckpointError(f"{cfg.architecture}: sliding_window {cfg.sliding_window} < context {context} is not supported")
-    return context
+    return max_context_length or min(cfg.max_position_embeddings, 2048)
 
 
 def pool_pages(o: ModelOptions, max_batch_size: int, context: int) -> int:

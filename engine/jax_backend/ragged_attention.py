@@ -34,6 +34,10 @@ What holds:
 - Page ids outside [0, N) are clamped to the pool: a Triton load has no bounds check, and a bad
   table must read a wrong page (masked or wrong numbers), never outside the pool's memory.
 - An idle row (length 0) reads nothing and gets zeros: finite, and ignored by the caller.
+- With a sliding `window` (static), a row sees only its last `window` positions (transformers'
+  convention: engine.jax_backend.transformer.in_window); each split's walk starts at the key
+  block holding the first of them, so the blocks before are not read, and keys before the window
+  inside that block are masked like those past the length.
 
 Where it runs: `applies()` says whether the decode layers use it (a GPU backend, the Pallas
 Triton lowering importable, a head dim and page size it takes). On the CPU the engine keeps its
@@ -121,27 +125,31 @@ def _splits(rows: int, kv_heads: int, blocks: int, splits: int | None) -> int:
 
 
 def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, pages_per_block: int,
-            scale: float, precision):
+            scale: float, precision, window: int | None):
     """One (row, kv head, split): lengths_ref [] (the row's live keys), tables_ref [W' / S] (this
     split's page ids of the row), q_ref [Gp, D], k_ref/v_ref [N, P, D] (kv head k's pool, read
     through the table) -> o_ref [Gp, D] unnormalised float32 sums, m_ref [Gp] the running max,
     l_ref [Gp] the softmax denominator. A split with no live keys runs no iteration: o = 0, l = 0,
-    m = float32 min."""
+    m = float32 min. With a `window`, only the row's last `window` keys count, and the blocks
+    wholly before them are skipped."""
     _, page, d = k_ref.shape
     bk = pages_per_block * page
     span = tables_ref.shape[0] * page  # positions in this split
     live = jnp.clip(lengths_ref[()] - pl.program_id(2) * span, 0, span)  # live keys in this split
     q = q_ref[...]  # [Gp, D]
     gp = q.shape[0]
+    # The split's first key in the window (0 without one): live and lo are split-relative.
+    lo = 0 if window is None else jnp.clip(lengths_ref[()] - window - pl.program_id(2) * span, 0, span)
 
     def body(i, carry):
         o, m, l = carry  # [Gp, D], [Gp], [Gp] float32
         ids = tables_ref[pl.ds(pl.multiple_of(i * pages_per_block, pages_per_block), pages_per_block)]  # [Bp]
-        seen = i * bk + jnp.arange(bk) < live  # [Bk]
+        at = i * bk + jnp.arange(bk)  # [Bk]
+        seen = at < live if window is None else (at < live) & (at >= lo)  # [Bk]
         k = k_ref[ids].reshape(bk, d)  # [Bk, D]: the block's pages, gathered
         s = _dot(q, k, 1, precision) * scale  # [Gp, Bk] float32
         s = jnp.where(seen[None, :], s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))  # finite: every block walked holds a live key
+        m_new = jnp.maximum(m, s.max(axis=1))  # finite: every block walked holds a live key in the window
         corr = jnp.exp(m - m_new)  # [Gp]
         p = jnp.exp(s - m_new[:, None])  # [Gp, Bk]
         v = jnp.where(seen[:, None], v_ref[ids].reshape(bk, d), 0)  # [Bk, D]; stale values never count
@@ -153,7 +161,8 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
         jnp.full((gp,), jnp.finfo(jnp.float32).min, jnp.float32),  # not -inf: the combine subtracts maxima
         jnp.zeros((gp,), jnp.float32),
     )
-    o, m, l = jax.lax.fori_loop(0, pl.cdiv(live, bk), body, init)
+    first = 0 if window is None else lo // bk  # no window: the loop as it was, nothing added
+    o, m, l = jax.lax.fori_loop(first, pl.cdiv(live, bk), body, init)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
@@ -192,6 +201,7 @@ def decode_attention(
     block_k: int | None = None,
     splits: int | None = None,
     interpret: bool | None = None,
+    window: int | None = None,
 ) -> jax.Array:
     """One query per row over the first lengths[r] positions of row r's block table: q [R, H, D],
     k/v pages [K, N, P, D], tables [R, W] int32 page ids, lengths [R] in [0, W x P] -> [R, H * D]
@@ -201,10 +211,13 @@ def decode_attention(
     (static; defaults fitted to the shapes); `interpret`: run the kernel in Pallas interpret mode
     (None: unless lowered for a GPU, decided per platform at lowering, so that a step lowered for
     CUDA on a CPU host, as the tests do, holds the compiled kernel).
-    A length of 0 gives a zero row. Float32 products are exact float32 (no TF32)."""
+    A length of 0 gives a zero row. Float32 products are exact float32 (no TF32). `window`
+    (static, >= 1): row r sees only positions lengths[r] - window .. lengths[r] - 1 (None: all)."""
     _check(q, k_pages, v_pages, tables, lengths)
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be >= 1 position, got {window}")
     if interpret is None:
-        run = functools.partial(decode_attention, block_k=block_k, splits=splits)
+        run = functools.partial(decode_attention, block_k=block_k, splits=splits, window=window)
         return jax.lax.platform_dependent(
             q, k_pages, v_pages, tables, lengths,
             cuda=functools.partial(run, interpret=False), rocm=functools.partial(run, interpret=False),
@@ -223,7 +236,7 @@ def decode_attention(
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, w * page)  # [R]
     qg = jnp.pad(q.reshape(r, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [R, K, Gp, D]
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, pages_per_block=bp, scale=1.0 / math.sqrt(d), precision=precision)
+    kernel = functools.partial(_kernel, pages_per_block=bp, scale=1.0 / math.sqrt(d), precision=precision, window=window)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(r, kv, s),
@@ -277,11 +290,14 @@ def gather_pages(pages: jax.Array, tables: jax.Array) -> jax.Array:
     return rows.reshape(kv, r, w * page, d).swapaxes(0, 1)
 
 
-def reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array) -> jax.Array:
+def reference(
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array,
+    window: int | None = None,
+) -> jax.Array:
     """The same attention in plain JAX, in float32, for tests: the pages gathered through the
-    tables, then softmax attention over each row's first lengths[r] positions. q [R, H, D],
-    pages [K, N, P, D], tables [R, W], lengths [R] -> [R, H * D] in q's dtype; zero rows where
-    the length is 0."""
+    tables, then softmax attention over each row's first lengths[r] positions (the last `window`
+    of them with a window). q [R, H, D], pages [K, N, P, D], tables [R, W], lengths [R] ->
+    [R, H * D] in q's dtype; zero rows where the length is 0."""
     r, h, d = q.shape
     kv = k_pages.shape[0]
     g = h // kv
@@ -290,6 +306,8 @@ def reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.
     s = kf.shape[2]
     qf = q.astype(jnp.float32).reshape(r, kv, g, d)  # [R, K, G, D]
     seen = jnp.arange(s)[None, :] < lengths[:, None]  # [R, S]
+    if window is not None:
+        seen = seen & (jnp.arange(s)[None, :] >= lengths[:, None] - window)
     scores = jnp.einsum("rkgd,rksd->rkgs", qf, kf, precision="highest") / np.sqrt(d)  # [R, K, G, S]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     scores = jnp.where((lengths > 0)[:, None, None, None], scores, 0.0)  # an idle row: finite, zeroed below

@@ -180,18 +180,31 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig) -> jax.Array:
+def in_window(k_pos: jax.Array, q_pos: jax.Array, window: int | None) -> jax.Array:
+    """Whether a key at k_pos is seen by a query at q_pos (broadcast together): causal, and with a
+    sliding window only the last `window` positions, the query's own included. transformers'
+    convention for Mistral, Qwen2 and Gemma (masking_utils.sliding_window_overlay: kv_idx >
+    q_idx - sliding_window), i.e. q_pos - k_pos < window. With no window (None) this is the plain
+    causal mask, no extra operation."""
+    seen = k_pos <= q_pos
+    return seen if window is None else seen & (k_pos > q_pos - window)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig, window: int | None = None
+) -> jax.Array:
     """Causal GQA attention of queries at `q_pos` over keys at positions 0..A-1.
 
     q [B, T, H, D], k/v [B, A, K, D], q_pos [B, T] -> [B, T, H * D]. A key is seen iff its
-    position <= the query's, which also hides stale positions past a sequence's live length.
+    position <= the query's (and within `window` of it: `in_window`), which also hides stale
+    positions past a sequence's live length.
     """
     b, t, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(b, t, cfg.n_kv_heads, g, d)  # [B, T, K, G, D]
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)  # [B, K, G, T, A]
     scores = scores * (1.0 / np.sqrt(d))
-    seen = jnp.arange(k.shape[1])[None, None, :] <= q_pos[:, :, None]  # [B, T, A]
+    seen = in_window(jnp.arange(k.shape[1])[None, None, :], q_pos[:, :, None], window)  # [B, T, A]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, A]
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # [B, T, K, G, D]
@@ -200,7 +213,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: M
 
 def chunk_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array, cfg: ModelConfig,
-    block: int = 256,
+    block: int = 256, window: int | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one slot's chunk of C queries at positions start..start+C-1 over
     the slot's keys, read through its block table (the chunk's own already written): q [C, H, D],
@@ -211,7 +224,9 @@ def chunk_attention(
     start + C, never with the context, and no [T, S] score or mask array is ever built. Each block
     gathers its pages through the table and is one batched product per kv head of the [G * C, D]
     queries with [D, block] keys. A query sees a key iff its position <= the query's (stale
-    positions, the null page's and padding are never seen)."""
+    positions, the null page's and padding are never seen) and, with a `window`, within it
+    (`in_window`): then the walk starts at the block of the chunk's first query's first key, so a
+    long sequence reads only about window + C keys."""
     c, h, d = q.shape
     kv, _, p, _ = k_pages.shape
     g = h // kv
@@ -222,6 +237,7 @@ def chunk_attention(
     qk = qk.reshape(c, kv, g, d).transpose(1, 2, 0, 3).reshape(kv, g * c, d)  # [K, G*C, D], rows g-major
     q_pos = start + jnp.tile(jnp.arange(c), g)  # [G*C]
     n_blocks = (start + c + block - 1) // block
+    first_block = 0 if window is None else jnp.maximum(start - window + 1, 0) // block
 
     def body(j, carry):
         m, l, acc = carry  # [K, G*C], [K, G*C], [K, G*C, D] (float32)
@@ -231,11 +247,14 @@ def chunk_attention(
         kb, vb = gather_pages(k_pages, ids), gather_pages(v_pages, ids)  # [K, Bk, D]
         scores = jnp.einsum("kqd,kbd->kqb", qk, kb, preferred_element_type=jnp.float32)  # [K, G*C, Bk]
         k_pos = first * p + jnp.arange(block)  # [Bk]
-        seen = (k_pos[None, :] >= lo) & (k_pos[None, :] <= q_pos[:, None])  # [G*C, Bk]
+        seen = (k_pos[None, :] >= lo) & in_window(k_pos[None, :], q_pos[:, None], window)  # [G*C, Bk]
         scores = jnp.where(seen[None], scores, -jnp.inf)
-        m_new = jnp.maximum(m, scores.max(axis=-1))  # finite: key 0 (block 0) is seen by every query
-        e = jnp.exp(scores - m_new[..., None])  # [K, G*C, Bk]
-        corr = jnp.exp(m - m_new)
+        m_new = jnp.maximum(m, scores.max(axis=-1))  # no window: finite, key 0 (block 0) is seen by every query
+        m_exp = m_new
+        if window is not None:  # a query may see no key in the first blocks walked: e and corr 0 there, not NaN
+            m_exp = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        e = jnp.exp(scores - m_exp[..., None])  # [K, G*C, Bk]
+        corr = jnp.exp(m - m_exp)
         l = l * corr + e.sum(axis=-1)
         pv = jnp.einsum("kqb,kbd->kqd", e.astype(vb.dtype), vb, preferred_element_type=jnp.float32)
         return m_new, l, acc * corr[..., None] + pv
@@ -245,24 +264,26 @@ def chunk_attention(
         jnp.zeros((kv, g * c), jnp.float32),
         jnp.zeros((kv, g * c, d), jnp.float32),
     )
-    _, l, acc = jax.lax.fori_loop(0, n_blocks, body, init)
+    _, l, acc = jax.lax.fori_loop(first_block, n_blocks, body, init)
     out = (acc / l[..., None]).astype(q.dtype)  # [K, G*C, D]
     return out.reshape(kv, g, c, d).transpose(2, 0, 1, 3).reshape(c, h * d)
 
 
 def decode_attention(
-    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, q_pos: jax.Array, cfg: ModelConfig
+    q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, q_pos: jax.Array, cfg: ModelConfig,
+    window: int | None = None,
 ) -> jax.Array:
     """One query per row over its keys at positions 0..A-1, gathered through its table: q
     [R, H, D], k/v pools [K, N, P, D], tables [R, A / P] (the pages the attended bucket spans),
-    q_pos [R] -> [R, H * D]. A key is seen iff its position <= the query's."""
+    q_pos [R] -> [R, H * D]. A key is seen iff its position <= the query's and, with a `window`,
+    within it (`in_window`; the gather still spans the bucket: the kernels skip what is outside)."""
     r, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
     k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)  # [R, K, A, D]
     q = q.reshape(r, cfg.n_kv_heads, g, d)  # [R, K, G, D]
     scores = jnp.einsum("rkgd,rkad->rkga", q, k, preferred_element_type=jnp.float32)  # [R, K, G, A]
     scores = scores * (1.0 / np.sqrt(d))
-    seen = jnp.arange(k.shape[2])[None, :] <= q_pos[:, None]  # [R, A]
+    seen = in_window(jnp.arange(k.shape[2])[None, :], q_pos[:, None], window)  # [R, A]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [R, K, G, A]
     out = jnp.einsum("rkga,rkad->rkgd", probs, v)  # [R, K, G, D]
@@ -340,6 +361,18 @@ def embed(table: jax.Array | quantize.Int8Matrix | channel_quant.ChannelMatrix, 
     return table[tokens]
 
 
+def layer_windows(cfg: ModelConfig, count: int, windows: tuple[int | None, ...] | None) -> tuple[int | None, ...]:
+    """The sliding window of each of a group's `count` layers (None: full attention): `windows` as
+    a caller gives them (a family whose layers differ, as Gemma 3's five local layers to each
+    global one, passes its group's, static), or None for `cfg.sliding_window` in every layer
+    (Mistral's one window for all)."""
+    if windows is None:
+        return (cfg.sliding_window,) * count
+    if len(windows) != count:
+        raise ValueError(f"windows names {len(windows)} layers for a group of {count}")
+    return tuple(windows)
+
+
 def prefill_layers(
     layers: tuple[LayerWeights, ...],
     k_pages: tuple[jax.Array, ...],
@@ -351,6 +384,7 @@ def prefill_layers(
     new_to: jax.Array,
     cfg: ModelConfig,
     kernels: bool = False,
+    windows: tuple[int | None, ...] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """One chunk of a prompt through a group of layers: x [1, C, E] (the tokens at positions
     start..start+C-1, real ones first, padding after), its slot's block table [W], start [] ->
@@ -362,18 +396,19 @@ def prefill_layers(
     (engine.jax_backend.cpu_kernels.chunk_attention: GEMM-shaped, on the kernels' thread pool;
     ~1.5x the plain-JAX blocks' speed for a 16-token chunk over ~1,800 keys on a loaded machine,
     docs/benchmarks.md) where it applies (float32 and a head dim that is a multiple of 8);
-    otherwise, and off, `chunk_attention`, the reference it is tested against."""
+    otherwise, and off, `chunk_attention`, the reference it is tested against. `windows`
+    (static): each layer's sliding window (`layer_windows`)."""
     c = x.shape[1]
     use_kernel = _chunk_kernel(kernels, cfg, x.dtype, k_pages[0].dtype)
     positions = start + jnp.arange(c)  # [C]
     page, offset = chunk_writes(table, positions, new_from, new_to, k_pages[0].shape[2])
     ks, vs = [], []
-    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
+    for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
         q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions[None], cfg)  # [1, C, H|K, D]
         k_pool, v_pool = write_pages(k_pool, page, offset, k[0]), write_pages(v_pool, page, offset, v[0])
         ks.append(k_pool)
         vs.append(v_pool)
-        seen = _chunk_seen(q[0], k_pool, v_pool, table, start, cfg, use_kernel)  # [C, H*D]
+        seen = _chunk_seen(q[0], k_pool, v_pool, table, start, cfg, use_kernel, window)  # [C, H*D]
         x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
@@ -388,23 +423,29 @@ def packed_prefill_layers(
     positions: jax.Array,
     prompts: jax.Array,
     cfg: ModelConfig,
+    windows: tuple[int | None, ...] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """Several whole prompts packed end to end through a group of layers, in one pass over the
     weights: x [1, T, E], and per token pages, positions, prompts [T] (the page its position
     lives in, through its slot's table: the null page for padding; its position in its prompt;
     its prompt's index) -> x [1, T, E] and the group's pools, each token's K/V written at (its
     page, its position's offset). A token attends to the tokens of its own prompt at positions <=
-    its own; every prompt starts at position 0 here, so nothing is read from the pool."""
+    its own (and within its layer's window: `windows`, static, as in `prefill_layers`); every
+    prompt starts at position 0 here, so nothing is read from the pool."""
     pos = positions[None]  # [1, T]
     offset = positions % k_pages[0].shape[2]  # [T]
-    seen = (prompts[:, None] == prompts[None, :]) & (positions[None, :] <= positions[:, None])  # [Tq, Tk]
+    same = prompts[:, None] == prompts[None, :]  # [Tq, Tk]
+    masks = {
+        window: same & in_window(positions[None, :], positions[:, None], window)  # [Tq, Tk]
+        for window in set(layer_windows(cfg, len(layers), windows))
+    }
     ks, vs = [], []
-    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
+    for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
         q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, T, H|K, D]
         k_pool, v_pool = write_pages(k_pool, pages, offset, k[0]), write_pages(v_pool, pages, offset, v[0])
         ks.append(k_pool)
         vs.append(v_pool)
-        out = _masked_attention(q[0], k[0], v[0], seen, cfg)  # [T, H*D]
+        out = _masked_attention(q[0], k[0], v[0], masks[window], cfg)  # [T, H*D]
         x = x + _project(out, w.w_o, getattr(w.panels, "o", None))[None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
@@ -439,16 +480,18 @@ def _decode_writer(tables: jax.Array, positions: jax.Array, active: jax.Array, p
 
 def _decode_seen(
     q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: jax.Array, positions: jax.Array, active: jax.Array,
-    cfg: ModelConfig, attend: int, kernels: bool, ragged: bool,
+    cfg: ModelConfig, attend: int, kernels: bool, ragged: bool, window: int | None,
 ) -> jax.Array:
-    """The decode rows' attention, q [R, H, D] -> [R, H * D], by the kernel `decode_layers` names;
-    the kernels read each row's pages in place, the XLA path gathers the pages of `attend`."""
+    """The decode rows' attention, q [R, H, D] -> [R, H * D], by the kernel `decode_layers` names,
+    over the last `window` positions (None: all); the kernels read each row's pages in place (and
+    only those its window reaches), the XLA path gathers the pages of `attend`."""
     if kernels:
-        return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions)
+        return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window)
     if ragged:  # an inactive row reads no key (length 0)
-        return ragged_attention.decode_attention(q, k_pool, v_pool, tables, jnp.where(active, positions + 1, 0))
+        lengths = jnp.where(active, positions + 1, 0)  # [R]
+        return ragged_attention.decode_attention(q, k_pool, v_pool, tables, lengths, window=window)
     pages = table_width(attend, k_pool.shape[2])
-    return decode_attention(q, k_pool, v_pool, tables[:, :pages], positions, cfg)
+    return decode_attention(q, k_pool, v_pool, tables[:, :pages], positions, cfg, window)
 
 
 def _chunk_kernel(kernels: bool, cfg: ModelConfig, dtype: jnp.dtype, cache_dtype: jnp.dtype) -> bool:
@@ -458,12 +501,12 @@ def _chunk_kernel(kernels: bool, cfg: ModelConfig, dtype: jnp.dtype, cache_dtype
 
 def _chunk_seen(
     q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array, cfg: ModelConfig,
-    use_kernel: bool,
+    use_kernel: bool, window: int | None,
 ) -> jax.Array:
-    """A chunk's attention over its slot's pages, q [C, H, D] -> [C, H * D]."""
+    """A chunk's attention over its slot's pages within `window` (None: all), q [C, H, D] -> [C, H * D]."""
     if use_kernel:
-        return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start)
-    return chunk_attention(q, k_pool, v_pool, table, start, cfg)
+        return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start, window)
+    return chunk_attention(q, k_pool, v_pool, table, start, cfg, window=window)
 
 
 def _ragged(ragged: bool | None, cfg: ModelConfig, page_size: int) -> bool:
@@ -483,6 +526,7 @@ def decode_layers(
     attend: int,
     kernels: bool = False,
     ragged: bool | None = None,
+    windows: tuple[int | None, ...] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """x [R, 1, E], tables [R, W], positions/active [R] for slots 0..R-1 -> x [R, 1, E] and the
     group's pools. `attend` (static) > every active position. `kernels` (static): attention by
@@ -491,17 +535,17 @@ def decode_layers(
     (engine.jax_backend.ragged_attention), which also reads each row's pages in place and ignores
     `attend`; None: where it `applies()` (a GPU backend and shapes it takes). Off, the XLA
     attention over the pages of `attend` positions. Inactive rows compute garbage and write it to
-    the null page (`_decode_writer`)."""
+    the null page (`_decode_writer`). `windows` (static): as in `prefill_layers`."""
     ragged = _ragged(ragged, cfg, k_pages[0].shape[2])
     write = _decode_writer(tables, positions, active, k_pages[0].shape[2])
     pos = positions[:, None]  # [R, 1]
     ks, vs = [], []
-    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
+    for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
         q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [R, 1, H|K, D]
         k_pool, v_pool = write(k_pool, k[:, 0]), write(v_pool, v[:, 0])
         ks.append(k_pool)
         vs.append(v_pool)
-        seen = _decode_seen(q[:, 0], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged)  # [R, H*D]
+        seen = _decode_seen(q[:, 0], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window)  # [R, H*D]
         x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[:, None]
         x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
     return x, tuple(ks), tuple(vs)
@@ -523,6 +567,7 @@ def mixed_layers(
     attend: int,
     kernels: bool = False,
     ragged: bool | None = None,
+    windows: tuple[int | None, ...] | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
     """A decode step and a prompt chunk in one pass over the weights: `decode_layers` for x
     [R, 1, E] (tables [R, W], positions, active [R]) and `prefill_layers` for chunk [C, E] at
@@ -533,7 +578,8 @@ def mixed_layers(
     Every projection takes the R + C rows together, so the weights are read once for both
     (on the CPU, by the panel kernel, each row's result the same bits as alone); the writes and
     the attention are each part's own (an inactive row writes to the null page, which no
-    query sees, so the order of the two writes does not matter)."""
+    query sees, so the order of the two writes does not matter). `windows` (static): as in
+    `prefill_layers`."""
     r, c = x.shape[0], chunk.shape[0]
     p = k_pages[0].shape[2]
     ragged = _ragged(ragged, cfg, p)
@@ -544,15 +590,15 @@ def mixed_layers(
     h = jnp.concatenate([x[:, 0], chunk])[None]  # [1, R + C, E]: the decode rows, then the chunk's
     pos = jnp.concatenate([positions, chunk_pos])[None]  # [1, R + C]
     ks, vs = [], []
-    for w, k_pool, v_pool in zip(layers, k_pages, v_pages, strict=True):
+    for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
         q, k, v = _qkv(rms_norm(h, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, R + C, H|K, D]
         k_pool, v_pool = write(k_pool, k[0, :r]), write(v_pool, v[0, :r])
         k_pool, v_pool = write_pages(k_pool, page, offset, k[0, r:]), write_pages(v_pool, page, offset, v[0, r:])
         ks.append(k_pool)
         vs.append(v_pool)
         seen = jnp.concatenate([
-            _decode_seen(q[0, :r], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged),  # [R, H*D]
-            _chunk_seen(q[0, r:], k_pool, v_pool, table, start, cfg, use_kernel),  # [C, H*D]
+            _decode_seen(q[0, :r], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window),  # [R, H*D]
+            _chunk_seen(q[0, r:], k_pool, v_pool, table, start, cfg, use_kernel, window),  # [C, H*D]
         ])[None]
         h = h + _project(seen, w.w_o, getattr(w.panels, "o", None))
         h = h + _mlp(rms_norm(h, w.mlp_norm, cfg.rms_eps), w)

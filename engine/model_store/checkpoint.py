@@ -80,7 +80,10 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2: q/k/v projections carry a bias
     qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
     max_position_embeddings: int
-    sliding_window: int | None  # None: full attention; JaxModel refuses a window below its context
+    # Every layer's sliding window (transformer.in_window: a query sees its last `sliding_window`
+    # positions, its own included); None: full attention. A family whose layers differ passes its
+    # own per layer (transformer.layer_windows).
+    sliding_window: int | None
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     window = raw.get("sliding_window")
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
         window = None
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise CheckpointError(f"{arch}: sliding_window must be a whole number >= 1 or null, got {window!r}")
     return ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],

@@ -16,6 +16,12 @@
 // 0.98-1.0x; fetching the next key block's rows into L2 while a block's scores are computed did
 // not change that (benchmarks/paged_attention_kernel.py), so nothing here fetches ahead.
 //
+// Sliding window (tokenwire_chunk_attention_window, attribute `window` >= 1): query i sees only
+// positions start + i - window + 1 .. start + i (transformers' convention, transformer.in_window).
+// A unit's key walk starts at the block holding its first row's first visible key, so the blocks
+// before are not read; keys inside the walked blocks that lie before a row's window are masked.
+// Without a window (tokenwire_chunk_attention) every position from 0 is seen.
+//
 // Bounds: positions past the table (start + i >= W * P: a bucket's padding rows) are clamped into
 // it, as the contiguous kernel clamped into its cache; their outputs are unused. A table entry the
 // chunk reads that is outside [0, N) is an InvalidArgument error, not clamped: it means a corrupt
@@ -67,12 +73,17 @@ using tokenwire::vec::kNegInf;
 
 struct Shape {
   int64_t chunk, heads, kv_heads, group, context, dim, page_size;  // C, H, K, G, W * P, D, P
+  int64_t window;                                                  // 0: none (every position from 0)
 };
+
+// The first position a query at `last` sees.
+inline int64_t FirstSeen(const Shape& s, int64_t last) { return s.window > 0 ? std::max<int64_t>(0, last - s.window + 1) : 0; }
 
 // Per-thread buffers for a unit, all with rows in the last (contiguous) dimension.
 struct Scratch {
   std::vector<float> qt, ot, st, m, l;  // [D][R] queries, [D][R] output, [block][R] scores, [R], [R]
   std::vector<int32_t> last;            // [R] each row's last visible key position
+  std::vector<int32_t> from;            // [R] each row's first visible key position (a sliding window's)
 };
 
 // The body in both widths (vec.h); the micro-tile sizes fill each width's registers.
@@ -99,7 +110,7 @@ bool UseAvx512() { return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512f
 
 // out = the splits' partial softmaxes combined: each row's max m = max_i m_i, its sum
 // l = sum_i l_i e^(m_i - m) and its output (sum_i o_i e^(m_i - m)) / l. A split a row saw no key in
-// has m_i = -inf and weighs 0 (split 0 holds key 0, which every row sees).
+// has m_i = -inf and weighs 0 (every row sees its own key, in some split).
 void Merge(const Shape& s, const float* parts, int64_t tiles, int64_t tile, int64_t splits, int64_t part_size,
            float* out) {
   const int64_t d = s.dim;
@@ -137,7 +148,8 @@ std::string Text(const Dims& dims) {
 }
 
 ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
-                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
+                          int64_t window) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = table.dimensions();
   const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
   if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 1 || td[0] < 1 || kd[1] < 1 || kd[2] < 1 ||
@@ -148,7 +160,11 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages
         "[K, N, P, D] with K | H, table [W], start [], out [C, H * D]; got q " + Text(qd) + ", k_pages " +
         Text(kd) + ", v_pages " + Text(vd) + ", table " + Text(td) + ", start " + Text(start.dimensions()));
   }
-  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], td[0] * kd[2], kd[3], kd[2]};
+  if (window < 0) {
+    return ffi::Error::InvalidArgument("tokenwire_chunk_attention_window: window must be >= 1, got " +
+                                       std::to_string(window));
+  }
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], td[0] * kd[2], kd[3], kd[2], window};
   const int64_t lo = std::clamp<int64_t>(start.typed_data()[0], 0, s.context - 1);  // see the header: bounds
   // Each kv head's pages that the chunk reads, checked to be pages of the pools (the header says
   // why an entry outside them is an error).
@@ -173,7 +189,7 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages
   // A chunk with fewer (kv head, tile) pairs than twice the threads (a 16-token chunk: 3 pairs)
   // also splits each pair's keys, so that every thread has work; the splits are merged below.
   const int64_t threads = tokenwire::Pool::Get().Threads(), pairs = tiles * s.kv_heads;
-  const int64_t blocks = (std::min(lo + s.chunk, s.context) + kKeyBlock - 1) / kKeyBlock;
+  const int64_t blocks = (std::min(lo + s.chunk, s.context) + kKeyBlock - 1) / kKeyBlock - FirstSeen(s, lo) / kKeyBlock;
   const int64_t splits =
       threads < 2 ? 1 : std::clamp<int64_t>((2 * threads + pairs - 1) / pairs, 1, std::max<int64_t>(1, blocks / 2));
   const int64_t units = pairs * splits, rows = tile * s.group, part_size = rows * (s.dim + 2);
@@ -200,9 +216,20 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages
   return ffi::Error::Success();
 }
 
+ffi::Error FullAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                         ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out) {
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, 0);
+}
+
+ffi::Error WindowAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
+                           int64_t window) {
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, window < 1 ? -1 : window);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttention, ChunkAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttention, FullAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -210,6 +237,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttention, ChunkAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttentionWindow, WindowAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));
 
 // Caps the ISA the kernel may use (0: AVX2 only; 1: AVX-512 where the CPU has it) and returns the
 // one it now uses (0 or 1); tests run both builds on a machine that has both.

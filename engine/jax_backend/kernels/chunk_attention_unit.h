@@ -74,6 +74,7 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
   w.m.assign(static_cast<size_t>(rr), kNegInf);
   w.l.assign(static_cast<size_t>(rr), 0.0f);
   w.last.assign(static_cast<size_t>(rr), static_cast<int32_t>(std::min(start + c0, s.context - 1)));
+  w.from.assign(static_cast<size_t>(rr), static_cast<int32_t>(FirstSeen(s, w.last[0])));
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int64_t ci = 0; ci < c1 - c0; ++ci) {
     for (int64_t g = 0; g < g_count; ++g) {
@@ -81,11 +82,15 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
       const float* src = q + ((c0 + ci) * s.heads + kv * g_count + g) * d;
       for (int64_t e = 0; e < d; ++e) w.qt[e * rr + r] = src[e] * scale;
       w.last[r] = static_cast<int32_t>(std::min(start + c0 + ci, s.context - 1));
+      w.from[r] = static_cast<int32_t>(FirstSeen(s, w.last[r]));
     }
   }
   const int64_t first = w.last[0], n_keys = w.last[rows - 1] + 1;  // every row sees keys <= first
-  const int64_t n_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock;
-  const int64_t b0 = n_blocks * split / splits, b1 = n_blocks * (split + 1) / splits;
+  // A sliding window: no row sees a key before w.from[0], so the walk starts at its block, and only
+  // keys before w.from[rows - 1] can be before some row's window.
+  const int64_t skip_to = w.from[rows - 1], lead = w.from[0] / kKeyBlock;
+  const int64_t n_blocks = (n_keys + kKeyBlock - 1) / kKeyBlock - lead;
+  const int64_t b0 = lead + n_blocks * split / splits, b1 = lead + n_blocks * (split + 1) / splits;
   const Vec neg_inf = Set1(kNegInf);
   const float* key_rows[kKeyBlock];    // the current block's key rows, through the table
   const float* value_rows[kKeyBlock];  // and its value rows
@@ -108,6 +113,12 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
       if (nv - j == 2) Scores<2>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
       if (nv - j == 1) Scores<1>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
     }
+    // Keys before a row's window (a scalar walk: at most a tile's span of keys per unit).
+    for (int64_t a = 0; a < std::min(nb, skip_to - a0); ++a) {
+      for (int64_t r = 0; r < rr; ++r) {
+        if (a0 + a < w.from[r]) w.st[a * rr + r] = kNegInf;
+      }
+    }
     // Online softmax, a vector of rows at a time: mask keys past each row's position (only keys
     // past `first` can be), then rescale what the rows have so far by e^(old max - new max).
     for (int64_t j = 0; j < nv; ++j) {
@@ -123,7 +134,8 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
         vmax = Max(vmax, x);
       }
       const Vec m_old = Load(&w.m[kLanes * j]);
-      // A row that has seen no key yet (m_new = -inf: a split past its position) gets e^NaN = 0
+      // A row that has seen no key yet (m_new = -inf: a split past its position, or blocks before
+      // its window) gets e^NaN = 0
       // for its probabilities and its correction, so it keeps max -inf, sum 0 and output 0.
       const Vec m_new = Max(m_old, vmax);
       const Vec corr = Exp(Sub(m_old, m_new));  // 0 on the row's first seen block (m_old = -inf)

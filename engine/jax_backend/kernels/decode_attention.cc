@@ -25,6 +25,12 @@
 // 0.64 ms on this pool), and at 8 and 32 rows the step was 1.09x and 1.14x faster on this pool
 // (docs/benchmarks.md, "The decode attention on the products' pool").
 //
+// Sliding window (tokenwire_decode_attention_window, attribute `window` >= 1): row r sees only its
+// last `window` positions, positions[r] - window + 1 .. positions[r] (transformers' convention,
+// transformer.in_window). The pages wholly before them are neither read nor checked; the keys of
+// the first page read that lie before the window (fewer than P) are scored and masked (`skip`).
+// Without a window (tokenwire_decode_attention) every position from 0 is seen.
+//
 // Bounds: a position past the table (positions[r] >= W * P, or < 0: padding or idle rows, whose
 // output is unused) is clamped into it, as the contiguous kernel clamped into its cache. A table
 // entry that a row would read and that is outside [0, N) is an InvalidArgument error, not clamped:
@@ -73,6 +79,7 @@ constexpr int64_t kFarBytes = 8192;
 
 struct Shape {
   int64_t rows, heads, kv_heads, group, dim, pages, page_size, width;  // R, H, K, G, D, N, P, W
+  int64_t window;                                                      // 0: none (every position from 0)
 };
 
 // One row's keys (or values) of one kv head: page[i] holds its positions [i * size, (i + 1) * size).
@@ -113,13 +120,13 @@ std::atomic<int> isa_cap{1};
 bool UseAvx512() { return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512f"); }
 
 // The same unit in plain loops, for a head dimension that is no multiple of 8.
-void ScalarUnit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t g_count, int64_t d,
-                float* oh, std::vector<float>& scores) {
+void ScalarUnit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t skip, int64_t g_count,
+                int64_t d, float* oh, std::vector<float>& scores) {
   scores.resize(static_cast<size_t>(g_count * n));
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int64_t a = 0; a < n; ++a) {
     const float* k = keys.page[a / keys.size] + a % keys.size * d;
-    for (int64_t g = 0; g < g_count; ++g) scores[g * n + a] = Dot(qh + g * d, k, d) * scale;
+    for (int64_t g = 0; g < g_count; ++g) scores[g * n + a] = a < skip ? tokenwire::vec::kNegInf : Dot(qh + g * d, k, d) * scale;
   }
   for (int64_t g = 0; g < g_count; ++g) {
     float* p = scores.data() + g * n;
@@ -157,6 +164,11 @@ int64_t LiveKeys(const Shape& s, const int32_t* positions, int64_t r) {
   return std::clamp<int64_t>(int64_t{positions[r]} + 1, 1, s.width * s.page_size);
 }
 
+// The first page row r reads: the one holding the first position of its window (0 without one).
+int64_t FirstPage(const Shape& s, const int32_t* positions, int64_t r) {
+  return s.window > 0 ? std::max<int64_t>(0, LiveKeys(s, positions, r) - s.window) / s.page_size : 0;
+}
+
 // Units [from, to) of a call: unit u is row u / K, kv head u % K.
 void RunUnits(const Shape& s, const float* q, const float* k_pages, const float* v_pages, const int32_t* tables,
               const int32_t* positions, float* out, int64_t from, int64_t to) {
@@ -167,23 +179,26 @@ void RunUnits(const Shape& s, const float* q, const float* k_pages, const float*
   const int64_t ahead = PagesAhead(s, kAheadBytes), far = std::max(ahead + 1, PagesAhead(s, kFarBytes));
   for (int64_t u = from; u < to; ++u) {
     const int64_t r = u / s.kv_heads, kv = u % s.kv_heads;
-    const int64_t n = LiveKeys(s, positions, r), used = (n + s.page_size - 1) / s.page_size;
-    key_pages.resize(static_cast<size_t>(used));
-    value_pages.resize(static_cast<size_t>(used));
-    for (int64_t i = 0; i < used; ++i) {
+    const int64_t live = LiveKeys(s, positions, r), used = (live + s.page_size - 1) / s.page_size;
+    // Keys from the first page of the window on: n of them, the first `skip` before the window.
+    const int64_t from = FirstPage(s, positions, r), n = live - from * s.page_size;
+    const int64_t skip = s.window > 0 ? std::max<int64_t>(0, n - s.window) : 0;
+    key_pages.resize(static_cast<size_t>(used - from));
+    value_pages.resize(static_cast<size_t>(used - from));
+    for (int64_t i = from; i < used; ++i) {
       const int64_t first = (kv * s.pages + tables[r * s.width + i]) * page_values;  // checked in DecodeAttention
-      key_pages[i] = k_pages + first;
-      value_pages[i] = v_pages + first;
+      key_pages[i - from] = k_pages + first;
+      value_pages[i - from] = v_pages + first;
     }
     const Pages keys{key_pages.data(), s.page_size, ahead, far}, values{value_pages.data(), s.page_size, ahead, far};
     const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
     float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
     if (wide && d % avx512::kLanes == 0) {
-      avx512::Unit(qh, keys, values, n, g_count, d, oh, scores);
+      avx512::Unit(qh, keys, values, n, skip, g_count, d, oh, scores);
     } else if (d % avx2::kLanes == 0) {
-      avx2::Unit(qh, keys, values, n, g_count, d, oh, scores);
+      avx2::Unit(qh, keys, values, n, skip, g_count, d, oh, scores);
     } else {
-      ScalarUnit(qh, keys, values, n, g_count, d, oh, scores);
+      ScalarUnit(qh, keys, values, n, skip, g_count, d, oh, scores);
     }
   }
 }
@@ -197,7 +212,7 @@ std::string Text(const Dims& dims) {
 
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::ResultBuffer<ffi::F32> out, int64_t window) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = tables.dimensions();
   const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
   if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 2 || qd[2] != kd[3] || kd[1] < 1 ||
@@ -208,13 +223,17 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_page
         "tables [R, W], positions [R], out [R, H * D]; got q " + Text(qd) + ", k_pages " + Text(kd) +
         ", v_pages " + Text(vd) + ", tables " + Text(td) + ", positions " + Text(positions.dimensions()));
   }
-  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], kd[3], kd[1], kd[2], td[1]};
+  if (window < 0) {
+    return ffi::Error::InvalidArgument("tokenwire_decode_attention_window: window must be >= 1, got " +
+                                       std::to_string(window));
+  }
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], kd[3], kd[1], kd[2], td[1], window};
   const int32_t *tp = tables.typed_data(), *pp = positions.typed_data();
   // Every table entry a row reads must name a page of the pools (the file's header says why this
   // is an error and not clamped); R x ceil(n / P) reads, ~1 us at 32 rows of 512 keys.
   for (int64_t r = 0; r < s.rows; ++r) {
     const int64_t used = (LiveKeys(s, pp, r) + s.page_size - 1) / s.page_size;
-    for (int64_t i = 0; i < used; ++i) {
+    for (int64_t i = FirstPage(s, pp, r); i < used; ++i) {
       const int32_t page = tp[r * s.width + i];
       if (page < 0 || page >= s.pages) {
         return ffi::Error::InvalidArgument("tokenwire_decode_attention: tables[" + std::to_string(r) + ", " +
@@ -232,9 +251,21 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_page
   return ffi::Error::Success();
 }
 
+ffi::Error FullAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                         ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, 0);
+}
+
+ffi::Error WindowAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t window) {
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window < 1 ? -1 : window);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttention, DecodeAttention,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttention, FullAttention,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -242,6 +273,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttentionWindow, WindowAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));
 
 // Caps the ISA the kernel may use (0: AVX2 only; 1: AVX-512 where the CPU has it) and returns the
 // one it now uses (0 or 1); tests run both builds on a machine that has both.

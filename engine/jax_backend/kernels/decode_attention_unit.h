@@ -133,9 +133,10 @@ TW_TARGET void AllScores(const float* qh, const Pages& keys, int64_t n, int64_t 
 }
 
 // One (row, kv head) unit: the row's keys and values of its kv head through their pages, n of
-// them; queries qh [G, D], out oh [G, D].
-TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t g_count, int64_t d,
-                    float* oh, std::vector<float>& scores) {
+// them, the first `skip` (< P: before a sliding window, in the first page read) masked out;
+// queries qh [G, D], out oh [G, D].
+TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t skip, int64_t g_count,
+                    int64_t d, float* oh, std::vector<float>& scores) {
   const int64_t dv = d / kLanes, np = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(static_cast<size_t>(g_count * np));
   // The first line of every page the unit reads, so that reaching each page (anywhere in the
@@ -153,9 +154,10 @@ TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int
   // The first values, while the softmax runs.
   for (int64_t pg = 0; pg * values.size < std::min(n, ahead_rows); ++pg)
     Fetch<_MM_HINT_T0>(values.page[pg], std::min(values.size, n - pg * values.size) * d);
-  // Softmax of each head's scores, normalised in place (the padding lanes: e^-inf = 0).
+  // Softmax of each head's scores, normalised in place (the padding lanes and the skipped keys: e^-inf = 0).
   for (int64_t g = 0; g < g_count; ++g) {
     float* p = &scores[g * np];
+    for (int64_t a = 0; a < skip; ++a) p[a] = tokenwire::vec::kNegInf;
     for (int64_t a = n; a < np; ++a) p[a] = tokenwire::vec::kNegInf;
     Vec m = Load(p);
     for (int64_t a0 = kLanes; a0 < np; a0 += kLanes) m = Max(m, Load(p + a0));
