@@ -1,4 +1,4 @@
-"""A llama GGUF's matrices as int8 blocks, for `--weights int8`, read without a float32 copy.
+"""A GGUF's matrices (llama or Gemma 3) as int8 blocks, for `--weights int8`, read without a float32 copy.
 
 `engine.model_store.gguf_convert` keeps the GGUF a directory was converted from as `model.gguf`;
 `engine.jax_backend.weights.load_int8` reads its matrices through `int8_tensor_reader`. The

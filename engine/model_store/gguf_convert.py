@@ -6,13 +6,16 @@ package (memory-mapped, no torch) -> writes `model.safetensors` (float32), `conf
 itself as `model.gguf` -> the JAX model and the tokenizer service load that directory like any
 HF checkpoint; with `--weights int8` the JAX model reads its matrices from `model.gguf` instead
 (engine.model_store.gguf_blocks: Q8_0, Q4_0/1 and Q5_0/1 blocks as they are, other types requantized),
-so a quantized model is never expanded to float32 to be served as int8.
+so a quantized model is never expanded to float32 to be served as int8. A "gemma3" file is handed
+to engine.model_store.gguf_gemma, which writes the same files for Gemma3ForCausalLM.
 
 What must hold for the output to equal the original HF checkpoint:
 - Every weight is dequantized to float32 and reshaped to the *reversed* GGUF shape (GGUF lists
   dims fastest-first, ne0 = input features; HF/numpy list them slowest-first).
 - llama.cpp permuted the rows of q_proj and k_proj so its rope could rotate adjacent pairs;
   HF rotates the two halves of each head. `unpermute_rope_rows` undoes exactly that.
+- Each architecture's fixes live in one `TensorMap` (names, permuted rows, a norm shift), which
+  the float32 conversion and gguf_blocks' int8 reader both apply, so the two agree.
 - The tokenizer's pre-tokenizer is not stored in the GGUF, only its llama.cpp name
   (`tokenizer.ggml.pre`); `_PRE_TOKENIZERS` maps the names we know to the HF pipeline, and an
   unknown name is an error rather than a silently different tokenization.

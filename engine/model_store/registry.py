@@ -258,18 +258,21 @@ def _run_pip(cmd: list[str], progress: Progress | None, expected: int = 0) -> tu
     the counts are summed, and the whole is `expected` until the files' own sizes pass it."""
     said: collections.deque[str] = collections.deque(maxlen=6)
     before = done = total = 0  # bytes of the files finished before this one; this file's count and size
+    shown = (0, 0)  # what `progress` was last told
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             if m := _PIP_PROGRESS.fullmatch(line.strip()):
                 if expected and int(m[1]) < done:  # the next file began
                     before += total or done
                 done, total = int(m[1]), int(m[2])
+                shown = (before + done, max(expected, before + total) if expected else total)
                 if progress is not None:
-                    progress(before + done, max(expected, before + total) if expected else total)
+                    progress(*shown)
             elif line.strip():
                 said.append(line.rstrip())
-    if progress is not None and proc.returncode == 0 and done and (not total or (expected and before)):
-        progress(before + done, before + done)  # its end, which the caller could not tell
+    end = (before + done, before + done)
+    if progress is not None and proc.returncode == 0 and done and shown != end:
+        progress(*end)  # its end, which the caller could not tell (a size not said, or a whole guessed)
     return proc.returncode, list(said)
 
 
