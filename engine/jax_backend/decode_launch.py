@@ -52,10 +52,10 @@ class DecodeLaunch:
         self, slots: np.ndarray, ints: np.ndarray, floats: np.ndarray, attend: int,
         chunk: tuple[np.ndarray, np.ndarray] | None = None, greedy_only: bool | None = None, sample_later: bool = False,
     ) -> None:
-        """Enqueue a decode step: one executable, or with split_sampler the layers and then the
-        sampler variant `greedy_only` says (None: greedy where every row is greedy and wants no
-        alternatives, and greedy_variant allows it), at once or, `sample_later`, at
-        `dispatch_sampling`."""
+        """Enqueue a decode step: one executable, or with split_sampler (or `sample_later`) the
+        layers and then the sampler variant `greedy_only` says (None: greedy where every row is
+        greedy and wants no alternatives, and greedy_variant allows it), at once or, with
+        `sample_later`, at `dispatch_sampling`."""
         require(self._held is None, "a decode step dispatched while the last one's sampling waits")
         along = None if chunk is None else self._put(chunk)
         require(not sample_later or self.split_sampler or ints.shape[0] <= self.samples_apart,
