@@ -258,7 +258,12 @@ def test_nothing_compiles_after_warm_up(model):
     every = tuple(t for t in model.buckets if t <= 256)  # the CPU packs every prompt bucket, an accelerator the largest
     assert packed == (every if jax.default_backend() == "cpu" else every[-1:])
     assert model.packed_prefill_rows == tuple(r for r in model.row_buckets if r >= 2)
-    assert before == layers + samplers + small + 2 * len(packed) + len(model.packed_prefill_rows)  # and its samples per rows
+    # a stream alone samples apart (issue 43; constrained_step): per row bucket up to samples_apart,
+    # its sampling under fresh rows (greedy and full) and, where a step is otherwise one executable,
+    # its layers apart, alone and with each chunk size along
+    apart_rows = len([r for r in model.row_buckets if r <= model.samples_apart])
+    apart = 2 * apart_rows + (0 if model.split_sampler else apart_rows * attend * (1 + along))
+    assert before == layers + samplers + small + 2 * len(packed) + len(model.packed_prefill_rows) + apart  # and its samples per rows
     with compile_events() as compiles:
         drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
         drive(model, [Plan(3, _prompt(9, 1), 30, SamplingParams(temperature=0.7, top_k=3, seed=3))])  # rows 4
