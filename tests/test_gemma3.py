@@ -8,8 +8,9 @@ prompts of 11 and 28 tokens and 16 greedy steps, so the window is outgrown).
   5's keys and the older ones alike; soft-capping (Gemma 2) refused by name.
 - The whole model in plain JAX and with the CPU kernels (attention and the panel products):
   logits within ATOL and greedy ids equal to the goldens; each cached decode step equal to a
-  full prefill of the same history; a prompt prefilled in chunks of 5 and packed end to end with
-  the others equal to it prefilled at once.
+  full prefill of the same history; a prompt prefilled in chunks of 5, packed end to end with
+  the others, and in chunks riding along with another slot's decode steps
+  (transformer.mixed_layers), each giving transformers' logits.
 - Served through JaxModel (CPU kernels on, as decode-server runs on the CPU; skipped, saying
   why, on another default backend): warm-up compiles a prefill layer of each kind, then greedy
   ids equal the goldens (prompts one by one and packed together) and nothing compiles.
@@ -93,9 +94,21 @@ def whole_model(request):
         x, _, _ = transformer.packed_prefill_layers(weights.layers, cache.k, cache.v, x, pages, positions, prompts, cfg)
         return transformer.logits(x[0], weights.final_norm, weights.lm_head, cfg)
 
+    def mixed(weights, cache, token, position, chunk, start, cfg):
+        """Slot 0 decodes `token` at `position` while chunk [C] of slot 1 at `start` rides along."""
+        x = transformer.embed(weights.embed, token[None])[:, None]  # [1, 1, E]
+        c = transformer.embed(weights.embed, chunk)  # [C, E]
+        x, ks, vs = transformer.mixed_layers(
+            weights.layers, cache.k, cache.v, x, cache.tables[:1], position[None], jnp.ones(1, bool), c,
+            cache.tables[1], start, start + chunk.shape[0], cfg, CONTEXT, kernels,
+        )
+        logits = transformer.logits(x[0, 0], weights.final_norm, weights.lm_head, cfg)
+        return logits, transformer.KVCache(ks, vs, cache.tables)
+
     calls = {
         "chunk": jax.jit(chunk, static_argnames="cfg", donate_argnums=1),
         "packed": jax.jit(packed, static_argnames="cfg"),
+        "mixed": jax.jit(mixed, static_argnames="cfg", donate_argnums=1),
         "decode": jax.jit(transformer.decode, static_argnames=("cfg", "attend", "kernels"), donate_argnums=1),
     }
     return weights, kernels, calls
@@ -152,6 +165,29 @@ def test_a_prompt_in_chunks_across_the_window_edge_and_packed_with_the_others_gi
     logits = np.asarray(calls["packed"](weights, cache, tokens, pages, positions, prompts, cfg=CFG))  # [T, V']
     for case, end in zip(CASES, np.cumsum(lengths), strict=True):
         np.testing.assert_allclose(logits[end - 1], case["first_logits"], atol=ATOL, rtol=0)
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_chunks_riding_along_with_decode_steps_give_transformers_logits(whole_model):
+    """Slot 1's 28-token prompt written 5 tokens at a time beside slot 0's decode steps
+    (transformer.mixed_layers), each step's logits slot 0's golden ones; then its last piece."""
+    weights, _, calls = whole_model
+    cache = transformer.init_cache(CFG, BATCH, CONTEXT, jnp.float32)
+    first, long = CASES[0], CASES[1]
+    logits, cache = _prefill(whole_model, cache, first["prompt_ids"], 0, CONTEXT)
+    last, start, step = int(np.argmax(logits)), 0, 1
+    while len(long["prompt_ids"]) - start > 5:
+        chunk = np.asarray(long["prompt_ids"][start : start + 5], np.int32)
+        position = np.int32(len(first["prompt_ids"]) + step - 1)
+        logits, cache = calls["mixed"](weights, cache, np.int32(last), position, chunk, np.int32(start), cfg=CFG)
+        expected = first["steps"][step]
+        np.testing.assert_allclose(np.asarray(logits)[expected["ids"]], expected["logits"], atol=ATOL, rtol=0)
+        last, start, step = first["greedy_ids"][step], start + 5, step + 1
+    rest = long["prompt_ids"][start:]
+    tokens = np.zeros(CONTEXT, np.int32)
+    tokens[: len(rest)] = rest
+    logits, cache = calls["chunk"](weights, cache, tokens, np.int32(len(rest)), np.int32(1), np.int32(start), cfg=CFG)
+    np.testing.assert_allclose(np.asarray(logits), long["first_logits"], atol=ATOL, rtol=0)
 
 
 @pytest.fixture(scope="module")

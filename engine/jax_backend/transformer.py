@@ -16,6 +16,12 @@ once and runs for every group of the same shape (see engine.jax_backend.jax_mode
 - `logits`: final norm and head -> float32 logits over the ids the tokenizer can produce.
 `prefill`, `prefill_chunk` and `decode` chain them into one whole-model call (tests; one-call serving).
 
+What a layer does around the attention (norms, q/k/v and RoPE, the residual adds, the MLP, the
+final norm) is its model family's `Block` (engine.jax_backend.families: the dense one of
+Llama/Mistral/Qwen, Gemma 3's), built from the shared layer library engine.jax_backend.layers;
+this file keeps the KV pages and every attention path. The block is picked from the static
+config while tracing, so it adds no operation to a step.
+
 Layers are unrolled over separate per-layer weights and per-layer cache buffers. A `lax.scan` over
 stacked weights compiles faster but decodes slower, because XLA:CPU copies each layer's slice of a
 stacked array before the matmul reads it; decode is memory-bound, so we take the speed (and cut
