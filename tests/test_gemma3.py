@@ -4,6 +4,7 @@ layers of window 8 then one global layer, each kind with its RoPE base, the glob
 scaled; query_pre_attn_scalar 24 != head_dim 16; norm weights drawn around 1, read as 1 + w ~ 2;
 prompts of 11 and 28 tokens and 16 greedy steps, so the window is outgrown).
 
+- The registries: the checkpoint side and the forward side name the same architectures.
 - The config: each layer's window, the two RoPE bases and the attention scale, from transformers
   5's keys and the older ones alike; soft-capping (Gemma 2) refused by name.
 - The whole model in plain JAX and with the CPU kernels (attention and the panel products):
@@ -30,9 +31,10 @@ import pytest
 
 from engine.core.model import DecodeInput, PromptInput, SlotSetup
 from engine.core.request import SamplingParams
-from engine.jax_backend import packed_prefill, transformer
+from engine.jax_backend import families, packed_prefill, transformer
 from engine.jax_backend.jax_model import JaxModel
 from engine.jax_backend.weights import load_checkpoint, with_panels
+from engine.model_store import families as checkpoint_families
 from engine.model_store.checkpoint import CheckpointError, parse_config
 from support import prerequisites
 from support.compile_watch import compile_events
@@ -68,6 +70,13 @@ def test_the_config_gives_each_layer_its_window_rope_base_and_the_attention_scal
         parse_config({**RAW, "attn_logit_softcapping": 50.0})
     with pytest.raises(CheckpointError, match="layer_types must name"):
         parse_config({**RAW, "layer_types": ["sliding_attention", "full_attention"]})
+
+
+def test_the_two_family_registries_name_the_same_architectures():
+    assert set(families.BLOCKS) == set(checkpoint_families.FAMILIES)
+    assert families.block(CFG) is families.GEMMA3 and checkpoint_families.FAMILIES[CFG.architecture].embed_scale
+    with pytest.raises(CheckpointError, match="unsupported architecture 'Gemma2ForCausalLM'; supported: .*Gemma3ForCausalLM"):
+        parse_config({**RAW, "architectures": ["Gemma2ForCausalLM"]})
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["jax-attention", "kernel-attention"])

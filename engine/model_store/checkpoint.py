@@ -8,7 +8,9 @@ pass multiplies `x @ w`; the fused projections are laid out so that any split of
 into equal contiguous parts gives each part whole kv-head groups (q, k, v) and whole features
 (gate, up): a tensor-parallel shard (engine.jax_backend.mesh) then computes its heads and features
 with no exchange; config.json + generation_config.json + the tokenizer's eos token ->
-`eos_token_ids`. Everything a checkpoint can get wrong (an architecture we do not run, a missing or
+`eos_token_ids`. What differs between model families (config keys, tensor names) is each
+family's module in engine.model_store.families, picked by config.json's `architectures`; this
+module holds what they share. Everything a checkpoint can get wrong (an architecture we do not run, a missing or
 misshapen tensor) raises `CheckpointError` here, before anything is compiled.
 
 No JAX here: each tensor is read as float32 numpy and handed to `place`, which returns what the
@@ -38,7 +40,6 @@ from safetensors import safe_open
 
 from engine.model_store.model_files import eos_token_ids
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
@@ -150,49 +151,15 @@ def tokenizer_size(model_dir: Path, vocab_size: int) -> int:
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
-    """config.json (transformers 4 `rope_scaling`/`rope_theta` or 5 `rope_parameters`) -> ModelConfig."""
+    """config.json -> ModelConfig, by the family its `architectures` names
+    (engine.model_store.families.FAMILIES); CheckpointError for an architecture we do not run."""
     from engine.model_store import families  # (its modules import this one)
 
     archs = raw.get("architectures") or [raw.get("model_type", "<none>")]
     arch = archs[0]
-    if arch in families.FAMILIES:
-        return families.FAMILIES[arch].parse_config(raw)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join((*SUPPORTED_ARCHITECTURES, *families.FAMILIES))
-        raise CheckpointError(f"unsupported architecture {arch!r}; supported: {supported}")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{arch}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-    if raw.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and raw.get("attention_bias")):
-        raise CheckpointError(f"{arch}: attention_bias / mlp_bias checkpoints are not supported")
-    missing = [k for k in REQUIRED_KEYS if k not in raw]
-    if missing:
-        raise CheckpointError(f"{arch}: config.json lacks {', '.join(missing)}")
-    n_heads = raw["num_attention_heads"]
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    window = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-        window = None
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise CheckpointError(f"{arch}: sliding_window must be a whole number >= 1 or null, got {window!r}")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        n_layers=raw["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
-        ffn_size=raw["intermediate_size"],
-        rope_theta=theta,
-        rope_scaling=rope_scaling(arch, rope),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        sliding_window=window,
-    )
+    if arch not in families.FAMILIES:
+        raise CheckpointError(f"unsupported architecture {arch!r}; supported: {', '.join(families.FAMILIES)}")
+    return families.FAMILIES[arch].parse_config(raw)
 
 
 def rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
@@ -214,22 +181,21 @@ def rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
 
 def load_weights(model_dir: Path, config: ModelConfig, place: Place = np.asarray, head_size: int | None = None) -> Weights:
     """Read, check shapes against `config`, transpose to [in, out], hand each tensor to `place`;
-    the head keeps the first `head_size` ids (default: all). A family with tensor names of its
-    own (engine.model_store.families) reads its layers itself, through the same `TensorReader`."""
+    the head keeps the first `head_size` ids (default: all). Each family reads its layers by its
+    own tensor names (engine.model_store.families), through `TensorReader`."""
     from engine.model_store import families  # (its modules import this one)
 
     c = config
     read = TensorReader(_tensor_reader(model_dir, c.architecture), c, place)
-    family = families.FAMILIES.get(c.architecture)
-    layer = family.layer if family else dense_layer
+    family = families.FAMILIES[c.architecture]
     E = c.hidden_size
     embed = read.tensor("model.embed_tokens.weight", (c.vocab_size, E))
     head = embed if c.tie_word_embeddings else read.tensor("lm_head.weight", (c.vocab_size, E))  # [V, E]
-    if family and family.embed_scale:  # Gemma: rows scaled by sqrt(E) (the head keeps them as stored)
+    if family.embed_scale:  # Gemma: rows scaled by sqrt(E) (the head keeps them as stored)
         embed = embed * np.float32(family.embed_scale(c))
     return Weights(
         embed=place(embed),
-        layers=tuple(layer(read, f"model.layers.{i}.") for i in range(c.n_layers)),
+        layers=tuple(family.layer(read, f"model.layers.{i}.") for i in range(c.n_layers)),
         final_norm=place(read.tensor("model.norm.weight", (E,))),
         lm_head=place(np.ascontiguousarray(head[: head_size or c.vocab_size].T)),
     )
@@ -290,23 +256,6 @@ class TensorReader:
     def vector(self, name: str, size: int) -> Array:
         """A norm's weights [size], placed."""
         return self.place(self.tensor(name, (size,)))
-
-
-def dense_layer(read: TensorReader, p: str) -> LayerWeights:
-    """A Llama / Mistral / Qwen2 / Qwen3 layer (transformers' names under prefix `p`)."""
-    c, device = read.config, read.place
-    E, D = c.hidden_size, c.head_dim
-    return LayerWeights(
-        attn_norm=read.vector(p + "input_layernorm.weight", E),
-        w_qkv=device(read.qkv(p)),
-        w_o=device(read.o(p)),
-        mlp_norm=read.vector(p + "post_attention_layernorm.weight", E),
-        w_gate_up=device(read.gate_up(p)),
-        w_down=device(read.down(p)),
-        b_qkv=device(read.qkv_bias(p)) if c.qkv_bias else None,
-        q_norm=read.vector(p + "self_attn.q_norm.weight", D) if c.qk_norm else None,
-        k_norm=read.vector(p + "self_attn.k_norm.weight", D) if c.qk_norm else None,
-    )
 
 
 def _tensor_reader(model_dir: Path, arch: str) -> Callable[[str], np.ndarray]:

@@ -8,7 +8,8 @@ residual stream (norms, projections, RoPE, the attention scale), what the attent
 to the stream, and what the MLP adds. The head's norm is the block's too. Each family is one
 module here over engine.jax_backend.layers, its checkpoint side (config keys, tensor names) one
 module under engine.model_store.families, and one line in each registry (`BLOCKS` below,
-engine.model_store.families.FAMILIES). Every function is traced with a static config: choosing a
+engine.model_store.families.FAMILIES); tests/test_gemma3.py checks that the two name the same
+architectures. Every function is traced with a static config: choosing a
 block adds no operation to the compiled step.
 """
 
@@ -45,14 +46,15 @@ class Block:
 
 
 DENSE = Block(dense.attention_input, dense.qkv, dense.attention_residual, dense.mlp_residual, dense.final_norm)
+GEMMA3 = Block(gemma3.attention_input, gemma3.qkv, gemma3.attention_residual, gemma3.mlp_residual, gemma3.final_norm)
 
-# One line per family whose block is not the dense one (Llama, Mistral, Qwen2, Qwen3: configured
-# by ModelConfig's flags).
+# One line per family (engine.model_store.families.FAMILIES names the same architectures).
 BLOCKS: dict[str, Block] = {
-    "Gemma3ForCausalLM": Block(gemma3.attention_input, gemma3.qkv, gemma3.attention_residual, gemma3.mlp_residual, gemma3.final_norm),
+    **{arch: DENSE for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")},
+    "Gemma3ForCausalLM": GEMMA3,
 }
 
 
 def block(cfg: ModelConfig) -> Block:
-    """The block of the config's architecture (the dense one unless BLOCKS names another)."""
-    return BLOCKS.get(cfg.architecture, DENSE)
+    """The block of the config's architecture (parse_config admits only those BLOCKS names)."""
+    return BLOCKS[cfg.architecture]

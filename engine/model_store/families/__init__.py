@@ -1,7 +1,7 @@
-"""The checkpoint side of the model families whose config keys or tensor names are not the dense
-(Llama-shaped) ones engine.model_store.checkpoint reads itself: one module per family, one line
-each in `FAMILIES`, keyed by config.json's `architectures`. The forward side is
-engine.jax_backend.families (its `BLOCKS`, keyed alike). No JAX here.
+"""The checkpoint side of each model family: its config.json keys and its tensor names, one module
+per family, one line per architecture in `FAMILIES`, keyed by config.json's `architectures`
+(engine.model_store.checkpoint reads through it). The forward side is engine.jax_backend.families
+(its `BLOCKS`, keyed alike). No JAX here.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.model_store.checkpoint import LayerWeights, ModelConfig, TensorReader
-from engine.model_store.families import gemma3
+from engine.model_store.families import dense, gemma3
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,8 @@ class Family:
     embed_scale: Callable[[ModelConfig], float] | None = None
 
 
+DENSE = Family(dense.parse_config, dense.layer)
 FAMILIES: dict[str, Family] = {
+    **{arch: DENSE for arch in dense.ARCHITECTURES},  # Llama, Mistral, Qwen2, Qwen3
     "Gemma3ForCausalLM": Family(gemma3.parse_config, gemma3.layer, gemma3.embed_scale),
 }
