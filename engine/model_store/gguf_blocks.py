@@ -1,4 +1,4 @@
-"""A llama GGUF's matrices as int8 blocks, for `--weights int8`, read without a float32 copy.
+"""A GGUF's matrices (llama or Gemma 3) as int8 blocks, for `--weights int8`, read without a float32 copy.
 
 `engine.model_store.gguf_convert` keeps the GGUF a directory was converted from as `model.gguf`;
 `engine.jax_backend.weights.load_int8` reads its matrices through `int8_tensor_reader`. The
@@ -23,13 +23,7 @@ from typing import Callable
 import gguf
 import numpy as np
 
-from engine.model_store.gguf_convert import (
-    GGUFConversionError,
-    dequantize_tensor,
-    hf_tensor_name,
-    read_llama_hparams,
-    unpermute_rope_rows,
-)
+from engine.model_store.gguf_convert import GGUFConversionError, dequantize_tensor, tensor_map
 
 
 INT8_BLOCK = 32  # the blocks of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, and of engine.jax_backend.quantize.Int8Matrix
@@ -171,32 +165,32 @@ def block_formats(gguf_path: Path | str) -> dict[str, BlockFormat]:
     """HF matrix name -> the format `int8_tensor_reader` gives it, from the GGUF's header alone
     (the memory check at load counts the bytes before anything is read)."""
     formats = {}
-    for t in gguf.GGUFReader(gguf_path, "r").tensors:
+    reader = gguf.GGUFReader(gguf_path, "r")
+    hf_name = tensor_map(reader).hf_name
+    for t in reader.tensors:
         if len(t.shape) == 2:
-            formats[hf_tensor_name(t.name)] = BlockFormat(4 if t.tensor_type in FOUR_BITS else 8, t.tensor_type in WITH_OFFSET)
+            formats[hf_name(t.name)] = BlockFormat(4 if t.tensor_type in FOUR_BITS else 8, t.tensor_type in WITH_OFFSET)
     return formats
 
 
 def int8_tensor_reader(gguf_path: Path | str, requantize: Requantize) -> Callable[[str], np.ndarray | Int8Rows]:
     """HF tensor name -> what `--weights int8` holds for it, read from the GGUF as it is asked for:
-    a matrix as `Int8Rows` (q and k rows un-permuted, as gguf_convert.convert_tensors does), a vector as
-    float32. The reader memory-maps the file, so only the tensor being read is in memory."""
+    a matrix as `Int8Rows` (rows in HF's order, as gguf_convert.hf_tensors puts them), a vector as
+    float32 (a Gemma norm less llama.cpp's +1, likewise). The reader memory-maps the file, so only
+    the tensor being read is in memory."""
     reader = gguf.GGUFReader(gguf_path, "r")
-    hp = read_llama_hparams(reader)
-    by_name = {hf_tensor_name(t.name): t for t in reader.tensors}
+    tmap = tensor_map(reader)
+    by_name = {tmap.hf_name(t.name): t for t in reader.tensors}
 
     def get(name: str) -> np.ndarray | Int8Rows:
         if name not in by_name:
             raise GGUFConversionError(f"tensor {name} missing from {gguf_path}")
         t = by_name[name]
         if len(t.shape) == 1:
-            return dequantize_tensor(t)
+            return tmap.fix_vector(name, dequantize_tensor(t))
         rows = int8_rows(t, requantize)
-        heads = {"self_attn.q_proj.weight": hp.num_attention_heads, "self_attn.k_proj.weight": hp.num_key_value_heads}
-        for suffix, n_heads in heads.items():
-            if name.endswith(suffix):  # a row permutation: whole rows, blocks, scales and offsets move together
-                moved = (None if a is None else unpermute_rope_rows(a, n_heads) for a in (rows.q, rows.scale, rows.offset))
-                rows = Int8Rows(*moved, bits=rows.bits)
-        return rows
+        # a row permutation (llama's q and k): whole rows, blocks, scales and offsets move together
+        moved = (None if a is None else tmap.fix_rows(name, a) for a in (rows.q, rows.scale, rows.offset))
+        return Int8Rows(*moved, bits=rows.bits)
 
     return get

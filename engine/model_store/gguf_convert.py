@@ -1,4 +1,4 @@
-"""Convert a llama-architecture GGUF file into a Hugging Face model directory.
+"""Convert a GGUF file into a Hugging Face model directory: llama here, Gemma 3 in gguf_gemma.
 
 Data flow: `model_registry.pull` fetches a .gguf -> `convert_gguf` reads it with the `gguf`
 package (memory-mapped, no torch) -> writes `model.safetensors` (float32), `config.json`,
@@ -6,13 +6,16 @@ package (memory-mapped, no torch) -> writes `model.safetensors` (float32), `conf
 itself as `model.gguf` -> the JAX model and the tokenizer service load that directory like any
 HF checkpoint; with `--weights int8` the JAX model reads its matrices from `model.gguf` instead
 (engine.model_store.gguf_blocks: Q8_0, Q4_0/1 and Q5_0/1 blocks as they are, other types requantized),
-so a quantized model is never expanded to float32 to be served as int8.
+so a quantized model is never expanded to float32 to be served as int8. A "gemma3" file is handed
+to engine.model_store.gguf_gemma, which writes the same files for Gemma3ForCausalLM.
 
 What must hold for the output to equal the original HF checkpoint:
 - Every weight is dequantized to float32 and reshaped to the *reversed* GGUF shape (GGUF lists
   dims fastest-first, ne0 = input features; HF/numpy list them slowest-first).
 - llama.cpp permuted the rows of q_proj and k_proj so its rope could rotate adjacent pairs;
   HF rotates the two halves of each head. `unpermute_rope_rows` undoes exactly that.
+- Each architecture's fixes live in one `TensorMap` (names, permuted rows, a norm shift), which
+  the float32 conversion and gguf_blocks' int8 reader both apply, so the two agree.
 - The tokenizer's pre-tokenizer is not stored in the GGUF, only its llama.cpp name
   (`tokenizer.ggml.pre`); `_PRE_TOKENIZERS` maps the names we know to the HF pipeline, and an
   unknown name is an error rather than a silently different tokenization.
@@ -62,7 +65,7 @@ class LlamaHParams:
 # Metadata
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+def field_value(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     field = reader.get_field(key)
     if field is None:
         if default is _REQUIRED:
@@ -71,26 +74,26 @@ def _field(reader: gguf.GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     return field.contents()
 
 
-def _f32(value: float) -> float:
+def shortest_f32(value: float) -> float:
     """GGUF stores floats as f32: 1e-5 reads back as 9.999999747e-06. Keep the shortest
     decimal that round-trips through f32, i.e. what the original config said."""
     return float(str(np.float32(value)))
 
 
 def read_llama_hparams(reader: gguf.GGUFReader) -> LlamaHParams:
-    arch = _field(reader, "general.architecture")
+    arch = field_value(reader, "general.architecture")
     if arch != "llama":
         raise GGUFConversionError(f"unsupported GGUF architecture {arch!r}: only 'llama' is supported")
-    if _field(reader, "llama.expert_count", 0):
+    if field_value(reader, "llama.expert_count", 0):
         raise GGUFConversionError("mixture-of-experts llama GGUFs are not supported")
-    scaling = _field(reader, "llama.rope.scaling.type", "none")
+    scaling = field_value(reader, "llama.rope.scaling.type", "none")
     if scaling != "none":
         raise GGUFConversionError(f"rope scaling {scaling!r} is not supported")
 
-    heads = int(_field(reader, "llama.attention.head_count"))
-    hidden = int(_field(reader, "llama.embedding_length"))
-    head_dim = int(_field(reader, "llama.attention.key_length", hidden // heads))
-    rope_dims = int(_field(reader, "llama.rope.dimension_count", head_dim))
+    heads = int(field_value(reader, "llama.attention.head_count"))
+    hidden = int(field_value(reader, "llama.embedding_length"))
+    head_dim = int(field_value(reader, "llama.attention.key_length", hidden // heads))
+    rope_dims = int(field_value(reader, "llama.rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise GGUFConversionError(f"partial rotary embeddings ({rope_dims} of {head_dim} dims) are not supported")
     names = {t.name for t in reader.tensors}
@@ -98,15 +101,15 @@ def read_llama_hparams(reader: gguf.GGUFReader) -> LlamaHParams:
     if embed is None:
         raise GGUFConversionError("GGUF file has no token_embd.weight tensor")
     return LlamaHParams(
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        num_hidden_layers=int(field_value(reader, "llama.block_count")),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
+        intermediate_size=int(field_value(reader, "llama.feed_forward_length")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
+        num_key_value_heads=int(field_value(reader, "llama.attention.head_count_kv", heads)),
         head_dim=head_dim,
-        rope_theta=_f32(_field(reader, "llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=_f32(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=int(_field(reader, "llama.context_length")),
+        rope_theta=shortest_f32(field_value(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=shortest_f32(field_value(reader, "llama.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(field_value(reader, "llama.context_length")),
         vocab_size=int(embed.shape[1]),  # GGUF shape [hidden, V]
         tie_word_embeddings="output.weight" not in names,
     )
@@ -165,21 +168,60 @@ def dequantize_tensor(t: gguf.ReaderTensor) -> np.ndarray:
     return np.asarray(flat, dtype=np.float32).reshape(shape)
 
 
-def convert_tensors(reader: gguf.GGUFReader, hp: LlamaHParams) -> dict[str, np.ndarray]:
-    """All GGUF tensors as float32 arrays under HF names, q/k rows un-permuted."""
+@dataclass(frozen=True)
+class TensorMap:
+    """How one architecture's GGUF tensors become its HF checkpoint's: the names, the matrices
+    whose rows llama.cpp permuted for its rope (HF name suffix -> heads), and what llama.cpp added
+    to every norm weight (Gemma: 1, which HF's Gemma models add themselves at run time). The float32
+    conversion and `--weights int8` (gguf_blocks) both read through it, so they agree."""
+
+    hf_name: Callable[[str], str]
+    permuted_heads: dict[str, int]
+    norm_shift: float = 0.0
+
+    def fix_rows(self, name: str, w: np.ndarray) -> np.ndarray:
+        """Rows of matrix `name` in HF's order ([out, ...], any trailing dims)."""
+        for suffix, n_heads in self.permuted_heads.items():
+            if name.endswith(suffix):
+                return unpermute_rope_rows(w, n_heads)
+        return w
+
+    def fix_vector(self, name: str, w: np.ndarray) -> np.ndarray:
+        """A 1-D tensor as HF holds it: a norm weight less the shift llama.cpp added."""
+        return w - np.float32(self.norm_shift) if self.norm_shift and name.endswith("norm.weight") else w
+
+
+def llama_tensor_map(hp: LlamaHParams) -> TensorMap:
+    return TensorMap(hf_tensor_name, {"self_attn.q_proj.weight": hp.num_attention_heads,
+                                      "self_attn.k_proj.weight": hp.num_key_value_heads})
+
+
+def tensor_map(reader: gguf.GGUFReader) -> TensorMap:
+    """The TensorMap for the file's `general.architecture` (llama or gemma3)."""
+    if field_value(reader, "general.architecture") == "gemma3":
+        from engine.model_store import gguf_gemma  # (it builds on this module)
+
+        return gguf_gemma.GEMMA3_TENSORS
+    return llama_tensor_map(read_llama_hparams(reader))
+
+
+def hf_tensors(reader: gguf.GGUFReader, tmap: TensorMap, expected: set[str]) -> dict[str, np.ndarray]:
+    """All GGUF tensors as float32 arrays under HF names, fixed as `tmap` says; every name in
+    `expected` must be among them."""
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = hf_tensor_name(t.name)
+        name = tmap.hf_name(t.name)
         w = dequantize_tensor(t)
-        if name.endswith("self_attn.q_proj.weight"):
-            w = unpermute_rope_rows(w, hp.num_attention_heads)  # (H*D, hidden)
-        elif name.endswith("self_attn.k_proj.weight"):
-            w = unpermute_rope_rows(w, hp.num_key_value_heads)  # (K*D, hidden)
+        w = tmap.fix_vector(name, w) if w.ndim == 1 else tmap.fix_rows(name, w)  # matrices: [out, in]
         out[name] = np.ascontiguousarray(w)
-    expected = _expected_tensor_names(hp)
     if missing := sorted(expected - out.keys()):
         raise GGUFConversionError(f"GGUF file lacks tensors for {missing[:5]} ({len(missing)} missing)")
     return out
+
+
+def convert_tensors(reader: gguf.GGUFReader, hp: LlamaHParams) -> dict[str, np.ndarray]:
+    """A llama GGUF's tensors as float32 arrays under HF names, q/k rows un-permuted."""
+    return hf_tensors(reader, llama_tensor_map(hp), _expected_tensor_names(hp))
 
 
 def _expected_tensor_names(hp: LlamaHParams) -> set[str]:
@@ -220,7 +262,7 @@ class SpecialTokens:
 
 def read_special_tokens(reader: gguf.GGUFReader) -> SpecialTokens:
     def opt_id(key: str) -> int | None:
-        value = _field(reader, f"tokenizer.ggml.{key}", None)
+        value = field_value(reader, f"tokenizer.ggml.{key}", None)
         return None if value is None else int(value)
 
     return SpecialTokens(
@@ -228,21 +270,21 @@ def read_special_tokens(reader: gguf.GGUFReader) -> SpecialTokens:
         eos_id=opt_id("eos_token_id"),
         pad_id=opt_id("padding_token_id"),
         unk_id=opt_id("unknown_token_id"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", False)),
     )
 
 
 def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     """A byte-level BPE `tokenizers.Tokenizer` equal to the one the GGUF was made from."""
-    kind = _field(reader, "tokenizer.ggml.model")
+    kind = field_value(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
         raise GGUFConversionError(f"tokenizer model {kind!r} is not supported: only 'gpt2' (byte-level BPE)")
-    pre = _field(reader, "tokenizer.ggml.pre", "gpt-2")
+    pre = field_value(reader, "tokenizer.ggml.pre", "gpt-2")
     if pre not in _PRE_TOKENIZERS:
         raise GGUFConversionError(f"pre-tokenizer {pre!r} is not supported (known: {sorted(_PRE_TOKENIZERS)})")
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
-    types: list[int] = _field(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in _field(reader, "tokenizer.ggml.merges")]
+    tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
+    types: list[int] = field_value(reader, "tokenizer.ggml.token_type", [1] * len(tokens))
+    merges = [tuple(m.split(" ", 1)) for m in field_value(reader, "tokenizer.ggml.merges")]
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise GGUFConversionError("GGUF vocabulary has duplicate tokens")
@@ -274,7 +316,7 @@ def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
 def tokenizer_config(reader: gguf.GGUFReader, tok: Tokenizer, hp: LlamaHParams) -> dict[str, Any]:
     """`tokenizer_config.json`: special token strings, the chat template, added tokens by id."""
     specials = read_special_tokens(reader)
-    tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
+    tokens: list[str] = field_value(reader, "tokenizer.ggml.tokens")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": specials.add_bos,
@@ -287,7 +329,7 @@ def tokenizer_config(reader: gguf.GGUFReader, tok: Tokenizer, hp: LlamaHParams) 
                            ("pad", specials.pad_id), ("unk", specials.unk_id)):
         if token_id is not None:
             config[f"{role}_token"] = tokens[token_id]
-    template = _field(reader, "tokenizer.chat_template", None)
+    template = field_value(reader, "tokenizer.chat_template", None)
     if template is not None:
         config["chat_template"] = template
     config["added_tokens_decoder"] = {
@@ -336,8 +378,13 @@ def generation_config(specials: SpecialTokens) -> dict[str, Any]:
     return {"bos_token_id": specials.bos_id, "eos_token_id": specials.eos_id, "pad_token_id": specials.pad_id}
 
 
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
+def write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def write_safetensors(out: Path, tensors: dict[str, np.ndarray]) -> None:
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors creates it 0600; the rest is 0644
 
 
 def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str], None] = lambda _: None) -> Path:
@@ -350,6 +397,10 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str]
     out = Path(out_dir)
     log("reading the GGUF's metadata and tokenizer")
     reader = gguf.GGUFReader(gguf_path, "r")
+    if field_value(reader, "general.architecture") == "gemma3":
+        from engine.model_store import gguf_gemma  # (it builds on this module)
+
+        return gguf_gemma.convert(reader, Path(gguf_path), out, log)
     hp = read_llama_hparams(reader)
     specials = read_special_tokens(reader)
     tok = build_tokenizer(reader)
@@ -360,11 +411,10 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str]
     out.mkdir(parents=True, exist_ok=True)
     log(f"writing {len(tensors)} float32 tensors ({sum(w.nbytes for w in tensors.values()) >> 20} MiB), the config "
         "and the tokenizer")
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)  # safetensors creates it 0600; the rest is 0644
-    _write_json(out / "config.json", model_config(hp, specials))
-    _write_json(out / "generation_config.json", generation_config(specials))
+    write_safetensors(out, tensors)
+    write_json(out / "config.json", model_config(hp, specials))
+    write_json(out / "generation_config.json", generation_config(specials))
     tok.save(str(out / "tokenizer.json"))
-    _write_json(out / "tokenizer_config.json", tok_config)
+    write_json(out / "tokenizer_config.json", tok_config)
     shutil.copyfile(gguf_path, out / GGUF_NAME)
     return out

