@@ -15,7 +15,7 @@ numpy 2.4.6. The tokenizer is trained on the reference venv's Python standard li
 different Python may give a different (equally valid) tokenizer; the goldens always match the files
 written next to them.
 
-Four models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> <|im_start|>
+Five models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> <|im_start|>
 <|im_end|>):
 - tiny-llama: LlamaForCausalLM, untied lm head, GQA 4/2, llama3 rope scaling that bites within
   the first few dozen positions (original context 32).
@@ -94,8 +94,8 @@ def tokenizer_config() -> dict:
     }
 
 
-def randomize(model: torch.nn.Module, tied: bool, seed: int) -> None:
-    """Peaked random weights: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, 1), norms ~ 1 +- 0.1.
+def randomize(model: torch.nn.Module, tied: bool, seed: int, embed_std: float = 1.0) -> None:
+    """Peaked random weights: matrices ~ N(0, 1/fan_in), embeddings ~ N(0, embed_std), norms ~ 1 +- 0.1.
 
     A tied random model echoes one token forever (its logits are close to the input embedding's
     scores); a signed N(0, 1) final norm weight breaks the echo so greedy ids vary.
@@ -110,7 +110,7 @@ def randomize(model: torch.nn.Module, tied: bool, seed: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=g))
+                p.copy_(embed_std * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
 
@@ -156,7 +156,7 @@ def make(name: str, config: transformers.PretrainedConfig, cls: type, tok: Token
     for seed in range(1234, 1264):
         torch.manual_seed(0)
         model = cls(config).eval()
-        randomize(model, tied=config.tie_word_embeddings, seed=seed)
+        randomize(model, tied=config.tie_word_embeddings, seed=seed, embed_std=EMBED_STD.get(name, 1.0))
         gold = golden(model, tok)
         if margin(gold) >= MIN_MARGIN:
             break
@@ -173,6 +173,10 @@ def make(name: str, config: transformers.PretrainedConfig, cls: type, tok: Token
 
 
 MISTRAL_WINDOW = 8
+GEMMA3_WINDOW = 8
+# Gemma scales its embeddings by sqrt(hidden) = 8: drawn at N(0, 1) they would swamp every layer's
+# output and the tied model would echo one token forever; drawn at 1/8 they enter at N(0, 1).
+EMBED_STD = {"tiny-gemma3": 64 ** -0.5}
 
 
 def main(names: list[str]) -> None:
@@ -208,6 +212,17 @@ def main(names: list[str]) -> None:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=MISTRAL_WINDOW,
     )
     models["tiny-mistral"] = (mistral, transformers.MistralForCausalLM, [im_end])
+    gemma3 = transformers.Gemma3TextConfig(
+        **common, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, tie_word_embeddings=True,
+        eos_token_id=eot, bos_token_id=None, pad_token_id=eot, sliding_window=GEMMA3_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=None, attn_logit_softcapping=None,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+        },
+    )
+    models["tiny-gemma3"] = (gemma3, transformers.Gemma3ForCausalLM, [im_end])
     unknown = set(names) - set(models)
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; known: {sorted(models)}")

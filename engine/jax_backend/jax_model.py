@@ -167,23 +167,24 @@ class JaxModel(DecodeLaunch):
         return sum(f._cache_size() for f in self._steps.jitted())
 
     def warm_up(self) -> None:
-        """Compile every shape serving can use: each prompt bucket (one prefill layer; all
-        layers share its shape), a prompt's head and sampling, and a decode step for each (rows,
-        attend) pair, run with every row idle. Only with no request in flight: every write goes to
+        """Compile every shape serving can use: each prompt bucket (one prefill layer of each
+        kind: the layers of one sliding window share a compiled call), a prompt's head and
+        sampling, and a decode step for each (rows, attend) pair, run with every row idle. Only with no request in flight: every write goes to
         the null page. Logs "compiled k of n shapes" as it goes (engine.jax_backend.compile_progress)."""
         if self._slots.length.any() or self._slots.held.any():
             raise ModelUsageError("warm_up with requests in flight")
         shapes, variants = self.shapes, (True, False) if self.split_sampler else (None,)
         decode_steps = len(shapes.rows) * len(shapes.attend) * (len(variants) + len(shapes.fused))
         # each item below compiles as many executables as it adds; tests/test_compile_budget checks the sum
-        progress = CompileProgress(3 * len(shapes.prompt) + 2 + len(shapes.rows) + decode_steps
-                                   + 2 * len(shapes.packed) + len(shapes.packed_rows) + self._apart_shapes())
+        kinds = len(set(self.config.layer_windows or (None,)))  # layers of differing windows compile apart
+        progress = CompileProgress((2 + kinds) * len(shapes.prompt) + 2 + len(shapes.rows) + decode_steps
+                                   + (1 + kinds) * len(shapes.packed) + len(shapes.packed_rows) + self._apart_shapes())
         zero = np.int32(0)
-        for t in shapes.prompt:  # embed, one prefill layer, the last position
+        for t in shapes.prompt:  # embed, one prefill layer of each kind, the last position
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
-            self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, layers=1)
+            self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, kinds_only=True)
             last = self._steps.last_hidden(x, np.int32(1))
-            progress.advance(3)
+            progress.advance(2 + kinds)
         self._mask = self._steps.write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
         for rows in shapes.rows:  # `ban`'s sizes
             self._mask = self._steps.write_masks(self._mask, np.zeros((rows, self._head_size), bool), np.zeros(rows, np.int32))
@@ -202,9 +203,9 @@ class JaxModel(DecodeLaunch):
                     progress.advance()
         for t in shapes.packed:  # packed prefill: one layer per size (padding into the null page), the ends
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
-            x = self._through(self._steps.packed_layers, x, *self._packed_arrays([], [], t), layers=1)
+            x = self._through(self._steps.packed_layers, x, *self._packed_arrays([], [], t), kinds_only=True)
             ends = self._steps.packed_ends(x, np.ones(self.info.max_batch_size, np.int32))
-            progress.advance(2)
+            progress.advance(1 + kinds)
         for rows in shapes.packed_rows:  # and its samples, every row idle
             idle = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), np.zeros(rows, np.int32)
             self._sample(self._steps.packed_sample, ends, *idle)
@@ -346,13 +347,20 @@ class JaxModel(DecodeLaunch):
         replicated, under tensor parallelism."""
         return tree if self.plan is None else self.plan.put(tree)
 
-    def _through(self, layer_call, x: jax.Array, *args, layers: int | None = None) -> jax.Array:
-        """Hidden states x [1, T, E] through the first `layers` layers (None: all), one jitted call
-        per layer (`layer_call`: a prompt piece's prefill_layers, or packed_layers) with its cache
-        buffers donated, the returned buffers installed; -> hidden states."""
-        for i, layer in enumerate(self._decode_weights[:layers]):
+    def _through(self, layer_call, x: jax.Array, *args, kinds_only: bool = False) -> jax.Array:
+        """Hidden states x [1, T, E] through every layer (`kinds_only`: only the first layer of
+        each kind, i.e. of each sliding window, which is what warm-up must compile), one jitted
+        call per layer (`layer_call`: a prompt piece's prefill_layers, or packed_layers) with its
+        cache buffers donated, the returned buffers installed; -> hidden states. A family whose
+        layers differ (ModelConfig.layer_windows) passes each call its layer's window, static."""
+        per_layer = self.config.layer_windows
+        windows = per_layer or (self.config.sliding_window,) * self.config.n_layers
+        for i, layer in enumerate(self._decode_weights):
+            if kinds_only and windows.index(windows[i]) != i:
+                continue
             x, self._k[i : i + 1], self._v[i : i + 1] = layer_call(
-                (layer,), (self._k[i],), (self._v[i],), x, *args, cfg=self.config
+                (layer,), (self._k[i],), (self._v[i],), x, *args, cfg=self.config,
+                windows=None if per_layer is None else per_layer[i : i + 1],
             )
         return x
 

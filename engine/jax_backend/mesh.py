@@ -118,6 +118,8 @@ class Plan:
             b_qkv=None if layer.b_qkv is None else self.sharding(AXIS),
             q_norm=None if layer.q_norm is None else rep,
             k_norm=None if layer.k_norm is None else rep,
+            post_attn_norm=None if layer.post_attn_norm is None else rep,
+            post_mlp_norm=None if layer.post_mlp_norm is None else rep,
         )
 
 

@@ -253,10 +253,10 @@ class Steps:
         o = options
         self.embed = jax.jit(own(embed), **o)
         self.prefill_layers = jax.jit(
-            own(transformer.prefill_layers, kernels=kernels), static_argnames="cfg", donate_argnames=pools, **o
+            own(transformer.prefill_layers, kernels=kernels), static_argnames=("cfg", "windows"), donate_argnames=pools, **o
         )
         self.packed_layers = jax.jit(
-            own(transformer.packed_prefill_layers), static_argnames="cfg", donate_argnames=pools, **o
+            own(transformer.packed_prefill_layers), static_argnames=("cfg", "windows"), donate_argnames=pools, **o
         )
         self.packed_ends = jax.jit(own(prompt_ends), **o)
         self.step = jax.jit(

@@ -16,6 +16,12 @@ once and runs for every group of the same shape (see engine.jax_backend.jax_mode
 - `logits`: final norm and head -> float32 logits over the ids the tokenizer can produce.
 `prefill`, `prefill_chunk` and `decode` chain them into one whole-model call (tests; one-call serving).
 
+What a layer does around the attention (norms, q/k/v and RoPE, the residual adds, the MLP, the
+final norm) is its model family's `Block` (engine.jax_backend.families: the dense one of
+Llama/Mistral/Qwen, Gemma 3's), built from the shared layer library engine.jax_backend.layers;
+this file keeps the KV pages and every attention path. The block is picked from the static
+config while tracing, so it adds no operation to a step.
+
 Layers are unrolled over separate per-layer weights and per-layer cache buffers. A `lax.scan` over
 stacked weights compiles faster but decodes slower, because XLA:CPU copies each layer's slice of a
 stacked array before the matmul reads it; decode is memory-bound, so we take the speed (and cut
@@ -66,9 +72,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import channel_quant, cpu_kernels, quantize, ragged_attention
+from engine.jax_backend import channel_quant, cpu_kernels, families, quantize, ragged_attention
+from engine.jax_backend.layers import apply_rope, embed, rms_norm, rope_inv_freq  # noqa: F401 (transformer's names)
+from engine.jax_backend.layers import dot as _dot, project as _project  # noqa: F401
 from engine.jax_backend.weights import LayerWeights, PackedHead, Weights
-from engine.model_store.checkpoint import ModelConfig, RopeScaling
+from engine.model_store.checkpoint import ModelConfig
 
 
 @jax.tree_util.register_dataclass
@@ -136,48 +144,6 @@ def chunk_writes(table: jax.Array, positions: jax.Array, new_from: jax.Array, ne
     keep = (positions >= new_from) & (positions < new_to)  # [C]
     index = jnp.minimum(positions // page_size, table.shape[0] - 1)
     return jnp.where(keep, table[index], 0), positions % page_size
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Per-pair rotation frequencies [D/2], with linear or llama3 scaling applied."""
-    d = cfg.head_dim
-    inv = 1.0 / cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
-    s = cfg.rope_scaling
-    if s is None:
-        return inv.astype(np.float32)
-    if s.kind == "linear":
-        return (inv / s.factor).astype(np.float32)
-    return _llama3_inv_freq(inv, s).astype(np.float32)
-
-
-def _llama3_inv_freq(inv: np.ndarray, s: RopeScaling) -> np.ndarray:
-    """Llama 3.1 scaling: long wavelengths slowed by `factor`, short kept, the band between blended."""
-    wavelen = 2 * np.pi / inv  # [D/2]
-    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
-    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
-    scaled = np.where(wavelen > low_wavelen, inv / s.factor, inv)
-    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
-        s.high_freq_factor - s.low_freq_factor
-    )
-    blended = (1 - smooth) * scaled / s.factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return np.where(medium, blended, scaled)
-
-
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, computed in float32 and cast back (as transformers does)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return w * normed.astype(x.dtype)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate halves (the transformers layout): x [B, T, heads, D], positions [B, T]."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
-    sin = jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, D/2] each
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def in_window(k_pos: jax.Array, q_pos: jax.Array, window: int | None) -> jax.Array:
@@ -290,58 +256,10 @@ def decode_attention(
     return out.reshape(r, cfg.n_heads * d)
 
 
-def _project(x: jax.Array, w: jax.Array, panels: jax.Array | None) -> jax.Array:
-    """x [..., in] @ w [in, out]; by the CPU kernel on the panel-packed copy when there is one and
-    x has at most cpu_kernels.PANEL_ROWS rows (decode steps, short prompt chunks; longer chunks
-    use w and XLA's GEMM). The row count is static: the choice is made while tracing."""
-    if panels is not None and x.size // x.shape[-1] <= cpu_kernels.PANEL_ROWS:
-        return cpu_kernels.panel_matmul(x, panels, w.shape[1]).astype(x.dtype)
-    return _dot(x, w)
-
-
-def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w, its sums kept in float32 until the end: one device rounds once, as a plain bf16
-    product does; under tensor parallelism (o, down: a sum split over devices) the partial sums
-    are added in float32 before the one rounding, so bf16 results stay close to one device's.
-    A quantized weight goes to its own product: the CPU kernels' int8 blocks
-    (engine.jax_backend.quantize) or int8 / fp8 channels (engine.jax_backend.channel_quant)."""
-    if isinstance(w, quantize.Int8Matrix):
-        return quantize.matmul(x, w).astype(x.dtype)
-    if isinstance(w, channel_quant.ChannelMatrix):
-        return channel_quant.product(x, w).astype(x.dtype)
-    return jnp.matmul(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
-
-
-def _qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
-    """Project, optionally bias and q/k-norm, then rotate: x [B, T, E] -> q [B,T,H,D], k/v [B,T,K,D]."""
-    b, t, _ = x.shape
-    h, kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    g = h // kv
-    qkv = _project(x, w.w_qkv, getattr(w.panels, "qkv", None))  # [B, T, K * (G + 2) * D]
-    if cfg.qkv_bias:
-        qkv = qkv + w.b_qkv
-    qkv = qkv.reshape(b, t, kv, g + 2, d)  # per kv head: its G query heads, its key, its value
-    q = qkv[:, :, :, :g].reshape(b, t, h, d)  # [B, T, H, D]; head k * G + i uses kv head k
-    k = qkv[:, :, :, g]  # [B, T, K, D]
-    v = qkv[:, :, :, g + 1]  # [B, T, K, D]
-    if cfg.qk_norm:
-        q = rms_norm(q, w.q_norm, cfg.rms_eps)
-        k = rms_norm(k, w.k_norm, cfg.rms_eps)
-    inv_freq = rope_inv_freq(cfg)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
-
-
-def _mlp(x: jax.Array, w: LayerWeights) -> jax.Array:
-    gate_up = _project(x, w.w_gate_up, getattr(w.panels, "gate_up", None))  # [B, T, 2F], interleaved
-    gate_up = gate_up.reshape(*gate_up.shape[:-1], -1, 2)  # [B, T, F, 2]
-    gate, up = gate_up[..., 0], gate_up[..., 1]  # [B, T, F] each
-    return _project(jax.nn.silu(gate) * up, w.w_down, getattr(w.panels, "down", None))  # [B, T, E]
-
-
 def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array | PackedHead, cfg: ModelConfig) -> jax.Array:
     """x [..., E] -> float32 logits [..., V'] (only ids the tokenizer can produce). A head with its
     panel-packed copy (weights.packed_head) is read as `_project` reads a projection."""
-    x = rms_norm(x, final_norm, cfg.rms_eps)
+    x = families.block(cfg).final_norm(x, final_norm, cfg)
     if isinstance(lm_head, quantize.Int8Matrix):
         return quantize.matmul(x, lm_head)
     if isinstance(lm_head, channel_quant.ChannelMatrix):
@@ -351,23 +269,15 @@ def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array | PackedHead,
     return jnp.dot(x, lm_head, preferred_element_type=jnp.float32)
 
 
-def embed(table: jax.Array | quantize.Int8Matrix | channel_quant.ChannelMatrix, tokens: jax.Array) -> jax.Array:
-    """Rows `tokens` [...] of the embedding [V, E] -> [..., E] (float32 rows of the CPU kernels'
-    int8 one, the activations' dtype from int8 channels)."""
-    if isinstance(table, quantize.Int8Matrix):
-        return quantize.embed(table, tokens)
-    if isinstance(table, channel_quant.ChannelMatrix):
-        return channel_quant.embed(table, tokens)
-    return table[tokens]
-
-
 def layer_windows(cfg: ModelConfig, count: int, windows: tuple[int | None, ...] | None) -> tuple[int | None, ...]:
     """The sliding window of each of a group's `count` layers (None: full attention): `windows` as
-    a caller gives them (a family whose layers differ, as Gemma 3's five local layers to each
-    global one, passes its group's, static), or None for `cfg.sliding_window` in every layer
-    (Mistral's one window for all)."""
-    if windows is None:
+    a caller gives them (static: JaxModel's one-layer calls pass their layer's), or, for None,
+    the config's: `cfg.layer_windows` when the layers differ (Gemma 3's local and global layers;
+    then the group must be the whole model) or `cfg.sliding_window` in every layer (Mistral's
+    one window for all)."""
+    if windows is None and cfg.layer_windows is None:
         return (cfg.sliding_window,) * count
+    windows = cfg.layer_windows if windows is None else windows
     if len(windows) != count:
         raise ValueError(f"windows names {len(windows)} layers for a group of {count}")
     return tuple(windows)
@@ -402,15 +312,15 @@ def prefill_layers(
     use_kernel = _chunk_kernel(kernels, cfg, x.dtype, k_pages[0].dtype)
     positions = start + jnp.arange(c)  # [C]
     page, offset = chunk_writes(table, positions, new_from, new_to, k_pages[0].shape[2])
-    ks, vs = [], []
+    ks, vs, block = [], [], families.block(cfg)
     for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
-        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, positions[None], cfg)  # [1, C, H|K, D]
+        q, k, v = block.qkv(block.attention_input(x, w, cfg), w, positions[None], cfg, window)  # [1, C, H|K, D]
         k_pool, v_pool = write_pages(k_pool, page, offset, k[0]), write_pages(v_pool, page, offset, v[0])
         ks.append(k_pool)
         vs.append(v_pool)
         seen = _chunk_seen(q[0], k_pool, v_pool, table, start, cfg, use_kernel, window)  # [C, H*D]
-        x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[None]
-        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
+        x = block.attention_residual(x, _project(seen, w.w_o, getattr(w.panels, "o", None))[None], w, cfg)
+        x = block.mlp_residual(x, w, cfg)
     return x, tuple(ks), tuple(vs)
 
 
@@ -439,15 +349,15 @@ def packed_prefill_layers(
         window: same & in_window(positions[None, :], positions[:, None], window)  # [Tq, Tk]
         for window in set(layer_windows(cfg, len(layers), windows))
     }
-    ks, vs = [], []
+    ks, vs, block = [], [], families.block(cfg)
     for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
-        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, T, H|K, D]
+        q, k, v = block.qkv(block.attention_input(x, w, cfg), w, pos, cfg, window)  # [1, T, H|K, D]
         k_pool, v_pool = write_pages(k_pool, pages, offset, k[0]), write_pages(v_pool, pages, offset, v[0])
         ks.append(k_pool)
         vs.append(v_pool)
         out = _masked_attention(q[0], k[0], v[0], masks[window], cfg)  # [T, H*D]
-        x = x + _project(out, w.w_o, getattr(w.panels, "o", None))[None]
-        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
+        x = block.attention_residual(x, _project(out, w.w_o, getattr(w.panels, "o", None))[None], w, cfg)
+        x = block.mlp_residual(x, w, cfg)
     return x, tuple(ks), tuple(vs)
 
 
@@ -539,15 +449,15 @@ def decode_layers(
     ragged = _ragged(ragged, cfg, k_pages[0].shape[2])
     write = _decode_writer(tables, positions, active, k_pages[0].shape[2])
     pos = positions[:, None]  # [R, 1]
-    ks, vs = [], []
+    ks, vs, block = [], [], families.block(cfg)
     for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
-        q, k, v = _qkv(rms_norm(x, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [R, 1, H|K, D]
+        q, k, v = block.qkv(block.attention_input(x, w, cfg), w, pos, cfg, window)  # [R, 1, H|K, D]
         k_pool, v_pool = write(k_pool, k[:, 0]), write(v_pool, v[:, 0])
         ks.append(k_pool)
         vs.append(v_pool)
         seen = _decode_seen(q[:, 0], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window)  # [R, H*D]
-        x = x + _project(seen, w.w_o, getattr(w.panels, "o", None))[:, None]
-        x = x + _mlp(rms_norm(x, w.mlp_norm, cfg.rms_eps), w)
+        x = block.attention_residual(x, _project(seen, w.w_o, getattr(w.panels, "o", None))[:, None], w, cfg)
+        x = block.mlp_residual(x, w, cfg)
     return x, tuple(ks), tuple(vs)
 
 
@@ -589,9 +499,9 @@ def mixed_layers(
     page, offset = chunk_writes(table, chunk_pos, start, end, p)
     h = jnp.concatenate([x[:, 0], chunk])[None]  # [1, R + C, E]: the decode rows, then the chunk's
     pos = jnp.concatenate([positions, chunk_pos])[None]  # [1, R + C]
-    ks, vs = [], []
+    ks, vs, block = [], [], families.block(cfg)
     for w, window, k_pool, v_pool in zip(layers, layer_windows(cfg, len(layers), windows), k_pages, v_pages, strict=True):
-        q, k, v = _qkv(rms_norm(h, w.attn_norm, cfg.rms_eps), w, pos, cfg)  # [1, R + C, H|K, D]
+        q, k, v = block.qkv(block.attention_input(h, w, cfg), w, pos, cfg, window)  # [1, R + C, H|K, D]
         k_pool, v_pool = write(k_pool, k[0, :r]), write(v_pool, v[0, :r])
         k_pool, v_pool = write_pages(k_pool, page, offset, k[0, r:]), write_pages(v_pool, page, offset, v[0, r:])
         ks.append(k_pool)
@@ -600,8 +510,8 @@ def mixed_layers(
             _decode_seen(q[0, :r], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window),  # [R, H*D]
             _chunk_seen(q[0, r:], k_pool, v_pool, table, start, cfg, use_kernel, window),  # [C, H*D]
         ])[None]
-        h = h + _project(seen, w.w_o, getattr(w.panels, "o", None))
-        h = h + _mlp(rms_norm(h, w.mlp_norm, cfg.rms_eps), w)
+        h = block.attention_residual(h, _project(seen, w.w_o, getattr(w.panels, "o", None)), w, cfg)
+        h = block.mlp_residual(h, w, cfg)
     return h[0, :r, None], tuple(ks), tuple(vs)
 
 

@@ -8,7 +8,9 @@ pass multiplies `x @ w`; the fused projections are laid out so that any split of
 into equal contiguous parts gives each part whole kv-head groups (q, k, v) and whole features
 (gate, up): a tensor-parallel shard (engine.jax_backend.mesh) then computes its heads and features
 with no exchange; config.json + generation_config.json + the tokenizer's eos token ->
-`eos_token_ids`. Everything a checkpoint can get wrong (an architecture we do not run, a missing or
+`eos_token_ids`. What differs between model families (config keys, tensor names) is each
+family's module in engine.model_store.families, picked by config.json's `architectures`; this
+module holds what they share. Everything a checkpoint can get wrong (an architecture we do not run, a missing or
 misshapen tensor) raises `CheckpointError` here, before anything is compiled.
 
 No JAX here: each tensor is read as float32 numpy and handed to `place`, which returns what the
@@ -38,8 +40,7 @@ from safetensors import safe_open
 
 from engine.model_store.model_files import eos_token_ids
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
 Array = Any  # a weight tensor: numpy as read, or whatever `place` made of it (a jax.Array)
@@ -84,6 +85,12 @@ class ModelConfig:
     # positions, its own included); None: full attention. A family whose layers differ passes its
     # own per layer (transformer.layer_windows).
     sliding_window: int | None
+    # Families whose layers differ (engine.model_store.families): each layer's window (None: a
+    # global layer), the RoPE base of the windowed (local) layers, and the attention's scale when
+    # it is not 1/sqrt(head_dim). None for the dense families.
+    layer_windows: tuple[int | None, ...] | None = None
+    local_rope_theta: float | None = None
+    attention_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +106,8 @@ class LayerWeights:
     b_qkv: Array | None  # [K * (G + 2) * D]  only when qkv_bias, laid out as w_qkv
     q_norm: Array | None  # [D]  only when qk_norm
     k_norm: Array | None  # [D]  only when qk_norm
+    post_attn_norm: Array | None = None  # [E]  Gemma: the attention's output normed before the residual add
+    post_mlp_norm: Array | None = None  # [E]  Gemma: the MLP's output likewise
     panels: Any = None  # panel-packed copies for CPU products of a few rows, added by engine.jax_backend
 
 
@@ -142,48 +151,18 @@ def tokenizer_size(model_dir: Path, vocab_size: int) -> int:
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
-    """config.json (transformers 4 `rope_scaling`/`rope_theta` or 5 `rope_parameters`) -> ModelConfig."""
+    """config.json -> ModelConfig, by the family its `architectures` names
+    (engine.model_store.families.FAMILIES); CheckpointError for an architecture we do not run."""
+    from engine.model_store import families  # (its modules import this one)
+
     archs = raw.get("architectures") or [raw.get("model_type", "<none>")]
     arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise CheckpointError(f"unsupported architecture {arch!r}; supported: {supported}")
-    if raw.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"{arch}: unsupported hidden_act {raw['hidden_act']!r} (only silu)")
-    if raw.get("mlp_bias") or (arch != "Qwen2ForCausalLM" and raw.get("attention_bias")):
-        raise CheckpointError(f"{arch}: attention_bias / mlp_bias checkpoints are not supported")
-    missing = [k for k in _REQUIRED_KEYS if k not in raw]
-    if missing:
-        raise CheckpointError(f"{arch}: config.json lacks {', '.join(missing)}")
-    n_heads = raw["num_attention_heads"]
-    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    theta = float(rope.get("rope_theta", raw.get("rope_theta", 10000.0)))
-    window = raw.get("sliding_window")
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get("use_sliding_window", False):
-        window = None
-    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
-        raise CheckpointError(f"{arch}: sliding_window must be a whole number >= 1 or null, got {window!r}")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=raw["vocab_size"],
-        hidden_size=raw["hidden_size"],
-        n_layers=raw["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=raw.get("num_key_value_heads") or n_heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // n_heads,
-        ffn_size=raw["intermediate_size"],
-        rope_theta=theta,
-        rope_scaling=_rope_scaling(arch, rope),
-        rms_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM",
-        qk_norm=arch == "Qwen3ForCausalLM",
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        sliding_window=window,
-    )
+    if arch not in families.FAMILIES:
+        raise CheckpointError(f"unsupported architecture {arch!r}; supported: {', '.join(families.FAMILIES)}")
+    return families.FAMILIES[arch].parse_config(raw)
 
 
-def _rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
+def rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     if kind == "default":
         return None
@@ -202,66 +181,81 @@ def _rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
 
 def load_weights(model_dir: Path, config: ModelConfig, place: Place = np.asarray, head_size: int | None = None) -> Weights:
     """Read, check shapes against `config`, transpose to [in, out], hand each tensor to `place`;
-    the head keeps the first `head_size` ids (default: all)."""
-    get = _tensor_reader(model_dir, config.architecture)
-    c = config
-    E, F, D, H, K = c.hidden_size, c.ffn_size, c.head_dim, c.n_heads, c.n_kv_heads
+    the head keeps the first `head_size` ids (default: all). Each family reads its layers by its
+    own tensor names (engine.model_store.families), through `TensorReader`."""
+    from engine.model_store import families  # (its modules import this one)
 
-    def tensor(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        array = get(name)
+    c = config
+    read = TensorReader(_tensor_reader(model_dir, c.architecture), c, place)
+    family = families.FAMILIES[c.architecture]
+    E = c.hidden_size
+    embed = read.tensor("model.embed_tokens.weight", (c.vocab_size, E))
+    head = embed if c.tie_word_embeddings else read.tensor("lm_head.weight", (c.vocab_size, E))  # [V, E]
+    if family.embed_scale:  # Gemma: rows scaled by sqrt(E) (the head keeps them as stored)
+        embed = embed * np.float32(family.embed_scale(c))
+    return Weights(
+        embed=place(embed),
+        layers=tuple(family.layer(read, f"model.layers.{i}.") for i in range(c.n_layers)),
+        final_norm=place(read.tensor("model.norm.weight", (E,))),
+        lm_head=place(np.ascontiguousarray(head[: head_size or c.vocab_size].T)),
+    )
+
+
+class TensorReader:
+    """A checkpoint's tensors by name, shape-checked against the config and in our layouts (float32
+    numpy; `place` is the caller's to apply): what a family's layer loader reads with."""
+
+    def __init__(self, get: Callable[[str], np.ndarray], config: ModelConfig, place: Place) -> None:
+        self.get, self.config, self.place = get, config, place
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        array = self.get(name)
         if tuple(array.shape) != shape:
             raise CheckpointError(
-                f"{c.architecture}: tensor {name} has shape {tuple(array.shape)}, expected {shape}"
+                f"{self.config.architecture}: tensor {name} has shape {tuple(array.shape)}, expected {shape}"
             )
         return array.astype(np.float32)
 
-    device = place
-
-    def by_kv_head(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def by_kv_head(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [H * D, ...], k/v [K * D, ...] -> [K * (G + 2) * D, ...]: per kv head, its G query
         heads, its key, its value (LayerWeights.w_qkv)."""
-        g, rest = H // K, q.shape[1:]
+        c = self.config
+        K, D = c.n_kv_heads, c.head_dim
+        g, rest = c.n_heads // K, q.shape[1:]
         parts = [q.reshape(K, g, D, *rest), k.reshape(K, 1, D, *rest), v.reshape(K, 1, D, *rest)]
         return np.concatenate(parts, axis=1).reshape(K * (g + 2) * D, *rest)
 
-    def qkv(p: str) -> np.ndarray:  # [E, K * (G + 2) * D]
-        a = p + "self_attn."
-        return by_kv_head(
-            tensor(a + "q_proj.weight", (H * D, E)), tensor(a + "k_proj.weight", (K * D, E)),
-            tensor(a + "v_proj.weight", (K * D, E)),
+    def qkv(self, p: str) -> np.ndarray:  # [E, K * (G + 2) * D]
+        c, a = self.config, p + "self_attn."
+        E, HD, KD = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return self.by_kv_head(
+            self.tensor(a + "q_proj.weight", (HD, E)), self.tensor(a + "k_proj.weight", (KD, E)),
+            self.tensor(a + "v_proj.weight", (KD, E)),
         ).T
 
-    def qkv_bias(p: str) -> np.ndarray:  # [K * (G + 2) * D]
-        a = p + "self_attn."
-        return by_kv_head(
-            tensor(a + "q_proj.bias", (H * D,)), tensor(a + "k_proj.bias", (K * D,)), tensor(a + "v_proj.bias", (K * D,))
+    def qkv_bias(self, p: str) -> np.ndarray:  # [K * (G + 2) * D]
+        c, a = self.config, p + "self_attn."
+        HD, KD = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return self.by_kv_head(
+            self.tensor(a + "q_proj.bias", (HD,)), self.tensor(a + "k_proj.bias", (KD,)),
+            self.tensor(a + "v_proj.bias", (KD,)),
         )
 
-    def gate_up(p: str) -> np.ndarray:  # [E, 2F]: gate and up interleaved, feature by feature
-        gate, up = tensor(p + "mlp.gate_proj.weight", (F, E)), tensor(p + "mlp.up_proj.weight", (F, E))
+    def o(self, p: str) -> np.ndarray:  # [H * D, E]
+        c = self.config
+        return self.tensor(p + "self_attn.o_proj.weight", (c.hidden_size, c.n_heads * c.head_dim)).T
+
+    def gate_up(self, p: str) -> np.ndarray:  # [E, 2F]: gate and up interleaved, feature by feature
+        E, F = self.config.hidden_size, self.config.ffn_size
+        gate, up = self.tensor(p + "mlp.gate_proj.weight", (F, E)), self.tensor(p + "mlp.up_proj.weight", (F, E))
         return np.stack([gate, up], axis=1).reshape(2 * F, E).T
 
-    def layer(p: str) -> LayerWeights:
-        return LayerWeights(
-            attn_norm=device(tensor(p + "input_layernorm.weight", (E,))),
-            w_qkv=device(qkv(p)),
-            w_o=device(tensor(p + "self_attn.o_proj.weight", (E, H * D)).T),
-            mlp_norm=device(tensor(p + "post_attention_layernorm.weight", (E,))),
-            w_gate_up=device(gate_up(p)),
-            w_down=device(tensor(p + "mlp.down_proj.weight", (E, F)).T),
-            b_qkv=device(qkv_bias(p)) if c.qkv_bias else None,
-            q_norm=device(tensor(p + "self_attn.q_norm.weight", (D,))) if c.qk_norm else None,
-            k_norm=device(tensor(p + "self_attn.k_norm.weight", (D,))) if c.qk_norm else None,
-        )
+    def down(self, p: str) -> np.ndarray:  # [F, E]
+        return self.tensor(p + "mlp.down_proj.weight", (self.config.hidden_size, self.config.ffn_size)).T
 
-    embed = tensor("model.embed_tokens.weight", (c.vocab_size, E))
-    head = embed if c.tie_word_embeddings else tensor("lm_head.weight", (c.vocab_size, E))  # [V, E]
-    return Weights(
-        embed=device(embed),
-        layers=tuple(layer(f"model.layers.{i}.") for i in range(c.n_layers)),
-        final_norm=device(tensor("model.norm.weight", (E,))),
-        lm_head=device(np.ascontiguousarray(head[: head_size or c.vocab_size].T)),
-    )
+    def vector(self, name: str, size: int) -> Array:
+        """A norm's weights [size], placed."""
+        return self.place(self.tensor(name, (size,)))
 
 
 def _tensor_reader(model_dir: Path, arch: str) -> Callable[[str], np.ndarray]:

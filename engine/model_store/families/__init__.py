@@ -1,0 +1,32 @@
+"""The checkpoint side of each model family: its config.json keys and its tensor names, one module
+per family, one line per architecture in `FAMILIES`, keyed by config.json's `architectures`
+(engine.model_store.checkpoint reads through it). The forward side is engine.jax_backend.families
+(its `BLOCKS`, keyed alike). No JAX here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine.model_store.checkpoint import LayerWeights, ModelConfig, TensorReader
+from engine.model_store.families import dense, gemma3
+
+
+@dataclass(frozen=True)
+class Family:
+    """parse_config: config.json -> ModelConfig (CheckpointError for what the family cannot run);
+    layer: one layer's tensors under a prefix ("model.layers.{i}.") -> LayerWeights;
+    embed_scale: the factor the embedding's rows are stored multiplied by (None: as read)."""
+
+    parse_config: Callable[[dict[str, Any]], ModelConfig]
+    layer: Callable[[TensorReader, str], LayerWeights]
+    embed_scale: Callable[[ModelConfig], float] | None = None
+
+
+DENSE = Family(dense.parse_config, dense.layer)
+FAMILIES: dict[str, Family] = {
+    **{arch: DENSE for arch in dense.ARCHITECTURES},  # Llama, Mistral, Qwen2, Qwen3
+    "Gemma3ForCausalLM": Family(gemma3.parse_config, gemma3.layer, gemma3.embed_scale),
+}
