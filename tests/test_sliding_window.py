@@ -20,7 +20,6 @@ Float32 on the CPU device, as tests/test_transformer_parity.py (whose module doc
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -28,10 +27,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from engine.jax_backend import cpu_kernels, packed_prefill, ragged_attention, transformer
-from engine.jax_backend.weights import load_checkpoint, with_panels
+from engine.jax_backend import cpu_kernels, ragged_attention, transformer
 from engine.model_store.checkpoint import parse_config
-from support import paged_kv, prerequisites
+from support import golden_parity, paged_kv, prerequisites
 
 MISTRAL = Path(__file__).parent / "assets" / "tiny-mistral"
 CASES = json.loads((MISTRAL / "golden.json").read_text())["cases"]
@@ -151,127 +149,22 @@ def test_the_pallas_kernel_in_interpret_mode_sees_only_the_window():
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["jax-attention", "kernel-attention"])
-def whole_model(request):
+def whole_model(request) -> golden_parity.WholeModel:
     """tiny-mistral's weights and its whole-model calls, jitted once per path."""
-    kernels = request.param
-    if kernels:
-        prerequisites.cpu_kernels()
-    with jax.default_device(jax.devices("cpu")[0]):
-        weights = load_checkpoint(MISTRAL, dtype="float32").weights
-    if kernels:
-        weights = replace(weights, layers=tuple(map(with_panels, weights.layers)))
-
-    def chunk(weights, cache, tokens, length, slot, start, cfg):  # prefill_chunk, on the kernels when asked
-        x = transformer.embed(weights.embed, tokens)[None]  # [1, C, E]
-        table = cache.tables[slot]
-        x, ks, vs = transformer.prefill_layers(
-            weights.layers, cache.k, cache.v, x, table, start, start, start + length, cfg, kernels
-        )
-        last = jax.lax.dynamic_index_in_dim(x[0], length - 1, keepdims=False)
-        return transformer.logits(last, weights.final_norm, weights.lm_head, cfg), transformer.KVCache(ks, vs, cache.tables)
-
-    def packed(weights, cache, tokens, pages, positions, prompts, cfg):  # -> logits at every token [T, V']
-        x = transformer.embed(weights.embed, tokens)  # [1, T, E]
-        x, _, _ = transformer.packed_prefill_layers(weights.layers, cache.k, cache.v, x, pages, positions, prompts, cfg)
-        return transformer.logits(x[0], weights.final_norm, weights.lm_head, cfg)
-
-    def mixed(weights, cache, token, position, chunk, start, cfg, kernels):
-        """Slot 0 decodes `token` at `position` while chunk [C] of slot 1 at `start` rides along."""
-        x = transformer.embed(weights.embed, token[None])[:, None]  # [1, 1, E]
-        c = transformer.embed(weights.embed, chunk)  # [C, E]
-        x, ks, vs = transformer.mixed_layers(
-            weights.layers, cache.k, cache.v, x, cache.tables[:1], position[None], jnp.ones(1, bool), c,
-            cache.tables[1], start, start + chunk.shape[0], cfg, CONTEXT, kernels,
-        )
-        logits = transformer.logits(x[0, 0], weights.final_norm, weights.lm_head, cfg)
-        return logits, transformer.KVCache(ks, vs, cache.tables)
-
-    calls = {
-        "chunk": jax.jit(chunk, static_argnames="cfg", donate_argnums=1),
-        "packed": jax.jit(packed, static_argnames="cfg"),
-        "mixed": jax.jit(mixed, static_argnames=("cfg", "kernels"), donate_argnums=1),
-        "decode": jax.jit(transformer.decode, static_argnames=("cfg", "attend", "kernels"), donate_argnums=1),
-    }
-    return weights, kernels, calls
-
-
-def _prefill(whole_model, cache, ids, slot, piece):
-    """ids prefilled into `slot` in pieces of `piece` tokens (each padded to `piece`) -> logits, cache."""
-    weights, _, calls = whole_model
-    for lo in range(0, len(ids), piece):
-        part = ids[lo : lo + piece]
-        tokens = np.zeros(piece, np.int32)
-        tokens[: len(part)] = part
-        logits, cache = calls["chunk"](weights, cache, tokens, np.int32(len(part)), np.int32(slot), np.int32(lo), cfg=CFG)
-    return np.asarray(logits), cache
+    return golden_parity.load(MISTRAL, CFG, CONTEXT, request.param)
 
 
 def test_logits_and_greedy_ids_match_transformers_and_each_decode_step_a_full_prefill(whole_model):
-    weights, kernels, calls = whole_model
-    cache = transformer.init_cache(CFG, BATCH, CONTEXT, jnp.float32)
-    for slot, case in enumerate(CASES):
-        prompt = case["prompt_ids"]
-        logits, cache = _prefill(whole_model, cache, prompt, slot, CONTEXT)
-        np.testing.assert_allclose(logits, case["first_logits"], atol=ATOL, rtol=0)
-        greedy = [int(np.argmax(logits))]
-        for step, expected in enumerate(case["steps"][1:], start=1):
-            ids, positions, active = (np.zeros(BATCH, np.int32) for _ in range(3))
-            ids[slot], positions[slot], active[slot] = greedy[-1], len(prompt) + step - 1, 1
-            logits, cache = calls["decode"](
-                weights, cache, ids, positions, active.astype(bool), cfg=CFG, attend=CONTEXT, kernels=kernels
-            )
-            row = np.asarray(logits)[slot]
-            np.testing.assert_allclose(row[expected["ids"]], expected["logits"], atol=ATOL, rtol=0)
-            # The same history prefilled whole into a spare slot (its pages are rewritten each time).
-            full, cache = _prefill(whole_model, cache, prompt + greedy, BATCH - 1, CONTEXT)
-            np.testing.assert_allclose(row, full, atol=ATOL, rtol=0)
-            greedy.append(int(np.argmax(row)))
-        assert greedy == case["greedy_ids"], f"case {slot}"
+    golden_parity.check_goldens_and_cached_decode(whole_model, CASES, BATCH, ATOL)
 
 
 def test_a_prompt_prefilled_in_chunks_across_the_window_edge_equals_it_at_once(whole_model):
-    case = max(CASES, key=lambda c: len(c["prompt_ids"]))  # 28 tokens: chunks of 5 end on both sides of each edge
-    cache = transformer.init_cache(CFG, BATCH, CONTEXT, jnp.float32)
-    whole, cache = _prefill(whole_model, cache, case["prompt_ids"], 0, CONTEXT)
-    pieces, cache = _prefill(whole_model, cache, case["prompt_ids"], 1, 5)
-    np.testing.assert_allclose(pieces, whole, atol=ATOL, rtol=0)
-    np.testing.assert_allclose(pieces, case["first_logits"], atol=ATOL, rtol=0)
+    golden_parity.check_chunks_across_the_window_edge(whole_model, CASES, BATCH, ATOL)  # 28 tokens in pieces of 5
 
 
 def test_a_packed_prefill_of_the_prompts_gives_transformers_logits(whole_model):
-    weights, _, calls = whole_model
-    cache = transformer.init_cache(CFG, BATCH, CONTEXT, jnp.float32)
-    lengths = [len(c["prompt_ids"]) for c in CASES]
-    size = CONTEXT
-    tokens = np.zeros((1, size), np.int32)
-    tokens[0, : sum(lengths)] = [t for c in CASES for t in c["prompt_ids"]]
-    pages, positions, prompts = packed_prefill.token_arrays(
-        np.asarray(cache.tables), list(range(BATCH)), lengths, size, cache.k[0].shape[2]
-    )
-    logits = calls["packed"](weights, cache, tokens, pages, positions, prompts, cfg=CFG)  # [T, V']
-    for case, end in zip(CASES, np.cumsum(lengths), strict=True):
-        np.testing.assert_allclose(np.asarray(logits)[end - 1], case["first_logits"], atol=ATOL, rtol=0)
+    golden_parity.check_packed(whole_model, CASES, BATCH, ATOL)
 
 
 def test_chunks_riding_along_with_decode_steps_give_transformers_logits(whole_model):
-    """Slot 1's 28-token prompt written 5 tokens at a time beside slot 0's decode steps
-    (transformer.mixed_layers), each step's logits slot 0's golden ones; then its last piece."""
-    weights, kernels, calls = whole_model
-    cache = transformer.init_cache(CFG, BATCH, CONTEXT, jnp.float32)
-    first, long = CASES[0], CASES[1]
-    logits, cache = _prefill(whole_model, cache, first["prompt_ids"], 0, 16)
-    last, start, step = int(np.argmax(logits)), 0, 1
-    while len(long["prompt_ids"]) - start > 5:
-        chunk = np.asarray(long["prompt_ids"][start : start + 5], np.int32)
-        logits, cache = calls["mixed"](
-            weights, cache, np.int32(last), np.int32(len(first["prompt_ids"]) + step - 1), chunk, np.int32(start),
-            cfg=CFG, kernels=kernels,
-        )
-        expected = first["steps"][step]
-        np.testing.assert_allclose(np.asarray(logits)[expected["ids"]], expected["logits"], atol=ATOL, rtol=0)
-        last, start, step = first["greedy_ids"][step], start + 5, step + 1
-    rest = long["prompt_ids"][start:]
-    tokens = np.zeros(16, np.int32)
-    tokens[: len(rest)] = rest
-    logits, cache = calls["chunk"](weights, cache, tokens, np.int32(len(rest)), np.int32(1), np.int32(start), cfg=CFG)
-    np.testing.assert_allclose(np.asarray(logits), long["first_logits"], atol=ATOL, rtol=0)
+    golden_parity.check_chunks_riding_along(whole_model, CASES, BATCH, ATOL)
