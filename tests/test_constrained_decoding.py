@@ -494,6 +494,18 @@ async def test_tiny_llama_greedy_stream_under_a_json_schema_parses_and_validates
         await decode.stop(None)
 
 
+def _held_beside_free(engine, tok, prompt, grammar, alone: list[int]) -> None:
+    """A stream under TINY_SCHEMA and a free one beside it: the held one ends STOP with JSON of
+    the schema, and the free one gives what it gave alone (`alone`)."""
+    held, free = Recorder(), Recorder()
+    engine.submit(Request("held", prompt, stopping=StoppingCriteria(48), constraint=grammar), held)
+    engine.submit(Request("free", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), free)
+    assert held.done.wait(60) and free.done.wait(60)
+    assert finished(held).reason == FinishReason.STOP
+    jsonschema.validate(json.loads(tok.decode(held.tokens)), TINY_SCHEMA)
+    assert free.tokens == alone
+
+
 def test_tiny_llama_split_sampler_samples_apart_and_keeps_the_schema(tok):
     """The real model with its sampler apart from its layers (split_sampler): a constrained
     step's layers run while the host reads the step before and computes the rows, its sampling
@@ -517,13 +529,7 @@ def test_tiny_llama_split_sampler_samples_apart_and_keeps_the_schema(tok):
         alone = Recorder()
         engine.submit(Request("alone", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), alone)
         assert alone.done.wait(60)
-        held, free = Recorder(), Recorder()
-        engine.submit(Request("held", prompt, stopping=StoppingCriteria(48), constraint=grammar), held)
-        engine.submit(Request("free", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), free)
-        assert held.done.wait(60) and free.done.wait(60)
-        assert finished(held).reason == FinishReason.STOP
-        jsonschema.validate(json.loads(tok.decode(held.tokens)), TINY_SCHEMA)
-        assert free.tokens == alone.tokens
+        _held_beside_free(engine, tok, prompt, grammar, alone.tokens)
     finally:
         engine.stop()
 
@@ -572,13 +578,7 @@ def test_tiny_llama_one_executable_samples_a_stream_alone_apart_and_its_rows_wit
         assert finished(held).reason == FinishReason.STOP
         jsonschema.validate(json.loads(tok.decode(held.tokens)), TINY_SCHEMA)
         assert sum(model.sampler_calls.values()) >= calls + len(held.tokens) - 1  # every decode step apart
-        held, free = Recorder(), Recorder()  # two rows: read first
-        engine.submit(Request("held", prompt, stopping=StoppingCriteria(48), constraint=grammar), held)
-        engine.submit(Request("free", prompt, stopping=StoppingCriteria(12, ignore_eos=True)), free)
-        assert held.done.wait(60) and free.done.wait(60)
-        assert finished(held).reason == FinishReason.STOP
-        jsonschema.validate(json.loads(tok.decode(held.tokens)), TINY_SCHEMA)
-        assert free.tokens == alone.tokens
+        _held_beside_free(engine, tok, prompt, grammar, alone.tokens)  # two rows: read first
     finally:
         engine.stop()
     assert model.compilations() == warm
