@@ -230,6 +230,14 @@ LAYER_MATRICES = (
 )
 
 
+def gguf_int8_unreadable(config) -> str | None:
+    """Why `gguf_weights` cannot read this model's layers (it reads llama layers only), or None.
+    `--weights auto` asks the same question before it picks int8 (engine.jax_backend.loading)."""
+    if config.qkv_bias or config.qk_norm:
+        return "int8 from a GGUF supports llama layers only (no q/k/v bias or q/k norm)"
+    return None
+
+
 def gguf_weights(get, config, head_size: int):
     """engine.model_store.checkpoint.Weights in the layout `int8_place` gives a float32 checkpoint
     (the fused q/k/v rows per kv head, gate and up rows interleaved), built from `get`
@@ -242,8 +250,8 @@ def gguf_weights(get, config, head_size: int):
 
     c = config
     E, F, D, H, K = c.hidden_size, c.ffn_size, c.head_dim, c.n_heads, c.n_kv_heads
-    if c.qkv_bias or c.qk_norm:
-        raise CheckpointError(f"{c.architecture}: int8 from a GGUF supports llama layers only (no q/k/v bias or q/k norm)")
+    if why := gguf_int8_unreadable(c):
+        raise CheckpointError(f"{c.architecture}: {why}")
 
     def rows(name: str, shape: tuple[int, int]):  # -> Int8Rows [out, in]
         r = get(name)
