@@ -23,6 +23,16 @@ Five models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|>
 - tiny-qwen3: Qwen3ForCausalLM, untied, q/k RMSNorm, explicit head_dim (32) != hidden / heads (16).
 - tiny-mistral: MistralForCausalLM with a sliding window of 8 positions (transformers masks keys
   with q - k >= 8), so every greedy run outgrows it: the prompts of 7-30 tokens plus 16 steps.
+- tiny-gemma3: Gemma3ForCausalLM (tests/test_gemma3.py's docstring says how it is shaped).
+- tiny-gemma2: Gemma2ForCausalLM, local (window 8) and global layers alternating, soft-caps small
+  enough to bite (attention scores at 3, logits at 12), query_pre_attn_scalar 24 != head_dim 16.
+- tiny-phi3: Phi3ForCausalLM (fused qkv_proj and gate_up_proj), a sliding window of 12.
+- tiny-phi3-longrope: Phi3ForCausalLM with longrope (original context 32, so greedy runs cross
+  into the long factors) and partial_rotary_factor 0.5. Its goldens come from transformers'
+  cached generation (the prompt once, then one token a step over the cache), not a full forward
+  each step: transformers picks longrope's factor set by the longest position of the call, so a
+  full forward past 32 positions would rotate every position with the long set, while cached
+  generation (what transformers serves, and this engine's rule) rotates each new token by its own.
 
 Weights are drawn wider than HF's init (std ~ 1/sqrt(fan_in), embeddings std 1) so logits are
 peaked and greedy choices are far from ties: parity tests can demand exactly equal ids.
@@ -115,16 +125,22 @@ def randomize(model: torch.nn.Module, tied: bool, seed: int, embed_std: float = 
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
 
 
-def golden(model: torch.nn.Module, tok: Tokenizer) -> dict:
-    """Plain greedy loop, full forward each step (no cache, no stopping): the reference to match."""
+def golden(model: torch.nn.Module, tok: Tokenizer, cached: bool = False) -> dict:
+    """Plain greedy loop, full forward each step (no cache, no stopping): the reference to match;
+    `cached`: the prompt once, then each greedy token over transformers' cache."""
     cases = []
     for text in PROMPTS:
         ids = tok.encode(text).ids
         seq = list(ids)
-        greedy, steps_top, first_logits = [], [], None
+        greedy, steps_top, first_logits, cache = [], [], None, None
         with torch.no_grad():
             for _ in range(STEPS):
-                logits = model(torch.tensor([seq])).logits[0, -1].float()  # [V]
+                if cached:
+                    out = model(torch.tensor([seq if cache is None else seq[-1:]]), cache=cache, use_cache=True)
+                    cache = out.cache
+                else:
+                    out = model(torch.tensor([seq]))
+                logits = out.logits[0, -1].float()  # [V]
                 if first_logits is None:
                     first_logits = [round(float(x), 5) for x in logits]
                 top = torch.topk(logits, TOP)
@@ -157,7 +173,7 @@ def make(name: str, config: transformers.PretrainedConfig, cls: type, tok: Token
         torch.manual_seed(0)
         model = cls(config).eval()
         randomize(model, tied=config.tie_word_embeddings, seed=seed, embed_std=EMBED_STD.get(name, 1.0))
-        gold = golden(model, tok)
+        gold = golden(model, tok, cached=name in CACHED_GOLDENS)
         if margin(gold) >= MIN_MARGIN:
             break
     else:
@@ -176,7 +192,10 @@ MISTRAL_WINDOW = 8
 GEMMA3_WINDOW = 8
 # Gemma scales its embeddings by sqrt(hidden) = 8: drawn at N(0, 1) they would swamp every layer's
 # output and the tied model would echo one token forever; drawn at 1/8 they enter at N(0, 1).
-EMBED_STD = {"tiny-gemma3": 64 ** -0.5}
+EMBED_STD = {"tiny-gemma3": 64 ** -0.5, "tiny-gemma2": 64 ** -0.5}
+GEMMA2_WINDOW = 8
+PHI3_WINDOW = 12
+CACHED_GOLDENS = {"tiny-phi3-longrope"}  # see the module docstring
 
 
 def main(names: list[str]) -> None:
@@ -223,6 +242,29 @@ def main(names: list[str]) -> None:
         },
     )
     models["tiny-gemma3"] = (gemma3, transformers.Gemma3ForCausalLM, [im_end])
+    gemma2 = transformers.Gemma2Config(
+        **common, num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, tie_word_embeddings=True,
+        eos_token_id=eot, bos_token_id=None, pad_token_id=eot, sliding_window=GEMMA2_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        hidden_activation="gelu_pytorch_tanh", attn_logit_softcapping=3.0, final_logit_softcapping=12.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    models["tiny-gemma2"] = (gemma2, transformers.Gemma2ForCausalLM, [im_end])
+    phi3 = transformers.Phi3Config(
+        **common, num_hidden_layers=2, tie_word_embeddings=False, eos_token_id=eot, bos_token_id=None,
+        pad_token_id=eot, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=PHI3_WINDOW,
+    )
+    models["tiny-phi3"] = (phi3, transformers.Phi3ForCausalLM, [im_end])
+    phi3_longrope = transformers.Phi3Config(
+        **common, num_hidden_layers=2, tie_word_embeddings=False, eos_token_id=eot, bos_token_id=None,
+        pad_token_id=eot, original_max_position_embeddings=32,
+        rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+            "original_max_position_embeddings": 32,
+            "short_factor": [1.0, 1.3, 1.8, 2.5], "long_factor": [1.5, 3.0, 6.0, 12.0],
+        },
+    )
+    models["tiny-phi3-longrope"] = (phi3_longrope, transformers.Phi3ForCausalLM, [im_end])
     unknown = set(names) - set(models)
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; known: {sorted(models)}")

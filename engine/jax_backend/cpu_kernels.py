@@ -89,6 +89,10 @@ CHUNK_TARGET = "tokenwire_chunk_attention"
 # window compiles to exactly the calls it did before windows existed.
 WINDOW_ATTENTION_TARGET = "tokenwire_decode_attention_window"
 WINDOW_CHUNK_TARGET = "tokenwire_chunk_attention_window"
+# And with Gemma 2's soft-cap on the scores (attributes window, 0 for none, and softcap): again
+# separate, so that an uncapped model's calls stay as they were.
+CAPPED_ATTENTION_TARGET = "tokenwire_decode_attention_capped"
+CAPPED_CHUNK_TARGET = "tokenwire_chunk_attention_capped"
 INT8_TARGET = "tokenwire_int8_matmul"
 INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
 INT4_TARGET = "tokenwire_int4_matmul"
@@ -138,7 +142,7 @@ class Untrusted(Exception):
 
 def decode_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, positions: jax.Array,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one query per row over its sequence's paged keys at positions
     0..positions[r]: q [R, H, D] f32, k_pages / v_pages [K, N, P, D] f32 (the layer's pools),
@@ -148,11 +152,14 @@ def decode_attention(
     table is clamped into it (padding rows), and a table entry read that is not a page of the
     pools fails the call with InvalidArgument (kernels/decode_attention.cc says why). With a
     `window` (static, >= 1), only positions positions[r] - window + 1 .. positions[r] are seen
-    (transformer.in_window), and the pages wholly before them are not read. Needs `load()` to
+    (transformer.in_window), and the pages wholly before them are not read. With a `softcap`
+    (static, > 0; Gemma 2) each scaled score s is softcap * tanh(s / softcap). Needs `load()` to
     have succeeded."""
     r, h, d = q.shape
     operands = (q, k_pages, v_pages, jnp.asarray(tables, jnp.int32), jnp.asarray(positions, jnp.int32))
     out = jax.ShapeDtypeStruct((r, h * d), jnp.float32)
+    if softcap is not None:
+        return jax.ffi.ffi_call(CAPPED_ATTENTION_TARGET, out)(*operands, **_capped(window, softcap))
     if window is None:
         return jax.ffi.ffi_call(ATTENTION_TARGET, out)(*operands)
     return jax.ffi.ffi_call(WINDOW_ATTENTION_TARGET, out)(*operands, window=_window(window))
@@ -160,7 +167,7 @@ def decode_attention(
 
 def chunk_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array,
-    window: int | None = None,
+    window: int | None = None, softcap: float | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one sequence's prefill chunk over its paged keys: q [C, H, D] f32
     (the queries at positions start..start+C-1), k_pages / v_pages [K, N, P, D] f32 (the chunk's
@@ -172,12 +179,15 @@ def chunk_attention(
     what happens to a position past the table or a table entry outside the pools). D must be a
     multiple of 8 (`chunk_attention_applies`). With a `window` (static, >= 1), query i sees only
     positions start + i - window + 1 .. start + i (transformer.in_window), and the key blocks
-    wholly before the first query's window are not read. Needs `load()` to have succeeded."""
+    wholly before the first query's window are not read. `softcap` as in `decode_attention`.
+    Needs `load()` to have succeeded."""
     c, h, d = q.shape
     if not chunk_attention_applies(d):  # checked while tracing
         raise ValueError(f"chunk_attention takes a head dim that is a multiple of 8, got {d}")
     operands = (q, k_pages, v_pages, jnp.asarray(table, jnp.int32), jnp.asarray(start, jnp.int32))
     out = jax.ShapeDtypeStruct((c, h * d), jnp.float32)
+    if softcap is not None:
+        return jax.ffi.ffi_call(CAPPED_CHUNK_TARGET, out)(*operands, **_capped(window, softcap))
     if window is None:
         return jax.ffi.ffi_call(CHUNK_TARGET, out)(*operands)
     return jax.ffi.ffi_call(WINDOW_CHUNK_TARGET, out)(*operands, window=_window(window))
@@ -188,6 +198,13 @@ def _window(window: int) -> np.int64:
     if window < 1:
         raise ValueError(f"a sliding window must be >= 1 position, got {window}")
     return np.int64(window)
+
+
+def _capped(window: int | None, softcap: float) -> dict[str, np.generic]:
+    """The capped targets' attributes: the window (0: none) and the cap (checked while tracing)."""
+    if not softcap > 0:
+        raise ValueError(f"a soft-cap must be > 0, got {softcap}")
+    return {"window": np.int64(0) if window is None else _window(window), "softcap": np.float32(softcap)}
 
 
 def chunk_attention_applies(head_dim: int) -> bool:
@@ -473,6 +490,8 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
             ATTENTION_TARGET: library.TokenwireDecodeAttention, CHUNK_TARGET: library.TokenwireChunkAttention,
             WINDOW_ATTENTION_TARGET: library.TokenwireDecodeAttentionWindow,
             WINDOW_CHUNK_TARGET: library.TokenwireChunkAttentionWindow,
+            CAPPED_ATTENTION_TARGET: library.TokenwireDecodeAttentionCapped,
+            CAPPED_CHUNK_TARGET: library.TokenwireChunkAttentionCapped,
             INT8_TARGET: library.TokenwireInt8Matmul, INT8_OFFSET_TARGET: library.TokenwireInt8MatmulOffset,
             INT4_TARGET: library.TokenwireInt4Matmul,
             PANEL_TARGET: library.TokenwirePanelMatmul,
@@ -566,7 +585,8 @@ def main(argv: list[str] | None = None) -> int:
         library = ctypes.CDLL(str(path))  # the library just built here: check that it loads, with its symbols
         symbols = (
             "TokenwireDecodeAttention", "TokenwireDecodeAttentionWindow", "TokenwireChunkAttention",
-            "TokenwireChunkAttentionWindow", "TokenwireChunkAttentionIsa",
+            "TokenwireChunkAttentionWindow", "TokenwireDecodeAttentionCapped", "TokenwireChunkAttentionCapped",
+            "TokenwireChunkAttentionIsa",
             "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt4Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
             "TokenwireSetThreads",
         )

@@ -1,5 +1,5 @@
-"""The shared layer library every model family's block is made of: RoPE (with its scalings), the
-RMSNorms, the projections (plain, CPU panel kernel, int8 / fp8), the fused q/k/v split and the
+"""The shared layer library every model family's block is made of: RoPE (with its scalings,
+longrope and partial rotation), soft-capping, the RMSNorms, the projections (plain, CPU panel kernel, int8 / fp8), the fused q/k/v split and the
 gated MLP, the embedding lookup. Pure functions of arrays and the static config; no family
 knowledge (engine.jax_backend.families composes these into blocks, engine.jax_backend.transformer
 runs the blocks over the paged KV cache).
@@ -20,6 +20,40 @@ from engine.jax_backend import channel_quant, cpu_kernels, quantize
 from engine.model_store.checkpoint import LayerWeights, ModelConfig, RopeScaling
 
 
+def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """x [B, T, heads, D] rotated as the config says: its base and scaling over the first
+    `cfg.rotary_dim` dims of each head (all without one; the rest pass through). A config with
+    neither longrope nor partial rotation is `apply_rope` with `rope_inv_freq`, the same operations."""
+    rot = cfg.rotary_dim or cfg.head_dim
+    s = cfg.rope_scaling
+    if s is not None and s.kind == "longrope":
+        short, long = longrope_frequencies(rot, cfg.rope_theta, s)  # [rot/2] each
+        pos = positions.astype(jnp.float32)[..., None]  # [B, T, 1]
+        angles = jnp.where(pos >= s.original_max_position_embeddings, pos * long, pos * short)  # [B, T, rot/2]
+        turn = lambda part: rotate(part, angles, s.attention_factor)  # noqa: E731
+    else:
+        inv_freq = rope_frequencies(rot, cfg.rope_theta, s)  # [rot/2]
+        turn = lambda part: apply_rope(part, positions, inv_freq)  # noqa: E731
+    if rot == cfg.head_dim:
+        return turn(x)
+    return jnp.concatenate([turn(x[..., :rot]), x[..., rot:]], axis=-1)
+
+
+def longrope_frequencies(d: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, np.ndarray]:
+    """LongRoPE's (short, long) per-pair frequencies [D/2]: the base's, each divided by its pair's
+    factor. Which set a position uses is `rope`'s choice: the long from original_max_position_embeddings
+    on, as transformers' cached generation picks it for the tokens it adds (its forward over a
+    whole sequence longer than that rotates every position with the long set)."""
+    inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
+    short, long = np.asarray(s.short_factor, np.float64), np.asarray(s.long_factor, np.float64)
+    return (inv / short).astype(np.float32), (inv / long).astype(np.float32)
+
+
+def soft_cap(x: jax.Array, cap: float | None) -> jax.Array:
+    """Gemma 2's soft-capping, cap * tanh(x / cap), elementwise; None: x itself (no operation)."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     """The config's per-pair rotation frequencies [D/2] (`rope_frequencies` of its head dim, base and scaling)."""
     return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -33,6 +67,8 @@ def rope_frequencies(d: int, theta: float, s: RopeScaling | None) -> np.ndarray:
         return inv.astype(np.float32)
     if s.kind == "linear":
         return (inv / s.factor).astype(np.float32)
+    if s.kind == "longrope":  # position-dependent: `rope` picks between longrope_frequencies' two
+        raise ValueError("longrope frequencies depend on the position: rotate with layers.rope")
     return _llama3_inv_freq(inv, s).astype(np.float32)
 
 
@@ -69,9 +105,16 @@ def rms_norm_unit_offset(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotate halves (the transformers layout): x [B, T, heads, D], positions [B, T]."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    return rotate(x, positions.astype(jnp.float32)[..., None] * inv_freq)  # angles [B, T, D/2]
+
+
+def rotate(x: jax.Array, angles: jax.Array, scale: float = 1.0) -> jax.Array:
+    """x [B, T, heads, D] rotated by angles [B, T, D/2] (halves, the transformers layout), cos and
+    sin multiplied by `scale` (longrope's attention factor) when it is not 1."""
     cos = jnp.cos(angles)[:, :, None, :]  # [B, T, 1, D/2]
     sin = jnp.sin(angles)[:, :, None, :]
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)  # [B, T, heads, D/2] each
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 

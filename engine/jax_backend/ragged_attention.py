@@ -38,6 +38,8 @@ What holds:
   convention: engine.jax_backend.transformer.in_window); each split's walk starts at the key
   block holding the first of them, so the blocks before are not read, and keys before the window
   inside that block are masked like those past the length.
+- With a `softcap` (static, Gemma 2), each scaled score is soft-capped (cap * tanh(s / cap))
+  before the mask; without one nothing is added.
 
 Where it runs: `applies()` says whether the decode layers use it (a GPU backend, the Pallas
 Triton lowering importable, a head dim and page size it takes). On the CPU the engine keeps its
@@ -62,6 +64,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from engine.jax_backend.backend_profile import profile
+from engine.jax_backend.layers import soft_cap
 
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16
 DEFAULT_BLOCK_K = 64  # keys per loop iteration (whole pages: more when a page is larger)
@@ -125,13 +128,14 @@ def _splits(rows: int, kv_heads: int, blocks: int, splits: int | None) -> int:
 
 
 def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, pages_per_block: int,
-            scale: float, precision, window: int | None):
+            scale: float, precision, window: int | None, softcap: float | None):
     """One (row, kv head, split): lengths_ref [] (the row's live keys), tables_ref [W' / S] (this
     split's page ids of the row), q_ref [Gp, D], k_ref/v_ref [N, P, D] (kv head k's pool, read
     through the table) -> o_ref [Gp, D] unnormalised float32 sums, m_ref [Gp] the running max,
     l_ref [Gp] the softmax denominator. A split with no live keys runs no iteration: o = 0, l = 0,
     m = float32 min. With a `window`, only the row's last `window` keys count, and the blocks
-    wholly before them are skipped."""
+    wholly before them are skipped. With a `softcap`, the scaled scores are soft-capped before
+    the mask."""
     _, page, d = k_ref.shape
     bk = pages_per_block * page
     span = tables_ref.shape[0] * page  # positions in this split
@@ -147,7 +151,7 @@ def _kernel(lengths_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *
         at = i * bk + jnp.arange(bk)  # [Bk]
         seen = at < live if window is None else (at < live) & (at >= lo)  # [Bk]
         k = k_ref[ids].reshape(bk, d)  # [Bk, D]: the block's pages, gathered
-        s = _dot(q, k, 1, precision) * scale  # [Gp, Bk] float32
+        s = soft_cap(_dot(q, k, 1, precision) * scale, softcap)  # [Gp, Bk] float32
         s = jnp.where(seen[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(axis=1))  # finite: every block walked holds a live key in the window
         corr = jnp.exp(m - m_new)  # [Gp]
@@ -202,6 +206,7 @@ def decode_attention(
     splits: int | None = None,
     interpret: bool | None = None,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """One query per row over the first lengths[r] positions of row r's block table: q [R, H, D],
     k/v pages [K, N, P, D], tables [R, W] int32 page ids, lengths [R] in [0, W x P] -> [R, H * D]
@@ -212,12 +217,16 @@ def decode_attention(
     (None: unless lowered for a GPU, decided per platform at lowering, so that a step lowered for
     CUDA on a CPU host, as the tests do, holds the compiled kernel).
     A length of 0 gives a zero row. Float32 products are exact float32 (no TF32). `window`
-    (static, >= 1): row r sees only positions lengths[r] - window .. lengths[r] - 1 (None: all)."""
+    (static, >= 1): row r sees only positions lengths[r] - window .. lengths[r] - 1 (None: all).
+    `softcap` (static, > 0; Gemma 2): each scaled score s becomes softcap * tanh(s / softcap)
+    before the mask (None: no operation)."""
     _check(q, k_pages, v_pages, tables, lengths)
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be >= 1 position, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"a soft-cap must be > 0, got {softcap}")
     if interpret is None:
-        run = functools.partial(decode_attention, block_k=block_k, splits=splits, window=window)
+        run = functools.partial(decode_attention, block_k=block_k, splits=splits, window=window, softcap=softcap)
         return jax.lax.platform_dependent(
             q, k_pages, v_pages, tables, lengths,
             cuda=functools.partial(run, interpret=False), rocm=functools.partial(run, interpret=False),
@@ -236,7 +245,9 @@ def decode_attention(
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, w * page)  # [R]
     qg = jnp.pad(q.reshape(r, kv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))  # [R, K, Gp, D]
     precision = jax.lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-    kernel = functools.partial(_kernel, pages_per_block=bp, scale=1.0 / math.sqrt(d), precision=precision, window=window)
+    kernel = functools.partial(
+        _kernel, pages_per_block=bp, scale=1.0 / math.sqrt(d), precision=precision, window=window, softcap=softcap
+    )
     o, m, l = pl.pallas_call(
         kernel,
         grid=(r, kv, s),
@@ -293,10 +304,11 @@ def gather_pages(pages: jax.Array, tables: jax.Array) -> jax.Array:
 def reference(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> jax.Array:
     """The same attention in plain JAX, in float32, for tests: the pages gathered through the
     tables, then softmax attention over each row's first lengths[r] positions (the last `window`
-    of them with a window). q [R, H, D], pages [K, N, P, D], tables [R, W], lengths [R] ->
+    of them with a window; the scores soft-capped with a `softcap`). q [R, H, D], pages [K, N, P, D], tables [R, W], lengths [R] ->
     [R, H * D] in q's dtype; zero rows where the length is 0."""
     r, h, d = q.shape
     kv = k_pages.shape[0]
@@ -308,7 +320,7 @@ def reference(
     seen = jnp.arange(s)[None, :] < lengths[:, None]  # [R, S]
     if window is not None:
         seen = seen & (jnp.arange(s)[None, :] >= lengths[:, None] - window)
-    scores = jnp.einsum("rkgd,rksd->rkgs", qf, kf, precision="highest") / np.sqrt(d)  # [R, K, G, S]
+    scores = soft_cap(jnp.einsum("rkgd,rksd->rkgs", qf, kf, precision="highest") / np.sqrt(d), softcap)  # [R, K, G, S]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     scores = jnp.where((lengths > 0)[:, None, None, None], scores, 0.0)  # an idle row: finite, zeroed below
     probs = jnp.where(seen[:, None, None], jax.nn.softmax(scores, axis=-1), 0.0)  # [R, K, G, S]

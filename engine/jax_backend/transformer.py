@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engine.jax_backend import channel_quant, cpu_kernels, families, quantize, ragged_attention
-from engine.jax_backend.layers import apply_rope, embed, rms_norm, rope_inv_freq  # noqa: F401 (transformer's names)
+from engine.jax_backend.layers import apply_rope, embed, rms_norm, rope_inv_freq, soft_cap  # noqa: F401 (transformer's names)
 from engine.jax_backend.layers import dot as _dot, project as _project  # noqa: F401
 from engine.jax_backend.weights import LayerWeights, PackedHead, Weights
 from engine.model_store.checkpoint import ModelConfig
@@ -163,13 +163,14 @@ def attention(
 
     q [B, T, H, D], k/v [B, A, K, D], q_pos [B, T] -> [B, T, H * D]. A key is seen iff its
     position <= the query's (and within `window` of it: `in_window`), which also hides stale
-    positions past a sequence's live length.
+    positions past a sequence's live length. Every attention path here soft-caps the scaled
+    scores before the mask when the config says so (cfg.attn_softcap, Gemma 2: `soft_cap`).
     """
     b, t, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(b, t, cfg.n_kv_heads, g, d)  # [B, T, K, G, D]
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)  # [B, K, G, T, A]
-    scores = scores * (1.0 / np.sqrt(d))
+    scores = soft_cap(scores * (1.0 / np.sqrt(d)), cfg.attn_softcap)
     seen = in_window(jnp.arange(k.shape[1])[None, None, :], q_pos[:, :, None], window)  # [B, T, A]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, A]
@@ -211,7 +212,7 @@ def chunk_attention(
         first = jnp.minimum(j * pages, w - pages)  # the last block may overlap the one before: mask those keys
         ids = jax.lax.dynamic_slice(table, (first,), (pages,))  # [pages]
         kb, vb = gather_pages(k_pages, ids), gather_pages(v_pages, ids)  # [K, Bk, D]
-        scores = jnp.einsum("kqd,kbd->kqb", qk, kb, preferred_element_type=jnp.float32)  # [K, G*C, Bk]
+        scores = soft_cap(jnp.einsum("kqd,kbd->kqb", qk, kb, preferred_element_type=jnp.float32), cfg.attn_softcap)  # [K, G*C, Bk]
         k_pos = first * p + jnp.arange(block)  # [Bk]
         seen = (k_pos[None, :] >= lo) & in_window(k_pos[None, :], q_pos[:, None], window)  # [G*C, Bk]
         scores = jnp.where(seen[None], scores, -jnp.inf)
@@ -248,7 +249,7 @@ def decode_attention(
     k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)  # [R, K, A, D]
     q = q.reshape(r, cfg.n_kv_heads, g, d)  # [R, K, G, D]
     scores = jnp.einsum("rkgd,rkad->rkga", q, k, preferred_element_type=jnp.float32)  # [R, K, G, A]
-    scores = scores * (1.0 / np.sqrt(d))
+    scores = soft_cap(scores * (1.0 / np.sqrt(d)), cfg.attn_softcap)
     seen = in_window(jnp.arange(k.shape[2])[None, :], q_pos[:, None], window)  # [R, A]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [R, K, G, A]
@@ -258,15 +259,18 @@ def decode_attention(
 
 def logits(x: jax.Array, final_norm: jax.Array, lm_head: jax.Array | PackedHead, cfg: ModelConfig) -> jax.Array:
     """x [..., E] -> float32 logits [..., V'] (only ids the tokenizer can produce). A head with its
-    panel-packed copy (weights.packed_head) is read as `_project` reads a projection."""
+    panel-packed copy (weights.packed_head) is read as `_project` reads a projection. Gemma 2's
+    final soft-cap (cfg.final_softcap) applies to them; None adds nothing."""
     x = families.block(cfg).final_norm(x, final_norm, cfg)
     if isinstance(lm_head, quantize.Int8Matrix):
-        return quantize.matmul(x, lm_head)
-    if isinstance(lm_head, channel_quant.ChannelMatrix):
-        return channel_quant.product(x, lm_head)
-    if isinstance(lm_head, PackedHead):
-        return _project(x, lm_head.w, lm_head.panels).astype(jnp.float32)
-    return jnp.dot(x, lm_head, preferred_element_type=jnp.float32)
+        out = quantize.matmul(x, lm_head)
+    elif isinstance(lm_head, channel_quant.ChannelMatrix):
+        out = channel_quant.product(x, lm_head)
+    elif isinstance(lm_head, PackedHead):
+        out = _project(x, lm_head.w, lm_head.panels).astype(jnp.float32)
+    else:
+        out = jnp.dot(x, lm_head, preferred_element_type=jnp.float32)
+    return soft_cap(out, cfg.final_softcap)
 
 
 def layer_windows(cfg: ModelConfig, count: int, windows: tuple[int | None, ...] | None) -> tuple[int | None, ...]:
@@ -368,7 +372,7 @@ def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array,
     g = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(t, cfg.n_kv_heads, g, d)  # [T, K, G, D]
     scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * (1.0 / np.sqrt(d))
-    scores = jnp.where(seen[None, None], scores, -jnp.inf)  # [K, G, T, T]
+    scores = jnp.where(seen[None, None], soft_cap(scores, cfg.attn_softcap), -jnp.inf)  # [K, G, T, T]
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     return jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.n_heads * d)
 
@@ -396,10 +400,10 @@ def _decode_seen(
     over the last `window` positions (None: all); the kernels read each row's pages in place (and
     only those its window reaches), the XLA path gathers the pages of `attend`."""
     if kernels:
-        return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window)
+        return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window, cfg.attn_softcap)
     if ragged:  # an inactive row reads no key (length 0)
         lengths = jnp.where(active, positions + 1, 0)  # [R]
-        return ragged_attention.decode_attention(q, k_pool, v_pool, tables, lengths, window=window)
+        return ragged_attention.decode_attention(q, k_pool, v_pool, tables, lengths, window=window, softcap=cfg.attn_softcap)
     pages = table_width(attend, k_pool.shape[2])
     return decode_attention(q, k_pool, v_pool, tables[:, :pages], positions, cfg, window)
 
@@ -415,7 +419,7 @@ def _chunk_seen(
 ) -> jax.Array:
     """A chunk's attention over its slot's pages within `window` (None: all), q [C, H, D] -> [C, H * D]."""
     if use_kernel:
-        return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start, window)
+        return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start, window, cfg.attn_softcap)
     return chunk_attention(q, k_pool, v_pool, table, start, cfg, window=window)
 
 

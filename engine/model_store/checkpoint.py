@@ -53,13 +53,19 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequency scaling: "linear" divides positions by `factor`; "llama3" rescales by band."""
+    """Rotary frequency scaling: "linear" divides positions by `factor`; "llama3" rescales by band;
+    "longrope" (Phi-3 / Phi-4, engine.model_store.families.phi3) divides each pair's frequency by
+    its own factor, the short ones below original_max_position_embeddings and the long ones from
+    there on, and scales cos and sin by `attention_factor`."""
 
-    kind: str  # "linear" | "llama3"
+    kind: str  # "linear" | "llama3" | "longrope"
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3 and longrope
+    short_factor: tuple[float, ...] = ()  # longrope only: one per rotated pair
+    long_factor: tuple[float, ...] = ()  # longrope only
+    attention_factor: float = 1.0  # longrope only
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,13 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] | None = None
     local_rope_theta: float | None = None
     attention_scale: float | None = None
+    # Gemma 2's soft-capping: attention scores (after the scale, before the mask) become
+    # cap * tanh(score / cap), and so do the final logits. None: no cap, no operation added.
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # Partial RoPE (Phi-4-mini's partial_rotary_factor): only each head's first `rotary_dim` dims
+    # rotate, the rest pass through. None: the whole head dim.
+    rotary_dim: int | None = None
 
 
 @dataclass(frozen=True)
@@ -247,7 +260,11 @@ class TensorReader:
 
     def gate_up(self, p: str) -> np.ndarray:  # [E, 2F]: gate and up interleaved, feature by feature
         E, F = self.config.hidden_size, self.config.ffn_size
-        gate, up = self.tensor(p + "mlp.gate_proj.weight", (F, E)), self.tensor(p + "mlp.up_proj.weight", (F, E))
+        return self.interleave(self.tensor(p + "mlp.gate_proj.weight", (F, E)), self.tensor(p + "mlp.up_proj.weight", (F, E)))
+
+    def interleave(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        """gate, up [F, E] -> [E, 2F], feature by feature (LayerWeights.w_gate_up)."""
+        E, F = self.config.hidden_size, self.config.ffn_size
         return np.stack([gate, up], axis=1).reshape(2 * F, E).T
 
     def down(self, p: str) -> np.ndarray:  # [F, E]

@@ -1,6 +1,8 @@
-"""The dense pre-norm block of Llama, Mistral, Qwen2 and Qwen3 (the families that are "Llama plus
-a flag": ModelConfig.qkv_bias, qk_norm, sliding_window): RMSNorm, q/k/v (bias, per-head q/k
-norm), RoPE, attention, o, residual; RMSNorm, SiLU-gated MLP, residual.
+"""The dense pre-norm block of Llama, Mistral, Qwen2, Qwen3 and Phi-3 / Phi-4 (the families that
+are "Llama plus a flag": ModelConfig.qkv_bias, qk_norm, sliding_window, rotary_dim and longrope's
+RopeScaling): RMSNorm, q/k/v (bias, per-head q/k norm), RoPE, attention, o, residual; RMSNorm,
+SiLU-gated MLP, residual. (Phi-3's fused qkv_proj and gate_up_proj are split at load,
+engine.model_store.families.phi3.)
 
 Shapes: B rows, T tokens, E hidden, H heads, K kv heads, D head dim.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from engine.jax_backend.layers import apply_rope, gated_mlp, rms_norm, rope_inv_freq, split_qkv
+from engine.jax_backend.layers import gated_mlp, rms_norm, rope, split_qkv
 from engine.model_store.checkpoint import LayerWeights, ModelConfig
 
 
@@ -24,8 +26,7 @@ def qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, w
     if cfg.qk_norm:
         q = rms_norm(q, w.q_norm, cfg.rms_eps)
         k = rms_norm(k, w.k_norm, cfg.rms_eps)
-    inv_freq = rope_inv_freq(cfg)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+    return rope(q, positions, cfg), rope(k, positions, cfg), v
 
 
 def attention_residual(x: jax.Array, out: jax.Array, w: LayerWeights, cfg: ModelConfig) -> jax.Array:

@@ -43,8 +43,13 @@ def qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, w
     else:
         inv_freq = rope_frequencies(cfg.head_dim, cfg.local_rope_theta, None)
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    q_scale = cfg.attention_scale * np.sqrt(cfg.head_dim)  # the paths then divide by sqrt(D)
-    return (q.astype(jnp.float32) * q_scale).astype(q.dtype), k, v
+    return scale_queries(q, cfg), k, v
+
+
+def scale_queries(q: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """q [..., D] times attention_scale * sqrt(D): the paths then divide by sqrt(D) (module docstring)."""
+    q_scale = cfg.attention_scale * np.sqrt(cfg.head_dim)
+    return (q.astype(jnp.float32) * q_scale).astype(q.dtype)
 
 
 def attention_residual(x: jax.Array, out: jax.Array, w: LayerWeights, cfg: ModelConfig) -> jax.Array:

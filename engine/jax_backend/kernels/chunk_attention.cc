@@ -22,6 +22,10 @@
 // before are not read; keys inside the walked blocks that lie before a row's window are masked.
 // Without a window (tokenwire_chunk_attention) every position from 0 is seen.
 //
+// Soft-capping (tokenwire_chunk_attention_capped, Gemma 2; attributes `window`, 0 for none, and
+// `softcap` > 0): each scaled score s becomes softcap * tanh(s / softcap) before the masks and the
+// online softmax, one scalar pass over each key block's scores. The other two targets pass 0: no pass.
+//
 // Bounds: positions past the table (start + i >= W * P: a bucket's padding rows) are clamped into
 // it, as the contiguous kernel clamped into its cache; their outputs are unused. A table entry the
 // chunk reads that is outside [0, N) is an InvalidArgument error, not clamped: it means a corrupt
@@ -74,6 +78,7 @@ using tokenwire::vec::kNegInf;
 struct Shape {
   int64_t chunk, heads, kv_heads, group, context, dim, page_size;  // C, H, K, G, W * P, D, P
   int64_t window;                                                  // 0: none (every position from 0)
+  float softcap;                                                   // 0: none (Gemma 2's attention soft-cap)
 };
 
 // The first position a query at `last` sees.
@@ -149,7 +154,7 @@ std::string Text(const Dims& dims) {
 
 ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
-                          int64_t window) {
+                          int64_t window, float softcap) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = table.dimensions();
   const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
   if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 1 || td[0] < 1 || kd[1] < 1 || kd[2] < 1 ||
@@ -164,7 +169,11 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages
     return ffi::Error::InvalidArgument("tokenwire_chunk_attention_window: window must be >= 1, got " +
                                        std::to_string(window));
   }
-  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], td[0] * kd[2], kd[3], kd[2], window};
+  if (!(softcap >= 0.0f)) {
+    return ffi::Error::InvalidArgument("tokenwire_chunk_attention_capped: softcap must be > 0, got " +
+                                       std::to_string(softcap));
+  }
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], td[0] * kd[2], kd[3], kd[2], window, softcap};
   const int64_t lo = std::clamp<int64_t>(start.typed_data()[0], 0, s.context - 1);  // see the header: bounds
   // Each kv head's pages that the chunk reads, checked to be pages of the pools (the header says
   // why an entry outside them is an error).
@@ -218,13 +227,20 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages
 
 ffi::Error FullAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out) {
-  return ChunkAttention(q, k_pages, v_pages, table, start, out, 0);
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, 0, 0.0f);
 }
 
 ffi::Error WindowAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
                            int64_t window) {
-  return ChunkAttention(q, k_pages, v_pages, table, start, out, window < 1 ? -1 : window);
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, window < 1 ? -1 : window, 0.0f);
+}
+
+// window 0: none; softcap > 0 (a cap of 0 or less is refused: the uncapped targets are for that).
+ffi::Error CappedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
+                           int64_t window, float softcap) {
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, window, softcap > 0.0f ? softcap : -1.0f);
 }
 
 }  // namespace
@@ -247,6 +263,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttentionWindow, WindowAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttentionCapped, CappedAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap"));
 
 // Caps the ISA the kernel may use (0: AVX2 only; 1: AVX-512 where the CPU has it) and returns the
 // one it now uses (0 or 1); tests run both builds on a machine that has both.

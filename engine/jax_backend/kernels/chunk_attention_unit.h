@@ -113,6 +113,11 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
       if (nv - j == 2) Scores<2>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
       if (nv - j == 1) Scores<1>(&w.qt[kLanes * j], rr, k, d, &w.st[a * rr + kLanes * j]);
     }
+    // Gemma 2's soft-cap, before any mask (a masked score becomes -inf after it).
+    if (s.softcap > 0.0f) {
+      const float inv = 1.0f / s.softcap;
+      for (int64_t i = 0; i < nb * rr; ++i) w.st[i] = s.softcap * std::tanh(w.st[i] * inv);
+    }
     // Keys before a row's window (a scalar walk: at most a tile's span of keys per unit).
     for (int64_t a = 0; a < std::min(nb, skip_to - a0); ++a) {
       for (int64_t r = 0; r < rr; ++r) {

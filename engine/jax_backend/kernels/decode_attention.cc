@@ -31,6 +31,10 @@
 // the first page read that lie before the window (fewer than P) are scored and masked (`skip`).
 // Without a window (tokenwire_decode_attention) every position from 0 is seen.
 //
+// Soft-capping (tokenwire_decode_attention_capped, Gemma 2; attributes `window`, 0 for none, and
+// `softcap` > 0): each scaled score s becomes softcap * tanh(s / softcap) before the softmax, one
+// scalar pass over a unit's scores (CapScores). The other two targets pass softcap 0: no pass.
+//
 // Bounds: a position past the table (positions[r] >= W * P, or < 0: padding or idle rows, whose
 // output is unused) is clamped into it, as the contiguous kernel clamped into its cache. A table
 // entry that a row would read and that is outside [0, N) is an InvalidArgument error, not clamped:
@@ -80,6 +84,7 @@ constexpr int64_t kFarBytes = 8192;
 struct Shape {
   int64_t rows, heads, kv_heads, group, dim, pages, page_size, width;  // R, H, K, G, D, N, P, W
   int64_t window;                                                      // 0: none (every position from 0)
+  float softcap;                                                       // 0: none (Gemma 2's attention soft-cap)
 };
 
 // One row's keys (or values) of one kv head: page[i] holds its positions [i * size, (i + 1) * size).
@@ -95,6 +100,16 @@ inline float Dot(const float* a, const float* b, int64_t n) {
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// scores [G][np], entries [from, n) of each row: s -> cap * tanh(s / cap) (Gemma 2; the masked
+// ones before `from` stay -inf). Scalar: it runs only for capped models.
+inline void CapScores(float* scores, int64_t g_count, int64_t np, int64_t from, int64_t n, float cap) {
+  const float inv = 1.0f / cap;
+  for (int64_t g = 0; g < g_count; ++g) {
+    float* p = scores + g * np;
+    for (int64_t a = from; a < n; ++a) p[a] = cap * std::tanh(p[a] * inv);
+  }
 }
 
 // The vector body in both widths (vec.h); kValueHeads x kValueVecs accumulators fill the registers.
@@ -121,13 +136,14 @@ bool UseAvx512() { return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512f
 
 // The same unit in plain loops, for a head dimension that is no multiple of 8.
 void ScalarUnit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t skip, int64_t g_count,
-                int64_t d, float* oh, std::vector<float>& scores) {
+                int64_t d, float softcap, float* oh, std::vector<float>& scores) {
   scores.resize(static_cast<size_t>(g_count * n));
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int64_t a = 0; a < n; ++a) {
     const float* k = keys.page[a / keys.size] + a % keys.size * d;
     for (int64_t g = 0; g < g_count; ++g) scores[g * n + a] = a < skip ? tokenwire::vec::kNegInf : Dot(qh + g * d, k, d) * scale;
   }
+  if (softcap > 0.0f) CapScores(scores.data(), g_count, n, skip, n, softcap);
   for (int64_t g = 0; g < g_count; ++g) {
     float* p = scores.data() + g * n;
     float m = p[0];
@@ -194,11 +210,11 @@ void RunUnits(const Shape& s, const float* q, const float* k_pages, const float*
     const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
     float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
     if (wide && d % avx512::kLanes == 0) {
-      avx512::Unit(qh, keys, values, n, skip, g_count, d, oh, scores);
+      avx512::Unit(qh, keys, values, n, skip, g_count, d, s.softcap, oh, scores);
     } else if (d % avx2::kLanes == 0) {
-      avx2::Unit(qh, keys, values, n, skip, g_count, d, oh, scores);
+      avx2::Unit(qh, keys, values, n, skip, g_count, d, s.softcap, oh, scores);
     } else {
-      ScalarUnit(qh, keys, values, n, skip, g_count, d, oh, scores);
+      ScalarUnit(qh, keys, values, n, skip, g_count, d, s.softcap, oh, scores);
     }
   }
 }
@@ -212,7 +228,7 @@ std::string Text(const Dims& dims) {
 
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
-                           ffi::ResultBuffer<ffi::F32> out, int64_t window) {
+                           ffi::ResultBuffer<ffi::F32> out, int64_t window, float softcap) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = tables.dimensions();
   const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
   if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 2 || qd[2] != kd[3] || kd[1] < 1 ||
@@ -227,7 +243,11 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_page
     return ffi::Error::InvalidArgument("tokenwire_decode_attention_window: window must be >= 1, got " +
                                        std::to_string(window));
   }
-  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], kd[3], kd[1], kd[2], td[1], window};
+  if (!(softcap >= 0.0f)) {
+    return ffi::Error::InvalidArgument("tokenwire_decode_attention_capped: softcap must be > 0, got " +
+                                       std::to_string(softcap));
+  }
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], kd[3], kd[1], kd[2], td[1], window, softcap};
   const int32_t *tp = tables.typed_data(), *pp = positions.typed_data();
   // Every table entry a row reads must name a page of the pools (the file's header says why this
   // is an error and not clamped); R x ceil(n / P) reads, ~1 us at 32 rows of 512 keys.
@@ -254,13 +274,20 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_page
 ffi::Error FullAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                          ffi::ResultBuffer<ffi::F32> out) {
-  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, 0);
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, 0, 0.0f);
 }
 
 ffi::Error WindowAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                            ffi::ResultBuffer<ffi::F32> out, int64_t window) {
-  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window < 1 ? -1 : window);
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window < 1 ? -1 : window, 0.0f);
+}
+
+// window 0: none; softcap > 0 (a cap of 0 or less is refused: the uncapped targets are for that).
+ffi::Error CappedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                           ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
+                           ffi::ResultBuffer<ffi::F32> out, int64_t window, float softcap) {
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window, softcap > 0.0f ? softcap : -1.0f);
 }
 
 }  // namespace
@@ -283,6 +310,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttentionWindow, WindowAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttentionCapped, CappedAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap"));
 
 // Caps the ISA the kernel may use (0: AVX2 only; 1: AVX-512 where the CPU has it) and returns the
 // one it now uses (0 or 1); tests run both builds on a machine that has both.

@@ -134,9 +134,9 @@ TW_TARGET void AllScores(const float* qh, const Pages& keys, int64_t n, int64_t 
 
 // One (row, kv head) unit: the row's keys and values of its kv head through their pages, n of
 // them, the first `skip` (< P: before a sliding window, in the first page read) masked out;
-// queries qh [G, D], out oh [G, D].
+// the scores soft-capped when softcap > 0 (CapScores); queries qh [G, D], out oh [G, D].
 TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t skip, int64_t g_count,
-                    int64_t d, float* oh, std::vector<float>& scores) {
+                    int64_t d, float softcap, float* oh, std::vector<float>& scores) {
   const int64_t dv = d / kLanes, np = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(static_cast<size_t>(g_count * np));
   // The first line of every page the unit reads, so that reaching each page (anywhere in the
@@ -151,6 +151,7 @@ TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int
   for (int64_t pg = 0; pg * keys.size < std::min(n, ahead_rows); ++pg)
     Fetch<_MM_HINT_T0>(keys.page[pg], std::min(keys.size, n - pg * keys.size) * d);
   AllScores(qh, keys, n, g_count, d, np, scores.data());
+  if (softcap > 0.0f) CapScores(scores.data(), g_count, np, 0, n, softcap);
   // The first values, while the softmax runs.
   for (int64_t pg = 0; pg * values.size < std::min(n, ahead_rows); ++pg)
     Fetch<_MM_HINT_T0>(values.page[pg], std::min(values.size, n - pg * values.size) * d);

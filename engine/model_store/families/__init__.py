@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.model_store.checkpoint import LayerWeights, ModelConfig, TensorReader
-from engine.model_store.families import dense, gemma3
+from engine.model_store.families import dense, gemma2, gemma3, phi3
 
 
 @dataclass(frozen=True)
@@ -29,4 +29,6 @@ DENSE = Family(dense.parse_config, dense.layer)
 FAMILIES: dict[str, Family] = {
     **{arch: DENSE for arch in dense.ARCHITECTURES},  # Llama, Mistral, Qwen2, Qwen3
     "Gemma3ForCausalLM": Family(gemma3.parse_config, gemma3.layer, gemma3.embed_scale),
+    "Gemma2ForCausalLM": Family(gemma2.parse_config, gemma2.layer, gemma2.embed_scale),
+    "Phi3ForCausalLM": Family(phi3.parse_config, phi3.layer),
 }

@@ -7,7 +7,9 @@ layer being global; the local layers rotate with `rope_local_base_freq` (transfo
 rope_parameters.sliding_attention.rope_theta), the global ones with rope_theta and any scaling.
 The embedding's rows are stored multiplied by sqrt(hidden), as transformers scales them at run
 time (in float32 here, once: in bfloat16 transformers rounds sqrt(hidden) to bfloat16 first).
-Gemma 2's soft-capping of attention scores and logits is not run: such a config is refused.
+A Gemma 3 config that sets soft-capping (Gemma 2's; Gemma 3 checkpoints leave it unset) is
+refused: the Gemma 3 block is not tested with it. Gemma 2 is engine.model_store.families.gemma2,
+which reuses this module's layer reader and layer kinds.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     n_layers, window = raw["num_hidden_layers"], get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window < 1:
         raise CheckpointError(f"{ARCH}: sliding_window must be a whole number >= 1, got {window!r}")
-    kinds = _layer_types(raw, n_layers)
+    kinds = layer_types(raw, n_layers)
     local, global_ = _rope(raw)
     n_heads = raw["num_attention_heads"]
     return ModelConfig(
@@ -71,13 +73,15 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-def _layer_types(raw: dict[str, Any], n_layers: int) -> list[str]:
+def layer_types(raw: dict[str, Any], n_layers: int, arch: str = ARCH, pattern: int = DEFAULTS["sliding_window_pattern"]) -> list[str]:
+    """Each layer's kind: `layer_types`, or for configs that predate it transformers' rule, every
+    `pattern`-th layer global (Gemma 3: sliding_window_pattern, default 6; Gemma 2: every other)."""
     kinds = raw.get("layer_types")
-    if kinds is None:  # transformers' rule for configs that predate layer_types
-        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", DEFAULTS["sliding_window_pattern"]))
+    if kinds is None:
+        pattern = raw.get("sliding_window_pattern", raw.get("_sliding_window_pattern", pattern))
         kinds = [LOCAL if (i + 1) % pattern else GLOBAL for i in range(n_layers)]
     if len(kinds) != n_layers or set(kinds) - {LOCAL, GLOBAL}:
-        raise CheckpointError(f"{ARCH}: layer_types must name {LOCAL!r} or {GLOBAL!r} for each of {n_layers} layers")
+        raise CheckpointError(f"{arch}: layer_types must name {LOCAL!r} or {GLOBAL!r} for each of {n_layers} layers")
     return list(kinds)
 
 
@@ -108,8 +112,8 @@ def layer(read: TensorReader, p: str) -> LayerWeights:
         w_gate_up=device(read.gate_up(p)),
         w_down=device(read.down(p)),
         b_qkv=None,
-        q_norm=read.vector(p + "self_attn.q_norm.weight", D),
-        k_norm=read.vector(p + "self_attn.k_norm.weight", D),
+        q_norm=read.vector(p + "self_attn.q_norm.weight", D) if c.qk_norm else None,  # Gemma 2 has none
+        k_norm=read.vector(p + "self_attn.k_norm.weight", D) if c.qk_norm else None,
         post_attn_norm=read.vector(p + "post_attention_layernorm.weight", E),
         post_mlp_norm=read.vector(p + "post_feedforward_layernorm.weight", E),
     )
