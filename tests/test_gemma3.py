@@ -71,8 +71,8 @@ def test_the_config_gives_each_layer_its_window_rope_base_and_the_attention_scal
 def test_the_two_family_registries_name_the_same_architectures():
     assert set(families.BLOCKS) == set(checkpoint_families.FAMILIES)
     assert families.block(CFG) is families.GEMMA3 and checkpoint_families.FAMILIES[CFG.architecture].embed_scale
-    with pytest.raises(CheckpointError, match="unsupported architecture 'Gemma2ForCausalLM'; supported: .*Gemma3ForCausalLM"):
-        parse_config({**RAW, "architectures": ["Gemma2ForCausalLM"]})
+    with pytest.raises(CheckpointError, match="unsupported architecture 'GemmaForCausalLM'; supported: .*Gemma3ForCausalLM"):
+        parse_config({**RAW, "architectures": ["GemmaForCausalLM"]})
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["jax-attention", "kernel-attention"])

@@ -20,10 +20,11 @@ from engine.jax_backend import channel_quant, cpu_kernels, quantize
 from engine.model_store.checkpoint import LayerWeights, ModelConfig, RopeScaling
 
 
-def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """x [B, T, heads, D] rotated as the config says: its base and scaling over the first
-    `cfg.rotary_dim` dims of each head (all without one; the rest pass through). A config with
-    neither longrope nor partial rotation is `apply_rope` with `rope_inv_freq`, the same operations."""
+def rope(xs: tuple[jax.Array, ...], positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, ...]:
+    """Each x [B, T, heads, D] of `xs` (q and k) rotated as the config says, with one set of
+    frequencies: its base and scaling over the first `cfg.rotary_dim` dims of each head (all
+    without one; the rest pass through). A config with neither longrope nor partial rotation is
+    `apply_rope` with `rope_inv_freq`: the same operations as before either existed."""
     rot = cfg.rotary_dim or cfg.head_dim
     s = cfg.rope_scaling
     if s is not None and s.kind == "longrope":
@@ -35,8 +36,8 @@ def rope(x: jax.Array, positions: jax.Array, cfg: ModelConfig) -> jax.Array:
         inv_freq = rope_frequencies(rot, cfg.rope_theta, s)  # [rot/2]
         turn = lambda part: apply_rope(part, positions, inv_freq)  # noqa: E731
     if rot == cfg.head_dim:
-        return turn(x)
-    return jnp.concatenate([turn(x[..., :rot]), x[..., rot:]], axis=-1)
+        return tuple(map(turn, xs))
+    return tuple(jnp.concatenate([turn(x[..., :rot]), x[..., rot:]], axis=-1) for x in xs)
 
 
 def longrope_frequencies(d: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, np.ndarray]:

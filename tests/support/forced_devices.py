@@ -24,6 +24,8 @@ DEVICES = 4
 RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (4,)}  # and tiny-qwen2 at 2: odd_vocabulary
 # (each checkpoint split 4 ways, where its 2 kv heads are copied; 2 ways, one kv head a device, on
 # tiny-llama and the odd tiny-qwen2)
+RUNS["tiny-gemma2"] = (2,)  # issue 44: soft-capping, local and global layers
+RUNS["tiny-phi3"] = (2,)  # issue 44: Phi-3's fused weights split at load, a window
 TWO_SLOTS = "tiny-llama"  # batch invariance, seeded sampling, the split sampler: one checkpoint (more slots, more compiles)
 ODD = 509
 

@@ -26,7 +26,8 @@ def qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, w
     if cfg.qk_norm:
         q = rms_norm(q, w.q_norm, cfg.rms_eps)
         k = rms_norm(k, w.k_norm, cfg.rms_eps)
-    return rope(q, positions, cfg), rope(k, positions, cfg), v
+    q, k = rope((q, k), positions, cfg)
+    return q, k, v
 
 
 def attention_residual(x: jax.Array, out: jax.Array, w: LayerWeights, cfg: ModelConfig) -> jax.Array:

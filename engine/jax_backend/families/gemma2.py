@@ -25,4 +25,5 @@ def qkv(x: jax.Array, w: LayerWeights, positions: jax.Array, cfg: ModelConfig, w
     """The normed x [B, T, E] -> q [B, T, H, D] (pre-scaled as Gemma 3's), k/v [B, T, K, D]; every
     layer rotates alike, windowed or not."""
     q, k, v = split_qkv(x, w, cfg)
-    return scale_queries(rope(q, positions, cfg), cfg), rope(k, positions, cfg), v
+    q, k = rope((q, k), positions, cfg)
+    return scale_queries(q, cfg), k, v

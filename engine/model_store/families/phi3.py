@@ -1,4 +1,4 @@
-"""Phi-3 and Phi-4 checkpoints (Phi3ForCausalLM: Phi-3-mini/small/medium, Phi-3.5-mini, Phi-4,
+"""Phi-3 and Phi-4 checkpoints (Phi3ForCausalLM: Phi-3-mini and -medium, Phi-3.5-mini, Phi-4,
 Phi-4-mini): the dense block (engine.jax_backend.families.dense) under transformers' Phi-3 tensor
 names, whose q/k/v and gate/up projections are each one fused matrix.
 
