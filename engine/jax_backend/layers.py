@@ -1,8 +1,9 @@
 """The shared layer library every model family's block is made of: RoPE (with its scalings,
-longrope and partial rotation), soft-capping, the RMSNorms, the projections (plain, CPU panel kernel, int8 / fp8), the fused q/k/v split and the
-gated MLP, the embedding lookup. Pure functions of arrays and the static config; no family
-knowledge (engine.jax_backend.families composes these into blocks, engine.jax_backend.transformer
-runs the blocks over the paged KV cache).
+longrope and partial rotation), soft-capping, the RMSNorms, the projections (plain, CPU panel
+kernel, int8 / fp8), the fused q/k/v split and the gated MLP, the embedding lookup. Pure
+functions of arrays and the static config; no family knowledge (engine.jax_backend.families
+composes these into blocks, engine.jax_backend.transformer runs the blocks over the paged KV
+cache).
 
 Shapes: B rows, T tokens, E hidden, F ffn, H heads, K kv heads, G = H / K, D head dim, V rows of
 the embedding.
@@ -42,9 +43,10 @@ def rope(xs: tuple[jax.Array, ...], positions: jax.Array, cfg: ModelConfig) -> t
 
 def longrope_frequencies(d: int, theta: float, s: RopeScaling) -> tuple[np.ndarray, np.ndarray]:
     """LongRoPE's (short, long) per-pair frequencies [D/2]: the base's, each divided by its pair's
-    factor. Which set a position uses is `rope`'s choice: the long from original_max_position_embeddings
-    on, as transformers' cached generation picks it for the tokens it adds (its forward over a
-    whole sequence longer than that rotates every position with the long set)."""
+    factor. Which set a position uses is `rope`'s choice: the long one from
+    original_max_position_embeddings on, as transformers' cached generation picks it for the
+    tokens it adds (its forward over a whole sequence longer than that rotates every position
+    with the long set)."""
     inv = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)  # [D/2]
     short, long = np.asarray(s.short_factor, np.float64), np.asarray(s.long_factor, np.float64)
     return (inv / short).astype(np.float32), (inv / long).astype(np.float32)
