@@ -66,7 +66,7 @@ class SpeculationPolicy:
 
     def guesses_for(self, rows: int) -> int:
         """Guesses per speculating row in a step of `rows` rows (0: no speculation)."""
-        return 0 if rows > self.max_batch else max(1, self.guesses // rows)
+        return 0 if not 0 < rows <= self.max_batch else max(1, self.guesses // rows)
 
     def rest(self, row: RowSpeculation) -> bool:
         """Whether `row` sits out this step; a resting row's rest shortens by one step."""
