@@ -296,3 +296,56 @@ def test_the_output_with_speculation_is_plain_decodings(prompts, caps, stop_ids,
     want, _ = run(requests, model=model(), speculation="off")
     assert [s.batches[-1][-1] for s in got] == [s.batches[-1][-1] for s in want]
     assert [[e for b in s.batches for e in b] for s in got] == [[e for b in s.batches for e in b] for s in want]
+
+
+# -- the flags ----------------------------------------------------------------------------------
+
+
+def test_the_flags_reach_the_engine_and_the_models_verify_shape():
+    from services.config import DecodeServerConfig
+    from services.flags import build_parser
+
+    def config(*argv):
+        return DecodeServerConfig.from_args(build_parser().parse_args(["decode-server", "--model", "m", *argv]))
+
+    on = config("--speculation", "ngram", "--speculative-tokens", "6", "--speculation-max-batch", "2")
+    assert (on.engine.speculation, on.engine.speculative_tokens, on.engine.speculation_max_batch) == ("ngram", 6, 2)
+    assert on.model_options.max_guesses == 6
+    off = config("--speculative-tokens", "6")
+    assert (off.engine.speculation, off.model_options.max_guesses) == ("off", 0)  # no verify shapes compiled
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--speculation", "draft"], "argument --speculation: invalid choice: 'draft'"),
+    (["--speculative-tokens", "0"], "argument --speculative-tokens: must be a whole number >= 1, got 0"),
+    (["--speculation", "ngram", "--speculative-tokens", "64", "--max-context-length", "64"],
+     "--speculative-tokens 64 must be below --max-context-length (64)"),
+    (["--speculation", "ngram", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"],
+     "--speculation runs in one process: it cannot be combined with --coordinator"),
+])
+def test_a_speculation_that_cannot_work_exits_2_with_its_reason_last(argv, reason, capsys):
+    from test_cli import in_process
+
+    code, _, err = in_process(capsys, "decode-server", "--model", "m", *argv)
+    assert code == 2 and reason in err.strip().splitlines()[-1], err
+
+
+def test_an_engine_process_speculates_and_reports_its_counts_to_the_parent():
+    """decode-server's engine runs in a child process: the config carries speculation there and
+    the counts come back with each delivery, for the parent's metrics."""
+    import functools
+
+    from engine.core.engine_process import EngineProcess
+
+    factory = functools.partial(ScriptedModel, vocab_size=VOCAB, max_batch_size=2, max_context_length=64, max_guesses=4)
+    process = EngineProcess(factory, EngineConfig(speculation="ngram"))
+    process.start()
+    try:
+        sink = Recorder()
+        process.submit(request(list(range(11, 30)) + [10], 12), sink)
+        assert sink.done.wait(10) and sink.error is None
+        assert sink.tokens == list(range(11, 23))
+        stats = process.stats().speculation
+        assert stats.proposer == "ngram" and stats.accepted == stats.proposed > 0
+    finally:
+        process.stop()
