@@ -349,3 +349,23 @@ def test_an_engine_process_speculates_and_reports_its_counts_to_the_parent():
         assert stats.proposer == "ngram" and stats.accepted == stats.proposed > 0
     finally:
         process.stop()
+
+
+def test_a_constrained_row_never_speculates_and_its_steps_are_plain():
+    """A constrained request's banned ids depend on every token before it, so a step with one is
+    a plain step; the copy-heavy request beside it speculates once it is alone."""
+    from pathlib import Path
+
+    from engine.constraints import Constraint
+    from engine.core.constrained import ConstraintCompiler
+
+    tokenizer_json = Path(__file__).parent / "assets" / "tiny-llama" / "tokenizer.json"
+    compiler = ConstraintCompiler(tokenizer_json, 512, frozenset({0, 2}))
+    model = ScriptedModel(vocab_size=512, eos_token_ids=frozenset({0, 2}), max_batch_size=2, max_context_length=64,
+                          max_guesses=4)
+    held = Request("held", (10,), stopping=StoppingCriteria(6), constraint=compiler.compile(Constraint("regex", "a{6}")))
+    (free, constrained), engine = run([request(list(range(101, 130)) + [100], 24), held], model=model)
+    assert free.tokens == list(range(101, 125)) and constrained.tokens == [67] * 6  # ("a" is 67)
+    held_slot = next(call[1] for call in model.calls if call[0] == "prefill" and call[2:] == (0, 1))
+    assert not any(held_slot in (slot for slot, _ in call[1]) for call in model.calls if call[0] == "verify")
+    assert engine.stats().speculation.accepted > 0
