@@ -277,11 +277,13 @@ copy_heavy = st.builds(
     ignore_eos=st.booleans(),
     min_output=st.integers(0, 4),
     pool=st.sampled_from([0, 48, 64]),
+    chunks=st.sampled_from([None, 0, 4]),
 )
-def test_the_output_with_speculation_is_plain_decodings(prompts, caps, stop_ids, ignore_eos, min_output, pool):
+def test_the_output_with_speculation_is_plain_decodings(prompts, caps, stop_ids, ignore_eos, min_output, pool, chunks):
     """Copy-heavy prompts (an ascending run the output counts through), several at once, caps,
-    stop ids, EOS, min_output_tokens, and small pools (preemption): ids, finish, usage and
-    logprobs are the same with the n-gram proposer as without."""
+    stop ids, EOS, min_output_tokens, small pools (preemption) and prompts read in chunks beside
+    running streams (`chunks`: a step budget of 4, the chunks alone or along with plain steps):
+    ids, finish, usage and logprobs are the same with the n-gram proposer as without."""
     requests = [
         request([id % VOCAB for id in prompt], cap, logprobs=True, stop_token_ids=tuple(stop_ids),
                 ignore_eos=ignore_eos, min_output_tokens=min_output)
@@ -290,10 +292,11 @@ def test_the_output_with_speculation_is_plain_decodings(prompts, caps, stop_ids,
 
     def model():
         return ScriptedModel(vocab_size=VOCAB, max_batch_size=2, max_context_length=48, max_guesses=4, page_size=4,
-                             kv_cache_tokens=pool)
+                             kv_cache_tokens=pool, fused_chunk_tokens=chunks or 0)
 
-    got, _ = run(requests, model=model())
-    want, _ = run(requests, model=model(), speculation="off")
+    budget = None if chunks is None else 4
+    got, _ = run(requests, model=model(), max_step_tokens=budget)
+    want, _ = run(requests, model=model(), speculation="off", max_step_tokens=budget)
     assert [s.batches[-1][-1] for s in got] == [s.batches[-1][-1] for s in want]
     assert [[e for b in s.batches for e in b] for s in got] == [[e for b in s.batches for e in b] for s in want]
 

@@ -4,8 +4,9 @@ engine.core.engine.Engine, kept apart so that the scheduler's file stays one sit
 Data flow, in an iteration where `_decode_step` runs and speculation is on:
   1. Which rows may speculate: a step of at most the policy's `max_batch` rows, none of them
      constrained (a constrained row's banned ids depend on every token before it, so a guess
-     would need the matcher run ahead and undone: those batches simply decode), and of those
-     rows the ones not resting (engine.core.speculation.policy). None: a plain step.
+     would need the matcher run ahead and undone: those batches simply decode), that takes no
+     prompt chunk along (`Model.fused_chunk_tokens`: the chunk and the step share a pass), and
+     of those rows the ones not resting (engine.core.speculation.policy). None: a plain step.
   2. The step in flight is read first: a guess continues the row's last sample, so the host
      must know it, and `verify` runs with nothing in flight.
   3. Each speculating row's proposer history takes the ids it emitted since, and the proposer
@@ -68,7 +69,9 @@ class SpeculativeSteps:
         -> (whether it did, the time of the step it read: that of the step in flight, read
         first, or the verify step's own)."""
         lives = self._decoding()
-        if not self._policy.guesses_for(len(lives)) or any(live.matcher is not None for live in lives):
+        if self._chunk is not None or not self._policy.guesses_for(len(lives)):
+            return False, None  # (a prompt chunk rides along with a plain step: one pass for both)
+        if any(live.matcher is not None for live in lives):
             return False, None
         asking = {live.ticket for live in lives if live.speculation is None or not self._policy.rest(live.speculation)}
         if not asking:
@@ -81,9 +84,6 @@ class SpeculativeSteps:
         guesses = self._guesses([live for live in lives if live.ticket in asking], k)
         if not any(guesses.values()) or not self._grow(lives):
             return False, seconds  # nothing to check, or no page for a row: a plain step
-        chunk, self._chunk = self._chunk, None
-        if chunk is not None:  # (verify takes no chunk along)
-            self.model.prefill_chunk(chunk.slot, chunk.prompt_token_ids, chunk.start, chunk.end, chunk.setup, False)
         rows = [(live, self._pages_for_guesses(live, guesses.get(live.ticket, ()))) for live in lives]
         started = time.perf_counter()
         runs = self.model.verify([
