@@ -196,6 +196,20 @@ def test_below_min_output_tokens_a_run_never_crosses_the_end_of_the_mask():
     assert sink.tokens == plain[0].tokens == [0, 1, 3, 4, 5, 6, 7, 8, 9, 10]
 
 
+class PastTheVocabulary(Script):
+    """Guesses right, but its third guess is an id the model does not have."""
+
+    def propose(self, rows):
+        return [guesses[:2] + (VOCAB + 5,) + guesses[3:] for guesses in super().propose(rows)]
+
+
+def test_a_proposers_id_outside_the_vocabulary_never_reaches_the_model():
+    """The guesses before it are checked; the scripted model would raise on the bad id."""
+    (sink,), engine = run([request([10], 10)], proposer=PastTheVocabulary())
+    assert sink.tokens == list(range(11, 21))
+    assert all(k <= 2 for kind, rows in (c[:2] for c in engine.model.calls) if kind == "verify" for _, k in rows)
+
+
 class GatedVerify(ScriptedModel):
     """The scripted model, with each verify step held until the test opens the gate."""
 

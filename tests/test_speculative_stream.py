@@ -118,7 +118,8 @@ async def test_generate_keeps_the_text_contract_with_stop_strings_across_runs(st
 
 
 async def test_runs_arrive_as_one_response_each_and_the_metrics_count_them(stack):
-    request = dpb.DecodeRequest(prompt_token_ids=list(range(101, 121)) + [100], stopping=dpb.StoppingCriteria(max_output_tokens=10))
+    prompt = list(range(101, 121)) + [100]
+    request = dpb.DecodeRequest(prompt_token_ids=prompt, stopping=dpb.StoppingCriteria(max_output_tokens=10))
     before = stack.decode.engine.stats().speculation
     responses = [r async for r in stack.decoder.Decode(request)]
     assert [e.token.id for r in responses for e in r.events if e.HasField("token")] == list(range(101, 111))

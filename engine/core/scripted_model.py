@@ -308,7 +308,11 @@ class ScriptedModel:
             if i.slot in self._filling or i.slot not in self._masked:
                 raise ModelUsageError(f"slot {i.slot} verified before its last prefill chunk")
             if len(i.guesses) > self.max_guesses or i.position + len(i.guesses) >= self.info.max_context_length:
-                raise ModelUsageError(f"slot {i.slot}: {len(i.guesses)} guesses at {i.position} (at most {self.max_guesses})")
+                raise ModelUsageError(
+                    f"slot {i.slot}: {len(i.guesses)} guesses at {i.position} (at most {self.max_guesses})"
+                )
+            if any(not 0 <= token < self.info.vocab_size for token in i.guesses):
+                raise ModelUsageError(f"slot {i.slot}: a guess outside the vocabulary in {i.guesses}")
         runs = []
         for i in inputs:
             fed = (self._last[i.slot], *i.guesses)

@@ -137,7 +137,8 @@ class SpeculativeSteps:
         prompt = live.request.prompt_token_ids
         spec = live.speculation
         if spec is None:
-            spec = live.speculation = self._policy.row(self._proposer.open(prompt + tuple(live.output)), len(prompt) + len(live.output))
+            history = self._proposer.open(prompt + tuple(live.output))
+            spec = live.speculation = self._policy.row(history, len(prompt) + len(live.output))
         elif spec.seen < len(prompt) + len(live.output):
             spec.history.extend(live.output[spec.seen - len(prompt) :])
             spec.seen = len(prompt) + len(live.output)
