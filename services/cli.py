@@ -95,7 +95,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         spawn_model = functools.partial(
             scripted_model, model_dir, max_batch_size=config.max_batch_size,
             max_context_length=config.model_options.max_context_length, step_ms=config.step_ms,
-            kv_cache_tokens=config.model_options.kv_cache_tokens,
+            kv_cache_tokens=config.model_options.kv_cache_tokens, max_guesses=config.model_options.max_guesses,
         )
     else:
         spawn_model = functools.partial(load_model, model_dir, config.max_batch_size, config.model_options, config.group)

@@ -155,7 +155,21 @@ def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
         cpu_threads=a.cpu_threads or None,
         memory_limit_bytes=a.memory_limit_bytes or None,
         max_step_tokens=getattr(a, "max_step_tokens", None),  # (generate --local has no such flag)
+        max_guesses=speculative_tokens(a),
     )
+
+
+def speculative_tokens(a: argparse.Namespace) -> int:
+    """The model's `max_guesses` for `--speculation` and `--speculative-tokens` (0: off, and for
+    commands without the flags); ValueError for a configuration that cannot speculate."""
+    if getattr(a, "speculation", "off") == "off":
+        return 0
+    context = a.max_context_length or 2048
+    if a.speculative_tokens >= context:
+        raise ValueError(f"--speculative-tokens {a.speculative_tokens} must be below --max-context-length ({context})")
+    if getattr(a, "coordinator", None) is not None:
+        raise ValueError("--speculation runs in one process: it cannot be combined with --coordinator")
+    return a.speculative_tokens
 
 
 def check_kv_cache(kv_cache_tokens: int, page_size: int, max_batch_size: int) -> None:
@@ -225,7 +239,10 @@ class DecodeServerConfig:
         return DecodeServerConfig(
             model=a.model,
             server=dataclasses.replace(server_options(a), max_connection_age_s=a.max_connection_age),
-            engine=EngineConfig(max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens),
+            engine=EngineConfig(
+                max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens, speculation=a.speculation,
+                speculative_tokens=a.speculative_tokens, speculation_max_batch=a.speculation_max_batch,
+            ),
             max_batch_size=a.max_batch_size,
             model_options=model_options(a, a.max_batch_size),
             stall_timeout_s=a.stall_timeout,

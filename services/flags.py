@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 
+from engine.core.engine import EngineConfig
 from engine.core.model_options import SERVED
+from engine.core.speculation.proposer import SPECULATION_MODES
 from engine.model_store.registry import DEFAULT_MODEL, REGISTERED_MODELS
 from services.config import add_flag, fraction, milliseconds, non_negative, port_number, positive, seconds, timeout
 
@@ -145,6 +147,18 @@ def _decode_server(commands):
              "(nothing decoding, or a burst of arrivals) the waiting prompts are read whole. 0: always whole, which "
              "stalls every stream for its length. Unset: 8 on a CPU, 512 on an accelerator. Below 16 the smallest prompt "
              "chunk shape follows it, so its chunks are not padded to 16.", type=non_negative, default=SERVED.max_step_tokens)
+    add_flag(p, "--speculation", help="speculative decoding: off, or ngram (guesses from the request's own text)",
+             details="ngram: each step, a row's last few ids are looked up earlier in its prompt and output, and what "
+             "followed them is checked by the model in the same pass as the step: every accepted guess is a token "
+             "for free; the output is exactly plain decoding's. It pays on text that copies its input (code edits, "
+             "extraction, quoting) at small batches; a row whose guesses fail rests, and a step of more rows than "
+             "--speculation-max-batch does not speculate. See docs/speculative.md.",
+             choices=list(SPECULATION_MODES), default=EngineConfig.speculation)
+    add_flag(p, "--speculative-tokens", help="the most ids a row guesses per step (with --speculation)",
+             details="Also the verify step's shape the model compiles at warm-up. A batch of R rows gives each "
+             "max(1, K // R).", type=positive, default=EngineConfig.speculative_tokens)
+    add_flag(p, "--speculation-max-batch", help="no speculation in a step of more rows than this",
+             type=positive, default=EngineConfig.speculation_max_batch)
     add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model",
              details="jax.distributed: process 0 listens there, serves gRPC and schedules; the others follow its steps "
              "and serve health only. Set with --num-processes and --process-id (all three or none).", default=None)

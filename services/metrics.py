@@ -16,7 +16,9 @@ Data flow:
     the one place that knows the status actually sent.
   * Engine gauges read `Engine.stats()` at scrape time (`watch_engine`), so they are never stale;
     so do the prefix cache's counters, which the engine keeps (hit rate = rate of
-    `tokenwire_prefix_cache_hit_tokens_total` over `..._queried_tokens_total`).
+    `tokenwire_prefix_cache_hit_tokens_total` over `..._queried_tokens_total`), and speculative
+    decoding's, by proposer (acceptance rate = rate of `tokenwire_speculative_accepted_tokens_total`
+    over `..._proposed_tokens_total`; docs/speculative.md).
 
 Each `Metrics` owns its `CollectorRegistry` (never the global default), so tests and several
 servers in one process do not collide. `start_metrics_server` serves it over HTTP.
@@ -61,11 +63,19 @@ class PageStatsLike(Protocol):
     hit_tokens: int
 
 
+class SpeculationStatsLike(Protocol):
+    proposer: str
+    proposed: int
+    accepted: int
+    steps: int
+
+
 class EngineStatsLike(Protocol):
     queue_depth: int
     slots_in_use: int
     pages: PageStatsLike
     preemptions: int
+    speculation: SpeculationStatsLike
 
 
 class _KvCacheCollector:
@@ -97,6 +107,21 @@ class _KvCacheCollector:
             "tokenwire_prefix_cache_hit_tokens", "Prompt tokens whose KV was found in cached pages instead of being computed.",
             value=s.hit_tokens,
         )
+        yield from _speculation_metrics(stats.speculation)
+
+
+def _speculation_metrics(s: SpeculationStatsLike):
+    """Speculative decoding's counts, labelled by proposer; none while speculation is off."""
+    families = [
+        ("tokenwire_speculative_proposed_tokens", "Guessed ids sent to the model to verify (speculative decoding).", s.proposed),
+        ("tokenwire_speculative_accepted_tokens", "Guessed ids the model accepted: each a token gained.", s.accepted),
+        ("tokenwire_speculative_steps", "Verify steps (one pass over the weights for every row's guesses).", s.steps),
+    ]
+    for name, documentation, value in families:
+        family = CounterMetricFamily(name, documentation, labels=["proposer"])
+        if s.proposer:
+            family.add_metric([s.proposer], value)
+        yield family
 
 
 class Metrics:

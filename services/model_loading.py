@@ -64,7 +64,8 @@ SCRIPTED_PREFIX = "scripted:"
 
 
 def scripted_model(
-    model_dir: Path, *, max_batch_size: int, max_context_length: int | None, step_ms: float, kv_cache_tokens: int = 0
+    model_dir: Path, *, max_batch_size: int, max_context_length: int | None, step_ms: float, kv_cache_tokens: int = 0,
+    max_guesses: int = 0,
 ):
     """The scripted model (engine.core.scripted_model: the token after t is t + 1) with a fixed
     step time, in place of a real one: a stand-in for an accelerator when measuring the transport
@@ -85,4 +86,5 @@ def scripted_model(
         max_context_length=max_context_length or 2048,
         step_delay_s=step_ms / 1000,
         model_id=f"{SCRIPTED_PREFIX}{model_dir.name}",
+        max_guesses=max_guesses,
     )

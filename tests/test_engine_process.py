@@ -612,7 +612,7 @@ def test_the_engine_thread_sends_a_step_itself_when_the_pipe_takes_it():
             outbox.step(0.01)
             outbox.flush()
             assert parent.poll(LIMIT_S)
-            kind, deliveries, steps, queue_depth, slots, _, _ = parent.recv()
+            kind, deliveries, steps, queue_depth, slots, *_ = parent.recv()
             assert (kind, deliveries, steps, queue_depth, slots) == ("batch", [(7, [100 + step])], [0.01], 0, 1)
         assert outbox.direct_sends == 3
 

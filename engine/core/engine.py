@@ -83,6 +83,12 @@ reads and computes the rows). A batch with no constrained request runs as above,
 row; a slow one is bounded by the grammar library's per-step limits, past which its request
 fails alone (docs/constraints.md, "A late row"). A row that allows no token fails
 its request with InvalidArgument, not the engine.
+Speculative decoding (issue 45; engine.core.speculative_step), when the config turns it on and
+the model verifies: a step of few unconstrained rows whose guesses are worth checking reads the
+step in flight, asks the proposer for each row's guesses, takes pages for their positions and
+runs `model.verify` (synchronous); each row's run of samples goes through `decide` one by one
+(`_advance_run`: what follows a finish is dropped) and its tokens go to the sink as one list.
+Otherwise the step is a plain one, as above.
 After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks
 run (AsyncEngine sends the step's events for all its requests to the event loop with one wake-up
 there; the engine process sends them, and its stats, to its parent).
@@ -99,7 +105,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from engine.core.admission import admit, reserve_pages
 from engine.core.constrained import banned_row
@@ -109,6 +115,9 @@ from engine.core.events import Event, Finished, Token, Usage
 from engine.core.kv_pages import KvPages, PageStats
 from engine.core.model import ChunkInput, DecodeInput, Model, ModelInfo, PromptInput, Sample, SlotSetup
 from engine.core.request import Request
+from engine.core.speculation.policy import RowSpeculation, SpeculationStats
+from engine.core.speculation.proposer import SPECULATION_MODES, Proposer
+from engine.core.speculative_step import SpeculativeSteps
 from engine.core.stopping import StopRule, decide
 
 log = logging.getLogger(__name__)
@@ -134,10 +143,22 @@ class EngineConfig:
     # prompts are prefilled whole. 0: every admitted prompt whole in its admission iteration.
     # None: the model's `default_step_tokens` (what its hardware reads in a few decode steps' time).
     max_step_tokens: int | None = None
+    # speculative decoding (engine.core.speculative_step): "off", or the proposer that guesses
+    # ("ngram"); it runs where the model verifies (`Model.max_guesses` > 0)
+    speculation: str = "off"
+    speculative_tokens: int = 4  # the most ids a row guesses a step (the model's max_guesses caps it)
+    speculation_max_batch: int = 4  # no speculation in a step of more rows than this
 
     def __post_init__(self) -> None:
         if self.max_step_tokens is not None and self.max_step_tokens < 0:
             raise ValueError(f"max_step_tokens must be >= 0, got {self.max_step_tokens}")
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {self.speculation!r}")
+        if self.speculative_tokens < 1 or self.speculation_max_batch < 1:
+            raise ValueError(
+                f"speculative_tokens and speculation_max_batch must be >= 1, got "
+                f"{self.speculative_tokens}, {self.speculation_max_batch}"
+            )
 
 
 @dataclass(frozen=True)
@@ -149,6 +170,7 @@ class EngineStats:
     # the KV page pool now, and its prefix-cache counts since start (engine.core.kv_pages)
     pages: PageStats = PageStats(0, 0, 0, 0)
     preemptions: int = 0  # requests preempted since start (each recomputed, unseen by its client)
+    speculation: SpeculationStats = SpeculationStats()  # guesses proposed and accepted since start
 
 
 @dataclass(slots=True)
@@ -176,26 +198,29 @@ class _Live:
     steps: int = 0  # decode steps dispatched for it since its prefill (read or in flight)
     filling: bool = True  # prefilled < the prompt's length (a prompt has at least one id)
     matcher: object | None = None  # a constrained request's state (its output so far consumed)
+    speculation: RowSpeculation | None = None  # its proposer history and acceptance, once it speculated
 
     def fill_to(self, positions: int) -> None:
         self.prefilled = positions
         self.filling = positions < len(self.prompt)
 
 
-class Engine(ConstrainedSteps):
+class Engine(ConstrainedSteps, SpeculativeSteps):
     def __init__(
         self,
         model: Model,
         config: EngineConfig = EngineConfig(),
         on_death: Callable[[BaseException], None] | None = None,
         on_step: Callable[[float], None] | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         """`on_death` is called on the engine thread if the loop dies (a server exits on it);
         `on_step(seconds)` after each decode step (metrics): the wall time from the later of its
         dispatch and the host's previous read of the device to its samples' arrival, which is
         the step's time on the device when the host runs behind it. A step during which the host
         read a prompt's first token is not timed (the prompt's time on the device is in it).
-        Both must not block."""
+        Both must not block. `proposer` stands in for the one `config.speculation` names (tests,
+        and proposers that are not built in)."""
         self.model = model
         self.config = config
         self._on_death = on_death
@@ -220,6 +245,7 @@ class Engine(ConstrainedSteps):
         self._pages = KvPages(kv.num_pages, kv.page_size, reserve_pages(kv, model.info.max_batch_size))  # engine thread
         self._page_stats = self._pages.stats()  # a snapshot for other threads, taken on the engine thread
         self._preemptions = 0
+        self._init_speculation(config, proposer)
         log.info(
             "prefill budget: %s prompt tokens a step while requests decode; KV cache: %d pages of %d tokens "
             "(%d kept free at admission)",
@@ -286,7 +312,7 @@ class Engine(ConstrainedSteps):
             stalled = time.monotonic() - self._progress_at if pending else 0.0
             return EngineStats(
                 len(self._waiting), len(self._active), self._dead is None and self._running, stalled,
-                self._page_stats, self._preemptions,
+                self._page_stats, self._preemptions, self._speculation_stats,
             )
 
     def _progressed(self) -> None:
@@ -398,6 +424,8 @@ class Engine(ConstrainedSteps):
         del self._active[live.slot]
         self.model.release(live.slot)
         self._pages.free(live.ticket)
+        if live.speculation is not None:
+            self._close_speculation(live)
 
     def _prefill(self, live: _Live, budget: int | None) -> int:
         """Prefill the next chunk of `live`'s prompt, at most `budget` tokens (None: the rest),
@@ -582,6 +610,10 @@ class Engine(ConstrainedSteps):
         (`_dispatch_constrained`); elsewhere the step in flight is read before it.
         -> the read step's time (see `on_step`), or None when none was read or it cannot be told apart."""
         seconds = None
+        if self._policy is not None:  # speculation on: a verify step, where one pays
+            verified, seconds = self._verify_step()
+            if verified:
+                return seconds
         lives = self._decoding()
         constrained = any(live.matcher is not None for live in lives)
         apart = constrained and self._samples_apart(lives)
@@ -651,29 +683,37 @@ class Engine(ConstrainedSteps):
         return self._read_at - started if timed else None
 
     def _advance(self, live: _Live, sample: Sample) -> None:
-        """Apply the one decision to a sampled token and send the resulting events. A constrained
-        request whose matcher refuses the id (the model sampled past its banned row: a model
-        bug, not the caller's) fails alone, with DecoderFault; the engine goes on."""
-        try:
-            decision = decide(sample.token_id, live.emitted, live.rule, live.matcher)
-        except ValueError as error:  # engine.constraints.ConstraintError, from Matcher.advance
-            if live.matcher is None:
-                raise
-            log.error("request %s: the model sampled id %d, which its constraint bans: %s",
-                      live.request.request_id, sample.token_id, error)
-            self._release(live)
-            live.sink.fail(DecoderFault(f"the model sampled id {sample.token_id}, which the request's constraint bans"))
-            return
+        """Apply the one decision to a sampled token and send the resulting events."""
+        self._advance_run(live, (sample,))
+
+    def _advance_run(self, live: _Live, samples: Sequence[Sample]) -> None:
+        """Apply the one decision to each sample in turn (a verify step's run: several) and send
+        the emitted tokens, and the finish if one came, as one list: one message. What follows
+        a finish is dropped. A constrained request whose matcher refuses an id (the model
+        sampled past its banned row: a model bug, not the caller's) fails alone, with
+        DecoderFault; the engine goes on."""
         events: list[Event] = []
-        if decision.emit:
-            live.emitted += 1
-            live.output.append(sample.token_id)
-            if live.request.return_logprobs:
-                events.append(Token(sample.token_id, sample.logprob, sample.top_logprobs))
-            else:
-                events.append(Token(sample.token_id))
-        if decision.finish is not None:
-            usage = Usage(len(live.request.prompt_token_ids), live.emitted)
-            events.append(Finished(decision.finish, usage, decision.stop_token_id))
-            self._release(live)
+        for sample in samples:
+            try:
+                decision = decide(sample.token_id, live.emitted, live.rule, live.matcher)
+            except ValueError as error:  # engine.constraints.ConstraintError, from Matcher.advance
+                if live.matcher is None:
+                    raise
+                log.error("request %s: the model sampled id %d, which its constraint bans: %s",
+                          live.request.request_id, sample.token_id, error)
+                self._release(live)
+                live.sink.fail(DecoderFault(f"the model sampled id {sample.token_id}, which the request's constraint bans"))
+                return
+            if decision.emit:
+                live.emitted += 1
+                live.output.append(sample.token_id)
+                if live.request.return_logprobs:
+                    events.append(Token(sample.token_id, sample.logprob, sample.top_logprobs))
+                else:
+                    events.append(Token(sample.token_id))
+            if decision.finish is not None:
+                usage = Usage(len(live.request.prompt_token_ids), live.emitted)
+                events.append(Finished(decision.finish, usage, decision.stop_token_id))
+                self._release(live)
+                break
         live.sink.events(events)

@@ -13,7 +13,7 @@ Data flow (multiprocessing, spawn; one duplex pipe):
                   ("abort", key)
   reader thread <- ("batch", deliveries, steps,  <- after each prefill and step, what the engine
                     queue_depth, slots, pages,       delivered: sent by the engine thread itself
-                    preemptions)
+                    preemptions, speculation)
     -> each key's sink, then after_delivery          when the pipe takes it at once, else by the
                                                      sender thread, with everything delivered
                                                      since (several steps when the parent is behind)
@@ -58,6 +58,7 @@ from engine.core.errors import DecoderFault, EngineStopped, InvalidArgument, Mod
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
 from engine.core.kv_pages import PageStats
 from engine.core.model import KvLayout, ModelFactory, ModelInfo, load
+from engine.core.speculation.policy import SpeculationStats
 from engine.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,10 @@ class _Outbox:
     def _message(self, deliveries: list[tuple], steps: list[float]) -> bytes:
         stats = self.stats()  # not under the lock: the engine's own lock is taken inside
         deliveries = [(key, _encode(p) if isinstance(p, list) else p) for key, p in deliveries]
-        return _frame(("batch", deliveries, steps, stats.queue_depth, stats.slots_in_use, stats.pages, stats.preemptions))
+        return _frame((
+            "batch", deliveries, steps, stats.queue_depth, stats.slots_in_use, stats.pages, stats.preemptions,
+            stats.speculation,
+        ))
 
     def flush(self) -> None:
         """After each prefill and step (even an empty step, which the parent counts as progress):
@@ -342,6 +346,7 @@ class EngineProcess:
         self._slots_in_use = 0
         self._pages = PageStats(0, 0, 0, 0)
         self._preemptions = 0
+        self._speculation = SpeculationStats()
         self._running = False
         self._dead: BaseException | None = None
 
@@ -430,7 +435,9 @@ class EngineProcess:
             pending = bool(self._sinks)
             stalled = time.monotonic() - self._progress_at if pending else 0.0
             alive = self._running and self._dead is None
-            return EngineStats(self._queue_depth, self._slots_in_use, alive, stalled, self._pages, self._preemptions)
+            return EngineStats(
+                self._queue_depth, self._slots_in_use, alive, stalled, self._pages, self._preemptions, self._speculation
+            )
 
     # -- reader thread ---------------------------------------------------------------------
 
@@ -440,8 +447,8 @@ class EngineProcess:
                 message = self._conn.recv()
                 if message[0] == "dead":
                     raise EngineStopped(f"the engine loop died: {message[1]}")
-                _, deliveries, steps, queue_depth, slots, pages, preemptions = message
-                self._deliver(deliveries, queue_depth, slots, pages, preemptions)
+                _, deliveries, steps, queue_depth, slots, pages, preemptions, speculation = message
+                self._deliver(deliveries, queue_depth, slots, pages, preemptions, speculation)
                 if self._on_step is not None:
                     for seconds in steps:
                         self._on_step(seconds)
@@ -461,11 +468,14 @@ class EngineProcess:
             if self._on_death is not None:
                 self._on_death(error)
 
-    def _deliver(self, deliveries: list[tuple], queue_depth: int, slots: int, pages: PageStats, preemptions: int) -> None:
+    def _deliver(
+        self, deliveries: list[tuple], queue_depth: int, slots: int, pages: PageStats, preemptions: int,
+        speculation: SpeculationStats,
+    ) -> None:
         with self._lock:
             self._progress_at = time.monotonic()
             self._queue_depth, self._slots_in_use = queue_depth, slots
-            self._pages, self._preemptions = pages, preemptions
+            self._pages, self._preemptions, self._speculation = pages, preemptions, speculation
             for key, payload in deliveries:
                 sink = self._sinks.get(key)
                 if sink is None:

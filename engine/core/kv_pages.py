@@ -217,6 +217,12 @@ class KvPages:
         """Pages a sequence of `tokens` positions holds."""
         return -(-tokens // self.page_size)
 
+    def spare_pages(self) -> int:
+        """Pages `grow` could take now (free, or cached and evictable) beyond the admission
+        reserve: what a speculative step may spend on its guesses' positions without taking
+        the room running sequences grow into (engine.core.speculative_step)."""
+        return max(0, self._runs.count + len(self._lru) - self.reserve_pages)
+
     def could_ever_fit(self, prompt_tokens: int, total_tokens: int, reserve_pages: int | None = None) -> bool:
         """Whether a sequence alone in the pool could be admitted with `prompt_tokens` (leaving
         `reserve_pages`, default the pool's) and grow to `total_tokens` (prompt + max output):

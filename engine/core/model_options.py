@@ -46,6 +46,9 @@ class ModelOptions:
     # the scheduler's prompt budget per step, and the longest chunk a decode step takes along; None:
     # the backend's (8 on CPU, 512 on an accelerator); below 16 the smallest chunk shape follows it
     max_step_tokens: int | None = None
+    # the most guesses one row of a verify step takes (speculative decoding, issue 45): the shapes
+    # warm-up compiles for `Model.verify`; 0: no verify step (speculation off)
+    max_guesses: int = 0
 
 
 SERVED = ModelOptions()  # what decode-server runs with no flags

@@ -28,6 +28,14 @@ steps dispatched by then), so they can check that the host reads a step only aft
 is enqueued; `prefill_tokens` counts the prompt positions computed (a prefix hit's are not), and
 `table(slot)` is a slot's block table as the model holds it.
 
+With `max_guesses` it verifies guesses (speculative decoding, `verify`) by its script: after the
+fed last sample comes the next id, and each guess equal to what the script samples after the id
+before it is accepted; the run ends at the first guess that differs (its scripted id instead) or
+one past the last guess. The guesses past the run are written into the slot's pages, as a real
+model writes them, and then forgotten: the slot holds position + len(run) positions, and a step
+that later reads one of those garbage positions as its own reads what it wrote there itself.
+`verify_steps` counts the calls, and `calls` records each as ("verify", ((slot, guesses), ...)).
+
 **Its KV pages make the scheduler's mistakes loud.** The pool (`kv`: `kv_cache_tokens`
 positions in pages of `page_size`; 0: max_batch_size x max_context_length) stores, per page and
 offset, the token id written there: what a real model's KV at that position would encode. A
@@ -48,7 +56,7 @@ from typing import Sequence
 
 import numpy as np
 
-from engine.core.model import ChunkInput, DecodeInput, KvLayout, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup
+from engine.core.model import ChunkInput, DecodeInput, KvLayout, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup, VerifyInput
 
 
 def _sleep_until(t: float) -> None:
@@ -73,6 +81,7 @@ class ScriptedModel:
         fused_chunk_tokens: int = 0,
         packed_prefill_tokens: int = 0,
         samples_apart: bool = False,
+        max_guesses: int = 0,
     ) -> None:
         self.info = ModelInfo(model_id, vocab_size, max_context_length, max_batch_size, frozenset(eos_token_ids))
         if kv_cache_tokens < 0 or page_size < 1:
@@ -90,6 +99,8 @@ class ScriptedModel:
         self.fused_chunk_tokens = fused_chunk_tokens
         self.packed_prefill_tokens = packed_prefill_tokens
         self.samples_apart = max_batch_size if samples_apart else 0  # (every step, or none)
+        self.max_guesses = max_guesses
+        self.verify_steps = 0
         self._held: list[tuple[DecodeInput, int]] | None = None  # a step's (input, id fed) whose sampling waits
         self.fused_chunks = 0  # chunks that came with a decode step (recorded in `calls` as a prefill before it)
         self.step_delay_s = step_delay_s
@@ -285,6 +296,41 @@ class ScriptedModel:
             self._last[i.slot] = sample.token_id
             samples.append(sample)
         self._pending.append((self.decode_steps, self._next_free, samples))
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[tuple[Sample, ...]]:
+        if self._pending or self._held is not None:
+            raise ModelUsageError("verify with a decode step in flight")
+        if not inputs or len({i.slot for i in inputs}) < len(inputs):
+            raise ModelUsageError(f"a verify step of {len(inputs)} rows, each slot at most once")
+        self.verify_steps += 1
+        self.calls.append(("verify", tuple((i.slot, len(i.guesses)) for i in inputs)))
+        for i in inputs:
+            if i.slot in self._filling or i.slot not in self._masked:
+                raise ModelUsageError(f"slot {i.slot} verified before its last prefill chunk")
+            if len(i.guesses) > self.max_guesses or i.position + len(i.guesses) >= self.info.max_context_length:
+                raise ModelUsageError(
+                    f"slot {i.slot}: {len(i.guesses)} guesses at {i.position} (at most {self.max_guesses})"
+                )
+            if any(not 0 <= token < self.info.vocab_size for token in i.guesses):
+                raise ModelUsageError(f"slot {i.slot}: a guess outside the vocabulary in {i.guesses}")
+        runs = []
+        for i in inputs:
+            fed = (self._last[i.slot], *i.guesses)
+            self._write(i.slot, i.position, fed)  # (past its table: ModelUsageError)
+            run = []
+            for j, token in enumerate(fed):
+                run.append(self._next(i.slot, token, i.masked))
+                if j == len(i.guesses) or run[-1].token_id != i.guesses[j]:
+                    break
+            end = i.position + len(run)  # the slot's count: what follows is garbage, overwritten later
+            self._ids[i.slot, end:] = -1
+            self._written[i.slot] = end
+            self._last[i.slot] = run[-1].token_id
+            runs.append(tuple(run))
+        self._check()
+        self._next_free = max(self._next_free, time.perf_counter()) + self.step_delay_s
+        _sleep_until(self._next_free)
+        return runs
 
     def collect(self) -> list[Sample]:
         if not self._pending:

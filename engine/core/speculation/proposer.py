@@ -1,0 +1,56 @@
+"""The `Proposer` interface: where guessed ids come from, and the registry of the built-in ones.
+
+A proposer sees each request through a `History` it opens over the request's ids (prompt, then
+output) and that the scheduler extends with every id the request emits; at a verify step it is
+asked, for all the step's rows at once, for up to k ids that may follow each history. Guesses
+only cost time: a wrong one is rejected by the model and never reaches a client.
+
+Why batched and stateful: the model-free n-gram proposer (engine.core.speculation.ngram) keeps
+an index per request that each new id updates in O(1), so a step costs O(k) a row rather than a
+rescan; a draft model (a small model with the same tokenizer, issue 45) would keep a slot of its
+own per request (`open` prefills it, `extend` feeds it the accepted ids, `close` releases it)
+and answer `propose` with one batched decode of k steps for every row; an EAGLE-style head would
+do the same over the target model's hidden states, which would then have to come back from
+`verify` with the samples. Neither is built yet: each would be one more class here and one more
+name in `proposer_named`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from engine.core.speculation.ngram import NgramProposer
+
+
+class History(Protocol):
+    """One request's ids as its proposer keeps them (the prompt, then every emitted id)."""
+
+    def extend(self, ids: Sequence[int]) -> None:
+        """Ids the request emitted since the last call, in order."""
+
+
+class Proposer(Protocol):
+    name: str  # the metrics' label and the `--speculation` value that picks it
+
+    def open(self, ids: Sequence[int]) -> History:
+        """Start following a request whose ids so far (prompt, then output) are `ids`."""
+
+    def propose(self, rows: Sequence[tuple[History, int]]) -> list[tuple[int, ...]]:
+        """For each (history, k): up to k ids guessed to follow the history's last id, in row
+        order; () where there is no guess worth checking. Cheap and on the host: it runs on
+        the scheduler's thread between steps."""
+
+    def close(self, history: History) -> None:
+        """The request ended (finished, cancelled or failed): forget its history."""
+
+
+SPECULATION_MODES = ("off", "ngram")  # the `--speculation` values
+
+
+def proposer_named(name: str) -> Proposer | None:
+    """The proposer a `--speculation` value names; None for "off". ValueError for another name."""
+    if name == "off":
+        return None
+    if name == "ngram":
+        return NgramProposer()
+    raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {name!r}")
