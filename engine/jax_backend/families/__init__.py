@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import jax
 
 from engine.jax_backend.families import dense, gemma3
+from engine.jax_backend.families import sparse_moe
 from engine.model_store.checkpoint import LayerWeights, ModelConfig
 
 
@@ -47,11 +48,13 @@ class Block:
 
 DENSE = Block(dense.attention_input, dense.qkv, dense.attention_residual, dense.mlp_residual, dense.final_norm)
 GEMMA3 = Block(gemma3.attention_input, gemma3.qkv, gemma3.attention_residual, gemma3.mlp_residual, gemma3.final_norm)
+SPARSE_MOE = Block(sparse_moe.attention_input, sparse_moe.qkv, sparse_moe.attention_residual, sparse_moe.mlp_residual, sparse_moe.final_norm)
 
 # One line per family (engine.model_store.families.FAMILIES names the same architectures).
 BLOCKS: dict[str, Block] = {
     **{arch: DENSE for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")},
     "Gemma3ForCausalLM": GEMMA3,
+    **{arch: SPARSE_MOE for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")},
 }
 
 

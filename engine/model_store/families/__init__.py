@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.model_store.checkpoint import LayerWeights, ModelConfig, TensorReader
 from engine.model_store.families import dense, gemma3
+from engine.model_store.families import sparse_moe
 
 
 @dataclass(frozen=True)
@@ -29,4 +30,5 @@ DENSE = Family(dense.parse_config, dense.layer)
 FAMILIES: dict[str, Family] = {
     **{arch: DENSE for arch in dense.ARCHITECTURES},  # Llama, Mistral, Qwen2, Qwen3
     "Gemma3ForCausalLM": Family(gemma3.parse_config, gemma3.layer, gemma3.embed_scale),
+    **{arch: Family(sparse_moe.parse_config, sparse_moe.layer) for arch in sparse_moe.ARCHITECTURES},  # Qwen3-MoE, Mixtral
 }
