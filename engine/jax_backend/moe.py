@@ -100,6 +100,12 @@ def grouped_product(rows: jax.Array, w: jax.Array, sizes: jax.Array, experts: ja
     return _blocked_product(rows, w, sizes, block_rows(m, n_experts))
 
 
+def copied_experts(m: int, n_experts: int) -> int:
+    """How many expert matrices grouped_product gathers for M routed rows on the CPU (the memory
+    plan counts them among the temporaries; an accelerator's ragged_dot gathers fewer)."""
+    return m if m <= n_experts else -(-m // block_rows(m, n_experts)) + n_experts
+
+
 def block_rows(m: int, n_experts: int) -> int:
     """Rows per block of the CPU's blocked product for M rows over X experts: about half an
     expert's even share (a power of two, 8 to 128), so the padding (under a block per expert)
