@@ -5,8 +5,8 @@ tiny-mixtral (4 experts of 64 features, top-2), made by transformers 5.24 throug
 scripts/make_tiny_checkpoints.py with norm weights drawn around 1.
 
 - Per op: the three routings (Mixtral's top-k-then-softmax equals the renormalised softmax), and
-  the grouped product's three forms (per-row gather, the CPU's blocks, ragged_dot) equal to each
-  row times its own expert.
+  the grouped product's forms (per-row gather, the CPU's blocks, ragged_dot, the CPU kernel)
+  equal to each row times its own expert.
 - The configs: which layers are MoE (mlp_only_layers, decoder_sparse_step), the routing, and the
   refusals; int8 / fp8 refused for MoE and `--weights auto` choosing float32, saying why.
 - The whole model, tiny-qwen3-moe in plain JAX and tiny-mixtral on the C++ kernels (one
@@ -37,7 +37,7 @@ import pytest
 
 from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import SamplingParams
-from engine.jax_backend import families, loading, memory_plan, mesh, moe, quantize, transformer
+from engine.jax_backend import cpu_kernels, families, loading, memory_plan, mesh, moe, quantize, transformer
 from engine.jax_backend.jax_model import JaxModel
 from engine.jax_backend.weights import load_checkpoint, packed_head, with_panels
 from engine.model_store.checkpoint import CheckpointError, parse_config
@@ -89,6 +89,10 @@ def test_the_grouped_products_forms_multiply_each_row_by_its_own_expert(rows):
     np.testing.assert_allclose(got, want, atol=1e-4)
     ragged = jax.lax.ragged_dot(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes))  # the accelerators' form
     np.testing.assert_allclose(ragged, want, atol=1e-4)
+    prerequisites.cpu_kernels()  # and the CPU kernel's, over each expert packed in panels
+    panels = jax.vmap(cpu_kernels.pack_panels)(jnp.asarray(w))
+    kernel = jax.jit(moe.grouped_product)(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), jnp.asarray(experts), panels)
+    np.testing.assert_allclose(kernel, want, atol=1e-4)
     assert moe.copied_experts(rows, 8) == (rows if rows <= 8 else -(-rows // moe.block_rows(rows, 8)) + 8)
 
 

@@ -9,7 +9,8 @@ stated limit), and `check` raises MemoryPlanError when the plan's total exceeds 
 What is counted, per device (1/N of the sharded parts under tensor parallelism over N):
 - weights: exactly the arrays the loader places (engine.model_store.checkpoint's layout: fused
   qkv and gate_up, the head's V' columns as a separate array even when tied; an MoE layer's
-  router and stacked experts in place of its dense MLP), in the serving
+  router and stacked experts in place of its dense MLP, and with the CPU kernels each expert
+  packed again for the grouped product's kernel), in the serving
   dtype or as int8 blocks with float16 scales in panels of 16 outputs (engine.jax_backend.quantize; a tied head that
   covers every row shares the embedding; with `int8_layout`, the formats of a GGUF's blocks, each
   matrix's bits and offsets as it is held), or as engine.jax_backend.channel_quant's matrices
@@ -166,17 +167,19 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
         return layers + per(layout.embed, e, cfg.vocab_size) + e * 4 + head
     panels = [k * -(-n // PANEL) * PANEL for k, n in ((e, qkv), (h * d, e), (e, 2 * f), (f, e))] if s.panel_copies else []
     layer = (sum(matrices) + sum(panels) + vectors) * s.dtype_bytes
-    moe_layers = sum(cfg.moe_layers or ())  # each holds its router and experts, and no dense MLP or its panels
-    moe_layer = layer + (_expert_parameters(cfg) - sum(matrices[2:]) - sum(panels[2:])) * s.dtype_bytes
+    moe_layers = sum(cfg.moe_layers or ())  # each holds its router and experts (and their panels), no dense MLP
+    moe_layer = layer + (_expert_parameters(cfg, s.panel_copies) - sum(matrices[2:]) - sum(panels[2:])) * s.dtype_bytes
     head_panels = e * -(-head_size // PANEL) * PANEL if s.panel_copies else 0
     return ((cfg.n_layers - moe_layers) * layer + moe_layers * moe_layer
             + (cfg.vocab_size * e + e + e * head_size + head_panels) * s.dtype_bytes)
 
 
-def _expert_parameters(cfg: ModelConfig) -> int:
-    """An MoE layer's router [E, X] and experts (gate_up [X, E, 2F'], down [X, F', E])."""
+def _expert_parameters(cfg: ModelConfig, panel_copies: bool) -> int:
+    """An MoE layer's router [E, X] and experts (gate_up [X, E, 2F'], down [X, F', E]), and with
+    `panel_copies` each expert packed again for the grouped product's kernel."""
     e, x, f = cfg.hidden_size, cfg.n_experts, cfg.expert_ffn_size
-    return e * x + x * 3 * e * f
+    panels = x * (e * -(-2 * f // PANEL) * PANEL + f * -(-e // PANEL) * PANEL) if panel_copies else 0
+    return e * x + x * 3 * e * f + panels
 
 
 def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int:

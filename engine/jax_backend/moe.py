@@ -10,8 +10,12 @@ Data flow for T tokens, X experts, k experts a token:
    nor every token through every expert.
 4. The rows go back to their pairs' order, are weighted and summed over each token's k.
 
-The grouped product takes one of three forms, picked while tracing from the row count and the
-backend (all compute the same products, in float32 sums):
+The grouped product takes one of four forms, picked while tracing from the weights, the row
+count and the backend (all compute the same products, in float32 sums):
+- with the CPU kernels on (float32, one device: engine.jax_backend.loading), their grouped
+  product (cpu_kernels.expert_panel_matmul) over each expert packed in panels
+  (weights.with_panels): each expert with rows streams its own weights once per block of rows,
+  in place, and an expert no row chose is not read;
 - few rows (at most X pairs: decode steps): each row multiplies its own expert's matrix,
   gathered per row, so a step reads only the experts its tokens chose;
 - on an accelerator: `jax.lax.ragged_dot`, the backend's own grouped GEMM;
@@ -39,6 +43,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from engine.jax_backend import cpu_kernels
 from engine.jax_backend.backend_profile import profile
 from engine.model_store.checkpoint import ExpertWeights
 
@@ -66,8 +71,10 @@ def route(logits: jax.Array, k: int, routing: str) -> tuple[jax.Array, jax.Array
     return top, experts.astype(jnp.int32)
 
 
-def moe_mlp(x: jax.Array, w: ExpertWeights, k: int, routing: str, glu: Glu = silu_glu) -> jax.Array:
-    """The MoE MLP of the normed stream x [..., E] -> [..., E] (in x's dtype)."""
+def moe_mlp(x: jax.Array, w: ExpertWeights, k: int, routing: str, glu: Glu = silu_glu, panels=None) -> jax.Array:
+    """The MoE MLP of the normed stream x [..., E] -> [..., E] (in x's dtype). `panels`: the
+    layer's weights.PanelWeights when the CPU kernels are on (its experts packed for
+    cpu_kernels.expert_panel_matmul), else None."""
     lead, e = x.shape[:-1], x.shape[-1]
     x = x.reshape(-1, e)  # [T, E]
     t, n_experts = x.shape[0], w.router.shape[-1]
@@ -80,19 +87,23 @@ def moe_mlp(x: jax.Array, w: ExpertWeights, k: int, routing: str, glu: Glu = sil
     sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)  # [X]: rows per expert
     rows = x[order // k]  # [M, E]: each sorted pair's token
     sorted_experts = flat[order]  # [M]
-    gate_up = grouped_product(rows, w.gate_up, sizes, sorted_experts).astype(x.dtype)  # [M, 2F'] interleaved
+    packed = (None, None) if panels is None else (panels.experts_gate_up, panels.experts_down)
+    gate_up = grouped_product(rows, w.gate_up, sizes, sorted_experts, packed[0]).astype(x.dtype)  # [M, 2F'] interleaved
     gate_up = gate_up.reshape(gate_up.shape[0], -1, 2)  # [M, F', 2]
     hidden = glu(gate_up[..., 0], gate_up[..., 1])  # [M, F']
-    out = grouped_product(hidden, w.down, sizes, sorted_experts)  # [M, E] float32
+    out = grouped_product(hidden, w.down, sizes, sorted_experts, packed[1])  # [M, E] float32
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, e)  # [T, k, E]: back in pair order
     mixed = jnp.einsum("tke,tk->te", unsorted, weights)  # [T, E] float32
     return mixed.astype(x.dtype).reshape(*lead, e)
 
 
-def grouped_product(rows: jax.Array, w: jax.Array, sizes: jax.Array, experts: jax.Array) -> jax.Array:
+def grouped_product(rows: jax.Array, w: jax.Array, sizes: jax.Array, experts: jax.Array, panels: jax.Array | None = None) -> jax.Array:
     """rows [M, in] sorted by expert (sizes [X] rows each; experts [M] each row's) times its
-    expert's matrix of w [X, in, out] -> [M, out] float32 (module docstring for the forms)."""
+    expert's matrix of w [X, in, out] -> [M, out] float32 (module docstring for the forms);
+    `panels` [X, ceil(out / 32), in, 32]: w packed for the CPU kernel, which then takes it."""
     m, n_experts = rows.shape[0], w.shape[0]
+    if panels is not None:
+        return cpu_kernels.expert_panel_matmul(rows, panels, sizes, w.shape[2])
     if m <= n_experts:
         return jnp.einsum("mi,mio->mo", rows, w[experts], preferred_element_type=jnp.float32)
     if not profile().cpu:

@@ -26,4 +26,4 @@ def mlp_residual(x: jax.Array, w: LayerWeights, cfg: ModelConfig) -> jax.Array:
     if w.experts is None:
         return dense.mlp_residual(x, w, cfg)
     normed = rms_norm(x, w.mlp_norm, cfg.rms_eps)  # [B, T, E]
-    return x + moe.moe_mlp(normed, w.experts, cfg.experts_per_token, cfg.routing)
+    return x + moe.moe_mlp(normed, w.experts, cfg.experts_per_token, cfg.routing, panels=w.panels)
