@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.machine import describe  # noqa: E402
 from engine.jax_backend import cpu_kernels, layers, moe  # noqa: E402
 from engine.jax_backend.weights import PanelWeights  # noqa: E402 (also registers ExpertWeights as a pytree)
 from engine.model_store.checkpoint import ExpertWeights  # noqa: E402
@@ -102,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             calls = max(1, a.calls * 8 // max(8, t))  # fewer calls for the long ones
             times[t]["moe"].append(timed(sparse, (inputs[t], experts, panels), calls))
             times[t]["dense"].append(timed(dense, (inputs[t], gate_up, down, panels), calls))
+    print(f"machine: {describe('jax', 'jaxlib', 'numpy')}; load average {os.getloadavg()[0]:.1f}")
     print(f"hidden {a.hidden}, {a.experts} experts of {a.expert_ffn} features, top-{a.top_k}; dense: {a.top_k * a.expert_ffn} features;"
           f" {a.rounds} rounds, float32, {jax.devices()[0].platform}, CPU kernels {a.kernels}")
     print(f"{'tokens':>6} {'moe ms':>9} {'dense ms':>9} {'ratio':>6} {'ratio range':>13} {'target':>7}")
