@@ -68,13 +68,23 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
 
 def layer(read: TensorReader, p: str) -> LayerWeights:
     """One layer: the dense family's attention and norms; its MLP dense (`mlp.{gate,up,down}_proj`)
-    or, in an MoE layer, a router and experts."""
-    c = read.config
-    index = int(p.rstrip(".").rsplit(".", 1)[1])
-    if not c.moe_layers[index]:
+    or, in an MoE layer, a router and experts (and no dense MLP)."""
+    c, device = read.config, read.place
+    if not c.moe_layers[int(p.rstrip(".").rsplit(".", 1)[1])]:  # p: "model.layers.{i}."
         return dense.layer(read, p)
-    attention = dense.layer(_AttentionOnly(read), p)
-    return replace(attention, w_gate_up=None, w_down=None, experts=experts(read, p))
+    E, D = c.hidden_size, c.head_dim
+    return LayerWeights(
+        attn_norm=read.vector(p + "input_layernorm.weight", E),
+        w_qkv=device(read.qkv(p)),
+        w_o=device(read.o(p)),
+        mlp_norm=read.vector(p + "post_attention_layernorm.weight", E),
+        w_gate_up=None,
+        w_down=None,
+        b_qkv=None,
+        q_norm=read.vector(p + "self_attn.q_norm.weight", D) if c.qk_norm else None,
+        k_norm=read.vector(p + "self_attn.k_norm.weight", D) if c.qk_norm else None,
+        experts=experts(read, p),
+    )
 
 
 def experts(read: TensorReader, p: str) -> ExpertWeights:
@@ -95,23 +105,3 @@ def experts(read: TensorReader, p: str) -> ExpertWeights:
         down=read.place(np.stack(downs)),
     )
 
-
-class _AttentionOnly:
-    """A TensorReader whose dense MLP reads give nothing: lets dense.layer read an MoE layer's
-    attention and norms without its (absent) dense MLP tensors."""
-
-    def __init__(self, read: TensorReader) -> None:
-        self._read = read
-        self.config = read.config
-
-    def place(self, array):
-        return None if array is None else self._read.place(array)
-
-    def gate_up(self, p: str) -> None:
-        return None
-
-    def down(self, p: str) -> None:
-        return None
-
-    def __getattr__(self, name: str):
-        return getattr(self._read, name)
