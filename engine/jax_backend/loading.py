@@ -97,7 +97,8 @@ def auto_weights(model_dir: Path, kernels: bool) -> str:
     model.gguf, whose Q8_0, Q4_0/1 and Q5_0/1 blocks are served as the file has them: the values
     float32 holds). There int8 decodes faster than float32 in less memory and passes the quality
     gates (docs/benchmarks.md, issue 15). Elsewhere "float32", also for a checkpoint with no GGUF
-    (its int8 would be our own quantization of it, not gated on that model). Logs the choice."""
+    (its int8 would be our own quantization of it, not gated on that model), and for a mixture of
+    experts (its experts have no int8 product: `check_moe_weights`). Logs the choice."""
     from engine.model_store.gguf_convert import GGUF_NAME  # (gguf_convert imports the gguf package: only here)
 
     reasons = []
