@@ -15,7 +15,7 @@ numpy 2.4.6. The tokenizer is trained on the reference venv's Python standard li
 different Python may give a different (equally valid) tokenizer; the goldens always match the files
 written next to them.
 
-Five models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> <|im_start|>
+The models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> <|im_start|>
 <|im_end|>):
 - tiny-llama: LlamaForCausalLM, untied lm head, GQA 4/2, llama3 rope scaling that bites within
   the first few dozen positions (original context 32).
@@ -33,6 +33,7 @@ Five models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|>
   each step: transformers picks longrope's factor set by the longest position of the call, so a
   full forward past 32 positions would rotate every position with the long set, while cached
   generation (what transformers serves, and this engine's rule) rotates each new token by its own.
+- tiny-qwen3-moe and tiny-mixtral: mixture-of-experts (`moe_models`).
 
 Weights are drawn wider than HF's init (std ~ 1/sqrt(fan_in), embeddings std 1) so logits are
 peaked and greedy choices are far from ties: parity tests can demand exactly equal ids.
@@ -122,7 +123,7 @@ def randomize(model: torch.nn.Module, tied: bool, seed: int, embed_std: float = 
             elif "embed_tokens" in name:
                 p.copy_(embed_std * torch.randn(p.shape, generator=g))
             else:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)  # fan_in: last axis (3-D experts too)
 
 
 def golden(model: torch.nn.Module, tok: Tokenizer, cached: bool = False) -> dict:
@@ -265,12 +266,36 @@ def main(names: list[str]) -> None:
         },
     )
     models["tiny-phi3-longrope"] = (phi3_longrope, transformers.Phi3ForCausalLM, [im_end])
+    models.update(moe_models(common, eot, im_end))
     unknown = set(names) - set(models)
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; known: {sorted(models)}")
     for name, (config, cls, gen_eos) in models.items():
         if not names or name in names:
             make(name, config, cls, tok, gen_eos=gen_eos)
+
+
+def moe_models(common: dict, eot: int, im_end: int) -> dict:
+    """The mixture-of-experts checkpoints (engine.jax_backend.moe):
+    - tiny-qwen3-moe: Qwen3MoeForCausalLM, 8 experts of 32 features, top-2 without renormalising
+      (norm_topk_prob False), q/k norms, its middle layer a dense MLP (mlp_only_layers).
+    - tiny-mixtral: MixtralForCausalLM, 4 experts of 64 features, top-2 (renormalised), no window.
+    """
+    qwen3_moe = transformers.Qwen3MoeConfig(
+        **common, num_hidden_layers=3, head_dim=32, tie_word_embeddings=False, eos_token_id=im_end,
+        bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=False, mlp_only_layers=[1], decoder_sparse_step=1,
+    )
+    mixtral = transformers.MixtralConfig(
+        **{**common, "intermediate_size": 64}, num_hidden_layers=2, tie_word_embeddings=False,
+        eos_token_id=eot, bos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+    )
+    return {
+        "tiny-qwen3-moe": (qwen3_moe, transformers.Qwen3MoeForCausalLM, [eot]),
+        "tiny-mixtral": (mixtral, transformers.MixtralForCausalLM, [im_end]),
+    }
 
 
 if __name__ == "__main__":

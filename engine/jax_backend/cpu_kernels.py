@@ -97,6 +97,7 @@ INT8_TARGET = "tokenwire_int8_matmul"
 INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
 INT4_TARGET = "tokenwire_int4_matmul"
 PANEL_TARGET = "tokenwire_panel_matmul"
+EXPERT_PANEL_TARGET = "tokenwire_expert_panel_matmul"  # the same product, each row by its own expert's panels
 PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
 # Most rows a product goes to panel_matmul with; XLA's GEMM above: up to here the kernel took less
 # time than XLA, its lead shrinking as rows grow until both reach the machine's arithmetic speed
@@ -254,6 +255,18 @@ def panel_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     rows = x.size // k
     call = jax.ffi.ffi_call(PANEL_TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))
     return call(x.reshape(rows, k).astype(jnp.float32), panels).reshape(*x.shape[:-1], n)
+
+
+def expert_panel_matmul(x: jax.Array, panels: jax.Array, sizes: jax.Array, n: int) -> jax.Array:
+    """Rows x [R, K] f32 sorted by expert (sizes [X] i32 rows each, summing to R) times each one's
+    own expert's W [K, N], the experts given as `pack_panels` of each, stacked: panels [X,
+    ceil(N / 32), K, 32] -> [R, N] f32 (engine.jax_backend.moe's grouped product on the CPU).
+    Reads only the experts with rows, in place (kernels/panel_matmul.cc); needs `load()`."""
+    experts, count, k, width = panels.shape
+    if x.ndim != 2 or x.shape[-1] != k or width != PANEL or not (count - 1) * PANEL < n <= count * PANEL:  # checked while tracing
+        raise ValueError(f"expert_panel_matmul takes rows of {k} values and {n} outputs, got x {x.shape}, panels {panels.shape}")
+    call = jax.ffi.ffi_call(EXPERT_PANEL_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32))
+    return call(x.astype(jnp.float32), panels, jnp.asarray(sizes, jnp.int32))
 
 
 def panel_matmul_isa(kernels: Kernels, avx512: bool = True) -> str:
@@ -494,7 +507,7 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
             CAPPED_CHUNK_TARGET: library.TokenwireChunkAttentionCapped,
             INT8_TARGET: library.TokenwireInt8Matmul, INT8_OFFSET_TARGET: library.TokenwireInt8MatmulOffset,
             INT4_TARGET: library.TokenwireInt4Matmul,
-            PANEL_TARGET: library.TokenwirePanelMatmul,
+            PANEL_TARGET: library.TokenwirePanelMatmul, EXPERT_PANEL_TARGET: library.TokenwireExpertPanelMatmul,
         }
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]
         library.TokenwireChunkAttentionIsa.argtypes = [ctypes.c_int]
@@ -588,7 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             "TokenwireChunkAttentionWindow", "TokenwireDecodeAttentionCapped", "TokenwireChunkAttentionCapped",
             "TokenwireChunkAttentionIsa",
             "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt4Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
-            "TokenwireSetThreads",
+            "TokenwireExpertPanelMatmul", "TokenwireSetThreads",
         )
         for symbol in symbols:
             getattr(library, symbol)

@@ -176,7 +176,7 @@ class JaxModel(DecodeLaunch):
         shapes, variants = self.shapes, (True, False) if self.split_sampler else (None,)
         decode_steps = len(shapes.rows) * len(shapes.attend) * (len(variants) + len(shapes.fused))
         # each item below compiles as many executables as it adds; tests/test_compile_budget checks the sum
-        kinds = len(set(self.config.layer_windows or (None,)))  # layers of differing windows compile apart
+        kinds = len(set(self._layer_kinds()))  # layers of differing windows or MLPs compile apart
         progress = CompileProgress((2 + kinds) * len(shapes.prompt) + 2 + len(shapes.rows) + decode_steps
                                    + (1 + kinds) * len(shapes.packed) + len(shapes.packed_rows) + self._apart_shapes())
         zero = np.int32(0)
@@ -354,15 +354,21 @@ class JaxModel(DecodeLaunch):
         cache buffers donated, the returned buffers installed; -> hidden states. A family whose
         layers differ (ModelConfig.layer_windows) passes each call its layer's window, static."""
         per_layer = self.config.layer_windows
-        windows = per_layer or (self.config.sliding_window,) * self.config.n_layers
+        kinds = self._layer_kinds()
         for i, layer in enumerate(self._decode_weights):
-            if kinds_only and windows.index(windows[i]) != i:
+            if kinds_only and kinds.index(kinds[i]) != i:
                 continue
             x, self._k[i : i + 1], self._v[i : i + 1] = layer_call(
                 (layer,), (self._k[i],), (self._v[i],), x, *args, cfg=self.config,
                 windows=None if per_layer is None else per_layer[i : i + 1],
             )
         return x
+
+    def _layer_kinds(self) -> list[tuple]:
+        """Per layer what its prefill call compiles for: its window, and whether its MLP is
+        experts (engine.jax_backend.moe) or dense (Qwen3-MoE's mlp_only_layers mix the two)."""
+        windows = self.config.layer_windows or (self.config.sliding_window,) * self.config.n_layers
+        return [(window, layer.experts is None) for window, layer in zip(windows, self._decode_weights, strict=True)]
 
     def _sample(self, call, x: jax.Array, slots: np.ndarray, active: np.ndarray, masked: np.ndarray, positions: np.ndarray):
         """Head and sampling, `call`: steps.sample for a prompt's last position (the row of slot

@@ -97,21 +97,34 @@ def auto_weights(model_dir: Path, kernels: bool) -> str:
     model.gguf, whose Q8_0, Q4_0/1 and Q5_0/1 blocks are served as the file has them: the values
     float32 holds). There int8 decodes faster than float32 in less memory and passes the quality
     gates (docs/benchmarks.md, issue 15). Elsewhere "float32", also for a checkpoint with no GGUF
-    (its int8 would be our own quantization of it, not gated on that model). Logs the choice."""
+    (its int8 would be our own quantization of it, not gated on that model), and for a mixture of
+    experts (its experts have no int8 product: `check_moe_weights`). Logs the choice."""
     from engine.model_store.gguf_convert import GGUF_NAME  # (gguf_convert imports the gguf package: only here)
 
     reasons = []
+    config = parse_config(json.loads((model_dir / "config.json").read_text())) if (model_dir / "config.json").is_file() else None
+    if config is not None and config.n_experts:
+        reasons.append(f"{config.architecture}: {MOE_FLOAT_ONLY}")
     if not kernels:
         reasons.append("the CPU kernels are off")
     if not (model_dir / GGUF_NAME).is_file():
         reasons.append(f"no {GGUF_NAME} in the model directory")
-    elif (model_dir / "config.json").is_file():
-        config = parse_config(json.loads((model_dir / "config.json").read_text()))
+    elif config is not None:
         if why := quantize.gguf_int8_unreadable(config):
             reasons.append(f"{config.architecture}: {why}")
     choice = "float32" if reasons else "int8"
     log.info("weights auto: %s (%s)", choice, ", ".join(reasons) or f"the CPU kernels and the model's {GGUF_NAME}")
     return choice
+
+
+MOE_FLOAT_ONLY = "a mixture of experts runs in float32 or bfloat16 (int8 and fp8 experts are not supported)"
+
+
+def check_moe_weights(cfg: ModelConfig, weights: str) -> None:
+    """Refuse int8 / fp8 for a mixture of experts (engine.jax_backend.moe multiplies its experts
+    in the dtype only): ValueError naming the flag and why, before anything is read."""
+    if cfg.n_experts and weights in ("int8", "fp8"):
+        raise ValueError(f"--weights {weights} cannot serve {cfg.architecture}: {MOE_FLOAT_ONLY}; use --weights float32")
 
 
 def int8_layout(model_dir: Path, cfg) -> quantize.Int8Layout | None:
@@ -263,6 +276,7 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     build = kernel_build or build_options(o)
     _check_weights(o)
     cfg = parse_config(json.loads((model_dir / "config.json").read_text()))
+    check_moe_weights(cfg, o.weights)
     context = _context(cfg, max_batch_size, o.max_context_length)
     if o.tensor_parallel > 1 and not jax.distributed.is_initialized():
         mesh.request_cpu_devices(o.tensor_parallel)  # (as load_sharded does) before the backend starts below

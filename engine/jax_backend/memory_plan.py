@@ -8,7 +8,9 @@ stated limit), and `check` raises MemoryPlanError when the plan's total exceeds 
 
 What is counted, per device (1/N of the sharded parts under tensor parallelism over N):
 - weights: exactly the arrays the loader places (engine.model_store.checkpoint's layout: fused
-  qkv and gate_up, the head's V' columns as a separate array even when tied), in the serving
+  qkv and gate_up, the head's V' columns as a separate array even when tied; an MoE layer's
+  router and stacked experts in place of its dense MLP, and with the CPU kernels each expert
+  packed again for the grouped product's kernel), in the serving
   dtype or as int8 blocks with float16 scales in panels of 16 outputs (engine.jax_backend.quantize; a tied head that
   covers every row shares the embedding; with `int8_layout`, the formats of a GGUF's blocks, each
   matrix's bits and offsets as it is held), or as engine.jax_backend.channel_quant's matrices
@@ -25,7 +27,8 @@ What is counted, per device (1/N of the sharded parts under tensor parallelism o
   blocked attention's float32 scores, the MLP's 2F features, rope in float32) and one decode
   step of B rows (the same per row, plus float32 scores over S positions, the head's [B, V']
   float32 logits with the sampler's copies of them and its exact select's tables, and the K and V
-  of S positions per row that the XLA attention gathers from the pages); with int8
+  of S positions per row that the XLA attention gathers from the pages; for a mixture of
+  experts, k routed rows a token and the expert matrices its grouped products gather); with int8
   weights, a matrix dequantized to float32 where more than quantize.SLICED_ROWS rows multiply
   it; with `channels`, the widest matrix in the activations' dtype (where XLA does not fuse
   the convert into the product). Counted whole under tensor parallelism. This is an estimate of the largest arrays alive at
@@ -62,6 +65,7 @@ from engine.core.model_options import least_kv_pages
 from engine.jax_backend.quantize import BLOCK as INT8_BLOCK, LAYER_MATRICES, PANEL as INT8_PANEL, SLICED_ROWS as INT8_SLICED_ROWS, Int8Layout
 from engine.model_store.gguf_blocks import SYMMETRIC, BlockFormat
 from engine.jax_backend.cpu_kernels import PANEL
+from engine.jax_backend.moe import copied_experts
 from engine.model_store.checkpoint import ModelConfig
 
 GIB = 1 << 30
@@ -163,8 +167,19 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
         return layers + per(layout.embed, e, cfg.vocab_size) + e * 4 + head
     panels = [k * -(-n // PANEL) * PANEL for k, n in ((e, qkv), (h * d, e), (e, 2 * f), (f, e))] if s.panel_copies else []
     layer = (sum(matrices) + sum(panels) + vectors) * s.dtype_bytes
+    moe_layers = sum(cfg.moe_layers or ())  # each holds its router and experts (and their panels), no dense MLP
+    moe_layer = layer + (_expert_parameters(cfg, s.panel_copies) - sum(matrices[2:]) - sum(panels[2:])) * s.dtype_bytes
     head_panels = e * -(-head_size // PANEL) * PANEL if s.panel_copies else 0
-    return cfg.n_layers * layer + (cfg.vocab_size * e + e + e * head_size + head_panels) * s.dtype_bytes
+    return ((cfg.n_layers - moe_layers) * layer + moe_layers * moe_layer
+            + (cfg.vocab_size * e + e + e * head_size + head_panels) * s.dtype_bytes)
+
+
+def _expert_parameters(cfg: ModelConfig, panel_copies: bool) -> int:
+    """An MoE layer's router [E, X] and experts (gate_up [X, E, 2F'], down [X, F', E]), and with
+    `panel_copies` each expert packed again for the grouped product's kernel."""
+    e, x, f = cfg.hidden_size, cfg.n_experts, cfg.expert_ffn_size
+    panels = x * (e * -(-2 * f // PANEL) * PANEL + f * -(-e // PANEL) * PANEL) if panel_copies else 0
+    return e * x + x * 3 * e * f + panels
 
 
 def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int:
@@ -181,6 +196,8 @@ def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int
     sampler = SAMPLER_COPIES * 4 * head_size + SELECT_TABLE_BYTES  # per row
     window = 2 * kv * -(-s.context // s.kv_page_size) * s.kv_page_size * d * act  # K and V gathered per row
     decode = b * per_token + 4 * 2 * b * h * s.context + b * sampler + b * window
+    if cfg.n_experts:  # the routed rows' activations and the expert matrices the grouped products gather
+        prefill, decode = prefill + _moe_temporaries(cfg, chunk, act), decode + _moe_temporaries(cfg, b, act)
     if s.int8:  # the many-row path dequantizes a whole matrix to float32 (quantize.matmul)
         widest = max(e * (h + 2 * kv) * d, h * d * e, e * 2 * f, f * e)
         prefill += 4 * widest if chunk > INT8_SLICED_ROWS else 0
@@ -189,6 +206,14 @@ def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int
         widest = max(e * (h + 2 * kv) * d, h * d * e, e * 2 * f, f * e, head_size * e)
         prefill, decode = prefill + act * widest, decode + act * widest
     return max(prefill, decode)
+
+
+def _moe_temporaries(cfg: ModelConfig, tokens: int, act: int) -> int:
+    """One MoE MLP's working set for `tokens` tokens (engine.jax_backend.moe): k rows a token
+    (their inputs, 2F' + F' features and float32 outputs), and the widest matrices gathered."""
+    e, x, f, k = cfg.hidden_size, cfg.n_experts, cfg.expert_ffn_size, cfg.experts_per_token
+    rows = tokens * k
+    return rows * (act * (e + 3 * f) + 4 * (2 * f + e)) + copied_experts(rows, x) * e * 2 * f * act
 
 
 def device_limit(device, meminfo: Path = Path("/proc/meminfo"), cgroup: Path = Path("/sys/fs/cgroup")) -> MemoryLimit | None:

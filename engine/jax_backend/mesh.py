@@ -5,6 +5,8 @@ What lives where, on the mesh's one axis `tp` of N devices (a spec names the sha
 - q/k/v projections split by kv-head group (w_qkv's columns; engine.model_store.checkpoint lays
   them out per kv head, so N contiguous parts are N sets of whole groups), o by rows (the heads),
   gate/up by columns (features, interleaved, so again whole features), down by rows;
+- an MoE layer's experts split by feature as the dense MLP is (`Plan.expert_shardings`), its router
+  replicated;
 - the embedding and the head split by vocabulary, the norms replicated;
 - the KV page pool split on its kv-head axis ([K, N, P, D] -> K/N per device); the block tables,
   small per-call inputs, are replicated.
@@ -41,7 +43,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from engine.jax_backend.backend_profile import profile
-from engine.jax_backend.weights import LayerWeights, Weights  # (registered as pytrees there)
+from engine.jax_backend.weights import ExpertWeights, LayerWeights, Weights  # (registered as pytrees there)
 from engine.model_store.checkpoint import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,7 @@ def check_sizes(cfg: ModelConfig, n: int) -> None:
         (cfg.n_kv_heads % n and n % cfg.n_kv_heads,
          f"the model's {cfg.n_kv_heads} kv heads (num_key_value_heads), nor is it a multiple of them"),
         (cfg.ffn_size % n, f"the model's intermediate size {cfg.ffn_size} (intermediate_size)"),
+        (cfg.expert_ffn_size % n, f"the model's expert intermediate size {cfg.expert_ffn_size} (moe_intermediate_size)"),
         (cfg.vocab_size % n, f"the model's vocabulary of {cfg.vocab_size} (vocab_size)"),
     ]
     for remainder, dimension in problems:
@@ -113,13 +116,28 @@ class Plan:
     def layer_shardings(self, layer: LayerWeights) -> LayerWeights:
         """The sharding of each of a layer's tensors (None where the layer has none)."""
         cols, rows, rep = self.sharding(None, AXIS), self.sharding(AXIS, None), self.replicated
+        dense_mlp = layer.experts is None
         return LayerWeights(
-            attn_norm=rep, w_qkv=cols, w_o=rows, mlp_norm=rep, w_gate_up=cols, w_down=rows,
+            attn_norm=rep, w_qkv=cols, w_o=rows, mlp_norm=rep,
+            w_gate_up=cols if dense_mlp else None, w_down=rows if dense_mlp else None,
             b_qkv=None if layer.b_qkv is None else self.sharding(AXIS),
             q_norm=None if layer.q_norm is None else rep,
             k_norm=None if layer.k_norm is None else rep,
             post_attn_norm=None if layer.post_attn_norm is None else rep,
             post_mlp_norm=None if layer.post_mlp_norm is None else rep,
+            experts=None if dense_mlp else self.expert_shardings(layer.experts),
+        )
+
+    def expert_shardings(self, experts: ExpertWeights) -> ExpertWeights:
+        """An MoE layer's: every expert's features split as the dense MLP's (gate_up [X, E, 2F'] by
+        its columns, down [X, F', E] by its rows), the router replicated. Each device then holds
+        1/N of every expert and computes its features of whichever experts a token chose, so the
+        work is balanced however tokens route and the one all-reduce stays after down; experts
+        spread over devices instead would need an all-to-all of the tokens and X % N == 0."""
+        rep = self.replicated
+        return ExpertWeights(
+            router=rep, gate_up=self.sharding(None, None, AXIS), down=self.sharding(None, AXIS, None),
+            router_bias=None if experts.router_bias is None else rep,
         )
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from engine.jax_backend import cpu_kernels
 from engine.jax_backend.backend_profile import profile
 from engine.model_store import checkpoint
-from engine.model_store.checkpoint import Checkpoint, LayerWeights, ModelConfig, Weights
+from engine.model_store.checkpoint import Checkpoint, ExpertWeights, LayerWeights, ModelConfig, Weights
 
 if TYPE_CHECKING:
     from engine.jax_backend import mesh
@@ -30,13 +30,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PanelWeights:
     """A layer's four projections again, packed in panels of 32 outputs: what the CPU kernel for
-    products of a few rows reads (engine.jax_backend.cpu_kernels.panel_matmul). Made by
-    `with_panels`, never loaded."""
+    products of a few rows reads (engine.jax_backend.cpu_kernels.panel_matmul); an MoE layer's
+    experts likewise, each expert packed, for the grouped product's kernel
+    (cpu_kernels.expert_panel_matmul). Made by `with_panels`, never loaded."""
 
     qkv: jax.Array  # [ceil(K * (G + 2) * D / 32), E, 32]
     o: jax.Array  # [ceil(E / 32), H * D, 32]
-    gate_up: jax.Array  # [ceil(2F / 32), E, 32]
-    down: jax.Array  # [ceil(E / 32), F, 32]
+    gate_up: jax.Array | None  # [ceil(2F / 32), E, 32]  (None in an MoE layer: its experts have no panels)
+    down: jax.Array | None  # [ceil(E / 32), F, 32]
+    experts_gate_up: jax.Array | None = None  # [X, ceil(2F' / 32), E, 32]  an MoE layer's experts, each packed
+    experts_down: jax.Array | None = None  # [X, ceil(E / 32), F', 32]
 
 
 @dataclass(frozen=True)
@@ -52,7 +55,7 @@ class PackedHead:
         return self.w.shape
 
 
-for _cls in (PanelWeights, PackedHead, LayerWeights, Weights):
+for _cls in (PanelWeights, PackedHead, ExpertWeights, LayerWeights, Weights):
     jax.tree_util.register_dataclass(_cls)
 
 __all__ = ["Checkpoint", "LayerWeights", "PackedHead", "PanelWeights", "Weights", "default_dtype", "load_channels", "load_checkpoint", "load_int8", "load_sharded", "with_panels"]
@@ -146,8 +149,14 @@ def with_panels(layer: LayerWeights) -> LayerWeights:
     """The layer with panel-packed copies of its projections for the CPU kernel of products of a
     few rows (doubles the projections' memory; only JaxModel makes them, when its CPU kernels are
     on)."""
-    pack = cpu_kernels.pack_panels
-    return replace(layer, panels=PanelWeights(pack(layer.w_qkv), pack(layer.w_o), pack(layer.w_gate_up), pack(layer.w_down)))
+    def pack(w: jax.Array | None) -> jax.Array | None:
+        return None if w is None else cpu_kernels.pack_panels(w)
+
+    experts = layer.experts
+    packed_experts = (None, None) if experts is None else tuple(
+        jax.vmap(cpu_kernels.pack_panels)(w) for w in (experts.gate_up, experts.down)
+    )  # for the grouped product's kernel (cpu_kernels.expert_panel_matmul)
+    return replace(layer, panels=PanelWeights(pack(layer.w_qkv), pack(layer.w_o), pack(layer.w_gate_up), pack(layer.w_down), *packed_experts))
 
 
 def decode_weights(weights: Weights, panels: bool) -> tuple[tuple[LayerWeights, ...], jax.Array | PackedHead]:

@@ -104,6 +104,36 @@ class ModelConfig:
     # Partial RoPE (Phi-4-mini's partial_rotary_factor): only each head's first `rotary_dim` dims
     # rotate, the rest pass through. None: the whole head dim.
     rotary_dim: int | None = None
+    # Mixture-of-experts families (engine.jax_backend.moe): the experts of each MoE layer, the
+    # experts each token is routed to, one expert's intermediate size, how the router's logits
+    # become those k experts' weights (ROUTINGS), and which layers are MoE (the others run the
+    # dense MLP of ffn_size). 0 / None for the dense families.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_size: int = 0
+    routing: str | None = None
+    moe_layers: tuple[bool, ...] | None = None
+
+
+# How router logits [X] become the weights of a token's k experts (engine.jax_backend.moe.route):
+# "softmax": softmax over all experts, the k largest kept as they are (Qwen3-MoE, norm_topk_prob
+# false); "softmax_renormalized": the same, divided by their sum (Qwen3-MoE with norm_topk_prob);
+# "topk_softmax": the k largest logits, softmax over those k (Mixtral; equal to the renormalised
+# softmax; gpt-oss routes so, after a router bias).
+ROUTINGS = ("softmax", "softmax_renormalized", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One MoE layer's router and experts, each expert's matrices stacked on a leading axis (the
+    grouped products of engine.jax_backend.moe read them so). Laid out as the dense MLP's: [in,
+    out], gate and up interleaved feature by feature, so a split of the features' axis into equal
+    contiguous parts gives each part whole features of every expert (tensor parallelism)."""
+
+    router: Array  # [E, X]
+    gate_up: Array  # [X, E, 2F']  F' = expert_ffn_size; columns 2f and 2f + 1 are feature f's gate, up
+    down: Array  # [X, F', E]
+    router_bias: Array | None = None  # [X]  added to the router's logits (none of today's families)
 
 
 @dataclass(frozen=True)
@@ -114,13 +144,14 @@ class LayerWeights:
     w_qkv: Array  # [E, K * (G + 2) * D]  per kv head: its G query heads, its key, its value
     w_o: Array  # [H * D, E]
     mlp_norm: Array  # [E]
-    w_gate_up: Array  # [E, 2F]  gate and up interleaved: columns 2f and 2f + 1 are feature f's
-    w_down: Array  # [F, E]
+    w_gate_up: Array  # [E, 2F]  gate and up interleaved: columns 2f and 2f + 1 are feature f's (None in an MoE layer)
+    w_down: Array  # [F, E]  (None in an MoE layer)
     b_qkv: Array | None  # [K * (G + 2) * D]  only when qkv_bias, laid out as w_qkv
     q_norm: Array | None  # [D]  only when qk_norm
     k_norm: Array | None  # [D]  only when qk_norm
     post_attn_norm: Array | None = None  # [E]  Gemma: the attention's output normed before the residual add
     post_mlp_norm: Array | None = None  # [E]  Gemma: the MLP's output likewise
+    experts: ExpertWeights | None = None  # an MoE layer's router and experts (its w_gate_up, w_down None)
     panels: Any = None  # panel-packed copies for CPU products of a few rows, added by engine.jax_backend
 
 

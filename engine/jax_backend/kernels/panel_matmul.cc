@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -185,7 +186,62 @@ ffi::Error PanelMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> p, ffi::Re
   return ffi::Error::Success();
 }
 
+// The experts' product of a mixture of experts (engine.jax_backend.moe): rows x [R, K] sorted by
+// expert, sizes [X] rows each, times each one's own expert's W, the experts packed as above: p
+// [X, P, K, 32] -> y [R, N]. Each expert with rows streams only its own panels, once per block of
+// rows, and an expert no row chose is not read: a decode step reads the experts its tokens chose,
+// with no copy of their weights (XLA:CPU gathers them first). The (expert, panel) pairs are split
+// over the threads; a row's sums run as in PanelMatmul's.
+ffi::Error ExpertPanelMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> p, ffi::Buffer<ffi::S32> sizes,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto pd = p.dimensions();
+  const auto yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 4 || yd.size() != 2 || pd[3] != kPanel || xd[1] != pd[2] || yd[0] != xd[0] ||
+      yd[1] > pd[1] * kPanel || yd[1] <= (pd[1] - 1) * kPanel || sizes.element_count() != pd[0]) {
+    return ffi::Error::InvalidArgument(
+        "tokenwire_expert_panel_matmul: expected x [R, K], p [X, ceil(N / 32), K, 32], sizes [X], y [R, N]");
+  }
+  const int64_t rows = xd[0], k = xd[1], n = yd[1], experts = pd[0], panels = pd[1];
+  const int32_t* count = sizes.typed_data();
+  std::vector<int64_t> start(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    if (count[e] < 0) return ffi::Error::InvalidArgument("tokenwire_expert_panel_matmul: a negative size");
+    start[e + 1] = start[e] + count[e];
+  }
+  if (start[experts] != rows) {
+    return ffi::Error::InvalidArgument("tokenwire_expert_panel_matmul: the sizes do not add up to the rows");
+  }
+  const float* xp = x.typed_data();
+  const float* pp = p.typed_data();
+  float* yp = y->typed_data();
+  const bool wide = UseAvx512();
+  tokenwire::Pool::Get().Run(experts * panels * 8, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin / 8; u < end / 8; ++u) {
+      const int64_t e = u / panels, j = u % panels, m = start[e + 1] - start[e];
+      if (m == 0) continue;
+      const float* panel = pp + (e * panels + j) * k * kPanel;
+      const int64_t cols = std::min<int64_t>(kPanel, n - j * kPanel);
+      const float* xs = xp + start[e] * k;
+      float* ys = yp + start[e] * n + j * kPanel;
+      if (wide) {
+        Panel<avx512::kMaxRows, Avx512Tiles>(panel, xs, m, k, ys, n, cols, nullptr);
+      } else {
+        Panel<avx2::kMaxRows, Avx2Tiles>(panel, xs, m, k, ys, n, cols, nullptr);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireExpertPanelMatmul, ExpertPanelMatmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwirePanelMatmul, PanelMatmul,
                               ffi::Ffi::Bind()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.model_store.checkpoint import LayerWeights, ModelConfig, TensorReader
-from engine.model_store.families import dense, gemma2, gemma3, phi3
+from engine.model_store.families import dense, gemma2, gemma3, phi3, sparse_moe
 
 
 @dataclass(frozen=True)
@@ -31,4 +31,5 @@ FAMILIES: dict[str, Family] = {
     "Gemma3ForCausalLM": Family(gemma3.parse_config, gemma3.layer, gemma3.embed_scale),
     "Gemma2ForCausalLM": Family(gemma2.parse_config, gemma2.layer, gemma2.embed_scale),
     "Phi3ForCausalLM": Family(phi3.parse_config, phi3.layer),
+    **{arch: Family(sparse_moe.parse_config, sparse_moe.layer) for arch in sparse_moe.ARCHITECTURES},  # Qwen3-MoE, Mixtral
 }
