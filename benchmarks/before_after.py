@@ -132,6 +132,8 @@ def main() -> None:
     parser.add_argument("--pin", type=int, default=-1, metavar="CPU",
                         help="run both workers on this CPU with one kernel thread: compare CPU ms per step (work), not speed")
     args = parser.parse_args()
+    if args.pin >= 0 and args.pin not in os.sched_getaffinity(0):
+        parser.error(f"--pin {args.pin}: not a CPU this process may run on ({sorted(os.sched_getaffinity(0))})")
     sys.path.insert(0, str(ROOT))
     from benchmarks.machine import describe
     from benchmarks.summary import median_range
