@@ -1,7 +1,7 @@
 """Decode step time of two checkouts side by side, interleaved finely, in one run.
 
     git worktree add /tmp/before <commit>
-    python benchmarks/before_after.py /tmp/before . [--batches 1,8,32] [--rounds 16] [--steps 8]
+    python benchmarks/before_after.py /tmp/before . [--batches 1,8,32] [--rounds 16] [--steps 8] [--pin CPU]
 
 Each checkout gets a worker process that loads the model once and prefills its slots with the
 same random prompts (each checkout's own benchmarks/decode.py `Slots`). The parent then asks the
@@ -9,8 +9,14 @@ two in turn for `--steps` decode steps at each batch size, alternating which goe
 noise of a shared machine falls on both alike; the idle worker waits on a pipe and uses no CPU.
 Per round and batch it prints nothing; at the end, per batch size and mode, the median step time
 of each, the ratio "after / before" of speeds (>1: after is faster) as median and range over the
-rounds, and the minor page faults and kernel (sys) milliseconds per step, which is how a
-per-call allocation that faults its pages in shows (engine.jax_backend.host_memory).
+rounds, the minor page faults and kernel (sys) milliseconds per step, which is how a
+per-call allocation that faults its pages in shows (engine.jax_backend.host_memory), and the
+process's CPU milliseconds (user + sys, every thread) per step.
+
+`--pin CPU` measures work rather than speed, for a host too busy for wall clock to decide: both
+workers run on that one CPU with one kernel thread (cpu_threads 1), so their CPU milliseconds
+per step are the step's work, with no thread spinning while it waits for another that the host
+has descheduled; the wall-clock ratio then says little.
 
 Modes: "read" dispatches a step and reads its samples before the next (the step's own time);
 "lag" dispatches step N+1 before reading step N, as the engine does. A checkout whose Slots has
@@ -33,8 +39,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_len: int, weights: str) -> None:
-    """Serve "batch steps mode" lines on stdin with "seconds_per_step faults_per_step sys_per_step"."""
+def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_len: int, weights: str, pin: int) -> None:
+    """Serve "batch steps mode" lines on stdin with "seconds_per_step faults_per_step sys_per_step
+    cpu_per_step"; `pin` >= 0: on that CPU alone, one kernel thread."""
+    if pin >= 0:  # before JAX starts, so that every thread it makes inherits the mask
+        os.sched_setaffinity(0, {pin})
     os.chdir(checkout)
     sys.path.insert(0, checkout)
     from benchmarks.decode import Slots
@@ -53,6 +62,8 @@ def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_
 
         if "prefix_cache_tokens" in ModelOptions.__dataclass_fields__:
             extra["prefix_cache_tokens"] = 0
+        if pin >= 0:
+            extra["cpu_threads"] = 1
     except ImportError:  # before ModelOptions: a load keyword of its own
         extra["prefix_cache_tokens"] = 0
     model = JaxModel.load(model_dir, max_batch_size=max_batch, max_context_length=context, min_bucket=16, **extra)
@@ -73,7 +84,8 @@ def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_
             seconds = time.perf_counter() - start
         after = resource.getrusage(resource.RUSAGE_SELF)
         faults, sys_s = after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime
-        print(seconds / steps, faults / steps, sys_s / steps, flush=True)
+        cpu = after.ru_utime - before.ru_utime + sys_s
+        print(seconds / steps, faults / steps, sys_s / steps, cpu / steps, flush=True)
 
 
 class Worker:
@@ -81,7 +93,7 @@ class Worker:
         self.name = checkout
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", checkout, model_dir, str(max(args.batches)),
-             str(args.max_context_length), str(args.prompt_len), args.weights],
+             str(args.max_context_length), str(args.prompt_len), args.weights, str(args.pin)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
 
@@ -90,11 +102,11 @@ class Worker:
         if line != "ready":
             raise SystemExit(f"{self.name}: the worker did not start (it printed {line!r}); see its stderr above")
 
-    def run(self, batch: int, steps: int, mode: str) -> tuple[float, float, float]:
+    def run(self, batch: int, steps: int, mode: str) -> tuple[float, float, float, float]:
         self.proc.stdin.write(f"{batch} {steps} {mode}\n")
         self.proc.stdin.flush()
-        seconds, faults, sys_s = map(float, self.proc.stdout.readline().split())
-        return seconds, faults, sys_s
+        seconds, faults, sys_s, cpu = map(float, self.proc.stdout.readline().split())
+        return seconds, faults, sys_s, cpu
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -103,8 +115,8 @@ class Worker:
 
 def main() -> None:
     if sys.argv[1:2] == ["--worker"]:
-        checkout, model_dir, max_batch, context, prompt_len, weights = sys.argv[2:8]
-        _worker(checkout, model_dir, int(max_batch), int(context), int(prompt_len), weights)
+        checkout, model_dir, max_batch, context, prompt_len, weights, pin = sys.argv[2:9]
+        _worker(checkout, model_dir, int(max_batch), int(context), int(prompt_len), weights, int(pin))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("before", help="the baseline checkout (e.g. a git worktree of main)")
@@ -117,7 +129,11 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-context-length", type=int, default=512)
     parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 in both")
+    parser.add_argument("--pin", type=int, default=-1, metavar="CPU",
+                        help="run both workers on this CPU with one kernel thread: compare CPU ms per step (work), not speed")
     args = parser.parse_args()
+    if args.pin >= 0 and args.pin not in os.sched_getaffinity(0):
+        parser.error(f"--pin {args.pin}: not a CPU this process may run on ({sorted(os.sched_getaffinity(0))})")
     sys.path.insert(0, str(ROOT))
     from benchmarks.machine import describe
     from benchmarks.summary import median_range
@@ -142,17 +158,21 @@ def main() -> None:
         before.close()
         after.close()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    print(f"{args.rounds} rounds of {args.steps} steps, {args.weights} weights; before = {args.before}, after = {args.after}")
-    print("| batch | mode | before ms/step | after ms/step | after / before speed | page faults/step before, after | sys ms/step before, after |")
-    print("|---|---|---|---|---|---|---|")
+    pinned = f", pinned to CPU {args.pin} with one kernel thread" if args.pin >= 0 else ""
+    print(f"{args.rounds} rounds of {args.steps} steps, {args.weights} weights{pinned}; before = {args.before}, after = {args.after}")
+    print("| batch | mode | before ms/step | after ms/step | after / before speed | page faults/step before, after | "
+          "sys ms/step before, after | CPU ms/step before, after | before / after CPU |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batches:
         for mode in args.modes:
             b, a = results[(before.name, batch, mode)], results[(after.name, batch, mode)]
             speed = [x[0] / y[0] for x, y in zip(b, a)]
+            work = [x[3] / y[3] for x, y in zip(b, a)]  # >1: after does less work a step
             med = lambda rows, i: statistics.median(row[i] for row in rows)  # noqa: E731
             print(
                 f"| {batch} | {mode} | {med(b, 0) * 1e3:.1f} | {med(a, 0) * 1e3:.1f} | {median_range(speed, '{:.3f}')}x | "
-                f"{med(b, 1):.0f}, {med(a, 1):.0f} | {med(b, 2) * 1e3:.1f}, {med(a, 2) * 1e3:.1f} |"
+                f"{med(b, 1):.0f}, {med(a, 1):.0f} | {med(b, 2) * 1e3:.1f}, {med(a, 2) * 1e3:.1f} | "
+                f"{med(b, 3) * 1e3:.2f}, {med(a, 3) * 1e3:.2f} | {median_range(work, '{:.3f}')}x |"
             )
 
 
