@@ -111,6 +111,16 @@ class DecodeInput:
     masked: bool  # mask the slot's `masked_token_ids` when sampling this step
 
 
+@dataclass(frozen=True, slots=True)
+class VerifyInput:
+    """One slot's input to a verify step (speculative decoding, issue 45)."""
+
+    slot: int
+    position: int  # the slot's next free position, as DecodeInput.position: its last sample is fed here
+    guesses: tuple[int, ...]  # proposed ids for positions position+1 .. position+len(guesses); may be ()
+    masked: bool  # as DecodeInput.masked, for every token this step samples for the slot
+
+
 @dataclass(frozen=True)
 class ChunkInput:
     """A prompt chunk that rides along with a decode step (`dispatch(inputs, chunk)`): the KV of
@@ -152,6 +162,23 @@ class Model(Protocol):
     # (0: none). Such a step's layers start at once and its sampling at `dispatch_sampling`,
     # under the rows `ban` wrote in between
     samples_apart: int
+
+    # the most guesses one row of `verify` takes (0: this model does not verify)
+    max_guesses: int
+
+    def verify(self, inputs: Sequence[VerifyInput]) -> list[tuple[Sample, ...]]:
+        """One pass over the weights for the given slots (no step in flight before or after it:
+        it returns its samples): each slot's last sample is fed at `position` and its guesses at
+        the positions after it, and the model samples at each fed position as `decode` would have
+        there. It returns each input's accepted run, in input order: samples s_0..s_m, where
+        s_j.token_id == guesses[j] for every j < m, and s_m is the first sample that differs from
+        its guess, or the one after the last guess (m <= len(guesses)). Greedy rows take the
+        argmax; sampled rows accept guess j with the target probability of that id and, on a
+        rejection, sample from the target with that id removed and renormalised (rejection
+        sampling for a one-hot proposal: plain sampling's distribution exactly). Afterwards the
+        slot's count is position+m+1 and s_m is its last sample (fed by its next step); KV written
+        past position+m is garbage the slot overwrites later. The scheduler names pages for every
+        position up to position+len(guesses) (set_pages) before the call."""
 
     def warm_up(self) -> None:
         """Compile every shape the model will use; nothing compiles after this."""
