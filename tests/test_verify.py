@@ -129,13 +129,15 @@ def test_sampled_verify_draws_plain_samplings_ids_for_the_same_seed(llama):
     model.release(0)
     _shuffled_pages(model, rng := np.random.default_rng(1))
     got = [model.prefill(0, prompt, setup, False)]
+    calls = 0
     while len(got) < n:
-        m = len(got)
+        m, calls = len(got), calls + 1
         guesses = [x.token_id for x in plain[m : m + K]]
         guesses[int(rng.integers(K))] = int(rng.integers(512))
         got.extend(model.verify([VerifyInput(0, len(prompt) + m - 1, tuple(guesses), False)])[0])
     model.release(0)
     assert got == plain[: len(got)]
+    assert len(got) - 1 > 1.5 * calls  # right guesses are taken: more than one sample per call, on average
 
 
 def test_sampled_acceptance_and_first_samples_follow_the_target_distribution(llama):
