@@ -60,7 +60,7 @@ from engine.jax_backend.shapes import (
 from engine.jax_backend.slot_table import SlotTable, require
 from engine.jax_backend.slot_sampling import SlotSamplingState, chunk_arrays, mask_row
 from engine.jax_backend.steps import Pending, Steps, fetch
-from engine.jax_backend.verify import Verifying, max_guesses, verify_rows
+from engine.jax_backend.verify import Verifying, guess_buckets, max_guesses, verify_rows
 from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
 
@@ -115,6 +115,7 @@ class JaxModel(DecodeLaunch, Verifying):
         self.packed_prefill_tokens = self.shapes.packed_prefill_tokens
         self.max_guesses = max_guesses(options.max_guesses, plan is not None)  # speculative decoding (verify)
         self.verify_rows = verify_rows(self.shapes, self.max_guesses, self.kernels)  # its row buckets
+        self.guess_buckets = guess_buckets(self.max_guesses)  # and its guess counts
         self.split_sampler = backend.split_sampler if split_sampler is None else split_sampler
         # dispatch(..., sample_later=True) (engine.core.model): split, every step; else a step of
         # the smallest row bucket (engine.jax_backend.decode_launch)

@@ -2,14 +2,17 @@
 checks, its host arrays and its compiled shapes. The step itself is engine.jax_backend.verify_step.
 
 A verify call runs its inputs in input order, row i being input i (not slot i, as in a decode
-step): R is the smallest verify row bucket that holds them, K the model's `max_guesses`, one
-compiled count (a row with fewer guesses, or none, leaves the rest unfed). One K keeps warm-up to
-a shape per row bucket; a ladder of K would multiply that, and on the CPU a verify step's cost
-barely moves with K at a few rows, since each row reads the same weights. The row buckets are the
-decode step's, up to the largest whose R x (K + 1) fed tokens the CPU kernels take in one product
-(cpu_kernels.PANEL_ROWS; elsewhere all of them): there every row's products are the bits a decode
-step gives it, which is what makes a greedy verify equal to plain greedy decoding id for id. A
-call with more inputs than the largest bucket runs as several steps of it, one after the other.
+step): R is the smallest verify row bucket that holds them, K the smallest guess bucket that holds
+its longest row of guesses (a row with fewer guesses, or none, leaves the rest unfed, and pays for
+them). The guess buckets (`guess_buckets`) are the powers of two below `max_guesses`, then
+`max_guesses` itself (4: 1, 2, 4): a step's cost grows with its R x (K + 1) rows on a CPU, where a
+few rows' products are not free once the cores are busy (docs/benchmarks.md, "Speculative
+decoding"), so a scheduler that guesses fewer pays for fewer; each bucket is a warm-up shape per
+row bucket. The row buckets are the decode step's, up to the largest whose R x (max_guesses + 1)
+fed tokens the CPU kernels take in one product (cpu_kernels.PANEL_ROWS; elsewhere all of them):
+there every row's products are the bits a decode step gives it, which is what makes a greedy
+verify equal to plain greedy decoding id for id. A call with more inputs than the largest row
+bucket runs as several steps of it, one after the other.
 
 The seed contract with speculation on. A row samples at each fed token exactly as plain decoding
 samples at that position (its parameters, its masked ids, the draw keyed by its seed and the
@@ -41,7 +44,7 @@ import numpy as np
 
 from engine.core.model import DecodeInput, Sample, VerifyInput
 from engine.jax_backend import cpu_kernels
-from engine.jax_backend.shapes import Shapes, bucket
+from engine.jax_backend.shapes import Shapes, bucket, length_buckets
 from engine.jax_backend.slot_sampling import TOP_N
 from engine.jax_backend.slot_table import require
 from engine.jax_backend.steps import alternatives
@@ -56,6 +59,11 @@ def max_guesses(requested: int, mesh: bool) -> int:
     if not 0 <= requested <= MOST_GUESSES:
         raise ValueError(f"max_guesses must be in 0..{MOST_GUESSES}, got {requested}")
     return 0 if mesh else requested
+
+
+def guess_buckets(guesses: int) -> tuple[int, ...]:
+    """The guess counts K a verify step compiles for (module docstring); () when it does not verify."""
+    return length_buckets(guesses, 1) if guesses else ()
 
 
 def verify_rows(shapes: Shapes, guesses: int, kernels: bool) -> tuple[int, ...]:
@@ -90,10 +98,11 @@ class Verifying:
         """One verify step for at most the largest verify row bucket's inputs: enqueue, read the
         runs back, advance each slot's count past its accepted run."""
         rows = bucket(self.verify_rows, len(inputs))
+        k = bucket(self.guess_buckets, max(len(i.guesses) for i in inputs))
         attend = bucket(self.shapes.attend, max(i.position + len(i.guesses) for i in inputs) + 1)
-        ints, floats, guessed = self._verify_arrays(inputs, rows)
+        ints, floats, guessed = self._verify_arrays(inputs, rows, k)
         samples, logprobs, m, top_n, tops = self._run_verify(ints, floats, guessed, attend)
-        k1, runs = self.max_guesses + 1, []
+        k1, runs = k + 1, []
         for row, i in enumerate(inputs):
             n = int(m[row]) + 1  # the accepted run: s_0 .. s_m
             self._slots.length[i.slot] = i.position + n
@@ -116,7 +125,7 @@ class Verifying:
         got = jax.device_get(tuple(out) if wanted else tuple(out[:3]))
         return (*got[:3], top_n, tuple(got[3:]) if wanted else ())
 
-    def _verify_arrays(self, inputs: Sequence[VerifyInput], rows: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _verify_arrays(self, inputs: Sequence[VerifyInput], rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A verify step's host inputs, row i for input i: a decode step's packed columns (with
         the row's slot's parameters and table), and `guessed` [R, 2 + K] (slot, count, guesses).
         Rows past the inputs are idle, at a slot none of the inputs holds (so the write of each
@@ -131,7 +140,7 @@ class Verifying:
         ints, floats = ints[slots], floats[slots]
         ints[len(inputs):] = 0  # idle rows: inactive, greedy, the null table
         floats[len(inputs):] = (0.0, 1.0, 0.0)
-        guessed = np.zeros((rows, GUESSES + self.max_guesses), np.int32)
+        guessed = np.zeros((rows, GUESSES + k), np.int32)
         guessed[:, SLOT] = slots
         for row, i in enumerate(inputs):
             guessed[row, COUNT] = len(i.guesses)
@@ -139,12 +148,12 @@ class Verifying:
         return ints, floats, guessed
 
     def _verify_shapes(self) -> int:
-        """How many executables `_warm_up_verify` compiles: one per (verify rows, attend)."""
-        return len(self.verify_rows) * len(self.shapes.attend)
+        """How many executables `_warm_up_verify` compiles: one per (verify rows, guesses, attend)."""
+        return len(self.verify_rows) * len(self.guess_buckets) * len(self.shapes.attend)
 
     def _warm_up_verify(self) -> None:
         """Compile each verify shape, every row idle (every write into the null page)."""
         for rows in self.verify_rows:
-            for attend in self.shapes.attend:
-                ints, floats, guessed = self._verify_arrays([], rows)
-                self._run_verify(ints, floats, guessed, attend)
+            for k in self.guess_buckets:
+                for attend in self.shapes.attend:
+                    self._run_verify(*self._verify_arrays([], rows, k), attend)
