@@ -118,7 +118,8 @@ def test_greedy_verify_runs_are_plain_greedy_decoding_sample_for_sample(name, we
     runs, accepted = _speculated(model, plain, rng, some=first)
     for slot, (got, want) in enumerate(zip(runs, plain)):
         assert STEPS <= len(got) < len(want)
-        assert got == want[: len(got)], f"slot {slot} differs from position {next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)}"
+        differs = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        assert differs is None, f"slot {slot} differs from sample {differs} on"
     assert any(r.top_logprobs for r in runs[1]) and all(r.top_logprobs for r in runs[1])
     assert max(accepted) == K and 0 in accepted  # whole runs taken, and runs cut at their first guess
 

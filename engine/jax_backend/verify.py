@@ -91,7 +91,7 @@ class Verifying:
             n, end = len(i.guesses), i.position + len(i.guesses)
             require(n <= self.max_guesses, f"{n} guesses for slot {i.slot}, past max_guesses {self.max_guesses}")
             require(end < self.info.max_context_length, f"slot {i.slot}'s guesses run past the context")
-            require(bool(self._slots.held[i.slot] * self.kv.page_size > end), f"slot {i.slot}'s guesses reach a position with no page")
+            require(self._slots.covers(i.slot, end + 1), f"slot {i.slot}'s guesses reach a position with no page")
             require(all(0 <= t < self.info.vocab_size for t in i.guesses), "a guessed id outside the vocabulary")
 
     def _verify_once(self, inputs: Sequence[VerifyInput]) -> list[tuple[Sample, ...]]:
