@@ -22,7 +22,8 @@ enqueues step N+1 with no wait (its inputs are the samples of step N, which neve
 device, and host arrays packed into two transfers), and only then does `collect` read step N's
 ids and logprobs; the scheduler decides on them while the device computes. Per-slot sampling
 parameters live on the host (engine.jax_backend.slot_sampling) and travel with each step as [R]
-columns.
+columns. `verify` (speculative decoding: a slot's last sample and its guessed tokens in one
+step, engine.jax_backend.verify) runs only where `max_guesses` is configured above 0.
 
 The service validates requests; here `ModelUsageError` guards the Model contract, because JAX
 would clamp an out-of-range id or position silently instead of failing, and would write a
@@ -217,8 +218,7 @@ class JaxModel(DecodeLaunch, Verifying):
             progress.advance()
         self._warm_up_apart()  # a step whose sampling waits for its rows (decode_launch)
         progress.advance(self._apart_shapes())
-        self._warm_up_verify()  # speculative decoding's verify step, where configured (engine.jax_backend.verify)
-        progress.advance(self._verify_shapes())
+        self._warm_up_verify(progress)  # speculative decoding's verify step, where configured (engine.jax_backend.verify)
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:

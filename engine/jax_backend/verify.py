@@ -151,9 +151,11 @@ class Verifying:
         """How many executables `_warm_up_verify` compiles: one per (verify rows, guesses, attend)."""
         return len(self.verify_rows) * len(self.guess_buckets) * len(self.shapes.attend)
 
-    def _warm_up_verify(self) -> None:
-        """Compile each verify shape, every row idle (every write into the null page)."""
+    def _warm_up_verify(self, progress) -> None:
+        """Compile each verify shape, every row idle (every write into the null page), counting
+        each on warm-up's `progress` (compile_progress.CompileProgress)."""
         for rows in self.verify_rows:
             for k in self.guess_buckets:
                 for attend in self.shapes.attend:
                     self._run_verify(*self._verify_arrays([], rows, k), attend)
+                    progress.advance()
