@@ -46,8 +46,8 @@ class ModelOptions:
     # the scheduler's prompt budget per step, and the longest chunk a decode step takes along; None:
     # the backend's (8 on CPU, 512 on an accelerator); below 16 the smallest chunk shape follows it
     max_step_tokens: int | None = None
-    # speculative decoding (issue 45): the most guessed tokens one verify step checks per sequence,
-    # each verify shape compiled at warm-up only when it is above 0 (0: off, no verify step)
+    # the most guesses one row of a verify step takes (speculative decoding, issue 45): the shapes
+    # warm-up compiles for `Model.verify`; 0: no verify step (speculation off)
     max_guesses: int = 0
 
 
