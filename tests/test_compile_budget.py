@@ -14,7 +14,9 @@ with the paged KV cache, issue 41: a prefix hit shares pages, so 45 -> 43 and 26
 step's constrained rows, written in one call, issue 43, add one per row bucket: 47 and 25. A
 step whose sampling waits for its rows, issue 43, samples under them in one call, greedy or full,
 per row bucket it may have: on the CPU the smallest bucket only, whose layers apart it also
-compiles, alone and with a chunk along: 51 and 27.) Each count is written out, not computed from
+compiles, alone and with a chunk along: 51 and 27. Speculative decoding's verify step, issue 45,
+adds one per verify row bucket and attend shape, only where max_guesses > 0: none here, and the
+last test counts it.) Each count is written out, not computed from
 the model, so it reads as the budget it is.
 """
 
@@ -24,6 +26,8 @@ import logging
 import re
 from pathlib import Path
 
+from engine.core.model import SlotSetup, VerifyInput
+from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
 from support import prerequisites
 from support.compile_watch import compile_events
@@ -83,3 +87,29 @@ def test_the_plain_accelerator_shape_of_the_defaults_compiles_27_shapes(caplog):
     assert model.samples_apart == 8
     assert model.compilations() == 2 + 2 + 15 + 1 + 1 + 3 + 1 + 2 == 27
     assert len([c for c in compiles if "backend_compile" in c]) <= 27 + 4
+
+
+def test_speculative_decoding_adds_a_verify_step_per_row_bucket_and_compiles_nothing_after(caplog):
+    # a smaller configuration (2 slots, a context of 64) with max_guesses 4 (off, 0, by default:
+    # no verify shape, as the counts above show): the verify steps, one per verify row bucket
+    # (R x 5 fed tokens within the CPU kernels' products of up to 64 rows: 1 and 2), guess bucket
+    # (1, 2, 4) and attend shape (1), on top of 33: 4 prompt buckets x 3, 2 rows x (alone, with the 8-token chunk), the
+    # mask, a prompt's sampling, 2 constrained-row writes, 4 packed sizes x 2 and 1 row bucket of
+    # their samples, and the stream alone's 4 apart. After warm-up a verify of each compiles nothing.
+    prerequisites.cpu_kernels()
+    model = JaxModel.load(LLAMA, max_batch_size=2, max_context_length=64, dtype="float32", kernels=True, min_rows=1, max_guesses=4)
+    with caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
+        model.warm_up()
+    _check_progress(caplog, model.compilations())
+    assert model.verify_rows == (1, 2) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
+    assert model.compilations() == 4 * 3 + 2 * 2 + 1 + 1 + 2 + 4 * 2 + 1 + 4 + 2 * 3 == 39
+    for slot in range(2):
+        model.set_pages(slot, [1 + 4 * slot + i for i in range(4)])  # 16 positions each
+        model.prefill(slot, (1, 2, 3), SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset()), False)
+    before = model.compilations()
+    with compile_events() as compiles:
+        run = model.verify([VerifyInput(0, 3, (4, 5, 6, 7), False)])[0]  # 1 row, 4 guesses
+        at = 3 + len(run)
+        run = model.verify([VerifyInput(1, 3, (9, 9), False), VerifyInput(0, at, (), False)])[1]  # 2 rows, 2 guesses
+        model.verify([VerifyInput(0, at + len(run), (8,), False)])  # 1 row, 1 guess
+    assert model.compilations() == before and not [c for c in compiles if "backend_compile" in c], compiles

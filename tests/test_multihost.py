@@ -58,7 +58,7 @@ def test_every_call_of_the_model_contract_is_published_block_tables_included():
     every other call of the contract."""
     assert multihost.STEPS == {
         "warm_up", "set_pages", "prefill", "prefill_chunk", "prefill_packed", "decode", "dispatch", "collect", "ban",
-        "dispatch_sampling", "release",
+        "dispatch_sampling", "release", "verify",
     }
 
 

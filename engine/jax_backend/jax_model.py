@@ -22,7 +22,8 @@ enqueues step N+1 with no wait (its inputs are the samples of step N, which neve
 device, and host arrays packed into two transfers), and only then does `collect` read step N's
 ids and logprobs; the scheduler decides on them while the device computes. Per-slot sampling
 parameters live on the host (engine.jax_backend.slot_sampling) and travel with each step as [R]
-columns.
+columns. `verify` (speculative decoding: a slot's last sample and its guessed tokens in one
+step, engine.jax_backend.verify) runs only where `max_guesses` is configured above 0.
 
 The service validates requests; here `ModelUsageError` guards the Model contract, because JAX
 would clamp an out-of-range id or position silently instead of failing, and would write a
@@ -60,6 +61,7 @@ from engine.jax_backend.shapes import (
 from engine.jax_backend.slot_table import SlotTable, require
 from engine.jax_backend.slot_sampling import SlotSamplingState, chunk_arrays, mask_row
 from engine.jax_backend.steps import Pending, Steps, fetch
+from engine.jax_backend.verify import Verifying, guess_buckets, max_guesses, verify_rows
 from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
 
@@ -69,7 +71,7 @@ __all__ = [  # what callers import from here (the rest lives in the modules abov
 ]
 
 
-class JaxModel(DecodeLaunch):
+class JaxModel(DecodeLaunch, Verifying):
     """A loaded checkpoint plus its device state; implements engine.core.model.Model."""
 
     def __init__(
@@ -112,6 +114,9 @@ class JaxModel(DecodeLaunch):
         self.default_step_tokens = self.shapes.default_step_tokens
         self.fused_chunk_tokens = self.shapes.fused_chunk_tokens
         self.packed_prefill_tokens = self.shapes.packed_prefill_tokens
+        self.max_guesses = max_guesses(options.max_guesses, plan is not None)  # speculative decoding (verify)
+        self.verify_rows = verify_rows(self.shapes, self.max_guesses, self.kernels)  # its row buckets
+        self.guess_buckets = guess_buckets(self.max_guesses)  # and its guess counts
         self.split_sampler = backend.split_sampler if split_sampler is None else split_sampler
         # dispatch(..., sample_later=True) (engine.core.model): split, every step; else a step of
         # the smallest row bucket (engine.jax_backend.decode_launch)
@@ -178,7 +183,8 @@ class JaxModel(DecodeLaunch):
         # each item below compiles as many executables as it adds; tests/test_compile_budget checks the sum
         kinds = len(set(self._layer_kinds()))  # layers of differing windows or MLPs compile apart
         progress = CompileProgress((2 + kinds) * len(shapes.prompt) + 2 + len(shapes.rows) + decode_steps
-                                   + (1 + kinds) * len(shapes.packed) + len(shapes.packed_rows) + self._apart_shapes())
+                                   + (1 + kinds) * len(shapes.packed) + len(shapes.packed_rows) + self._apart_shapes()
+                                   + self._verify_shapes())
         zero = np.int32(0)
         for t in shapes.prompt:  # embed, one prefill layer of each kind, the last position
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
@@ -212,6 +218,7 @@ class JaxModel(DecodeLaunch):
             progress.advance()
         self._warm_up_apart()  # a step whose sampling waits for its rows (decode_launch)
         progress.advance(self._apart_shapes())
+        self._warm_up_verify(progress)  # speculative decoding's verify step, where configured (engine.jax_backend.verify)
         self.release(0)
 
     def prefill(self, slot: int, prompt_token_ids: Sequence[int], setup: SlotSetup, masked: bool) -> Sample:

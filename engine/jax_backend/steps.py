@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engine.jax_backend import sampling, transformer
+from engine.jax_backend import sampling, transformer, verify_step
 from engine.jax_backend.sampling import SlotSampling
 from engine.jax_backend.slot_sampling import (
     ACTIVE, GIVEN, MASKED, MIN_P, POSITION, SEED_HI, SEED_LO, TABLE, TEMPERATURE, TOP_K, TOP_N, TOP_P, USE_GIVEN,
@@ -274,6 +274,10 @@ class Steps:
             own(step_sample_under, head_size=head_size), static_argnames=("cfg", "greedy_only", "keep"),
             donate_argnames=("mask", "last"), **o,
         )
+        self.verify = jax.jit(  # speculative decoding's verify step (engine.jax_backend.verify)
+            own(verify_step.verify_step, kernels=kernels, ragged=ragged, head_size=head_size),
+            static_argnames=("cfg", "attend"), donate_argnames=(*caches, "last"), **o,
+        )
         self.last_hidden = jax.jit(own(last_hidden), **o)
         self.write_mask = jax.jit(own(write_mask), donate_argnums=0, **o)
         self.write_masks = jax.jit(own(write_masks), donate_argnums=0, **o)  # compiled per row bucket
@@ -287,5 +291,5 @@ class Steps:
         return (
             self.embed, self.prefill_layers, self.step, self.last_hidden, self.write_mask, self.write_masks, self.sample,
             self.packed_layers, self.packed_ends, self.packed_sample, self.layers_step, self.step_sampler,
-            self.step_sampler_under,
+            self.step_sampler_under, self.verify,
         )

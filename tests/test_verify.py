@@ -1,0 +1,218 @@
+"""`JaxModel.verify` (speculative decoding, issue 45): a verify step gives exactly what plain
+decoding gives.
+
+Greedy, on tiny-llama in float32 and int8 (the CPU kernels' paths) and tiny-gemma3 (sliding
+windows of 8, so a guessed span crosses a window edge): three sequences of different prompt
+lengths decode once plainly, then again through verify calls with random guesses, some the plain
+run's next ids and some corrupted, a random number of them per row (none included), rows in a
+shuffled order and some slots left out, with plain decode steps in between; every sample (id,
+logprob, alternatives) equals the plain run's at its position. The pages are a shuffled pool of
+4 positions each, so every guessed span crosses a page boundary into a page elsewhere, and a
+decode after a verify reads the KV the verify wrote and overwrites the garbage of its rejected
+guesses. Sampled: the same seed gives the same ids as plain sampling (verify's draw is plain
+sampling's at each position), and over many seeds the first sample and the acceptance of a fixed
+guess follow the target distribution (chi-square, and the acceptance rate against the guess's
+probability). No warm-up here (each call compiles what it uses); tests/test_compile_budget.py
+counts verify's warm-up shapes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from engine.core.model import DecodeInput, ModelUsageError, PromptInput, SlotSetup, VerifyInput
+from engine.core.request import SamplingParams
+from engine.jax_backend.jax_model import JaxModel
+from support import prerequisites
+
+ASSETS = Path(__file__).parent / "assets"
+K = 4  # max_guesses
+CONTEXT = 64
+PROMPTS = [(1, 2, 3, 4, 5), (7, 8, 9), (11, 12, 13, 14, 15, 16, 17, 18, 19)]
+STEPS = 24  # samples per sequence compared
+
+
+def _load(name: str, weights: str, batch: int = 4, guesses: int = K) -> JaxModel:
+    prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
+    return JaxModel.load(
+        ASSETS / name, max_batch_size=batch, max_context_length=CONTEXT, dtype="float32", weights=weights,
+        kv_page_size=4, max_guesses=guesses,
+    )
+
+
+@pytest.fixture(scope="module")
+def llama() -> JaxModel:
+    """tiny-llama in float32, 8 slots: the tests below share it (each releases what it takes)."""
+    return _load("tiny-llama", "float32", batch=8)
+
+
+def _shuffled_pages(model: JaxModel, rng: np.random.Generator) -> None:
+    """Every slot a whole context of pages, drawn at random from the pool (no two slots share one)."""
+    w = CONTEXT // model.kv.page_size
+    pages = rng.permutation(np.arange(1, model.kv.num_pages))
+    for slot in range(model.info.max_batch_size):
+        model.set_pages(slot, pages[slot * w : (slot + 1) * w].tolist())
+
+
+def _setup(slot: int, temperature: float = 0.0, seed: int = 0, **kw) -> SlotSetup:
+    top = 3 if slot == 1 else 0  # one sequence asks for alternatives
+    return SlotSetup(SamplingParams(temperature=temperature, seed=seed, top_logprobs=top, **kw), frozenset())
+
+
+def _plain(model: JaxModel, n: int) -> list[list]:
+    """Each prompt's first n samples by prefill and plain decode steps (slot = prompt index)."""
+    runs = [[model.prefill(slot, p, _setup(slot), False)] for slot, p in enumerate(PROMPTS)]
+    for i in range(n - 1):
+        outs = model.decode([DecodeInput(slot, None, len(p) + i, False) for slot, p in enumerate(PROMPTS)])
+        for run, sample in zip(runs, outs):
+            run.append(sample)
+    for slot in range(len(PROMPTS)):
+        model.release(slot)
+    return runs
+
+
+def _speculated(model: JaxModel, plain: list[list], rng: np.random.Generator, some: bool) -> tuple[list[list], list[int]]:
+    """The same prompts through verify calls with random guesses (module docstring), plain decode
+    steps in between, `some` slots each time (else every one still short of STEPS, and the first
+    row K guesses: fewer shapes to compile); -> each prompt's samples and each accepted run's
+    guess count."""
+    runs = [[model.prefill(slot, p, _setup(slot), False)] for slot, p in enumerate(PROMPTS)]
+    accepted = []
+    while min(len(r) for r in runs) < STEPS:
+        short = [s for s in range(len(PROMPTS)) if len(runs[s]) < STEPS]
+        slots = [s for s in short if not some or rng.random() < 0.7] or short[:1]
+        at = {s: len(PROMPTS[s]) + len(runs[s]) - 1 for s in slots}  # each slot's next free position
+        if rng.random() < 0.2:
+            outs = model.decode([DecodeInput(s, None, at[s], False) for s in slots])
+            for s, sample in zip(slots, outs):
+                runs[s].append(sample)
+            continue
+        inputs = []
+        for row, s in enumerate(rng.permutation(slots).tolist()):
+            n, count = len(runs[s]), int(rng.integers(0, K + 1)) if some or row else K  # else: one row of K, one shape
+            guesses = [x.token_id for x in plain[s][n : n + count]]
+            if guesses and rng.random() < 0.5:  # one wrong guess
+                guesses[int(rng.integers(len(guesses)))] = int(rng.integers(model.info.vocab_size))
+            inputs.append(VerifyInput(s, at[s], tuple(guesses), False))
+        for i, run in zip(inputs, model.verify(inputs)):
+            assert 1 <= len(run) <= len(i.guesses) + 1
+            runs[i.slot].extend(run)
+            accepted.append(len(run) - 1)
+    for slot in range(len(PROMPTS)):
+        model.release(slot)
+    return runs, accepted
+
+
+@pytest.mark.parametrize("name, weights", [("tiny-llama", "float32"), ("tiny-llama", "int8"), ("tiny-gemma3", "float32")])
+def test_greedy_verify_runs_are_plain_greedy_decoding_sample_for_sample(name, weights, request):
+    first = (name, weights) == ("tiny-llama", "float32")  # the thorough one: some slots per call
+    model = request.getfixturevalue("llama") if first else _load(name, weights)
+    rng = np.random.default_rng(45)
+    _shuffled_pages(model, rng)
+    plain = _plain(model, STEPS + K + 1)
+    _shuffled_pages(model, rng)  # other pages: what the plain run left in them does not matter
+    runs, accepted = _speculated(model, plain, rng, some=first)
+    for slot, (got, want) in enumerate(zip(runs, plain)):
+        assert STEPS <= len(got) < len(want)
+        differs = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        assert differs is None, f"slot {slot} differs from sample {differs} on"
+    assert any(r.top_logprobs for r in runs[1]) and all(r.top_logprobs for r in runs[1])
+    assert max(accepted) == K and 0 in accepted  # whole runs taken, and runs cut at their first guess
+
+
+def test_sampled_verify_draws_plain_samplings_ids_for_the_same_seed(llama):
+    model = llama
+    _shuffled_pages(model, np.random.default_rng(0))
+    prompt, n = PROMPTS[0], 24
+    setup = SlotSetup(SamplingParams(temperature=1.3, top_k=40, seed=2**40 + 7), frozenset())
+    plain = [model.prefill(0, prompt, setup, False)]
+    for i in range(n + K):
+        plain.append(model.decode([DecodeInput(0, None, len(prompt) + i, False)])[0])
+    model.release(0)
+    _shuffled_pages(model, rng := np.random.default_rng(1))
+    got = [model.prefill(0, prompt, setup, False)]
+    calls = 0
+    while len(got) < n:
+        m, calls = len(got), calls + 1
+        guesses = [x.token_id for x in plain[m : m + K]]
+        guesses[int(rng.integers(K))] = int(rng.integers(512))
+        got.extend(model.verify([VerifyInput(0, len(prompt) + m - 1, tuple(guesses), False)])[0])
+    model.release(0)
+    assert got == plain[: len(got)]
+    assert len(got) - 1 > 1.5 * calls  # right guesses are taken: more than one sample per call, on average
+
+
+def test_sampled_acceptance_and_first_samples_follow_the_target_distribution(llama):
+    """One position, DRAWS seeds (8 sequences at a time: a packed prefill, then one verify), a
+    fixed guess g. Each prefill's sample is forced to the greedy one (every other id masked), so
+    the verify's first sample s_0 is drawn after the same context every time, from the target q
+    (temperature 0.8, top_k 8: exactly the softmax of the 8 best raw logprobs over 0.8, read from
+    a greedy decode's alternatives there). s_0 follows q (chi-square), the runs that accept g are
+    a share q(g) of all (binomial), and the rejected runs' s_0 follow q without g, renormalised."""
+    draws, batch, temperature, model = 2048, 8, 0.8, llama
+    rng = np.random.default_rng(0)
+    _shuffled_pages(model, rng)
+    prompt = PROMPTS[0]
+    greedy = SlotSetup(SamplingParams(temperature=0.0, seed=0, top_logprobs=8), frozenset())
+    forced = model.prefill(0, prompt, greedy, False).token_id
+    ref = model.decode([DecodeInput(0, None, len(prompt), False)])[0]
+    model.release(0)
+    ids = np.array([i for i, _ in ref.top_logprobs])  # the 8 best ids after prompt + forced, best first
+    q = np.exp(np.array([p for _, p in ref.top_logprobs], np.float64) / temperature)
+    q /= q.sum()
+    g = 1  # the guess: the second best id (its index in ids)
+    others = frozenset(range(model.info.vocab_size)) - {forced}
+    first, took = [], []
+    for lo in range(0, draws, batch):
+        _shuffled_pages(model, rng)
+        params = [SamplingParams(temperature=temperature, top_k=8, seed=lo + s) for s in range(batch)]
+        model.prefill_packed([PromptInput(s, prompt, SlotSetup(params[s], others), True) for s in range(batch)])
+        runs = model.verify([VerifyInput(s, len(prompt), (int(ids[g]),), False) for s in range(batch)])
+        first.extend(run[0].token_id for run in runs)
+        took.extend(len(run) == 2 for run in runs)
+        for s in range(batch):
+            model.release(s)
+    first, took = np.array(first), np.array(took)
+    assert np.isin(first, ids).all()  # top_k 8: nothing else is ever drawn
+    assert (took == (first == ids[g])).all()  # g is taken exactly when s_0 is g
+    counts = (first[:, None] == ids[None]).sum(axis=0)  # [8]
+    assert stats.chisquare(counts, q * draws).pvalue > 1e-3, (counts, q * draws)
+    assert stats.binomtest(int(took.sum()), draws, q[g]).pvalue > 1e-3, (took.sum(), q[g] * draws)
+    rest = np.delete(counts, g)
+    assert stats.chisquare(rest, np.delete(q, g) / (1 - q[g]) * rest.sum()).pvalue > 1e-3
+
+
+def test_verify_refuses_what_the_contract_does_not_allow(llama):
+    model = llama
+    _shuffled_pages(model, np.random.default_rng(0))
+    n, long = len(PROMPTS[0]), CONTEXT - 3
+    model.prefill(0, PROMPTS[0], _setup(0), False)
+    bad = {
+        "past max_guesses 4": VerifyInput(0, n, (1,) * (K + 1), False),
+        "outside the vocabulary": VerifyInput(0, n, (model.info.vocab_size,), False),
+        "not the slot's next one": VerifyInput(0, n + 1, (1,), False),
+        "not prefilled": VerifyInput(1, 0, (), False),
+    }
+    for problem, i in bad.items():
+        with pytest.raises(ModelUsageError, match=problem):
+            model.verify([i])
+    model.prefill(1, (5,) * long, _setup(0), False)
+    with pytest.raises(ModelUsageError, match="past the context"):
+        model.verify([VerifyInput(1, long, (1, 2, 3), False)])
+    model.set_pages(0, model._slots.tables[0][:2].tolist())  # pages for positions 0..7 only
+    with pytest.raises(ModelUsageError, match="no page"):
+        model.verify([VerifyInput(0, n, (1, 2, 3), False)])
+    runs = model.verify([VerifyInput(1, long, (1, 2), False), VerifyInput(0, n, (1, 2), False)])  # still serving
+    assert [1 <= len(r) <= 3 for r in runs] == [True, True]
+    model.release(0)
+    model.release(1)
+    off = JaxModel.load(ASSETS / "tiny-llama", max_batch_size=1, max_context_length=CONTEXT, dtype="float32")
+    assert off.max_guesses == 0 and off.verify_rows == ()
+    with pytest.raises(ModelUsageError, match="max_guesses 0"):
+        off.verify([VerifyInput(0, 1, (), False)])
+    with pytest.raises(ValueError, match="max_guesses must be in 0..63"):
+        _load("tiny-llama", "float32", guesses=64)
