@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "tests" / "assets"
 DEVICES = 4
-RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (4,)}  # and tiny-qwen2 at 2: odd_vocabulary
+RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (4,), "tiny-gemma3": (2,)}  # and tiny-qwen2 at 2: odd_vocabulary
 # (each checkpoint split 4 ways, where its 2 kv heads are copied; 2 ways, one kv head a device, on
 # tiny-llama and the odd tiny-qwen2)
 TWO_SLOTS = "tiny-llama"  # batch invariance, seeded sampling, the split sampler: one checkpoint (more slots, more compiles)
