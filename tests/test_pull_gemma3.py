@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -120,6 +121,36 @@ def test_a_gemma3_config_reads_the_file_and_its_architecture(tiny):
     assert (config["rope_theta"], config["rope_local_base_freq"], config["rms_norm_eps"]) == (1e6, 1e4, 1e-6)
     assert config["tie_word_embeddings"] and config["hidden_activation"] == "gelu_pytorch_tanh"
     assert eos_token_ids(tiny[0]) == {1, 5}  # <eos> and <end_of_turn>
+
+
+def test_int8_from_a_gemma3_gguf_is_its_float32_load_to_half_a_step(tiny):
+    """`--weights int8` on a Gemma 3 directory: every layer built by the family's own loader from
+    the GGUF's blocks (the q/k/v rows by kv head, gate and up interleaved, Gemma's four norms and
+    q/k norms, each where the float32 load puts it), the embedding scaled by sqrt(hidden) while
+    the tied head, the same integers, is not; and --weights auto picks it."""
+    from engine.jax_backend import loading, quantize
+    from engine.jax_backend.weights import load_int8
+    from engine.model_store.checkpoint import load_checkpoint
+
+    out = tiny[0]
+    want, got = load_checkpoint(out).weights, load_int8(out).weights  # float32 numpy; int8 on the device
+
+    def step(m) -> np.ndarray:  # [out, in]: each weight's block scale
+        return np.repeat(np.asarray(m.rows()[1], np.float32), 32, axis=1)
+
+    def close(m, w: np.ndarray) -> None:  # m holds w.T [out, in] in blocks of 32, to half a step
+        assert np.all(np.abs(np.asarray(quantize.dequantize(m)) - w.T) <= step(m) * 0.6)
+
+    for a, b in zip(want.layers, got.layers):
+        for field in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+            close(getattr(b, field), getattr(a, field))
+        for field in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+            np.testing.assert_array_equal(np.asarray(getattr(b, field)), getattr(a, field), err_msg=field)
+    assert got.lm_head.packed is got.embed.packed  # the tied head's integers, held once
+    close(got.lm_head, want.lm_head)
+    rows = np.asarray(quantize.embed(got.embed, jnp.arange(want.embed.shape[0])))  # [V, E], scaled by sqrt(E)
+    assert np.all(np.abs(rows - want.embed) <= step(got.lm_head) * np.float32(HIDDEN**0.5) * 0.6)
+    assert loading.auto_weights(out, kernels=True) == "int8"
 
 
 def test_a_sentencepiece_vocabulary_merges_in_file_order_with_byte_fallback(tiny):
