@@ -50,7 +50,7 @@ def main() -> None:
     model_dir = pull(MODEL)
     gguf_path = model_dir / GGUF_NAME
     bin_dir = vs.build_llamacpp(args.llama_dir, args.jobs)
-    kind = vs.file_type(gguf_path)
+    kind = file_kind(gguf_path)
     print(describe("jax", "grpcio"), flush=True)
     print(f"load average at start: {os.getloadavg()}", flush=True)
     log_dir = args.llama_dir / "logs"
@@ -67,6 +67,14 @@ def main() -> None:
         server.stop()
     report(args, ours, theirs, kind, batches, rss)
     print(f"load average at end: {os.getloadavg()}", flush=True)
+
+
+def file_kind(path: Path) -> str:
+    """The GGUF's declared type (general.file_type, e.g. "Q4_K_M"): its mix of block types."""
+    import gguf
+
+    value = gguf.GGUFReader(path).get_field("general.file_type").contents()
+    return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
 
 
 def rounds(args, server: vs.Server, bin_dir: Path, gguf_path: Path, kind: str, batches: list[int]):
