@@ -1,5 +1,5 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
-int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_0, Q4_1 or Q5_1, a
+int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_0, Q4_1, Q5_1 or Q4_K, a
 float16 offset each; a GGUF's 4-bit blocks stay 4-bit); activations and the KV cache stay float32 (the
 kernel's AVX-512 VNNI path takes each product's input as 16-bit blocks, to float rounding of the
 float path).
