@@ -53,9 +53,10 @@ GGUF keeps it as `model.gguf`, and its matrices are read from there (`gguf_weigh
 Q4_0, Q4_1, Q5_0 and Q5_1 blocks are taken as they are (the same integers, scales and offsets:
 no float32 round trip); Q4_K's sub-blocks of 32 as 4-bit blocks with their scales and offsets
 rounded to float16; other types are requantized a chunk of rows at a time
-(engine.model_store.gguf_blocks). Each family's own layer loader places them (`GGUFInt8Reader`). Otherwise the float32 checkpoint is read on the host one
-tensor at a time and quantized as it is placed (`int8_place`, symmetric, no offsets). Either way
-the model never exists whole in float32.
+(engine.model_store.gguf_blocks); each family's own layer loader places them
+(`GGUFInt8Reader`). Otherwise the float32 checkpoint is read on the host one tensor at a time and
+quantized as it is placed (`int8_place`, symmetric, no offsets). Either way the model never
+exists whole in float32.
 """
 
 from __future__ import annotations
