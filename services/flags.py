@@ -84,7 +84,7 @@ def _engine_flags(p):
              choices=["on", "off"], default=on_off(SERVED.cpu_kernels))
     add_flag(p, "--weights", help="weight format: auto, float32, int8 or fp8 (int8 and fp8: one device)",
              details="auto (the default): int8 on the CPU with its kernels for a model that brings its GGUF (the pulled "
-             "default model) and has llama layers (not Gemma 3's q/k norms), else float32. float32: the dtype's own weights. int8: with the CPU kernels, blocks of 32 "
+             "default model, gemma-3-270m), else float32. float32: the dtype's own weights. int8: with the CPU kernels, blocks of 32 "
              "with a scale (a GGUF's own blocks, 4-bit ones kept 4-bit; float32 activations); elsewhere (an accelerator, "
              "--cpu-kernels off, bfloat16) int8 per output channel, converted inside XLA's product. fp8: e4m3 projections "
              "per output channel times activations rounded to e4m3 per row (native fp8 products on Hopper, widened to "

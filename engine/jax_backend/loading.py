@@ -109,9 +109,6 @@ def auto_weights(model_dir: Path, kernels: bool) -> str:
         reasons.append("the CPU kernels are off")
     if not (model_dir / GGUF_NAME).is_file():
         reasons.append(f"no {GGUF_NAME} in the model directory")
-    elif config is not None:
-        if why := quantize.gguf_int8_unreadable(config):
-            reasons.append(f"{config.architecture}: {why}")
     choice = "float32" if reasons else "int8"
     log.info("weights auto: %s (%s)", choice, ", ".join(reasons) or f"the CPU kernels and the model's {GGUF_NAME}")
     return choice

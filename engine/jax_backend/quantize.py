@@ -1,5 +1,5 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
-int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_0, Q4_1 or Q5_1, a
+int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_0, Q4_1, Q5_1 or Q4_K, a
 float16 offset each; a GGUF's 4-bit blocks stay 4-bit); activations and the KV cache stay float32 (the
 kernel's AVX-512 VNNI path takes each product's input as 16-bit blocks, to float rounding of the
 float path).
@@ -51,10 +51,12 @@ product XLA compiles; neither runs under tensor parallelism.
 Where the blocks come from (engine.jax_backend.weights.load_int8): a directory converted from a
 GGUF keeps it as `model.gguf`, and its matrices are read from there (`gguf_weights`): Q8_0,
 Q4_0, Q4_1, Q5_0 and Q5_1 blocks are taken as they are (the same integers, scales and offsets:
-no float32 round trip); other types are requantized a chunk of rows at a time
-(engine.model_store.gguf_blocks). Otherwise the float32 checkpoint is read on the host one
-tensor at a time and quantized as it is placed (`int8_place`, symmetric, no offsets). Either way
-the model never exists whole in float32.
+no float32 round trip); Q4_K's sub-blocks of 32 as 4-bit blocks with their scales and offsets
+rounded to float16; other types are requantized a chunk of rows at a time
+(engine.model_store.gguf_blocks); each family's own layer loader places them
+(`GGUFInt8Reader`). Otherwise the float32 checkpoint is read on the host one tensor at a time and
+quantized as it is placed (`int8_place`, symmetric, no offsets). Either way the model never
+exists whole in float32.
 """
 
 from __future__ import annotations
@@ -230,89 +232,117 @@ LAYER_MATRICES = (
 )
 
 
-def gguf_int8_unreadable(config) -> str | None:
-    """Why `gguf_weights` cannot read this model's layers (it reads llama layers only), or None.
-    `--weights auto` asks the same question before it picks int8 (engine.jax_backend.loading)."""
-    if config.qkv_bias or config.qk_norm:
-        return "int8 from a GGUF supports llama layers only (no q/k/v bias or q/k norm)"
-    return None
-
-
-def gguf_weights(get, config, head_size: int):
-    """engine.model_store.checkpoint.Weights in the layout `int8_place` gives a float32 checkpoint
-    (the fused q/k/v rows per kv head, gate and up rows interleaved), built from `get`
-    (engine.model_store.gguf_blocks.int8_tensor_reader: a matrix as Int8Rows [out, in], a vector
-    as float32), each matrix placed on the device as it is read. Rows are whole blocks, so the
+class GGUFInt8Reader:
+    """A family's layer loader reads a GGUF's int8 blocks through this, as it reads a float32
+    checkpoint through engine.model_store.checkpoint.TensorReader (the same methods, each matrix
+    an Int8Matrix on the device in the layout `int8_place` gives a float32 one: the fused q/k/v
+    rows per kv head, gate and up rows interleaved). So each family's tensor names and norms are
+    written once, in engine.model_store.families, for both loads. Rows are whole blocks, so the
     fusions move q, scale and offset rows together and quantize nothing again (a fused matrix
-    whose parts differ in type gets zero offsets for the parts without). Llama-architecture GGUFs
-    only: no q/k/v bias, no q/k norm."""
-    from engine.model_store.checkpoint import CheckpointError, LayerWeights, Weights
+    whose parts differ in type gets zero offsets for the parts without)."""
 
-    c = config
-    E, F, D, H, K = c.hidden_size, c.ffn_size, c.head_dim, c.n_heads, c.n_kv_heads
-    if why := gguf_int8_unreadable(c):
-        raise CheckpointError(f"{c.architecture}: {why}")
+    def __init__(self, get, config) -> None:
+        self.get, self.config = get, config  # get: engine.model_store.gguf_blocks.int8_tensor_reader
 
-    def rows(name: str, shape: tuple[int, int]):  # -> Int8Rows [out, in]
-        r = get(name)
+    @staticmethod
+    def place(a):
+        """What the family hands the device: an Int8Matrix is there already; a vector goes as float32."""
+        return a if isinstance(a, Int8Matrix) else jnp.asarray(a, jnp.float32)
+
+    def rows(self, name: str, shape: tuple[int, int]):  # -> Int8Rows [out, in]
+        from engine.model_store.checkpoint import CheckpointError
+
+        r = self.get(name)
         if tuple(r.q.shape) != shape:
-            raise CheckpointError(f"{c.architecture}: tensor {name} has shape {tuple(r.q.shape)}, expected {shape}")
+            raise CheckpointError(f"{self.config.architecture}: tensor {name} has shape {tuple(r.q.shape)}, expected {shape}")
         return r
 
-    def vector(name: str, size: int) -> jax.Array:
-        v = get(name)
-        if tuple(v.shape) != (size,):
-            raise CheckpointError(f"{c.architecture}: tensor {name} has shape {tuple(v.shape)}, expected {(size,)}")
-        return jnp.asarray(v, jnp.float32)
+    def tensor(self, name: str, shape: tuple[int]) -> np.ndarray:
+        from engine.model_store.checkpoint import CheckpointError
 
-    def by_kv_head(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        v = self.get(name)
+        if tuple(v.shape) != shape:
+            raise CheckpointError(f"{self.config.architecture}: tensor {name} has shape {tuple(v.shape)}, expected {shape}")
+        return np.asarray(v, np.float32)
+
+    def vector(self, name: str, size: int) -> jax.Array:
+        return self.place(self.tensor(name, (size,)))
+
+    def by_kv_head(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [H * D, ...], k/v [K * D, ...] rows -> [K * (G + 2) * D, ...]: per kv head its G
         query heads, its key, its value (as checkpoint.load_weights lays out w_qkv's columns)."""
-        g, rest = H // K, q.shape[1:]
+        c = self.config
+        K, D, g, rest = c.n_kv_heads, c.head_dim, c.n_heads // c.n_kv_heads, q.shape[1:]
         parts = [q.reshape(K, g, D, *rest), k.reshape(K, 1, D, *rest), v.reshape(K, 1, D, *rest)]
         return np.concatenate(parts, axis=1).reshape(K * (g + 2) * D, *rest)
 
-    def fused(join, *parts) -> Int8Matrix:
-        """One Int8Matrix of `parts` (Int8Rows) whose rows `join` combines: 4 bits when every
-        part has 4, else 8 (module docstring); offsets when any part has them."""
-        f = fused_format(*(r.format for r in parts))
-        offsets = join(*(np.zeros_like(r.scale) if r.offset is None else r.offset for r in parts)) if f.offset else None
-        return pack(join(*(r.q for r in parts)), join(*(r.scale for r in parts)), offsets, f.bits)
+    def qkv(self, p: str) -> Int8Matrix:
+        c, a = self.config, p + "self_attn."
+        E, HD, KD = c.hidden_size, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return fused_rows(self.by_kv_head, self.rows(a + "q_proj.weight", (HD, E)),
+                          self.rows(a + "k_proj.weight", (KD, E)), self.rows(a + "v_proj.weight", (KD, E)))
 
-    def first(r, count: int) -> Int8Matrix:  # the first `count` rows of r
-        return fused(lambda a: a[:count], r)
+    def qkv_bias(self, p: str) -> np.ndarray:  # [K * (G + 2) * D]
+        c, a = self.config, p + "self_attn."
+        HD, KD = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+        return self.by_kv_head(self.tensor(a + "q_proj.bias", (HD,)), self.tensor(a + "k_proj.bias", (KD,)),
+                               self.tensor(a + "v_proj.bias", (KD,)))
 
-    shapes = {  # [out, in] of each HF matrix of a layer
-        "self_attn.q_proj.weight": (H * D, E), "self_attn.k_proj.weight": (K * D, E), "self_attn.v_proj.weight": (K * D, E),
-        "self_attn.o_proj.weight": (E, H * D), "mlp.gate_proj.weight": (F, E), "mlp.up_proj.weight": (F, E),
-        "mlp.down_proj.weight": (E, F),
-    }
-    joins = {
-        "w_qkv": by_kv_head,
-        "w_o": lambda x: x,
-        "w_gate_up": lambda x, y: np.stack([x, y], axis=1).reshape(2 * F, -1),  # rows 2f, 2f + 1: feature f's gate, up
-        "w_down": lambda x: x,
-    }
+    def o(self, p: str) -> Int8Matrix:
+        c = self.config
+        return fused_rows(lambda x: x, self.rows(p + "self_attn.o_proj.weight", (c.hidden_size, c.n_heads * c.head_dim)))
 
-    def layer(p: str) -> LayerWeights:
-        matrices = {field: fused(joins[field], *(rows(p + n, shapes[n]) for n in names)) for field, names in LAYER_MATRICES}
-        return LayerWeights(
-            attn_norm=vector(p + "input_layernorm.weight", E),
-            mlp_norm=vector(p + "post_attention_layernorm.weight", E),
-            **matrices,
-            b_qkv=None, q_norm=None, k_norm=None,
-        )
+    def gate_up(self, p: str) -> Int8Matrix:  # rows 2f, 2f + 1: feature f's gate, up
+        E, F = self.config.hidden_size, self.config.ffn_size
+        interleave = lambda x, y: np.stack([x, y], axis=1).reshape(2 * F, -1)  # noqa: E731
+        return fused_rows(interleave, self.rows(p + "mlp.gate_proj.weight", (F, E)), self.rows(p + "mlp.up_proj.weight", (F, E)))
 
-    e = rows("model.embed_tokens.weight", (c.vocab_size, E))
-    embed = first(e, c.vocab_size)
+    def down(self, p: str) -> Int8Matrix:
+        c = self.config
+        return fused_rows(lambda x: x, self.rows(p + "mlp.down_proj.weight", (c.hidden_size, c.ffn_size)))
+
+
+def fused_rows(join, *parts) -> Int8Matrix:
+    """One Int8Matrix of `parts` (engine.model_store.gguf_blocks.Int8Rows) whose rows `join`
+    combines: 4 bits when every part has 4, else 8 (module docstring); offsets when any part has them."""
+    f = fused_format(*(r.format for r in parts))
+    offsets = join(*(np.zeros_like(r.scale) if r.offset is None else r.offset for r in parts)) if f.offset else None
+    return pack(join(*(r.q for r in parts)), join(*(r.scale for r in parts)), offsets, f.bits)
+
+
+def scaled(m: Int8Matrix, factor: float) -> Int8Matrix:
+    """m's values times `factor`, sharing its integers: its scales and offsets multiplied, in
+    float32 so that each value is the float32 load's (dequantized, then scaled) to a rounding.
+    For an embedding stored scaled (Gemma's sqrt(hidden)) whose head is the same matrix unscaled:
+    the big array is held once, the copy is its scales. Only `embed` reads it (the kernels read
+    float16 scales; never give it to `matmul`)."""
+    times = lambda a: None if a is None else (a.astype(jnp.float32) * np.float32(factor))  # noqa: E731
+    return Int8Matrix(m.packed, times(m.scale), m.n, times(m.offset), m.bits)
+
+
+def gguf_weights(get, config, head_size: int):
+    """engine.model_store.checkpoint.Weights built from `get`
+    (engine.model_store.gguf_blocks.int8_tensor_reader: a matrix as Int8Rows [out, in], a vector
+    as float32) by the config's family's own layer loader over a GGUFInt8Reader, each matrix
+    placed on the device as it is read. A family whose embedding is stored scaled (Gemma) gets
+    it as `scaled` rows of the head's matrix."""
+    from engine.model_store import families
+    from engine.model_store.checkpoint import Weights
+
+    c = config
+    family, read = families.FAMILIES[c.architecture], GGUFInt8Reader(get, c)
+    e = read.rows("model.embed_tokens.weight", (c.vocab_size, c.hidden_size))
+    embed = fused_rows(lambda a: a, e)
     if c.tie_word_embeddings:
-        head = embed if head_size == c.vocab_size else first(e, head_size)
+        head = embed if head_size == c.vocab_size else fused_rows(lambda a: a[:head_size], e)
     else:
-        head = first(rows("lm_head.weight", (c.vocab_size, E)), head_size)
+        head = fused_rows(lambda a: a[:head_size], read.rows("lm_head.weight", (c.vocab_size, c.hidden_size)))
+    if family.embed_scale:
+        embed = scaled(embed, family.embed_scale(c))
     return Weights(
         embed=embed,
-        layers=tuple(layer(f"model.layers.{i}.") for i in range(c.n_layers)),
-        final_norm=vector("model.norm.weight", E),
+        layers=tuple(family.layer(read, f"model.layers.{i}.") for i in range(c.n_layers)),
+        final_norm=read.vector("model.norm.weight", c.hidden_size),
         lm_head=head,
     )
 

@@ -8,8 +8,11 @@ Q5_1 (w = d * q + m, q unsigned) as the integers, d and the block's offset m (an
 `offset`; the kernel adds m times the sum of the block's inputs); Q4_0 (w = d * (q - 8)) as its
 unsigned q with offset -8 d. Q4_0 and Q4_1 stay 4-bit (`bits` 4: engine.jax_backend.quantize).
 So the weights served are the file's own values, the ones a float32 load of the same file holds.
-Any other type (K-quants, F16, F32, ...) is dequantized a chunk of rows at a time and requantized
-by the caller's function. The file is memory-mapped, so only the tensor being read, and for a
+Q4_K's sub-blocks of 32 (w = d * sc * q - dmin * m) are 4-bit blocks with an offset too, whose
+scale d * sc and offset -dmin * m are rounded to float16: the one difference from the file's
+values. Any other type (Q6_K, whose sub-blocks of 16 have scales of their own that no block of 32
+holds; F16, F32, ...) is dequantized a chunk of rows at a time and requantized by the caller's
+function. The file is memory-mapped, so only the tensor being read, and for a
 requantized one only a chunk of it in float32, is in memory. No JAX here (the model store's
 rule): the caller places the blocks.
 """
@@ -127,17 +130,40 @@ def _q5_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
     return Int8Rows(q5.astype(np.int8).reshape(n, k), _halves(blocks, 0), _halves(blocks, 2))
 
 
+def _q4_k_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
+    """Q4_K super-blocks of 256 values (f16 d, f16 dmin, 12 bytes holding a 6-bit scale sc and
+    min m for each of 8 sub-blocks of 32, 128 bytes of nibbles; w = d * sc * q - dmin * m) -> per
+    sub-block q = the nibble, scale d * sc and offset -dmin * m. The two products are rounded to
+    float16, the one rounding (a relative 2^-11 of each), against requantizing to 8 bits, which
+    moves a weight by up to half a step of max|block| / 127."""
+    blocks = data.reshape(n, k // 256, 144)
+    d, dmin = (_halves(blocks, at).astype(np.float32)[..., None] for at in (0, 2))  # [N, S, 1]
+    low, high, rest = blocks[..., 4:8], blocks[..., 8:12], blocks[..., 12:16]  # [N, S, 4] each
+    # sub-blocks 0-3: the low 6 bits of `low` (sc) and `high` (m); 4-7: `rest`'s nibbles, with the
+    # top 2 bits of `low` and `high` as their bits 4-5
+    sc = np.concatenate([low & 0x3F, (rest & 0x0F) | (low >> 6) << 4], axis=-1)  # [N, S, 8]
+    m = np.concatenate([high & 0x3F, rest >> 4 | (high >> 6) << 4], axis=-1)  # [N, S, 8]
+    nibbles = blocks[..., 16:].reshape(n, k // 256, 4, 1, 32)  # 32 bytes per pair of sub-blocks
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=3)  # [N, S, 4, 2, 32]: sub-block 2c low, 2c + 1 high
+    scale = (d * sc).astype(np.float16).reshape(n, k // INT8_BLOCK)
+    offset = (-(dmin * m)).astype(np.float16).reshape(n, k // INT8_BLOCK)
+    return Int8Rows(q.astype(np.int8).reshape(n, k), scale, offset, bits=4)
+
+
 _T = gguf.GGMLQuantizationType
 EXACT_INT8 = {_T.Q8_0: _q8_0_rows, _T.Q4_0: _q4_0_rows, _T.Q4_1: _q4_1_rows, _T.Q5_0: _q5_0_rows, _T.Q5_1: _q5_1_rows}
-WITH_OFFSET = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_1})  # the exact types whose blocks carry an offset
-FOUR_BITS = frozenset({_T.Q4_0, _T.Q4_1})  # the exact types held in 4 bits
+# types mapped onto blocks of 32 with their scale and offset rounded to float16, not requantized
+ROUNDED = {_T.Q4_K: _q4_k_rows}
+WITH_OFFSET = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_1, _T.Q4_K})  # the mapped types whose blocks carry an offset
+FOUR_BITS = frozenset({_T.Q4_0, _T.Q4_1, _T.Q4_K})  # the mapped types held in 4 bits
 
 
 def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
     """A GGUF matrix as int8 blocks without the whole tensor ever in float32 (nor the model).
 
     The EXACT_INT8 types map onto int8 blocks exactly (same integers, same scales, Q4_1's and
-    Q5_1's offsets). Any other type that `gguf` can dequantize (K-quants, F16, F32, ...) is
+    Q5_1's offsets); Q4_K's sub-blocks of 32 map onto 4-bit blocks with their scales and offsets
+    rounded to float16 (ROUNDED). Any other type that `gguf` can dequantize (K-quants, F16, F32, ...) is
     dequantized _ROWS_PER_CHUNK rows at a time and each chunk handed to `requantize` (blocks of
     32 along the input, symmetric), so a weight comes back within half a step, max|block| / 254.
     """
@@ -149,6 +175,8 @@ def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
     data = np.asarray(t.data)
     if t.tensor_type in EXACT_INT8:
         return EXACT_INT8[t.tensor_type](data, n, k)
+    if t.tensor_type in ROUNDED:
+        return ROUNDED[t.tensor_type](data, n, k)
     q = np.empty((n, k), np.int8)
     scale = np.empty((n, k // INT8_BLOCK), np.float16)
     for start in range(0, n, _ROWS_PER_CHUNK):

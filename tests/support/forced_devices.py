@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "tests" / "assets"
 DEVICES = 4
-RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (4,), "tiny-qwen3-moe": (2,), "tiny-mixtral": (2,)}  # and tiny-qwen2 at 2: odd_vocabulary
+RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (4,), "tiny-qwen3-moe": (2,), "tiny-mixtral": (2,), "tiny-gemma3": (2,)}  # and tiny-qwen2 at 2: odd_vocabulary
 # (each checkpoint split 4 ways, where its 2 kv heads are copied; 2 ways, one kv head a device, on
 # tiny-llama and the odd tiny-qwen2)
 RUNS["tiny-gemma2"] = (2,)  # issue 44: soft-capping, local and global layers
