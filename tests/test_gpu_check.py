@@ -195,10 +195,11 @@ def test_the_paged_attention_benchmark_runs_its_smoke_shape_and_the_kernels_agre
 
 
 def test_a_skipped_stack_writes_no_stack_model(tmp_path):
-    """--skip stack leaves out the stack's model too (2 GB written on the GPU plan)."""
+    """--skip stack leaves out the stack's model too (2 GB written on the GPU plan). Every other
+    phase is skipped as well: what runs when it is not skipped is the smoke test's above."""
     env = {**os.environ, "PYTHON": sys.executable}
     run = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--profile", "smoke", "--out", str(tmp_path),
-                          "--skip", "env,golden,real-model,speed-0,stack,pytest"],
+                          "--skip", "env,golden,real-model,speed-0,stack,pytest,weights"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert summary["phases"]["stack"] == {"skipped": "--skip"}, (run.stdout[-2000:], run.stderr[-2000:])
@@ -210,10 +211,9 @@ def test_the_step_profile_reads_the_full_sampler_too_where_the_sampler_is_split_
     greedy steps take the greedy variant, and one more line times the full one, after which the
     model picks variants as before."""
     from benchmarks.decode import Slots
-    from engine.jax_backend.jax_model import JaxModel
+    from support import tiny_served
 
-    model = JaxModel.load(ROOT / "tests" / "assets" / "tiny-llama", max_batch_size=1, max_context_length=128,
-                          max_chunk=8, split_sampler=True)
+    model = tiny_served.load(split_sampler=True)  # test_split_sampler's split model: its executables are cached
     model.warm_up()
     slots = Slots(model, 1, 4)
     model.sampler_calls.clear()

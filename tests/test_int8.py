@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import tiny_gguf
+from support import tiny_gguf, tiny_served
 from support.greedy import greedy_ids
 from support.pool_threads import on_threads
 
@@ -187,10 +187,9 @@ def test_int8_greedy_ids_follow_float32_with_a_quarter_of_the_bytes_and_no_compi
     same next id at >= 95% of 3 x 16 steps (its random weights leave near-ties; measured 100%),
     and the free-running ids start the same; weight bytes <= 0.3x float32's; no compile after
     warm-up."""
-    path = ASSETS / "tiny-llama"
     prompts = [(1, 5, 7, 9, 11), (3, 100, 200), (42, 43, 44, 45, 46, 47)]
-    f32 = JaxModel.load(path, max_batch_size=4, max_context_length=64, weights="float32")
-    int8 = JaxModel.load(path, max_batch_size=4, max_context_length=64, weights="int8")
+    f32 = tiny_served.load(weights="float32")
+    int8 = tiny_served.load(weights="int8")  # warmed up here and in test_jax_stack: one compile in the run
     assert int8.int8 and int8.kernels
     assert quantize.weight_bytes(int8._weights) <= 0.3 * quantize.weight_bytes(f32._weights)
     int8.warm_up()

@@ -20,13 +20,13 @@ import pytest
 import pytest_asyncio
 
 from engine.core.engine import EngineConfig
-from engine.jax_backend.jax_model import JaxModel
 from protos.decode.v1 import decode_pb2 as dpb
 from protos.decode.v1 import decode_pb2_grpc
 from protos.text.v1 import text_pb2_grpc
 from services.client import decode_request, generate_request
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
+from support import tiny_served
 from tokenizer_svc.tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,10 +41,9 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.usefixtures(
 async def stack(request):
     """Both services over tiny-llama, served with float32 weights and with int8 (issue 15: every
     invariant holds with int8 too)."""
-    # Off the served configuration where it only costs warm-up: one prompt shape (the context,
-    # min_bucket) instead of the served 8..128 ladder; the invariants here are the streams', and
-    # chunked prompts have their own tests (test_prefill_chunked). weights: both, said above.
-    model = JaxModel.load(TINY, max_batch_size=4, max_context_length=128, min_bucket=128, dtype="float32", weights=request.param)
+    # The shared configuration (support.tiny_served), whose executables other files compile too;
+    # weights: both, said above (test_int8 warms up the int8 one).
+    model = tiny_served.load(weights=request.param)
     assert model.int8 == (request.param == "int8")
     decode = await start_decode_server(model, EngineConfig(max_queue_size=16))
     tokenizer = TextTokenizer.from_dir(TINY)
@@ -96,10 +95,11 @@ async def test_exactly_n_tokens(stack, reference, n):
 
 
 async def test_large_n_with_ignore_eos(stack, reference):
-    _, decoder, _, _, _ = stack
+    model, decoder, _, _, _ = stack
     prompt_ids, ref = reference
-    tokens, finished = await run(decoder, prompt_ids, max_output_tokens=128 - len(prompt_ids), ignore_eos=True)
-    assert len(tokens) == 128 - len(prompt_ids) and tokens[:40] == ref and finished.reason == LENGTH
+    room = model.info.max_context_length - len(prompt_ids)  # the whole context
+    tokens, finished = await run(decoder, prompt_ids, max_output_tokens=room, ignore_eos=True)
+    assert len(tokens) == room and tokens[:40] == ref and finished.reason == LENGTH
 
 
 async def test_control_token_at_prefill(stack, reference):
@@ -149,7 +149,7 @@ async def test_streaming_equals_unary_equals_local(stack):
     assert completion.usage == responses[-1].finished.usage
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "services.cli", "--log-level", "WARNING", "generate", "--local",
-        "--model", str(TINY), "--max-context-length", "128", "--json", "--max-tokens", "24",
+        "--model", str(TINY), "--max-context-length", str(stack[0].info.max_context_length), "--json", "--max-tokens", "24",
         "--weights", "int8" if stack[0].int8 else "float32", PROMPT,
         cwd=ROOT, env={**os.environ}, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )

@@ -13,8 +13,6 @@ packed and not.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from engine.core.engine import Engine, EngineConfig
@@ -23,13 +21,12 @@ from engine.core.model import DecodeInput, ModelUsageError, PromptInput, SlotSet
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
 from engine.jax_backend.jax_model import JaxModel
+from support import tiny_served
 from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.gated_steps import GatedSteps
 from support.pages import own_pages
 from support.recording_sink import Recorder
-
-ASSETS = Path(__file__).parent / "assets"
 
 
 def _request(prompt, n, **kw) -> Request:
@@ -182,14 +179,15 @@ class CountingPacked(JaxModel):
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def model(request) -> CountingPacked:
-    """The checkpoint with 4 slots, context 64, float32 on the CPU (equal ids are a claim about one
-    backend's arithmetic): one model per checkpoint, whose one-call-a-prompt and packed runs go one
-    after the other (each test frees its slots and restores what it changes). tiny-llama is warmed
-    up, for the claim that a packed call compiles nothing after warm-up: the shapes warm-up makes
-    are the configuration's (slots, context, buckets), which the three share; the other two compile
-    only what their tests run, as they run it."""
+    """The checkpoint in the shared configuration (support.tiny_served: 4 slots, context 64,
+    float32 on the CPU, where equal ids are a claim about one backend's arithmetic), one model per
+    checkpoint, whose one-call-a-prompt and packed runs go one after the other (each test frees
+    its slots and restores what it changes). tiny-llama is warmed up, for the claim that a packed
+    call compiles nothing after warm-up: the shapes warm-up makes are the configuration's (slots,
+    context, buckets), which the three share; the other two compile only what their tests run, as
+    they run it."""
     require_cpu()
-    model = CountingPacked.load(ASSETS / request.param, max_batch_size=4, max_context_length=64, dtype="float32")
+    model = tiny_served.load(request.param, cls=CountingPacked)
     model.warmed = request.param == "tiny-llama"
     if model.warmed:
         model.warm_up()

@@ -20,6 +20,7 @@ Which pages the scheduler hands out, and when, is tests/test_paged_scheduler.py'
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -246,17 +247,25 @@ def test_prefix_hits_through_the_engine_give_the_same_ids_and_compile_nothing(mo
     assert model.compilations() == before and compiles == []
 
 
-def test_a_pool_too_small_for_every_stream_preempts_and_changes_no_id():
+@pytest.mark.parametrize("model", [("tiny-llama", True)], ids=["llama-kernels"], indirect=True)
+def test_a_pool_too_small_for_every_stream_preempts_and_changes_no_id(model):
     """tiny-llama with the served kernels and a pool of 14 pages of 8 (112 positions) for 4
     slots, 4 streams of 12-token prompts and 36 tokens each (4 x 6 pages in all): all four are
     admitted (2 pages each), then outgrow the pool; the engine preempts and recomputes, and
-    every stream gets the ids it gets alone, with no compile."""
-    prerequisites.cpu_kernels()
-    m = JaxModel.load(
-        ASSETS / "tiny-llama", max_batch_size=SLOTS, max_context_length=CONTEXT, kv_page_size=PAGE,
-        kv_cache_tokens=14 * PAGE, min_bucket=8, max_chunk=32, dtype="float32",
-    )
-    m.warm_up()
+    every stream gets the ids it gets alone, with no compile. The pool is the fixture's model's
+    first 14 pages: its `kv` says 15 pages (the null page and 14) to the engine, which sizes its
+    page allocator from it and so hands out no other page (a pool of another size on the device
+    would be another warm-up, of the same shapes)."""
+    m = model
+    full = m.kv
+    m.kv = dataclasses.replace(full, num_pages=15)
+    try:
+        _preempted_streams_change_no_id(m)
+    finally:
+        m.kv = full
+
+
+def _preempted_streams_change_no_id(m: JaxModel) -> None:
     rng = np.random.default_rng(5)
     prompts = [tuple(int(t) for t in rng.integers(3, 250, 12)) for _ in range(4)]
     want = []

@@ -11,26 +11,21 @@ devices. Run on the CPU, where the split is off by default, by asking for it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 from engine.core.model import ChunkInput, DecodeInput, SlotSetup
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
-from support import forced_devices
+from support import forced_devices, tiny_served
 from support.backend import require_cpu
 from support.pages import own_pages
 
-ROOT = Path(__file__).resolve().parent.parent
-ASSETS = ROOT / "tests" / "assets"
 GREEDY = SamplingParams(temperature=0.0, seed=0)
 SAMPLED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=7)
 ALTERNATIVES = SamplingParams(temperature=0.0, seed=0, top_logprobs=3)
 
 
 def _load(name: str, split: bool) -> JaxModel:
-    model = JaxModel.load(ASSETS / name, max_batch_size=4, max_context_length=64, max_chunk=16, min_bucket=8,
-                          split_sampler=split)  # two prompt buckets: few compiles
+    model = tiny_served.load(name, split_sampler=split)  # the one-executable step is the shared configuration's own
     model.warm_up()
     return model
 

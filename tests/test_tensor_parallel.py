@@ -94,7 +94,6 @@ def test_nothing_compiles_after_warm_up_and_the_kernels_say_why_they_are_off(run
     run = runs[f"{name}/{size}"]
     assert run["compiled_after_warm_up"] == 0
     assert run["kernel_state"].startswith("off: tensor parallelism over")
-    assert runs["tiny-llama/1"]["compiled_after_warm_up"] == 0
 
 
 def _config(**changes):

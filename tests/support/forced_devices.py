@@ -65,6 +65,10 @@ def _run_child(tmp_path_factory) -> dict:
     # pinned to the CPU platform (so float32) even on a GPU host: greedy ids equal to one
     # device's and batch invariance are float32 CPU claims (tests/support/backend.py)
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu"}
+    if not os.environ.get("TOKENWIRE_TEST_NO_XLA_CACHE"):  # the run's compilation cache (conftest), as in-process:
+        # the split model's prefill is the size-2 model's, and is read back instead of compiled again
+        env |= {"JAX_COMPILATION_CACHE_DIR": str(Path(os.environ["TOKENWIRE_TEST_RUN_DIR"]) / "xla"),
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.support.tp_worker", *specs, "--split-sampler"], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=600,
