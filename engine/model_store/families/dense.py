@@ -52,9 +52,10 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
     )
 
 
-def layer(read: TensorReader, p: str) -> LayerWeights:
+def layer(read: TensorReader, p: str, mlp: bool = True) -> LayerWeights:
     """A Llama / Mistral / Qwen2 / Qwen3 layer (transformers' names under prefix `p`);
-    post_attention_layernorm is the MLP's input norm here."""
+    post_attention_layernorm is the MLP's input norm here. `mlp=False`: without the dense MLP's
+    weights (None), for a layer whose MLP is something else (engine.model_store.families.sparse_moe)."""
     c, device = read.config, read.place
     E, D = c.hidden_size, c.head_dim
     return LayerWeights(
@@ -62,8 +63,8 @@ def layer(read: TensorReader, p: str) -> LayerWeights:
         w_qkv=device(read.qkv(p)),
         w_o=device(read.o(p)),
         mlp_norm=read.vector(p + "post_attention_layernorm.weight", E),
-        w_gate_up=device(read.gate_up(p)),
-        w_down=device(read.down(p)),
+        w_gate_up=device(read.gate_up(p)) if mlp else None,
+        w_down=device(read.down(p)) if mlp else None,
         b_qkv=device(read.qkv_bias(p)) if c.qkv_bias else None,
         q_norm=read.vector(p + "self_attn.q_norm.weight", D) if c.qk_norm else None,
         k_norm=read.vector(p + "self_attn.k_norm.weight", D) if c.qk_norm else None,

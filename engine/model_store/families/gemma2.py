@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.model_store.checkpoint import REQUIRED_KEYS, CheckpointError, ModelConfig, rope_scaling
+from engine.model_store.checkpoint import CheckpointError, ModelConfig, rope_scaling
 from engine.model_store.families import gemma3
 
 ARCH = "Gemma2ForCausalLM"
@@ -30,18 +30,7 @@ embed_scale = gemma3.embed_scale
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """config.json -> ModelConfig with each layer's window, the attention scale and the two caps."""
-    get = lambda key: raw.get(key, DEFAULTS.get(key))  # noqa: E731
-    missing = [k for k in REQUIRED_KEYS if k not in raw]
-    if missing:
-        raise CheckpointError(f"{ARCH}: config.json lacks {', '.join(missing)}")
-    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise CheckpointError(f"{ARCH}: unsupported hidden_activation {act!r} (only gelu_pytorch_tanh)")
-    if raw.get("attention_bias") or raw.get("use_bidirectional_attention"):
-        raise CheckpointError(f"{ARCH}: attention_bias / use_bidirectional_attention checkpoints are not supported")
-    n_layers, window = raw["num_hidden_layers"], get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise CheckpointError(f"{ARCH}: sliding_window must be a whole number >= 1, got {window!r}")
+    get, n_layers, window = gemma3.checked(raw, ARCH, DEFAULTS)
     kinds = gemma3.layer_types(raw, n_layers, ARCH, pattern=2)
     rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     return ModelConfig(

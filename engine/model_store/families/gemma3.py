@@ -14,6 +14,7 @@ which reuses this module's layer reader and layer kinds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from engine.model_store.checkpoint import (
@@ -32,21 +33,10 @@ DEFAULTS = {
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
     """config.json -> ModelConfig with each layer's window, the local RoPE base and the attention scale."""
-    get = lambda key: raw.get(key, DEFAULTS.get(key))  # noqa: E731
-    missing = [k for k in REQUIRED_KEYS if k not in raw]
-    if missing:
-        raise CheckpointError(f"{ARCH}: config.json lacks {', '.join(missing)}")
-    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
-    if act != "gelu_pytorch_tanh":
-        raise CheckpointError(f"{ARCH}: unsupported hidden_activation {act!r} (only gelu_pytorch_tanh)")
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if raw.get(key) is not None:
             raise CheckpointError(f"{ARCH}: {key} is set; logit soft-capping (Gemma 2) is not supported")
-    if raw.get("attention_bias") or raw.get("use_bidirectional_attention"):
-        raise CheckpointError(f"{ARCH}: attention_bias / use_bidirectional_attention checkpoints are not supported")
-    n_layers, window = raw["num_hidden_layers"], get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
-        raise CheckpointError(f"{ARCH}: sliding_window must be a whole number >= 1, got {window!r}")
+    get, n_layers, window = checked(raw, ARCH, DEFAULTS)
     kinds = layer_types(raw, n_layers)
     local, global_ = _rope(raw)
     n_heads = raw["num_attention_heads"]
@@ -72,6 +62,25 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
         attention_scale=float(get("query_pre_attn_scalar")) ** -0.5,
     )
 
+
+
+def checked(raw: dict[str, Any], arch: str, defaults: dict[str, Any]) -> tuple[Callable[[str], Any], int, int]:
+    """What Gemma 2 and 3 configs share: the required keys, a GELU-tanh MLP, no attention bias or
+    bidirectional attention, a whole-number window (CheckpointError naming the key else).
+    -> (a getter that falls back to `defaults`, the layer count, the window)."""
+    get = lambda key: raw.get(key, defaults.get(key))  # noqa: E731
+    missing = [k for k in REQUIRED_KEYS if k not in raw]
+    if missing:
+        raise CheckpointError(f"{arch}: config.json lacks {', '.join(missing)}")
+    act = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise CheckpointError(f"{arch}: unsupported hidden_activation {act!r} (only gelu_pytorch_tanh)")
+    if raw.get("attention_bias") or raw.get("use_bidirectional_attention"):
+        raise CheckpointError(f"{arch}: attention_bias / use_bidirectional_attention checkpoints are not supported")
+    window = get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise CheckpointError(f"{arch}: sliding_window must be a whole number >= 1, got {window!r}")
+    return get, raw["num_hidden_layers"], window
 
 def layer_types(raw: dict[str, Any], n_layers: int, arch: str = ARCH, pattern: int = DEFAULTS["sliding_window_pattern"]) -> list[str]:
     """Each layer's kind: `layer_types`, or for configs that predate it transformers' rule, every

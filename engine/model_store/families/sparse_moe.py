@@ -69,22 +69,10 @@ def parse_config(raw: dict[str, Any]) -> ModelConfig:
 def layer(read: TensorReader, p: str) -> LayerWeights:
     """One layer: the dense family's attention and norms; its MLP dense (`mlp.{gate,up,down}_proj`)
     or, in an MoE layer, a router and experts (and no dense MLP)."""
-    c, device = read.config, read.place
+    c = read.config
     if not c.moe_layers[int(p.rstrip(".").rsplit(".", 1)[1])]:  # p: "model.layers.{i}."
         return dense.layer(read, p)
-    E, D = c.hidden_size, c.head_dim
-    return LayerWeights(
-        attn_norm=read.vector(p + "input_layernorm.weight", E),
-        w_qkv=device(read.qkv(p)),
-        w_o=device(read.o(p)),
-        mlp_norm=read.vector(p + "post_attention_layernorm.weight", E),
-        w_gate_up=None,
-        w_down=None,
-        b_qkv=None,
-        q_norm=read.vector(p + "self_attn.q_norm.weight", D) if c.qk_norm else None,
-        k_norm=read.vector(p + "self_attn.k_norm.weight", D) if c.qk_norm else None,
-        experts=experts(read, p),
-    )
+    return replace(dense.layer(read, p, mlp=False), experts=experts(read, p))
 
 
 def experts(read: TensorReader, p: str) -> ExpertWeights:
