@@ -29,8 +29,9 @@ from pathlib import Path
 from engine.core.model import SlotSetup, VerifyInput
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
-from support import prerequisites
+from support import prerequisites, tiny_served
 from support.compile_watch import compile_events
+from support.pages import own_pages
 
 LLAMA = Path(__file__).parent / "assets" / "tiny-llama"
 DEFAULTS = dict(max_batch_size=8, max_context_length=256, dtype="float32")
@@ -90,26 +91,31 @@ def test_the_plain_accelerator_shape_of_the_defaults_compiles_27_shapes(caplog):
 
 
 def test_speculative_decoding_adds_a_verify_step_per_row_bucket_and_compiles_nothing_after(caplog):
-    # a smaller configuration (2 slots, a context of 64) with max_guesses 4 (off, 0, by default:
-    # no verify shape, as the counts above show): the verify steps, one per verify row bucket
-    # (R x 5 fed tokens within the CPU kernels' products of up to 64 rows: 1 and 2), guess bucket
-    # (1, 2, 4) and attend shape (1), on top of 33: 4 prompt buckets x 3, 2 rows x (alone, with the 8-token chunk), the
-    # mask, a prompt's sampling, 2 constrained-row writes, 4 packed sizes x 2 and 1 row bucket of
-    # their samples, and the stream alone's 4 apart. After warm-up a verify of each compiles nothing.
+    # the run's shared configuration (support.tiny_served: 4 slots, a context of 64) with
+    # max_guesses 4 (off, 0, by default: no verify shape, as the counts above show), which changes
+    # no other program: its 37 shapes are read back from the run's compilation cache when another
+    # file has warmed that configuration up, and only the verify steps compile. They are one per
+    # verify row bucket (R x 5 fed tokens within the CPU kernels' products of up to 64 rows: 1, 2
+    # and 4), guess bucket (1, 2, 4) and attend shape (1), on top of 37: 4 prompt buckets x 3,
+    # 3 rows x (alone, with the 8-token chunk), the mask, a prompt's sampling, 3 constrained-row
+    # writes, 4 packed sizes x 2 and 2 row buckets of their samples, and the stream alone's 4
+    # apart. After warm-up a verify of each compiles nothing.
     prerequisites.cpu_kernels()
-    model = JaxModel.load(LLAMA, max_batch_size=2, max_context_length=64, dtype="float32", kernels=True, min_rows=1, max_guesses=4)
+    model = tiny_served.load(max_guesses=4)
     with caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
         model.warm_up()
     _check_progress(caplog, model.compilations())
-    assert model.verify_rows == (1, 2) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
-    assert model.compilations() == 4 * 3 + 2 * 2 + 1 + 1 + 2 + 4 * 2 + 1 + 4 + 2 * 3 == 39
-    for slot in range(2):
-        model.set_pages(slot, [1 + 4 * slot + i for i in range(4)])  # 16 positions each
+    assert model.verify_rows == (1, 2, 4) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
+    assert model.compilations() == 4 * 3 + 3 * 2 + 1 + 1 + 3 + 4 * 2 + 2 + 4 + 3 * 3 == 46
+    for slot in range(3):
+        own_pages(model, slot)
         model.prefill(slot, (1, 2, 3), SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset()), False)
     before = model.compilations()
     with compile_events() as compiles:
-        run = model.verify([VerifyInput(0, 3, (4, 5, 6, 7), False)])[0]  # 1 row, 4 guesses
-        at = 3 + len(run)
-        run = model.verify([VerifyInput(1, 3, (9, 9), False), VerifyInput(0, at, (), False)])[1]  # 2 rows, 2 guesses
-        model.verify([VerifyInput(0, at + len(run), (8,), False)])  # 1 row, 1 guess
+        at = [3, 3, 3]  # each slot's next position
+        # (slot, guesses) per call: rows 1, 2 and 4 (3 held), guesses 4, 2 and 1
+        for call in ([(0, (4, 5, 6, 7))], [(1, (9, 9)), (0, ())], [(2, (8,)), (1, ()), (0, ())]):
+            runs = model.verify([VerifyInput(slot, at[slot], guesses, False) for slot, guesses in call])
+            for (slot, _), run in zip(call, runs):
+                at[slot] += len(run)
     assert model.compilations() == before and not [c for c in compiles if "backend_compile" in c], compiles

@@ -70,6 +70,12 @@ def _pools(rng, tables, lengths, n_pages, page, d):
     return (jnp.asarray(np.nan_to_num(a)) for a in paged_kv.pools(rng, tables, lengths, 2, n_pages, page, d))
 
 
+# The XLA references jitted: one program per (config, window) and shape, where op by op each of
+# their dozens of operations compiles its own executable on the first call.
+DECODE_REFERENCE = jax.jit(transformer.decode_attention, static_argnums=(5, 6))
+CHUNK_REFERENCE = jax.jit(transformer.chunk_attention, static_argnums=(5,), static_argnames=("block", "window"))
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_cpu_kernels_soft_cap_as_the_xla_attention_does(isa):
     kernels = prerequisites.cpu_kernels()
@@ -83,20 +89,20 @@ def test_the_cpu_kernels_soft_cap_as_the_xla_attention_does(isa):
         k, v = _pools(rng, tables, positions + 1, n_pages, page, d)
         q = _scaled_queries(rng, (len(positions), heads, d))
         for window in (None, 8):
-            want = transformer.decode_attention(q, k, v, tables, positions, CFG, window)  # [R, H*D]
+            want = DECODE_REFERENCE(q, k, v, tables, positions, CFG, window)  # [R, H*D]
             got = cpu_kernels.decode_attention(q, k, v, tables, positions, window, CFG.attn_softcap)
             np.testing.assert_allclose(got, want, atol=2e-5)
-            uncapped = transformer.decode_attention(q, k, v, tables, positions, UNCAPPED, window)
+            uncapped = DECODE_REFERENCE(q, k, v, tables, positions, UNCAPPED, window)
             assert not np.allclose(got, uncapped, atol=1e-2)
         start, c = 27, 24  # a chunk over 51 keys
         table, n_pages = paged_kv.tables(rng, [start + c], page, width=8)
         k, v = _pools(rng, table, [start + c], n_pages, page, d)
         q = _scaled_queries(rng, (c, heads, d))
         for window in (None, 8):
-            want = transformer.chunk_attention(q, k, v, table[0], jnp.int32(start), CFG, block=16, window=window)
+            want = CHUNK_REFERENCE(q, k, v, table[0], jnp.int32(start), CFG, block=16, window=window)
             got = cpu_kernels.chunk_attention(q, k, v, table[0], np.int32(start), window, CFG.attn_softcap)
             np.testing.assert_allclose(got, want, atol=2e-5)
-            uncapped = transformer.chunk_attention(q, k, v, table[0], jnp.int32(start), UNCAPPED, block=16, window=window)
+            uncapped = CHUNK_REFERENCE(q, k, v, table[0], jnp.int32(start), UNCAPPED, block=16, window=window)
             assert not np.allclose(got, uncapped, atol=1e-2)
     finally:
         cpu_kernels.decode_attention_isa(kernels, True)

@@ -15,9 +15,9 @@ scripts/make_tiny_checkpoints.py with norm weights drawn around 1.
   to a full prefill; a prompt in chunks, packed with the others, and riding along with decode
   steps.
 - bfloat16 within the stated tolerance of float32 (tiny-qwen3-moe's prompts); the memory plan's
-  weights equal to the arrays placed; tiny-qwen3-moe served by JaxModel on the CPU kernels
-  (warm-up compiles its dense and its MoE layer) with greedy ids equal to the goldens and
-  nothing compiling after warm-up. Tensor parallelism: tests/test_tensor_parallel.py runs both
+  weights equal to the arrays placed; tiny-qwen3-moe served by JaxModel on the CPU kernels, in
+  the smallest configuration (warm-up compiles its dense and its MoE layer), with greedy ids
+  equal to the goldens and nothing compiling after warm-up. Tensor parallelism: tests/test_tensor_parallel.py runs both
   checkpoints at TP=2 (tests/support/forced_devices.py).
 """
 
@@ -191,8 +191,14 @@ def test_bfloat16_logits_are_within_the_stated_tolerance_of_float32(whole_model)
 @pytest.fixture(scope="module")
 def served() -> JaxModel:
     prerequisites.cpu_kernels()
-    m = JaxModel.load(  # 2 slots, one prompt and one attend bucket: few shapes to warm up
-        QWEN3_MOE, max_batch_size=2, max_context_length=CONTEXT, min_bucket=CONTEXT, min_attend=CONTEXT, kernels=True,
+    # The smallest configuration (1 slot: one row bucket, no packed prefill, no chunk along; one
+    # prompt and one attend bucket): 11 shapes, each with the dense and the MoE layer, against 20
+    # at 2 slots, whose packed prefill and chunk along of 64 tokens MoE makes the dearest compiles.
+    # What this adds to the parity tests above: JaxModel's own steps (pages, sampling, the kernels)
+    # on an MoE model, and a warm-up that covers both layer kinds; packed prompts and chunks along
+    # are proven on the whole-model calls.
+    m = JaxModel.load(
+        QWEN3_MOE, max_batch_size=1, max_context_length=CONTEXT, min_bucket=CONTEXT, min_attend=CONTEXT, kernels=True,
         dtype="float32",
     )
     m.warm_up()
@@ -205,7 +211,7 @@ def test_served_by_jax_model_greedy_ids_equal_transformers_and_nothing_compiles_
     before = m.compilations()
     with compile_events() as compiles:
         for i, case in enumerate(CASES[QWEN3_MOE]):
-            slot = i % 2
+            slot = 0  # the one slot, released after each case
             own_pages(m, slot)
             out = [m.prefill(slot, case["prompt_ids"], SlotSetup(greedy, frozenset()), masked=False).token_id]
             for step in range(1, len(case["greedy_ids"])):

@@ -6,18 +6,22 @@ windows of 8, so a guessed span crosses a window edge): three sequences of diffe
 lengths decode once plainly, then again through verify calls with random guesses, some the plain
 run's next ids and some corrupted, a random number of them per row (none included), rows in a
 shuffled order and some slots left out, with plain decode steps in between; every sample (id,
-logprob, alternatives) equals the plain run's at its position. The pages are a shuffled pool of
-4 positions each, so every guessed span crosses a page boundary into a page elsewhere, and a
-decode after a verify reads the KV the verify wrote and overwrites the garbage of its rejected
-guesses. Sampled: the same seed gives the same ids as plain sampling (verify's draw is plain
-sampling's at each position), and over many seeds the first sample and the acceptance of a fixed
-guess follow the target distribution (chi-square, and the acceptance rate against the guess's
-probability). No warm-up here (each call compiles what it uses); tests/test_compile_budget.py
-counts verify's warm-up shapes.
+logprob, alternatives) equals the plain run's at its position. A call is of one guess bucket
+(its first row has that many guesses, K but in the float32 case's calls of two rows, which walk
+the buckets); the float32 case also walks the row buckets (some slots a call), the int8 and
+Gemma 3 ones run every call at the batch's one row bucket (fewer compiles; the ladders are not
+theirs to test). The pages are a shuffled pool of 4 positions each, so every guessed span
+crosses a page boundary into a page elsewhere, and a decode after a verify reads the KV the
+verify wrote and overwrites the garbage of its rejected guesses. Sampled: the same seed gives
+the same ids as plain sampling (verify's draw is plain sampling's at each position), and over
+many seeds the first sample and the acceptance of a fixed guess follow the target distribution
+(chi-square, and the acceptance rate against the guess's probability). No warm-up here (each
+call compiles what it uses); tests/test_compile_budget.py counts verify's warm-up shapes.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -36,11 +40,13 @@ PROMPTS = [(1, 2, 3, 4, 5), (7, 8, 9), (11, 12, 13, 14, 15, 16, 17, 18, 19)]
 STEPS = 24  # samples per sequence compared
 
 
-def _load(name: str, weights: str, batch: int = 4, guesses: int = K) -> JaxModel:
+def _load(name: str, weights: str, batch: int = 4, guesses: int = K, rows: int = 1) -> JaxModel:
+    """`rows`: the smallest row bucket (`min_rows`); the batch itself leaves one row bucket, so one
+    decode and one verify row shape, for a model whose run need not cross the row ladder."""
     prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     return JaxModel.load(
         ASSETS / name, max_batch_size=batch, max_context_length=CONTEXT, dtype="float32", weights=weights,
-        kv_page_size=4, max_guesses=guesses,
+        kv_page_size=4, max_guesses=guesses, min_rows=rows,
     )
 
 
@@ -75,13 +81,17 @@ def _plain(model: JaxModel, n: int) -> list[list]:
     return runs
 
 
-def _speculated(model: JaxModel, plain: list[list], rng: np.random.Generator, some: bool) -> tuple[list[list], list[int]]:
+def _speculated(
+    model: JaxModel, plain: list[list], rng: np.random.Generator, some: bool
+) -> tuple[list[list], list[int], set[int]]:
     """The same prompts through verify calls with random guesses (module docstring), plain decode
-    steps in between, `some` slots each time (else every one still short of STEPS, and the first
-    row K guesses: fewer shapes to compile); -> each prompt's samples and each accepted run's
-    guess count."""
+    steps in between, `some` slots each time (else every one still short of STEPS); -> each
+    prompt's samples, each accepted run's guess count, and the calls' guess counts. A call's first
+    row has its call's count of guesses, the others a random count up to it: K, one guess bucket,
+    except in a `some` run's calls of two rows, which take 1, 2 and K in turn, so the guess
+    buckets' ladder is walked at one row bucket, not at each (fewer shapes)."""
     runs = [[model.prefill(slot, p, _setup(slot), False)] for slot, p in enumerate(PROMPTS)]
-    accepted = []
+    accepted, tops, ladder = [], set(), itertools.cycle((1, 2, K))
     while min(len(r) for r in runs) < STEPS:
         short = [s for s in range(len(PROMPTS)) if len(runs[s]) < STEPS]
         slots = [s for s in short if not some or rng.random() < 0.7] or short[:1]
@@ -91,9 +101,10 @@ def _speculated(model: JaxModel, plain: list[list], rng: np.random.Generator, so
             for s, sample in zip(slots, outs):
                 runs[s].append(sample)
             continue
-        inputs = []
+        inputs, top = [], next(ladder) if some and len(slots) == 2 else K  # the call's guess count
+        tops.add(top)
         for row, s in enumerate(rng.permutation(slots).tolist()):
-            n, count = len(runs[s]), int(rng.integers(0, K + 1)) if some or row else K  # else: one row of K, one shape
+            n, count = len(runs[s]), int(rng.integers(0, top + 1)) if row else top
             guesses = [x.token_id for x in plain[s][n : n + count]]
             if guesses and rng.random() < 0.5:  # one wrong guess
                 guesses[int(rng.integers(len(guesses)))] = int(rng.integers(model.info.vocab_size))
@@ -104,18 +115,21 @@ def _speculated(model: JaxModel, plain: list[list], rng: np.random.Generator, so
             accepted.append(len(run) - 1)
     for slot in range(len(PROMPTS)):
         model.release(slot)
-    return runs, accepted
+    return runs, accepted, tops
 
 
 @pytest.mark.parametrize("name, weights", [("tiny-llama", "float32"), ("tiny-llama", "int8"), ("tiny-gemma3", "float32")])
 def test_greedy_verify_runs_are_plain_greedy_decoding_sample_for_sample(name, weights, request):
     first = (name, weights) == ("tiny-llama", "float32")  # the thorough one: some slots per call
-    model = request.getfixturevalue("llama") if first else _load(name, weights)
+    # the others: 4 slots all in one row bucket (every call's rows are padded to 4: one decode and
+    # one verify row shape; greedy verify equals decode at any row bucket, the thorough case's claim)
+    model = request.getfixturevalue("llama") if first else _load(name, weights, rows=4)
     rng = np.random.default_rng(45)
     _shuffled_pages(model, rng)
     plain = _plain(model, STEPS + K + 1)
     _shuffled_pages(model, rng)  # other pages: what the plain run left in them does not matter
-    runs, accepted = _speculated(model, plain, rng, some=first)
+    runs, accepted, tops = _speculated(model, plain, rng, some=first)
+    assert tops == ({1, 2, K} if first else {K})  # the guess buckets: all (1, 2, 4) in the thorough run
     for slot, (got, want) in enumerate(zip(runs, plain)):
         assert STEPS <= len(got) < len(want)
         differs = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)

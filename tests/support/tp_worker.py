@@ -9,7 +9,8 @@ Per (checkpoint, size): greedy ids and logprobs of the golden prompt through the
 calls (prefill, then decode), with two slots the same request again beside a second one (batch
 invariance) and a seeded sampled run, the prompt's next-token logits, compilations after
 warm-up (none at size 1, the reference, which is not warmed up: what warm-up covers on one
-device is the in-process tests' claim), and what each device holds of the weights and of the KV cache.
+device is the in-process tests' claim; none for forced_devices.IDS_ONLY's families, which are not
+warmed up either), and what each device holds of the weights and of the KV cache.
 
 With `--split-sampler`, the two-slot tiny-llama model at size 2 is also compared with the same
 model split (tests/support/split_sampler_mesh.py; key "split-sampler"), in this one child: each
@@ -33,6 +34,7 @@ from engine.core.request import SamplingParams  # noqa: E402
 from engine.jax_backend import mesh, transformer  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
 from tests.support import split_sampler_mesh  # noqa: E402
+from tests.support.forced_devices import IDS_ONLY  # noqa: E402
 from tests.support.pages import own_pages_all  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -115,7 +117,8 @@ def main() -> None:
         for size in map(int, sizes.split(",")):
             options = dict(max_batch_size=int(slots), max_context_length=CONTEXT, max_chunk=16, tensor_parallel=size)
             model = JaxModel.load(ASSETS / name, **options)
-            if size > 1:  # one device is the reference only: it compiles what it runs (its warm-up is proven in-process)
+            warmed = size > 1 and Path(name).name not in IDS_ONLY  # one device is the reference only, and the
+            if warmed:  # IDS_ONLY families compare ids and shares: each compiles what it runs (forced_devices)
                 model.warm_up()
             warm = model.compilations()
             ids, logprobs = greedy(model, 0, prompt, STEPS)
@@ -126,7 +129,7 @@ def main() -> None:
                 "beside": greedy(model, 1, prompt, STEPS, other=prompt[:5])[0] if two else None,
                 "sampled": sampled(model, prompt, STEPS) if two else None,
                 "logits": logits(model, prompt),
-                "compiled_after_warm_up": model.compilations() - warm if size > 1 else None,
+                "compiled_after_warm_up": model.compilations() - warm if warmed else None,
                 "kernel_state": model.kernel_state,
                 "kv_heads": model.config.n_kv_heads,
                 "head_shape": list(model._weights.lm_head.shape),
