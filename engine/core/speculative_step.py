@@ -118,17 +118,20 @@ class SpeculativeSteps:
         return True, self._read_at - started
 
     def _guesses(self, lives: list[_Live], k: int) -> dict[int, tuple[int, ...]]:
-        """Each row's guesses (by ticket), at most k and at most what it may still emit; its
+        """Each row's guesses (by ticket), at most k, at most what its recent runs earn it
+        (`SpeculationPolicy.guesses_of`) and at most what it may still emit; its
         history first takes the ids it emitted since its last step. A row offered guesses that
         got none is counted as a miss at once (its policy rests it when that goes on)."""
         asks: list[tuple[_Live, int]] = []
         for live in lives:
+            self._history(live)
             limit = live.rule.max_output_tokens - live.emitted - 1  # a run has room for its k + 1 samples
             if live.rule.masks_control_tokens(live.emitted):  # one `masked` for the whole run
                 limit = min(limit, live.rule.min_output_tokens - live.emitted - 1)
-            if min(k, limit) > 0:
-                asks.append((live, min(k, limit)))
-        histories = [self._history(live) for live, _ in asks]
+            n = min(self._policy.guesses_of(live.speculation, k), limit)
+            if n > 0:
+                asks.append((live, n))
+        histories = [live.speculation.history for live, _ in asks]
         proposals = self._proposer.propose([(history, n) for history, (_, n) in zip(histories, asks)])
         vocab = self.model.info.vocab_size
         guesses = {}
