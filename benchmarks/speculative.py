@@ -93,6 +93,7 @@ class Bench:
                               speculation_max_batch=max_batch)
         self.engine = Engine(model, config)
         self._policy = self.engine._policy  # the "off" arm runs with none: plain pipelined steps only
+        self.tokens = 0  # tokens received, every burst
         self.engine.start()
 
     def speculate(self, on: bool) -> None:
@@ -110,11 +111,12 @@ class Bench:
                 raise RuntimeError("a request did not finish in 600 s")
             if stream.error is not None:
                 raise stream.error
+        self.tokens += sum(len(stream.ids) for stream in streams)
         return streams
 
-    def counters(self) -> tuple[int, int, int]:
+    def counters(self) -> tuple[int, int, int, int]:
         s = self.engine.stats().speculation
-        return s.proposed, s.accepted, s.steps
+        return s.proposed, s.accepted, s.steps, self.tokens
 
 
 def encode_chats(model_dir: Path, messages: list[str]) -> list[tuple[int, ...]]:
@@ -164,7 +166,7 @@ def benchmark(args, model_dir: Path) -> None:
         bench.speculate(on)
         bench.burst([copy[0], chat[0]], 16)
     rates = {(name, on): [] for name in workloads for on in (False, True)}
-    counted = {name: [0, 0, 0] for name in workloads}
+    counted = {name: [0, 0, 0, 0] for name in workloads}  # the "on" bursts' proposed, accepted, steps, tokens
     try:
         for r in range(args.rounds):
             for name, run in workloads.items():
@@ -172,23 +174,27 @@ def benchmark(args, model_dir: Path) -> None:
                     bench.speculate(on)
                     before = bench.counters()
                     rates[name, on].append(run())
-                    counted[name] = [c + a - b for c, a, b in zip(counted[name], bench.counters(), before)]
+                    if on:
+                        counted[name] = [c + a - b for c, a, b in zip(counted[name], bench.counters(), before)]
     finally:
         bench.engine.stop()
     results = []
     for name in workloads:
         off, on = rates[name, False], rates[name, True]
         ratio = [b / a for a, b in zip(off, on)]
-        proposed, accepted, steps = counted[name]
+        proposed, accepted, steps, tokens = counted[name]
         acceptance = accepted / proposed if proposed else 0.0
         per_step = accepted / steps if steps else 0.0
+        # a verify row emits its accepted guesses and one sample (fewer where it finishes: an upper bound)
+        verified = min(1.0, (accepted + steps) / tokens) if tokens and name.endswith("batch 1") else None
         print(f"{name}: off {median_range(off)} tok/s, on {median_range(on)} tok/s; on/off {median_range(ratio, '{:.2f}')}"
               f" (target >= {targets[name]}); acceptance {acceptance:.2f} ({accepted}/{proposed}),"
-              f" {per_step:.2f} accepted a verify step ({steps} steps)")
+              f" {per_step:.2f} accepted a verify step ({steps} steps)"
+              + (f", {verified:.0%} of {tokens} tokens from verify steps" if verified is not None else ""))
         results.append({"workload": name, "off_tok_s": off, "on_tok_s": on, "ratio": ratio,
                         "ratio_median": statistics.median(ratio), "target": targets[name], "proposed": proposed,
                         "accepted": accepted, "verify_steps": steps, "acceptance": acceptance,
-                        "accepted_per_verify_step": per_step})
+                        "accepted_per_verify_step": per_step, "tokens_on": tokens, "share_from_verify_steps": verified})
     print("load average after: %.2f %.2f %.2f" % os.getloadavg())
     if args.json:
         RESULTS.parent.mkdir(exist_ok=True)
@@ -210,8 +216,10 @@ def check(args, model_dir: Path) -> int:
         model = JaxModel.load(model_dir, max_batch_size=1, max_context_length=1024, weights=weights,
                               max_guesses=args.guesses)
         model.warm_up()
+        print(f"{weights}: model weights {'int8' if model.int8 else 'float32'}, CPU kernels {'on' if model.kernels else 'off'}")
         bench = Bench(model, args.guesses, args.max_batch)
         accepted_before = bench.counters()[1]
+        outputs = []
         try:
             for i, prompt in enumerate(prompts):
                 bench.speculate(False)
@@ -221,6 +229,7 @@ def check(args, model_dir: Path) -> int:
                 at = next((j for j, (a, b) in enumerate(zip(plain.ids, fast.ids)) if a != b), None)
                 if at is None and len(plain.ids) != len(fast.ids):
                     at = min(len(plain.ids), len(fast.ids))
+                outputs.append(plain.ids)
                 if at is None:
                     print(f"{weights} prompt {i}: equal, {len(plain.ids)} ids")
                     continue
@@ -233,7 +242,8 @@ def check(args, model_dir: Path) -> int:
                       f"{fast.ids[at:at + 1]}; plain top-2 logprob gap there {gap}")
         finally:
             bench.engine.stop()
-        print(f"{weights}: {bench.counters()[1] - accepted_before} guesses accepted over {len(prompts)} prompts")
+        print(f"{weights}: {bench.counters()[1] - accepted_before} guesses accepted over {len(prompts)} prompts; "
+              f"plain outputs' digest {hash(tuple(map(tuple, outputs))) & 0xFFFFFFFF:08x}")
     print(f"{diverged} of {2 * len(prompts)} runs diverged")
     return 1 if diverged else 0
 
