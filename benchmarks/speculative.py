@@ -260,7 +260,7 @@ def main() -> None:
     parser.add_argument("--guesses", type=int, default=EngineConfig.speculative_tokens, help="--speculative-tokens")
     parser.add_argument("--max-batch", type=int, default=EngineConfig.speculation_max_batch,
                         help="--speculation-max-batch")
-    parser.add_argument("--json", action="store_true", help=f"write the figures to {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    parser.add_argument("--json", action="store_true", help="write the figures to benchmarks/results/speculative.json")
     parser.add_argument("--check", action="store_true", help="exactness: greedy ids on against off, float32 and int8")
     parser.add_argument("--check-tokens", type=int, default=96, help="max output tokens a --check request")
     args = parser.parse_args()

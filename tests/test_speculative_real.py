@@ -54,7 +54,8 @@ def greedy_ids(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     try:
         for i, prompt in enumerate(prompts):  # one at a time: batch 1, where a row guesses all it may
             sink = Collect()
-            engine.submit(Request(f"r{i}", tuple(prompt), SamplingParams(temperature=0.0), StoppingCriteria(TOKENS)), sink)
+            request = Request(f"r{i}", tuple(prompt), SamplingParams(temperature=0.0), StoppingCriteria(TOKENS))
+            engine.submit(request, sink)
             assert sink.done.wait(120), f"prompt {i} did not finish"
             assert sink.error is None, sink.error
             outputs.append(sink.ids)
@@ -74,6 +75,8 @@ def test_ngram_speculation_keeps_greedy_ids_and_accepts_guesses(real_model):
     speculative = greedy_ids(speculative_engine, prompts)
     for i, (a, b) in enumerate(zip(plain, speculative)):
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert a == b, f"prompt {i}: first difference at output id {first}: plain {a[first:first + 3]}, speculative {b[first:first + 3]}"
+        assert a == b, (
+            f"prompt {i}: first difference at output id {first}: plain {a[first:first + 3]}, speculative {b[first:first + 3]}"
+        )
     stats = speculative_engine.stats().speculation
     assert stats.steps > 0 and stats.accepted > 0, stats
