@@ -152,12 +152,14 @@ def _decode_server(commands):
              details="ngram: each step, a row's last few ids are looked up earlier in its prompt and output, and what "
              "followed them is checked by the model in the same pass as the step: every accepted guess is a token "
              "for free; the output is exactly plain decoding's. It pays on text that copies its input (code edits, "
-             "extraction, quoting) at small batches; a row whose guesses fail rests, and a step of more rows than "
-             "--speculation-max-batch does not speculate. See docs/speculative.md.",
+             "extraction, quoting) at small batches; a step where no row's known ids recur stays a plain pipelined step, "
+             "a row whose guesses fail rests, and a step of more rows than --speculation-max-batch does not speculate. "
+             "See docs/speculative.md.",
              choices=list(SPECULATION_MODES), default=EngineConfig.speculation)
     add_flag(p, "--speculative-tokens", help="the most ids a row guesses per step (with --speculation)",
-             details="Also the verify step's shape the model compiles at warm-up. A batch of R rows gives each "
-             "max(1, K // R).", type=positive, default=EngineConfig.speculative_tokens)
+             details="Also the verify step's shapes the model compiles at warm-up (powers of two up to K). A batch of R "
+             "rows gives each at most max(1, K // R), and a row at most the power of two above its recent accepted "
+             "run.", type=positive, default=EngineConfig.speculative_tokens)
     add_flag(p, "--speculation-max-batch", help="no speculation in a step of more rows than this",
              type=positive, default=EngineConfig.speculation_max_batch)
     add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model",

@@ -147,7 +147,7 @@ class EngineConfig:
     # ("ngram"); it runs where the model verifies (`Model.max_guesses` > 0)
     speculation: str = "off"
     speculative_tokens: int = 4  # the most ids a row guesses a step (the model's max_guesses caps it)
-    speculation_max_batch: int = 4  # no speculation in a step of more rows than this
+    speculation_max_batch: int = 1  # no speculation in a step of more rows than this (docs/speculative.md: why 1)
 
     def __post_init__(self) -> None:
         if self.max_step_tokens is not None and self.max_step_tokens < 0:

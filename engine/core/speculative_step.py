@@ -6,9 +6,12 @@ Data flow, in an iteration where `_decode_step` runs and speculation is on:
      constrained (a constrained row's banned ids depend on every token before it, so a guess
      would need the matcher run ahead and undone: those batches simply decode), that takes no
      prompt chunk along (`Model.fused_chunk_tokens`: the chunk and the step share a pass), and
-     of those rows the ones not resting (engine.core.speculation.policy). None: a plain step.
+     of those rows the ones not resting (engine.core.speculation.policy) whose proposer expects
+     a guess from the ids known so far (`Proposer.expects`). None: a plain pipelined step.
   2. The step in flight is read first: a guess continues the row's last sample, so the host
-     must know it, and `verify` runs with nothing in flight.
+     must know it, and `verify` runs with nothing in flight. (This is what a guess costs even
+     when it is right: the host no longer runs a step ahead of the device, hence step 1's
+     `expects`, asked before the read.)
   3. Each speculating row's proposer history takes the ids it emitted since, and the proposer
      guesses for all rows at once, k each (the policy's share for this batch, and never past
      what the row may still emit: its length cap, or the end of its `min_output_tokens` mask,
@@ -54,6 +57,8 @@ class SpeculativeSteps:
         self._speculation_stats = SpeculationStats()
         if self._proposer is None:
             return
+        # (a proposer without `expects` is asked at every step)
+        self._expects = getattr(self._proposer, "expects", lambda history: True)
         guesses = min(config.speculative_tokens, getattr(self.model, "max_guesses", 0))
         if guesses < 1:
             log.warning("speculation %s is off: the model takes no guesses (max_guesses 0)", self._proposer.name)
@@ -73,7 +78,11 @@ class SpeculativeSteps:
             return False, None  # (a prompt chunk rides along with a plain step: one pass for both)
         if any(live.matcher is not None for live in lives):
             return False, None
-        asking = {live.ticket for live in lives if live.speculation is None or not self._policy.rest(live.speculation)}
+        asking = {
+            live.ticket for live in lives
+            if (live.speculation is None or not self._policy.rest(live.speculation))
+            and self._expects(self._history(live))
+        }
         if not asking:
             return False, None
         seconds = None
@@ -109,17 +118,20 @@ class SpeculativeSteps:
         return True, self._read_at - started
 
     def _guesses(self, lives: list[_Live], k: int) -> dict[int, tuple[int, ...]]:
-        """Each row's guesses (by ticket), at most k and at most what it may still emit; its
+        """Each row's guesses (by ticket), at most k, at most what its recent runs earn it
+        (`SpeculationPolicy.guesses_of`) and at most what it may still emit; its
         history first takes the ids it emitted since its last step. A row offered guesses that
         got none is counted as a miss at once (its policy rests it when that goes on)."""
         asks: list[tuple[_Live, int]] = []
         for live in lives:
+            self._history(live)
             limit = live.rule.max_output_tokens - live.emitted - 1  # a run has room for its k + 1 samples
             if live.rule.masks_control_tokens(live.emitted):  # one `masked` for the whole run
                 limit = min(limit, live.rule.min_output_tokens - live.emitted - 1)
-            if min(k, limit) > 0:
-                asks.append((live, min(k, limit)))
-        histories = [self._history(live) for live, _ in asks]
+            n = min(self._policy.guesses_of(live.speculation, k), limit)
+            if n > 0:
+                asks.append((live, n))
+        histories = [live.speculation.history for live, _ in asks]
         proposals = self._proposer.propose([(history, n) for history, (_, n) in zip(histories, asks)])
         vocab = self.model.info.vocab_size
         guesses = {}

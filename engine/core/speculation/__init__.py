@@ -13,7 +13,8 @@ The parts, one noun per file:
     ids (n from 4 down to 2), over the request's own prompt and output; what followed it is the
     guess. Text that copies its input (code edits, extraction, quoting) gets long runs;
   * `policy`: when a row speculates and how many ids it guesses: per-row acceptance with a
-    rest when it is low, fewer guesses as the batch grows, none above a batch size;
+    rest when it is low, as many guesses as its recent runs earn, fewer as the batch
+    grows, none above a batch size;
   * engine.core.speculative_step: the scheduler's verify step (pages for the guesses, each
     run's samples through `stopping.decide` one by one, one message per run).
 """

@@ -63,5 +63,10 @@ class NgramProposer:
     def propose(self, rows: Sequence[tuple[NgramHistory, int]]) -> list[tuple[int, ...]]:
         return [history.guess(k) if k > 0 else () for history, k in rows]
 
+    def expects(self, history: NgramHistory) -> bool:
+        # A copied span goes on: if the ids known so far match, the id in flight most likely
+        # continues the match; if they do not, it most likely does not start one.
+        return bool(history.guess(1))
+
     def close(self, history: NgramHistory) -> None:
         pass  # (its index goes with it)

@@ -3,13 +3,19 @@ losing.
 
 A verify step is synchronous (the host waits for its samples before the next step, instead of
 running one step behind the device) and feeds k + 1 tokens a row, so a guess that is rejected
-costs time. Three rules bound that cost:
+costs time. Four rules bound that cost (with a fifth in the scheduler: a row whose proposer
+expects no guess does not break the pipelined step, engine.core.speculative_step):
   * Per row, a moving average of the share of its offered guesses that were accepted (a step
-    where the proposer had nothing counts as none accepted). Below `threshold` the row rests:
+    where the proposer, expecting one, had nothing counts as none accepted). Below `threshold`
+    the row rests:
     it sits out the next `rest_steps` steps (twice as many after each rest that ends in another
     failure, up to `max_rest_steps`), riding in the step without guesses, and then tries again.
     A step in which no row speculates is a plain pipelined decode step, so a server whose
     traffic never repeats itself quickly decodes as if speculation were off.
+  * Per row, the guesses it is offered follow its recent accepted runs: the smallest power of
+    two above a moving average of its accepted guesses a step (a verify step's cost grows with
+    the guesses it feeds, and the model compiles powers of two), so a row that copies gets them
+    all and a row that mostly misses guesses one, the cheapest check, before it rests.
   * As the batch grows, a step's guesses are shared out: each row gets `guesses // rows` (at
     least 1): a bigger batch is already closer to being bound by compute than by the weights'
     read, where extra tokens stop being free.
@@ -40,6 +46,7 @@ class RowSpeculation:
     history: History
     seen: int  # the request's ids (prompt, then output) the history holds
     rate: float  # moving average of accepted / offered guesses
+    run: float  # moving average of the guesses accepted a verify step (one more when all were)
     resting: int = 0  # steps left to sit out
     rests: int = 0  # rests in a row that ended in another failure
 
@@ -61,12 +68,20 @@ class SpeculationPolicy:
         self.rest_steps, self.max_rest_steps = rest_steps, max_rest_steps
 
     def row(self, history: History, seen: int) -> RowSpeculation:
-        """A new row's state: it starts by speculating, at twice the threshold."""
-        return RowSpeculation(history, seen, 2 * self.threshold)
+        """A new row's state: it starts by speculating, at twice the threshold, every guess offered."""
+        return RowSpeculation(history, seen, 2 * self.threshold, float(self.guesses))
 
     def guesses_for(self, rows: int) -> int:
         """Guesses per speculating row in a step of `rows` rows (0: no speculation)."""
         return 0 if not 0 < rows <= self.max_batch else max(1, self.guesses // rows)
+
+    def guesses_of(self, row: RowSpeculation, share: int) -> int:
+        """Guesses for `row` in a step whose share a row is `share` (`guesses_for`): the smallest
+        power of two above its recent accepted run, at most `share`."""
+        wanted = 1
+        while wanted <= row.run and wanted < share:
+            wanted *= 2
+        return min(wanted, share)
 
     def rest(self, row: RowSpeculation) -> bool:
         """Whether `row` sits out this step; a resting row's rest shortens by one step."""
@@ -78,6 +93,8 @@ class SpeculationPolicy:
     def observe(self, row: RowSpeculation, offered: int, accepted: int) -> None:
         """A verify step offered `row` `offered` guesses (> 0) and the model accepted `accepted`."""
         row.rate += self.smoothing * (accepted / offered - row.rate)
+        # all accepted counts one more: the row was held back by its offer, so its offer grows
+        row.run += self.smoothing * (accepted + (accepted == offered) - row.run)
         if row.rate < self.threshold:
             row.resting = min(self.max_rest_steps, self.rest_steps << min(row.rests, 16))
             row.rests += 1

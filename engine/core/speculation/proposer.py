@@ -40,6 +40,13 @@ class Proposer(Protocol):
         order; () where there is no guess worth checking. Cheap and on the host: it runs on
         the scheduler's thread between steps."""
 
+    def expects(self, history: History) -> bool:
+        """Whether `history` as it stands would get a guess. Asked before the step in flight is
+        read, so the history lacks that step's id: the scheduler reads the step early (losing
+        the host's one step ahead of the device) only for a row likely to have a guess once it
+        has that id, and a row with nothing to guess keeps the pipelined plain step. Optional: a
+        proposer without it is asked at every step."""
+
     def close(self, history: History) -> None:
         """The request ended (finished, cancelled or failed): forget its history."""
 
