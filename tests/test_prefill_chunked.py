@@ -42,6 +42,7 @@ GREEDY = SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset())
 
 class _Heads:
     n_heads, n_kv_heads, head_dim = 6, 2, 8
+    attn_softcap = None  # (Gemma 2's soft-cap: none here)
 
 
 @pytest.mark.parametrize(
