@@ -51,6 +51,7 @@ from tokenizer_svc.tokenizer import TextTokenizer
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "tests" / "assets" / "tiny-llama"
 START_S = 300  # loading and compiling every shape under the mesh, on a shared 2-core machine
+CONTEXT = 128  # the server's --max-context-length, which the stack tests read from model.info
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
@@ -61,7 +62,7 @@ async def stack():
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TOKENWIRE_", "JAX_NUM_CPU"))}
     process = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "decode-server", "--model", str(TINY), "--port", str(port),
-         "--tensor-parallel", "2", "--max-batch-size", "4", "--max-context-length", "128", "--max-prefill-chunk", "16",
+         "--tensor-parallel", "2", "--max-batch-size", "4", "--max-context-length", str(CONTEXT), "--max-prefill-chunk", "16",
          "--max-queue-size", "16"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log.open("w"),
     )
@@ -71,7 +72,7 @@ async def stack():
         text = await start_text_server(tokenizer, f"127.0.0.1:{port}")
         decode_channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         text_channel = grpc.aio.insecure_channel(f"127.0.0.1:{text.port}")
-        model = SimpleNamespace(info=SimpleNamespace(eos_token_ids=eos_token_ids(TINY)))  # what the tests read of it
+        model = SimpleNamespace(info=SimpleNamespace(eos_token_ids=eos_token_ids(TINY), max_context_length=CONTEXT))  # what the tests read of it
         yield (
             SimpleNamespace(info=model.info, log=log, int8=False),  # float32 weights: the only ones tensor parallelism serves
             decode_pb2_grpc.DecoderStub(decode_channel),
