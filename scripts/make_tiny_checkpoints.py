@@ -34,6 +34,8 @@ The models share one tokenizer (byte-level BPE, 512 ids, specials <|endoftext|> 
   full forward past 32 positions would rotate every position with the long set, while cached
   generation (what transformers serves, and this engine's rule) rotates each new token by its own.
 - tiny-qwen3-moe and tiny-mixtral: mixture-of-experts (`moe_models`).
+- tiny-gpt-oss: GptOssForCausalLM (`gpt_oss_model`), its golden.json also holding an MXFP4
+  sample unpacked by transformers' own dequantization (`mxfp4_sample`).
 
 Weights are drawn wider than HF's init (std ~ 1/sqrt(fan_in), embeddings std 1) so logits are
 peaked and greedy choices are far from ties: parity tests can demand exactly equal ids.
@@ -120,6 +122,8 @@ def randomize(model: torch.nn.Module, tied: bool, seed: int, embed_std: float = 
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("bias"):
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith("sinks"):  # gpt-oss: on the scores' scale, so each sink takes a real share
+                p.copy_(torch.randn(p.shape, generator=g))
             elif "embed_tokens" in name:
                 p.copy_(embed_std * torch.randn(p.shape, generator=g))
             else:
@@ -180,6 +184,8 @@ def make(name: str, config: transformers.PretrainedConfig, cls: type, tok: Token
     else:
         raise RuntimeError(f"{name}: no seed gave greedy steps {MIN_MARGIN} away from a tie")
     gold["weight_seed"] = seed
+    if name in EXTRAS:
+        gold.update(EXTRAS[name]())
     model.save_pretrained(out, safe_serialization=True)
     gen = transformers.GenerationConfig(eos_token_id=gen_eos, do_sample=False)
     gen.save_pretrained(out)
@@ -197,6 +203,23 @@ EMBED_STD = {"tiny-gemma3": 64 ** -0.5, "tiny-gemma2": 64 ** -0.5}
 GEMMA2_WINDOW = 8
 PHI3_WINDOW = 12
 CACHED_GOLDENS = {"tiny-phi3-longrope"}  # see the module docstring
+GPT_OSS_WINDOW = 8
+
+
+def mxfp4_sample() -> dict:
+    """MXFP4 blocks [2, 3, 2, 16] and scales [2, 3, 2] (2 experts, 3 outputs, 64 inputs: random
+    bytes and exponents 2 ** -6 .. 2 ** 6) with transformers' dequantization of them,
+    [2, 64, 3] float32 ([X, in, out], as its GptOssExperts hold the matrix)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(44)
+    blocks = torch.randint(0, 256, (2, 3, 2, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(121, 134, (2, 3, 2), generator=g, dtype=torch.int32).to(torch.uint8)
+    out = convert_moe_packed_tensors(blocks.clone(), scales.clone(), dtype=torch.float32)
+    return {"mxfp4": {"blocks": blocks.tolist(), "scales": scales.tolist(), "dequantized": out.tolist()}}
+
+
+EXTRAS = {"tiny-gpt-oss": mxfp4_sample}
 
 
 def main(names: list[str]) -> None:
@@ -267,6 +290,7 @@ def main(names: list[str]) -> None:
     )
     models["tiny-phi3-longrope"] = (phi3_longrope, transformers.Phi3ForCausalLM, [im_end])
     models.update(moe_models(common, eot, im_end))
+    models["tiny-gpt-oss"] = gpt_oss_model(common, eot, im_end)
     unknown = set(names) - set(models)
     if unknown:
         raise SystemExit(f"unknown models {sorted(unknown)}; known: {sorted(models)}")
@@ -296,6 +320,25 @@ def moe_models(common: dict, eot: int, im_end: int) -> dict:
         "tiny-qwen3-moe": (qwen3_moe, transformers.Qwen3MoeForCausalLM, [eot]),
         "tiny-mixtral": (mixtral, transformers.MixtralForCausalLM, [im_end]),
     }
+
+
+def gpt_oss_model(common: dict, eot: int, im_end: int) -> tuple:
+    """tiny-gpt-oss: GptOssForCausalLM with head_dim 16, 4 experts of 64 features, top-2; local
+    (window 8), global, local layers; YaRN (factor 4 over an original context of 64 at base 1000,
+    so pairs 0-2 blend and the rest are interpolated, cos/sin scaled by 1 + 0.1 ln 4); the SwiGLU
+    clamp at 1.0 (it bites at these weights; the released models clamp at 7); sinks ~ N(0, 1),
+    every bias ~ N(0, 0.25)."""
+    config = transformers.GptOssConfig(
+        **{**common, "intermediate_size": 64}, num_hidden_layers=3, head_dim=16, tie_word_embeddings=False,
+        eos_token_id=eot, bos_token_id=None, pad_token_id=eot, sliding_window=GPT_OSS_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        num_local_experts=4, num_experts_per_tok=2, swiglu_limit=1.0, attention_bias=True,
+        rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64,
+        },
+    )
+    return config, transformers.GptOssForCausalLM, [im_end]
 
 
 if __name__ == "__main__":

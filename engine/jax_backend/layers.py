@@ -1,5 +1,5 @@
 """The shared layer library every model family's block is made of: RoPE (with its scalings,
-longrope and partial rotation), soft-capping, the RMSNorms, the projections (plain, CPU panel
+longrope, YaRN and partial rotation), soft-capping, the RMSNorms, the projections (plain, CPU panel
 kernel, int8 / fp8), the fused q/k/v split and the gated MLP, the embedding lookup. Pure
 functions of arrays and the static config; no family knowledge (engine.jax_backend.families
 composes these into blocks, engine.jax_backend.transformer runs the blocks over the paged KV
@@ -11,6 +11,7 @@ the embedding.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -35,7 +36,8 @@ def rope(xs: tuple[jax.Array, ...], positions: jax.Array, cfg: ModelConfig) -> t
         turn = lambda part: rotate(part, angles, s.attention_factor)  # noqa: E731
     else:
         inv_freq = rope_frequencies(rot, cfg.rope_theta, s)  # [rot/2]
-        turn = lambda part: apply_rope(part, positions, inv_freq)  # noqa: E731
+        scale = s.attention_factor if s is not None and s.kind == "yarn" else 1.0
+        turn = lambda part: rotate(part, positions.astype(jnp.float32)[..., None] * inv_freq, scale)  # noqa: E731
     if rot == cfg.head_dim:
         return tuple(map(turn, xs))
     return tuple(jnp.concatenate([turn(x[..., :rot]), x[..., rot:]], axis=-1) for x in xs)
@@ -72,7 +74,31 @@ def rope_frequencies(d: int, theta: float, s: RopeScaling | None) -> np.ndarray:
         return (inv / s.factor).astype(np.float32)
     if s.kind == "longrope":  # position-dependent: `rope` picks between longrope_frequencies' two
         raise ValueError("longrope frequencies depend on the position: rotate with layers.rope")
+    if s.kind == "yarn":  # (its attention factor scales cos and sin: `rope` applies it)
+        return _yarn_inv_freq(d, theta, s)
     return _llama3_inv_freq(inv, s).astype(np.float32)
+
+
+def _yarn_inv_freq(d: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """YaRN's per-pair frequencies [D/2]: pair i keeps the base's frequency where it turns more
+    than beta_fast times over the original context, takes the base's / factor where it turns
+    fewer than beta_slow times, and blends the two linearly between (transformers'
+    _compute_yarn_parameters, in float32 as it computes them)."""
+    pos_freqs = np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d))  # [D/2]
+    extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (np.float32(s.factor) * pos_freqs)
+
+    def pair(rotations: float) -> float:  # the (fractional) pair that turns `rotations` times
+        return d * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = pair(s.beta_fast), pair(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # (transformers' guard against a zero-width ramp)
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)  # [D/2]
+    kept = 1 - ramp  # the share of the base's frequency
+    return (interpolated * (1 - kept) + extrapolated * kept).astype(np.float32)
 
 
 def _llama3_inv_freq(inv: np.ndarray, s: RopeScaling) -> np.ndarray:

@@ -147,6 +147,7 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
     qkv = (h + 2 * kv) * d  # the fused projection's width
     matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
     vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
+    vectors += (e if cfg.o_bias else 0) + (h if cfg.attention_sinks else 0)  # gpt-oss: o's bias, the sinks
     if s.channels:  # 1 byte a parameter and a float32 scale per output row; int8 embedding and head
         rows = [qkv, e, 2 * f, e]  # each matrix's outputs, in `matrices`' order
         head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else head_size * (e + 4)
@@ -179,7 +180,8 @@ def _expert_parameters(cfg: ModelConfig, panel_copies: bool) -> int:
     `panel_copies` each expert packed again for the grouped product's kernel."""
     e, x, f = cfg.hidden_size, cfg.n_experts, cfg.expert_ffn_size
     panels = x * (e * -(-2 * f // PANEL) * PANEL + f * -(-e // PANEL) * PANEL) if panel_copies else 0
-    return e * x + x * 3 * e * f + panels
+    biases = x + x * 2 * f + x * e if cfg.expert_bias else 0  # the router's, each expert's gate_up and down (gpt-oss)
+    return e * x + x * 3 * e * f + panels + biases
 
 
 def _temporaries(cfg: ModelConfig, head_size: int, s: Settings, act: int) -> int:

@@ -6,7 +6,8 @@ What lives where, on the mesh's one axis `tp` of N devices (a spec names the sha
   them out per kv head, so N contiguous parts are N sets of whole groups), o by rows (the heads),
   gate/up by columns (features, interleaved, so again whole features), down by rows;
 - an MoE layer's experts split by feature as the dense MLP is (`Plan.expert_shardings`), its router
-  replicated;
+  replicated (gpt-oss's expert biases: gate_up's split with its columns, down's replicated);
+- attention sinks (gpt-oss, one per query head) split by head as the heads are, o's bias replicated;
 - the embedding and the head split by vocabulary, the norms replicated;
 - the KV page pool split on its kv-head axis ([K, N, P, D] -> K/N per device); the block tables,
   small per-call inputs, are replicated.
@@ -126,6 +127,8 @@ class Plan:
             post_attn_norm=None if layer.post_attn_norm is None else rep,
             post_mlp_norm=None if layer.post_mlp_norm is None else rep,
             experts=None if dense_mlp else self.expert_shardings(layer.experts),
+            b_o=None if layer.b_o is None else rep,
+            sinks=None if layer.sinks is None else self.sharding(AXIS),  # by query head, with the heads
         )
 
     def expert_shardings(self, experts: ExpertWeights) -> ExpertWeights:
@@ -138,6 +141,8 @@ class Plan:
         return ExpertWeights(
             router=rep, gate_up=self.sharding(None, None, AXIS), down=self.sharding(None, AXIS, None),
             router_bias=None if experts.router_bias is None else rep,
+            gate_up_bias=None if experts.gate_up_bias is None else self.sharding(None, AXIS),  # with gate_up's columns
+            down_bias=None if experts.down_bias is None else rep,
         )
 
 

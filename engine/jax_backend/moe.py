@@ -24,9 +24,10 @@ count and the backend (all compute the same products, in float32 sums):
   and each block multiplies its expert's matrix in one batched product (the padding and the
   per-block weight copies are the cost; benchmarks/moe.py measures it against a dense MLP).
 
-What a family configures (gpt-oss would, later): the routing, a router bias (ExpertWeights.
-router_bias), and the gated activation `glu(gate, up)` (SiLU-gated for Qwen3-MoE and Mixtral;
-gpt-oss's clamped SwiGLU is another such function). Expert biases are not read yet.
+What a family configures: the routing, biases (ExpertWeights: the router's, added to its
+logits, and each expert's gate_up and down biases, added to its rows' products), and the gated
+activation `glu(gate, up)` (SiLU-gated for Qwen3-MoE and Mixtral; gpt-oss's clamped SwiGLU,
+engine.jax_backend.families.gpt_oss). A family without biases adds no operation.
 
 Under tensor parallelism (engine.jax_backend.mesh) each expert's features are split over the
 devices as the dense MLP's are: every device computes every expert's share of its features, the
@@ -88,10 +89,15 @@ def moe_mlp(x: jax.Array, w: ExpertWeights, k: int, routing: str, glu: Glu = sil
     rows = x[order // k]  # [M, E]: each sorted pair's token
     sorted_experts = flat[order]  # [M]
     packed = (None, None) if panels is None else (panels.experts_gate_up, panels.experts_down)
-    gate_up = grouped_product(rows, w.gate_up, sizes, sorted_experts, packed[0]).astype(x.dtype)  # [M, 2F'] interleaved
+    gate_up = grouped_product(rows, w.gate_up, sizes, sorted_experts, packed[0])  # [M, 2F'] float32, interleaved
+    if w.gate_up_bias is not None:
+        gate_up = gate_up + w.gate_up_bias[sorted_experts]  # [M, 2F']: each row its expert's
+    gate_up = gate_up.astype(x.dtype)
     gate_up = gate_up.reshape(gate_up.shape[0], -1, 2)  # [M, F', 2]
     hidden = glu(gate_up[..., 0], gate_up[..., 1])  # [M, F']
     out = grouped_product(hidden, w.down, sizes, sorted_experts, packed[1])  # [M, E] float32
+    if w.down_bias is not None:
+        out = out + w.down_bias[sorted_experts]  # [M, E]
     unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, e)  # [T, k, E]: back in pair order
     mixed = jnp.einsum("tke,tk->te", unsorted, weights)  # [T, E] float32
     return mixed.astype(x.dtype).reshape(*lead, e)

@@ -40,6 +40,9 @@ What holds:
   inside that block are masked like those past the length.
 - With a `softcap` (static, Gemma 2), each scaled score is soft-capped (cap * tanh(s / cap))
   before the mask; without one nothing is added.
+- With `sinks` (gpt-oss: a logit per query head that joins the softmax's denominator, with no
+  value) the kernel is unchanged: the plain-JAX combine of the splits takes each head's sink as
+  one more split with maximum = the sink, denominator 1 and output 0.
 
 Where it runs: `applies()` says whether the decode layers use it (a GPU backend, the Pallas
 Triton lowering importable, a head dim and page size it takes). On the CPU the engine keeps its
@@ -207,6 +210,7 @@ def decode_attention(
     interpret: bool | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """One query per row over the first lengths[r] positions of row r's block table: q [R, H, D],
     k/v pages [K, N, P, D], tables [R, W] int32 page ids, lengths [R] in [0, W x P] -> [R, H * D]
@@ -219,14 +223,15 @@ def decode_attention(
     A length of 0 gives a zero row. Float32 products are exact float32 (no TF32). `window`
     (static, >= 1): row r sees only positions lengths[r] - window .. lengths[r] - 1 (None: all).
     `softcap` (static, > 0; Gemma 2): each scaled score s becomes softcap * tanh(s / softcap)
-    before the mask (None: no operation)."""
+    before the mask (None: no operation). `sinks` [H] (gpt-oss): each head's sink logit in its
+    softmax's denominator, taken by the combine (None: no operation)."""
     _check(q, k_pages, v_pages, tables, lengths)
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be >= 1 position, got {window}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"a soft-cap must be > 0, got {softcap}")
     if interpret is None:
-        run = functools.partial(decode_attention, block_k=block_k, splits=splits, window=window, softcap=softcap)
+        run = functools.partial(decode_attention, block_k=block_k, splits=splits, window=window, softcap=softcap, sinks=sinks)
         return jax.lax.platform_dependent(
             q, k_pages, v_pages, tables, lengths,
             cuda=functools.partial(run, interpret=False), rocm=functools.partial(run, interpret=False),
@@ -272,13 +277,19 @@ def decode_attention(
         interpret=interpret,
         name="tokenwire_paged_decode_attention",
     )(lengths, tables, qg, k_pages, v_pages)
+    if sinks is not None:  # one more split per head: max = its sink, denominator exp(0) = 1, no value
+        sink = jnp.pad(sinks.astype(jnp.float32).reshape(kv, g), ((0, 0), (0, gp - g)))  # [K, Gp]
+        sink = jnp.broadcast_to(sink, (1, r, kv, gp))  # [1, R, K, Gp]
+        o = jnp.concatenate([o, jnp.zeros((1, r, kv, gp, d), jnp.float32)])
+        m, l = jnp.concatenate([m, sink]), jnp.concatenate([l, jnp.ones_like(sink)])
     return _combine(o, m, l)[:, :, :g].reshape(r, h * d).astype(q.dtype)
 
 
 def _combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """The splits' partials o [S, R, K, Gp, D], m and l [S, R, K, Gp] -> the normalised output
     [R, K, Gp, D] float32: rescale each split to the common max, then divide once. An empty
-    split (o = l = 0) adds nothing; a row with no key at all gets zeros."""
+    split (o = l = 0) adds nothing; a row with no key at all gets zeros (with sinks, an idle row
+    has only its sinks' split: zeros too)."""
     top = jax.lax.optimization_barrier(m.max(axis=0))  # [R, K, Gp]; the barrier as in JAX's own decode op
     w = jnp.exp(m - top[None])  # [S, R, K, Gp]
     denom = (l * w).sum(axis=0)  # [R, K, Gp]
@@ -305,10 +316,12 @@ def reference(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, lengths: jax.Array,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The same attention in plain JAX, in float32, for tests: the pages gathered through the
     tables, then softmax attention over each row's first lengths[r] positions (the last `window`
-    of them with a window; the scores soft-capped with a `softcap`). q [R, H, D], pages [K, N, P, D], tables [R, W], lengths [R] ->
+    of them with a window; the scores soft-capped with a `softcap`; each head's sink [H] in its
+    denominator with `sinks`). q [R, H, D], pages [K, N, P, D], tables [R, W], lengths [R] ->
     [R, H * D] in q's dtype; zero rows where the length is 0."""
     r, h, d = q.shape
     kv = k_pages.shape[0]
@@ -323,7 +336,12 @@ def reference(
     scores = soft_cap(jnp.einsum("rkgd,rksd->rkgs", qf, kf, precision="highest") / np.sqrt(d), softcap)  # [R, K, G, S]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
     scores = jnp.where((lengths > 0)[:, None, None, None], scores, 0.0)  # an idle row: finite, zeroed below
-    probs = jnp.where(seen[:, None, None], jax.nn.softmax(scores, axis=-1), 0.0)  # [R, K, G, S]
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)  # [R, K, G, S]
+    else:  # the sink as one more score, dropped after the softmax
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kv, g, 1), (r, kv, g, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    probs = jnp.where(seen[:, None, None], probs, 0.0)  # [R, K, G, S]
     vf = jnp.where(seen[:, None, :, None], vf, 0.0)
     out = jnp.einsum("rkgs,rksd->rkgd", probs, vf, precision="highest")  # [R, K, G, D]
     return out.reshape(r, h * d).astype(q.dtype)

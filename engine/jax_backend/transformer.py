@@ -156,15 +156,34 @@ def in_window(k_pos: jax.Array, q_pos: jax.Array, window: int | None) -> jax.Arr
     return seen if window is None else seen & (k_pos > q_pos - window)
 
 
+def sink_softmax(scores: jax.Array, sinks: jax.Array | None) -> jax.Array:
+    """Softmax over the last axis of scores [..., A] (float32, masked keys -inf); with `sinks`
+    (gpt-oss: a logit per row, broadcast against scores[..., :1]) each sink joins its row's
+    denominator and has no value, so a row's weights sum to less than 1. None: jax.nn.softmax,
+    no operation added."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    top = jnp.maximum(scores.max(axis=-1, keepdims=True), sinks)  # [..., 1]: finite (the sink is)
+    e = jnp.exp(scores - top)  # [..., A]
+    return e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sinks - top))
+
+
+def head_sinks(sinks: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """A layer's sinks [H] (query head k * G + i at [k, i]) -> [K, G] float32, as the paths group heads."""
+    return sinks.astype(jnp.float32).reshape(cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads)
+
+
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig, window: int | None = None
+    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, cfg: ModelConfig, window: int | None = None,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention of queries at `q_pos` over keys at positions 0..A-1.
 
     q [B, T, H, D], k/v [B, A, K, D], q_pos [B, T] -> [B, T, H * D]. A key is seen iff its
     position <= the query's (and within `window` of it: `in_window`), which also hides stale
     positions past a sequence's live length. Every attention path here soft-caps the scaled
-    scores before the mask when the config says so (cfg.attn_softcap, Gemma 2: `soft_cap`).
+    scores before the mask when the config says so (cfg.attn_softcap, Gemma 2: `soft_cap`), and
+    takes a layer's attention sinks [H] when it has them (gpt-oss: `sink_softmax`).
     """
     b, t, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
@@ -173,14 +192,15 @@ def attention(
     scores = soft_cap(scores * (1.0 / np.sqrt(d)), cfg.attn_softcap)
     seen = in_window(jnp.arange(k.shape[1])[None, None, :], q_pos[:, :, None], window)  # [B, T, A]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [B, K, G, T, A]
+    sink = None if sinks is None else head_sinks(sinks, cfg)[None, :, :, None, None]  # [1, K, G, 1, 1]
+    probs = sink_softmax(scores, sink).astype(v.dtype)  # [B, K, G, T, A]
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)  # [B, T, K, G, D]
     return out.reshape(b, t, cfg.n_heads * d)
 
 
 def chunk_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array, cfg: ModelConfig,
-    block: int = 256, window: int | None = None,
+    block: int = 256, window: int | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one slot's chunk of C queries at positions start..start+C-1 over
     the slot's keys, read through its block table (the chunk's own already written): q [C, H, D],
@@ -193,7 +213,8 @@ def chunk_attention(
     queries with [D, block] keys. A query sees a key iff its position <= the query's (stale
     positions, the null page's and padding are never seen) and, with a `window`, within it
     (`in_window`): then the walk starts at the block of the chunk's first query's first key, so a
-    long sequence reads only about window + C keys."""
+    long sequence reads only about window + C keys. With `sinks` [H] each query's running
+    maximum starts at its head's sink and its denominator at 1 (the sink's own term)."""
     c, h, d = q.shape
     kv, _, p, _ = k_pages.shape
     g = h // kv
@@ -231,6 +252,8 @@ def chunk_attention(
         jnp.zeros((kv, g * c), jnp.float32),
         jnp.zeros((kv, g * c, d), jnp.float32),
     )
+    if sinks is not None:  # the sink as a key seen first: max = sink, its term exp(0) = 1, no value
+        init = (jnp.repeat(head_sinks(sinks, cfg), c, axis=1), jnp.ones((kv, g * c), jnp.float32), init[2])  # [K, G*C]
     _, l, acc = jax.lax.fori_loop(first_block, n_blocks, body, init)
     out = (acc / l[..., None]).astype(q.dtype)  # [K, G*C, D]
     return out.reshape(kv, g, c, d).transpose(2, 0, 1, 3).reshape(c, h * d)
@@ -238,12 +261,13 @@ def chunk_attention(
 
 def decode_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, q_pos: jax.Array, cfg: ModelConfig,
-    window: int | None = None,
+    window: int | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """One query per row over its keys at positions 0..A-1, gathered through its table: q
     [R, H, D], k/v pools [K, N, P, D], tables [R, A / P] (the pages the attended bucket spans),
     q_pos [R] -> [R, H * D]. A key is seen iff its position <= the query's and, with a `window`,
-    within it (`in_window`; the gather still spans the bucket: the kernels skip what is outside)."""
+    within it (`in_window`; the gather still spans the bucket: the kernels skip what is outside).
+    `sinks` [H]: as in `attention`."""
     r, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
     k, v = gather_pages(k_pages, tables), gather_pages(v_pages, tables)  # [R, K, A, D]
@@ -252,7 +276,8 @@ def decode_attention(
     scores = soft_cap(scores * (1.0 / np.sqrt(d)), cfg.attn_softcap)
     seen = in_window(jnp.arange(k.shape[2])[None, :], q_pos[:, None], window)  # [R, A]
     scores = jnp.where(seen[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [R, K, G, A]
+    sink = None if sinks is None else head_sinks(sinks, cfg)[None, :, :, None]  # [1, K, G, 1]
+    probs = sink_softmax(scores, sink).astype(v.dtype)  # [R, K, G, A]
     out = jnp.einsum("rkga,rkad->rkgd", probs, v)  # [R, K, G, D]
     return out.reshape(r, cfg.n_heads * d)
 
@@ -322,7 +347,7 @@ def prefill_layers(
         k_pool, v_pool = write_pages(k_pool, page, offset, k[0]), write_pages(v_pool, page, offset, v[0])
         ks.append(k_pool)
         vs.append(v_pool)
-        seen = _chunk_seen(q[0], k_pool, v_pool, table, start, cfg, use_kernel, window)  # [C, H*D]
+        seen = _chunk_seen(q[0], k_pool, v_pool, table, start, cfg, use_kernel, window, w.sinks)  # [C, H*D]
         x = block.attention_residual(x, _project(seen, w.w_o, getattr(w.panels, "o", None))[None], w, cfg)
         x = block.mlp_residual(x, w, cfg)
     return x, tuple(ks), tuple(vs)
@@ -359,21 +384,24 @@ def packed_prefill_layers(
         k_pool, v_pool = write_pages(k_pool, pages, offset, k[0]), write_pages(v_pool, pages, offset, v[0])
         ks.append(k_pool)
         vs.append(v_pool)
-        out = _masked_attention(q[0], k[0], v[0], masks[window], cfg)  # [T, H*D]
+        out = _masked_attention(q[0], k[0], v[0], masks[window], cfg, w.sinks)  # [T, H*D]
         x = block.attention_residual(x, _project(out, w.w_o, getattr(w.panels, "o", None))[None], w, cfg)
         x = block.mlp_residual(x, w, cfg)
     return x, tuple(ks), tuple(vs)
 
 
-def _masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, cfg: ModelConfig) -> jax.Array:
+def _masked_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, seen: jax.Array, cfg: ModelConfig, sinks: jax.Array | None = None
+) -> jax.Array:
     """GQA attention of q [T, H, D] over k/v [T, K, D] where seen [T, T] (query, key) -> [T, H * D].
-    Every query sees at least itself."""
+    Every query sees at least itself. `sinks` [H]: as in `attention`."""
     t, _, d = q.shape
     g = cfg.n_heads // cfg.n_kv_heads
     q = q.reshape(t, cfg.n_kv_heads, g, d)  # [T, K, G, D]
     scores = jnp.einsum("tkgd,skd->kgts", q, k, preferred_element_type=jnp.float32) * (1.0 / np.sqrt(d))
     scores = jnp.where(seen[None, None], soft_cap(scores, cfg.attn_softcap), -jnp.inf)  # [K, G, T, T]
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    sink = None if sinks is None else head_sinks(sinks, cfg)[:, :, None, None]  # [K, G, 1, 1]
+    probs = sink_softmax(scores, sink).astype(v.dtype)
     return jnp.einsum("kgts,skd->tkgd", probs, v).reshape(t, cfg.n_heads * d)
 
 
@@ -394,33 +422,46 @@ def _decode_writer(tables: jax.Array, positions: jax.Array, active: jax.Array, p
 
 def _decode_seen(
     q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, tables: jax.Array, positions: jax.Array, active: jax.Array,
-    cfg: ModelConfig, attend: int, kernels: bool, ragged: bool, window: int | None,
+    cfg: ModelConfig, attend: int, kernels: bool, ragged: bool, window: int | None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """The decode rows' attention, q [R, H, D] -> [R, H * D], by the kernel `decode_layers` names,
     over the last `window` positions (None: all); the kernels read each row's pages in place (and
-    only those its window reaches), the XLA path gathers the pages of `attend`."""
-    if kernels:
+    only those its window reaches), the XLA path gathers the pages of `attend`. The C++ kernel
+    has no attention sinks: a layer with sinks [H] takes the XLA path instead
+    (`attention_kernels`; the Pallas kernel takes them)."""
+    if kernels and sinks is None:
         return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window, cfg.attn_softcap)
     if ragged:  # an inactive row reads no key (length 0)
         lengths = jnp.where(active, positions + 1, 0)  # [R]
-        return ragged_attention.decode_attention(q, k_pool, v_pool, tables, lengths, window=window, softcap=cfg.attn_softcap)
+        return ragged_attention.decode_attention(
+            q, k_pool, v_pool, tables, lengths, window=window, softcap=cfg.attn_softcap, sinks=sinks
+        )
     pages = table_width(attend, k_pool.shape[2])
-    return decode_attention(q, k_pool, v_pool, tables[:, :pages], positions, cfg, window)
+    return decode_attention(q, k_pool, v_pool, tables[:, :pages], positions, cfg, window, sinks)
+
+
+def attention_kernels(cfg: ModelConfig) -> bool:
+    """Whether the C++ CPU attention kernels (decode and chunk) can serve this config: not with
+    attention sinks (gpt-oss), which they lack; such a model's attention runs on the XLA paths
+    while its projections keep the CPU kernels (engine.jax_backend.loading logs it)."""
+    return not cfg.attention_sinks
 
 
 def _chunk_kernel(kernels: bool, cfg: ModelConfig, dtype: jnp.dtype, cache_dtype: jnp.dtype) -> bool:
     """Whether a chunk's attention goes to the CPU kernel (see `prefill_layers`)."""
-    return kernels and cpu_kernels.chunk_attention_applies(cfg.head_dim) and dtype == jnp.float32 and cache_dtype == jnp.float32
+    return (kernels and attention_kernels(cfg) and cpu_kernels.chunk_attention_applies(cfg.head_dim)
+            and dtype == jnp.float32 and cache_dtype == jnp.float32)
 
 
 def _chunk_seen(
     q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, table: jax.Array, start: jax.Array, cfg: ModelConfig,
-    use_kernel: bool, window: int | None,
+    use_kernel: bool, window: int | None, sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """A chunk's attention over its slot's pages within `window` (None: all), q [C, H, D] -> [C, H * D]."""
+    """A chunk's attention over its slot's pages within `window` (None: all), q [C, H, D] -> [C, H * D];
+    `sinks` [H]: the layer's (`use_kernel` is False where there are: `_chunk_kernel`)."""
     if use_kernel:
         return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start, window, cfg.attn_softcap)
-    return chunk_attention(q, k_pool, v_pool, table, start, cfg, window=window)
+    return chunk_attention(q, k_pool, v_pool, table, start, cfg, window=window, sinks=sinks)
 
 
 def _ragged(ragged: bool | None, cfg: ModelConfig, page_size: int) -> bool:
@@ -459,7 +500,7 @@ def decode_layers(
         k_pool, v_pool = write(k_pool, k[:, 0]), write(v_pool, v[:, 0])
         ks.append(k_pool)
         vs.append(v_pool)
-        seen = _decode_seen(q[:, 0], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window)  # [R, H*D]
+        seen = _decode_seen(q[:, 0], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window, w.sinks)  # [R, H*D]
         x = block.attention_residual(x, _project(seen, w.w_o, getattr(w.panels, "o", None))[:, None], w, cfg)
         x = block.mlp_residual(x, w, cfg)
     return x, tuple(ks), tuple(vs)
@@ -511,8 +552,8 @@ def mixed_layers(
         ks.append(k_pool)
         vs.append(v_pool)
         seen = jnp.concatenate([
-            _decode_seen(q[0, :r], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window),  # [R, H*D]
-            _chunk_seen(q[0, r:], k_pool, v_pool, table, start, cfg, use_kernel, window),  # [C, H*D]
+            _decode_seen(q[0, :r], k_pool, v_pool, tables, positions, active, cfg, attend, kernels, ragged, window, w.sinks),  # [R, H*D]
+            _chunk_seen(q[0, r:], k_pool, v_pool, table, start, cfg, use_kernel, window, w.sinks),  # [C, H*D]
         ])[None]
         h = block.attention_residual(h, _project(seen, w.w_o, getattr(w.panels, "o", None)), w, cfg)
         h = block.mlp_residual(h, w, cfg)

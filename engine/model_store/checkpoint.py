@@ -31,6 +31,7 @@ dim, L layers.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -56,16 +57,23 @@ class RopeScaling:
     """Rotary frequency scaling: "linear" divides positions by `factor`; "llama3" rescales by band;
     "longrope" (Phi-3 / Phi-4, engine.model_store.families.phi3) divides each pair's frequency by
     its own factor, the short ones below original_max_position_embeddings and the long ones from
-    there on, and scales cos and sin by `attention_factor`."""
+    there on, and scales cos and sin by `attention_factor`; "yarn" (gpt-oss) blends each pair's
+    frequency between the base's and the base's / `factor` by its wavelength (the pairs that turn
+    more than beta_fast times over original_max_position_embeddings keep the base's, fewer than
+    beta_slow take the divided one, a linear ramp between), and scales cos and sin by
+    `attention_factor`."""
 
-    kind: str  # "linear" | "llama3" | "longrope"
+    kind: str  # "linear" | "llama3" | "longrope" | "yarn"
     factor: float
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
     original_max_position_embeddings: int = 8192  # llama3 and longrope
     short_factor: tuple[float, ...] = ()  # longrope only: one per rotated pair
     long_factor: tuple[float, ...] = ()  # longrope only
-    attention_factor: float = 1.0  # longrope only
+    attention_factor: float = 1.0  # longrope and yarn
+    beta_fast: float = 32.0  # yarn only
+    beta_slow: float = 1.0  # yarn only
+    truncate: bool = True  # yarn only: the ramp's ends rounded out to whole pairs
 
 
 @dataclass(frozen=True)
@@ -113,6 +121,16 @@ class ModelConfig:
     expert_ffn_size: int = 0
     routing: str | None = None
     moe_layers: tuple[bool, ...] | None = None
+    # gpt-oss (engine.jax_backend.families.gpt_oss): a bias on o (LayerWeights.b_o); per-head
+    # attention sinks (LayerWeights.sinks: a learned logit in each head's softmax denominator,
+    # with no value; every attention path takes them); biases on the router and on each expert's
+    # gate_up and down (ExpertWeights); the experts' clamped SwiGLU, its gate's sigmoid gain and
+    # its clamp. False / None for the other families: nothing added to their steps.
+    o_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
 
 
 # How router logits [X] become the weights of a token's k experts (engine.jax_backend.moe.route):
@@ -133,7 +151,9 @@ class ExpertWeights:
     router: Array  # [E, X]
     gate_up: Array  # [X, E, 2F']  F' = expert_ffn_size; columns 2f and 2f + 1 are feature f's gate, up
     down: Array  # [X, F', E]
-    router_bias: Array | None = None  # [X]  added to the router's logits (none of today's families)
+    router_bias: Array | None = None  # [X]  added to the router's logits (gpt-oss)
+    gate_up_bias: Array | None = None  # [X, 2F']  each expert's, laid out as gate_up's columns (gpt-oss)
+    down_bias: Array | None = None  # [X, E]  (gpt-oss)
 
 
 @dataclass(frozen=True)
@@ -152,6 +172,8 @@ class LayerWeights:
     post_attn_norm: Array | None = None  # [E]  Gemma: the attention's output normed before the residual add
     post_mlp_norm: Array | None = None  # [E]  Gemma: the MLP's output likewise
     experts: ExpertWeights | None = None  # an MoE layer's router and experts (its w_gate_up, w_down None)
+    b_o: Array | None = None  # [E]  gpt-oss: o's bias (ModelConfig.o_bias)
+    sinks: Array | None = None  # [H]  gpt-oss: each query head's sink logit (ModelConfig.attention_sinks)
     panels: Any = None  # panel-packed copies for CPU products of a few rows, added by engine.jax_backend
 
 
@@ -221,6 +243,35 @@ def rope_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling | None:
             int(rope["original_max_position_embeddings"]),
         )
     raise CheckpointError(f"{arch}: unsupported rope scaling type {kind!r} (default, linear, llama3)")
+
+
+def yarn_scaling(arch: str, rope: dict[str, Any]) -> RopeScaling:
+    """YaRN from a config's rope parameters (transformers' keys and defaults). Read by the
+    families tested with it against transformers (gpt-oss); `rope_scaling` still refuses it for
+    the others."""
+    try:
+        factor, original = float(rope["factor"]), int(rope["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(f"{arch}: yarn needs a factor and original_max_position_embeddings, got {rope!r}") from None
+    return RopeScaling(
+        "yarn", factor, original_max_position_embeddings=original,
+        attention_factor=float(rope.get("attention_factor") or yarn_attention_factor(rope)),
+        beta_fast=float(rope.get("beta_fast") or 32.0), beta_slow=float(rope.get("beta_slow") or 1.0),
+        truncate=bool(rope.get("truncate", True)),
+    )
+
+
+def yarn_attention_factor(rope: dict[str, Any]) -> float:
+    """YaRN's cos/sin scale when the config names none: 0.1 ln(factor) + 1 (the paper's), or the
+    ratio of two such terms with `mscale` and `mscale_all_dim` (DeepSeek's form)."""
+    factor = float(rope["factor"])
+
+    def m(scale: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return m(float(rope["mscale"])) / m(float(rope["mscale_all_dim"]))
+    return m(1.0)
 
 
 def load_weights(model_dir: Path, config: ModelConfig, place: Place = np.asarray, head_size: int | None = None) -> Weights:

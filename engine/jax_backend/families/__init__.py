@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import jax
 
-from engine.jax_backend.families import dense, gemma2, gemma3, sparse_moe
+from engine.jax_backend.families import dense, gemma2, gemma3, gpt_oss, sparse_moe
 from engine.model_store.checkpoint import LayerWeights, ModelConfig
 
 
@@ -49,6 +49,7 @@ DENSE = Block(dense.attention_input, dense.qkv, dense.attention_residual, dense.
 GEMMA3 = Block(gemma3.attention_input, gemma3.qkv, gemma3.attention_residual, gemma3.mlp_residual, gemma3.final_norm)
 GEMMA2 = Block(gemma2.attention_input, gemma2.qkv, gemma2.attention_residual, gemma2.mlp_residual, gemma2.final_norm)
 SPARSE_MOE = Block(sparse_moe.attention_input, sparse_moe.qkv, sparse_moe.attention_residual, sparse_moe.mlp_residual, sparse_moe.final_norm)
+GPT_OSS = Block(gpt_oss.attention_input, gpt_oss.qkv, gpt_oss.attention_residual, gpt_oss.mlp_residual, gpt_oss.final_norm)
 
 # One line per family (engine.model_store.families.FAMILIES names the same architectures).
 BLOCKS: dict[str, Block] = {
@@ -57,6 +58,7 @@ BLOCKS: dict[str, Block] = {
     "Gemma2ForCausalLM": GEMMA2,
     "Phi3ForCausalLM": DENSE,  # its fused projections split at load (engine.model_store.families.phi3)
     **{arch: SPARSE_MOE for arch in ("Qwen3MoeForCausalLM", "MixtralForCausalLM")},
+    "GptOssForCausalLM": GPT_OSS,
 }
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.model_store.checkpoint import LayerWeights, ModelConfig, TensorReader
-from engine.model_store.families import dense, gemma2, gemma3, phi3, sparse_moe
+from engine.model_store.families import dense, gemma2, gemma3, gpt_oss, phi3, sparse_moe
 
 
 @dataclass(frozen=True)
@@ -32,4 +32,5 @@ FAMILIES: dict[str, Family] = {
     "Gemma2ForCausalLM": Family(gemma2.parse_config, gemma2.layer, gemma2.embed_scale),
     "Phi3ForCausalLM": Family(phi3.parse_config, phi3.layer),
     **{arch: Family(sparse_moe.parse_config, sparse_moe.layer) for arch in sparse_moe.ARCHITECTURES},  # Qwen3-MoE, Mixtral
+    gpt_oss.ARCH: Family(gpt_oss.parse_config, gpt_oss.layer),
 }
