@@ -26,6 +26,7 @@ RUNS = {"tiny-llama": (1, 2, 4), "tiny-qwen2": (4,), "tiny-qwen3": (4,), "tiny-q
 # tiny-llama and the odd tiny-qwen2)
 RUNS["tiny-gemma2"] = (2,)  # issue 44: soft-capping, local and global layers
 RUNS["tiny-phi3"] = (2,)  # issue 44: Phi-3's fused weights split at load, a window
+RUNS["tiny-gpt-oss"] = (2,)  # issue 44: attention sinks split by head, expert biases split with their features
 # Checkpoints whose runs here compare ids, logits and each device's share only, with no warm-up
 # (so no "nothing compiles after warm-up" under the mesh): which shapes a warm-up covers is decided
 # by the configuration's layer kinds and shardings, which tiny-llama (2 and 4 ways), tiny-qwen2 and
@@ -34,7 +35,7 @@ RUNS["tiny-phi3"] = (2,)  # issue 44: Phi-3's fused weights split at load, a win
 # no sharding of their own. tiny-qwen3-moe stays warmed up: its experts are sharded their own way
 # (mesh.py's expert specs, its dense and MoE layers side by side), so a warm-up that missed a
 # sharded MoE shape would show only here; tiny-mixtral shares that sharding.
-IDS_ONLY = frozenset({"tiny-mixtral", "tiny-gemma3", "tiny-gemma2", "tiny-phi3"})
+IDS_ONLY = frozenset({"tiny-mixtral", "tiny-gemma3", "tiny-gemma2", "tiny-phi3", "tiny-gpt-oss"})
 TWO_SLOTS = "tiny-llama"  # batch invariance, seeded sampling, the split sampler: one checkpoint (more slots, more compiles)
 ODD = 509
 
