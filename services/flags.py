@@ -89,7 +89,7 @@ def _engine_flags(p):
              "--cpu-kernels off, bfloat16) int8 per output channel, converted inside XLA's product. fp8: e4m3 projections "
              "per output channel times activations rounded to e4m3 per row (native fp8 products on Hopper, widened to "
              "float32 on a CPU), int8 embedding and head. int8 and fp8 run on one device: not with --tensor-parallel; "
-             "and not for a mixture of experts (Qwen3-MoE, Mixtral), which auto serves in float32.",
+             "and not for a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss), which auto serves in float32.",
              choices=["auto", "float32", "int8", "fp8"], default=SERVED.weights)
     add_flag(p, "--cpu-threads", help="threads per CPU kernel call (0 = the CPUs this process may use)",
              details="Each weight product or attention call of the CPU kernels runs on this many threads. 0: the CPUs "
