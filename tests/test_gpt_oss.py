@@ -7,18 +7,20 @@ drawn around 1; prompts of 11, 28 and 2 tokens and 16 greedy steps, so the windo
 - The config: windows, YaRN, routing, the experts' activation, from transformers 5's keys and the
   Hub's older ones; an unsupported quantization or attention_bias false refused by name.
 - Per op: attention sinks in every XLA path (decode, chunk, packed, whole) and in the Pallas
-  kernel (interpret mode) against a plain numpy softmax with the sink as one more logit; the
-  clamped SwiGLU against its formula, where the clamps bite.
+  kernel (interpret mode) against a plain numpy softmax with the sink as one more logit; in the
+  C++ CPU kernels (decode, and chunk with its key splits merged; both ISAs; with a window and a
+  soft-cap too) against the XLA paths; a model without sinks calls the kernels it called before;
+  the clamped SwiGLU against its formula, where the clamps bite.
 - MXFP4: our unpacking bit for bit against transformers' own dequantization (a sample with every
   code in both nibbles, in golden.json); tiny-gpt-oss's experts packed into gpt-oss's on-disk layout and
   loaded, bit for bit against a plainly written unpacking; a misshapen block refused.
-- The whole model on the served CPU path (the C++ kernels' products, the XLA attention, which
-  takes the sinks the C++ attention kernels lack): logits within ATOL and greedy ids equal to the
-  goldens, each cached decode step equal to a full prefill; a prompt in chunks across the
-  window's edges, packed with the others, and riding along with decode steps.
+- The whole model on the served CPU path (the C++ kernels: products, the experts' grouped
+  product, decode and chunk attention with sinks; packed prompts on the XLA attention): logits
+  within ATOL and greedy ids equal to the goldens, each cached decode step equal to a full
+  prefill; a prompt in chunks across the window's edges, packed with the others, and riding
+  along with decode steps.
 - Served by JaxModel (1 slot), greedy ids equal to the goldens and nothing compiled after
-  warm-up, with the log line that says why its attention is not on the C++ kernels; the memory
-  plan's weights equal to the arrays placed. TP=2: tests/test_tensor_parallel.py
+  warm-up; the memory plan's weights equal to the arrays placed. TP=2: tests/test_tensor_parallel.py
   (tests/support/forced_devices.py, ids only).
 
 Float32 on the CPU device, as tests/test_transformer_parity.py (whose module docstring says why).
@@ -27,7 +29,6 @@ Float32 on the CPU device, as tests/test_transformer_parity.py (whose module doc
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from dataclasses import replace
 from pathlib import Path
@@ -40,13 +41,13 @@ from safetensors.numpy import load_file, save_file
 
 from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import SamplingParams
-from engine.jax_backend import families, loading, memory_plan, quantize, ragged_attention, transformer
+from engine.jax_backend import cpu_kernels, families, memory_plan, quantize, ragged_attention, transformer
 from engine.jax_backend.families import gpt_oss
 from engine.jax_backend.jax_model import JaxModel
 from engine.jax_backend.weights import load_checkpoint as load_on_device, packed_head, with_panels
 from engine.model_store import mxfp4
 from engine.model_store.checkpoint import CheckpointError, RopeScaling, load_checkpoint, parse_config
-from support import golden_parity
+from support import golden_parity, prerequisites
 from support.compile_watch import compile_events
 from support.pages import own_pages
 
@@ -57,6 +58,7 @@ CASES = GOLDEN["cases"]
 CFG = parse_config(RAW)
 BATCH, CONTEXT = 3, 64
 ATOL = 1e-4  # goldens are rounded to 1e-5; float32 differences seen are ~1e-5
+ISAS = ["avx2"] + (["avx512"] if "avx512f" in cpu_kernels._cpu_flags() else [])
 
 
 @pytest.fixture(autouse=True)
@@ -148,6 +150,51 @@ def test_attention_sinks_in_every_xla_path_and_the_pallas_kernel():
     assert not np.asarray(got)[0].any()  # the idle row: zeros
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_cpu_kernels_take_the_sinks_as_the_xla_paths_do(isa):
+    kernels = prerequisites.cpu_kernels()
+    assert cpu_kernels.decode_attention_isa(kernels, isa == "avx512") == isa
+    assert cpu_kernels.chunk_attention_isa(kernels, isa == "avx512") == isa
+    cpu_kernels.set_threads(kernels, 2)  # 2 threads: a short chunk splits its keys, then merges them
+    try:
+        rng = np.random.default_rng(7)
+        page, width, kv, h, d = 8, 72, 2, 4, 16
+        sinks = jnp.asarray(rng.standard_normal(h) + 1.0, jnp.float32)
+        k_pool, v_pool = (jnp.asarray(rng.standard_normal((kv, 2 * width + 1, page, d)), jnp.float32) for _ in range(2))
+        tables = jnp.asarray(1 + rng.permutation(2 * width).reshape(2, width), jnp.int32)  # [R, W]
+        positions = jnp.asarray([6, 300], jnp.int32)
+        q = jnp.asarray(2 * rng.standard_normal((2, h, d)), jnp.float32)
+        qc = jnp.asarray(2 * rng.standard_normal((12, h, d)), jnp.float32)  # a chunk at 540..551: 5 key blocks
+        for window, cap in ((None, None), (8, None), (300, 3.0)):
+            cfg = replace(CFG, n_heads=h, n_kv_heads=kv, head_dim=d, attn_softcap=cap)
+            want = transformer.decode_attention(q, k_pool, v_pool, tables, positions, cfg, window, sinks)
+            got = cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window, cap, sinks)
+            np.testing.assert_allclose(got, want, atol=2e-5)
+            assert not np.allclose(got, cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window, cap), atol=1e-3)
+            want = transformer.chunk_attention(qc, k_pool, v_pool, tables[1], jnp.int32(540), cfg, block=64, window=window, sinks=sinks)
+            got = cpu_kernels.chunk_attention(qc, k_pool, v_pool, tables[1], np.int32(540), window, cap, sinks)
+            np.testing.assert_allclose(got, want, atol=2e-5)
+            assert not np.allclose(got, cpu_kernels.chunk_attention(qc, k_pool, v_pool, tables[1], np.int32(540), window, cap), atol=1e-4)
+    finally:
+        cpu_kernels.set_threads(kernels, cpu_kernels.available_cpus())  # (as tests/test_chunk_attention_kernel.py restores it)
+        cpu_kernels.decode_attention_isa(kernels, True)
+        cpu_kernels.chunk_attention_isa(kernels, True)
+
+
+def test_without_sinks_the_kernels_called_are_those_of_before():
+    q, pool = jnp.zeros((2, 4, 16), jnp.float32), jnp.zeros((2, 9, 8, 16), jnp.float32)
+    tables, positions = jnp.ones((2, 4), jnp.int32), jnp.zeros(2, jnp.int32)
+
+    def lowered(sinks):
+        def step(q, k, v, t, p):
+            return transformer._decode_seen(q, k, v, t, p, p >= 0, CFG, 32, True, False, 8, sinks)
+        return jax.jit(step).lower(q, pool, pool, tables, positions).as_text()
+
+    assert cpu_kernels.SINKS_ATTENTION_TARGET in lowered(jnp.ones(4, jnp.float32))
+    plain = lowered(None)
+    assert cpu_kernels.WINDOW_ATTENTION_TARGET in plain and "sinks" not in plain
+
+
 def test_the_clamped_swiglu_is_transformers_formula_where_both_clamps_bite():
     gate = jnp.asarray([[-3.0, -0.5, 0.0, 0.7, 1.0, 4.0]], jnp.float32)
     up = jnp.asarray([[-4.0, 2.0, 0.3, -1.0, 0.9, 5.0]], jnp.float32)
@@ -224,8 +271,8 @@ def test_mxfp4_experts_in_gpt_oss_layout_load_bit_for_bit_and_bad_ones_are_refus
 
 @pytest.fixture(scope="module")
 def whole_model() -> golden_parity.WholeModel:
-    """tiny-gpt-oss's whole-model calls on the served CPU path: the C++ kernels' products (the
-    experts' grouped one included), the XLA attention with the sinks."""
+    """tiny-gpt-oss's whole-model calls on the served CPU path: the C++ kernels (the experts'
+    grouped product and the attention with sinks included)."""
     return golden_parity.load(GPT_OSS, CFG, CONTEXT, kernels=True)
 
 
@@ -250,13 +297,13 @@ def test_the_memory_plan_counts_the_biases_sinks_and_experts_as_placed(panels):
 
 
 @pytest.mark.usefixtures("cpu_backend")
-def test_served_by_jax_model_greedy_ids_equal_transformers_and_nothing_compiles_after_warm_up(caplog):
-    with caplog.at_level(logging.INFO, logger=loading.__name__):
-        m = JaxModel.load(
-            GPT_OSS, max_batch_size=1, max_context_length=CONTEXT, min_bucket=CONTEXT, min_attend=CONTEXT,
-            kernels=True, dtype="float32",
-        )
-    assert m.kernels and "CPU attention kernels not used: GptOssForCausalLM has attention sinks" in caplog.text
+def test_served_by_jax_model_greedy_ids_equal_transformers_and_nothing_compiles_after_warm_up():
+    prerequisites.cpu_kernels()
+    m = JaxModel.load(
+        GPT_OSS, max_batch_size=1, max_context_length=CONTEXT, min_bucket=CONTEXT, min_attend=CONTEXT, kernels=True,
+        dtype="float32",
+    )
+    assert m.kernels
     m.warm_up()
     greedy, before = SamplingParams(temperature=0.0, seed=0), m.compilations()
     with compile_events() as compiles:

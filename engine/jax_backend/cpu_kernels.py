@@ -93,6 +93,9 @@ WINDOW_CHUNK_TARGET = "tokenwire_chunk_attention_window"
 # separate, so that an uncapped model's calls stay as they were.
 CAPPED_ATTENTION_TARGET = "tokenwire_decode_attention_capped"
 CAPPED_CHUNK_TARGET = "tokenwire_chunk_attention_capped"
+# And with gpt-oss's attention sinks (an operand [H]; attributes window and softcap, 0 for none).
+SINKS_ATTENTION_TARGET = "tokenwire_decode_attention_sinks"
+SINKS_CHUNK_TARGET = "tokenwire_chunk_attention_sinks"
 INT8_TARGET = "tokenwire_int8_matmul"
 INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
 INT4_TARGET = "tokenwire_int4_matmul"
@@ -143,7 +146,7 @@ class Untrusted(Exception):
 
 def decode_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, tables: jax.Array, positions: jax.Array,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one query per row over its sequence's paged keys at positions
     0..positions[r]: q [R, H, D] f32, k_pages / v_pages [K, N, P, D] f32 (the layer's pools),
@@ -154,11 +157,14 @@ def decode_attention(
     pools fails the call with InvalidArgument (kernels/decode_attention.cc says why). With a
     `window` (static, >= 1), only positions positions[r] - window + 1 .. positions[r] are seen
     (transformer.in_window), and the pages wholly before them are not read. With a `softcap`
-    (static, > 0; Gemma 2) each scaled score s is softcap * tanh(s / softcap). Needs `load()` to
-    have succeeded."""
+    (static, > 0; Gemma 2) each scaled score s is softcap * tanh(s / softcap). With `sinks` [H]
+    (gpt-oss) each head's sink logit joins its softmax's denominator, with no value. Needs `load()`
+    to have succeeded."""
     r, h, d = q.shape
     operands = (q, k_pages, v_pages, jnp.asarray(tables, jnp.int32), jnp.asarray(positions, jnp.int32))
     out = jax.ShapeDtypeStruct((r, h * d), jnp.float32)
+    if sinks is not None:
+        return jax.ffi.ffi_call(SINKS_ATTENTION_TARGET, out)(*operands, sinks.astype(jnp.float32), **_sink_attrs(window, softcap))
     if softcap is not None:
         return jax.ffi.ffi_call(CAPPED_ATTENTION_TARGET, out)(*operands, **_capped(window, softcap))
     if window is None:
@@ -168,7 +174,7 @@ def decode_attention(
 
 def chunk_attention(
     q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start: jax.Array,
-    window: int | None = None, softcap: float | None = None,
+    window: int | None = None, softcap: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Causal GQA attention of one sequence's prefill chunk over its paged keys: q [C, H, D] f32
     (the queries at positions start..start+C-1), k_pages / v_pages [K, N, P, D] f32 (the chunk's
@@ -180,13 +186,15 @@ def chunk_attention(
     what happens to a position past the table or a table entry outside the pools). D must be a
     multiple of 8 (`chunk_attention_applies`). With a `window` (static, >= 1), query i sees only
     positions start + i - window + 1 .. start + i (transformer.in_window), and the key blocks
-    wholly before the first query's window are not read. `softcap` as in `decode_attention`.
-    Needs `load()` to have succeeded."""
+    wholly before the first query's window are not read. `softcap` and `sinks` as in
+    `decode_attention`. Needs `load()` to have succeeded."""
     c, h, d = q.shape
     if not chunk_attention_applies(d):  # checked while tracing
         raise ValueError(f"chunk_attention takes a head dim that is a multiple of 8, got {d}")
     operands = (q, k_pages, v_pages, jnp.asarray(table, jnp.int32), jnp.asarray(start, jnp.int32))
     out = jax.ShapeDtypeStruct((c, h * d), jnp.float32)
+    if sinks is not None:
+        return jax.ffi.ffi_call(SINKS_CHUNK_TARGET, out)(*operands, sinks.astype(jnp.float32), **_sink_attrs(window, softcap))
     if softcap is not None:
         return jax.ffi.ffi_call(CAPPED_CHUNK_TARGET, out)(*operands, **_capped(window, softcap))
     if window is None:
@@ -206,6 +214,14 @@ def _capped(window: int | None, softcap: float) -> dict[str, np.generic]:
     if not softcap > 0:
         raise ValueError(f"a soft-cap must be > 0, got {softcap}")
     return {"window": np.int64(0) if window is None else _window(window), "softcap": np.float32(softcap)}
+
+
+def _sink_attrs(window: int | None, softcap: float | None) -> dict[str, np.generic]:
+    """The sinks targets' attributes: the window and the cap, 0 for none (checked while tracing)."""
+    return {
+        "window": np.int64(0) if window is None else _window(window),
+        "softcap": np.float32(0.0) if softcap is None else _capped(None, softcap)["softcap"],
+    }
 
 
 def chunk_attention_applies(head_dim: int) -> bool:
@@ -505,6 +521,8 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
             WINDOW_CHUNK_TARGET: library.TokenwireChunkAttentionWindow,
             CAPPED_ATTENTION_TARGET: library.TokenwireDecodeAttentionCapped,
             CAPPED_CHUNK_TARGET: library.TokenwireChunkAttentionCapped,
+            SINKS_ATTENTION_TARGET: library.TokenwireDecodeAttentionSinks,
+            SINKS_CHUNK_TARGET: library.TokenwireChunkAttentionSinks,
             INT8_TARGET: library.TokenwireInt8Matmul, INT8_OFFSET_TARGET: library.TokenwireInt8MatmulOffset,
             INT4_TARGET: library.TokenwireInt4Matmul,
             PANEL_TARGET: library.TokenwirePanelMatmul, EXPERT_PANEL_TARGET: library.TokenwireExpertPanelMatmul,
@@ -599,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         symbols = (
             "TokenwireDecodeAttention", "TokenwireDecodeAttentionWindow", "TokenwireChunkAttention",
             "TokenwireChunkAttentionWindow", "TokenwireDecodeAttentionCapped", "TokenwireChunkAttentionCapped",
+            "TokenwireDecodeAttentionSinks", "TokenwireChunkAttentionSinks",
             "TokenwireChunkAttentionIsa",
             "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt4Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
             "TokenwireExpertPanelMatmul", "TokenwireSetThreads",

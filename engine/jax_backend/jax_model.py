@@ -107,10 +107,9 @@ class JaxModel(DecodeLaunch, Verifying):
         # On a GPU, decode attention is the ragged Pallas kernel (engine.jax_backend.ragged_attention),
         # which reads each row's live length too; not under a mesh, whose partitioner cannot split it.
         self.ragged = not self.kernels and plan is None and ragged_attention.applies(config.head_dim, self.kv.page_size)
-        attention_kernels = self.kernels and loading.attention_kernels_for(config)  # they read the live keys
         self.shapes = Shapes.plan(
             b, s, options.max_prefill_chunk, options.max_step_tokens, knobs, backend,
-            one_attend=attention_kernels or self.ragged, kernels=self.kernels, mesh=plan is not None,
+            one_attend=self.kernels or self.ragged, kernels=self.kernels, mesh=plan is not None,
         )
         self.default_step_tokens = self.shapes.default_step_tokens
         self.fused_chunk_tokens = self.shapes.fused_chunk_tokens

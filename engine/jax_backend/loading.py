@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from engine.core.model import ModelInfo
 from engine.core.model_options import ModelOptions
-from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize, transformer
+from engine.jax_backend import cpu_kernels, memory_plan, mesh, quantize
 from engine.jax_backend.backend_profile import BackendProfile, profile
 from engine.jax_backend.shapes import ShapeKnobs
 from engine.jax_backend.weights import load_channels, load_checkpoint, load_int8, load_sharded
@@ -84,18 +84,6 @@ def cpu_kernels_for(
     threads = o.cpu_threads or cpu_kernels.available_cpus()
     cpu_kernels.set_threads(cpu_kernels.status(build).kernels, threads)
     return state, threads
-
-
-def attention_kernels_for(cfg: ModelConfig) -> bool:
-    """Whether a model whose CPU kernels are on has its attention on them too: not where it has
-    attention sinks (gpt-oss), which the C++ attention kernels lack (transformer.attention_kernels);
-    its attention then runs on the XLA paths, over attend buckets, and its products keep the
-    kernels. Logs that choice."""
-    if transformer.attention_kernels(cfg):
-        return True
-    log.info("CPU attention kernels not used: %s has attention sinks, which they lack; its attention runs on the "
-             "XLA path (its weight products keep the kernels)", cfg.architecture)
-    return False
 
 
 def kernels_on(state: str) -> bool:

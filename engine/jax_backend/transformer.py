@@ -426,11 +426,10 @@ def _decode_seen(
 ) -> jax.Array:
     """The decode rows' attention, q [R, H, D] -> [R, H * D], by the kernel `decode_layers` names,
     over the last `window` positions (None: all); the kernels read each row's pages in place (and
-    only those its window reaches), the XLA path gathers the pages of `attend`. The C++ kernel
-    has no attention sinks: a layer with sinks [H] takes the XLA path instead
-    (`attention_kernels`; the Pallas kernel takes them)."""
-    if kernels and sinks is None:
-        return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window, cfg.attn_softcap)
+    only those its window reaches), the XLA path gathers the pages of `attend`; each takes the
+    layer's attention sinks [H] where it has them (gpt-oss)."""
+    if kernels:
+        return cpu_kernels.decode_attention(q, k_pool, v_pool, tables, positions, window, cfg.attn_softcap, sinks)
     if ragged:  # an inactive row reads no key (length 0)
         lengths = jnp.where(active, positions + 1, 0)  # [R]
         return ragged_attention.decode_attention(
@@ -440,17 +439,9 @@ def _decode_seen(
     return decode_attention(q, k_pool, v_pool, tables[:, :pages], positions, cfg, window, sinks)
 
 
-def attention_kernels(cfg: ModelConfig) -> bool:
-    """Whether the C++ CPU attention kernels (decode and chunk) can serve this config: not with
-    attention sinks (gpt-oss), which they lack; such a model's attention runs on the XLA paths
-    while its projections keep the CPU kernels (engine.jax_backend.loading logs it)."""
-    return not cfg.attention_sinks
-
-
 def _chunk_kernel(kernels: bool, cfg: ModelConfig, dtype: jnp.dtype, cache_dtype: jnp.dtype) -> bool:
     """Whether a chunk's attention goes to the CPU kernel (see `prefill_layers`)."""
-    return (kernels and attention_kernels(cfg) and cpu_kernels.chunk_attention_applies(cfg.head_dim)
-            and dtype == jnp.float32 and cache_dtype == jnp.float32)
+    return kernels and cpu_kernels.chunk_attention_applies(cfg.head_dim) and dtype == jnp.float32 and cache_dtype == jnp.float32
 
 
 def _chunk_seen(
@@ -458,9 +449,9 @@ def _chunk_seen(
     use_kernel: bool, window: int | None, sinks: jax.Array | None = None,
 ) -> jax.Array:
     """A chunk's attention over its slot's pages within `window` (None: all), q [C, H, D] -> [C, H * D];
-    `sinks` [H]: the layer's (`use_kernel` is False where there are: `_chunk_kernel`)."""
+    `sinks` [H]: the layer's attention sinks, if any."""
     if use_kernel:
-        return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start, window, cfg.attn_softcap)
+        return cpu_kernels.chunk_attention(q, k_pool, v_pool, table, start, window, cfg.attn_softcap, sinks)
     return chunk_attention(q, k_pool, v_pool, table, start, cfg, window=window, sinks=sinks)
 
 

@@ -26,6 +26,11 @@
 // `softcap` > 0): each scaled score s becomes softcap * tanh(s / softcap) before the masks and the
 // online softmax, one scalar pass over each key block's scores. The other two targets pass 0: no pass.
 //
+// Attention sinks (tokenwire_chunk_attention_sinks, gpt-oss; a sinks [H] operand, attributes
+// `window` and `softcap`, 0 for none): each head's sink logit joins its rows' softmax denominators
+// (with no value) where they are normalised, after the online softmax and the merge of splits:
+// out = o / (l + e^(sink - m)). The other targets pass no sinks: nothing added.
+//
 // Bounds: positions past the table (start + i >= W * P: a bucket's padding rows) are clamped into
 // it, as the contiguous kernel clamped into its cache; their outputs are unused. A table entry the
 // chunk reads that is outside [0, N) is an InvalidArgument error, not clamped: it means a corrupt
@@ -79,7 +84,11 @@ struct Shape {
   int64_t chunk, heads, kv_heads, group, context, dim, page_size;  // C, H, K, G, W * P, D, P
   int64_t window;                                                  // 0: none (every position from 0)
   float softcap;                                                   // 0: none (Gemma 2's attention soft-cap)
+  const float* sinks;                                              // [H] (gpt-oss's attention sinks); nullptr: none
 };
+
+// What head h's sink adds to the denominator of a row whose scores' maximum is m (0 without sinks).
+inline float SinkTerm(const Shape& s, int64_t h, float m) { return s.sinks != nullptr ? std::exp(s.sinks[h] - m) : 0.0f; }
 
 // The first position a query at `last` sees.
 inline int64_t FirstSeen(const Shape& s, int64_t last) { return s.window > 0 ? std::max<int64_t>(0, last - s.window + 1) : 0; }
@@ -139,7 +148,7 @@ void Merge(const Shape& s, const float* parts, int64_t tiles, int64_t tile, int6
         for (int64_t i = 0; i < splits; ++i) {
           if (weight[i] != 0.0f) o += weight[i] * first[i * part_size + 2 * rows + r * d + e];
         }
-        dst[e] = o / l;
+        dst[e] = o / (l + SinkTerm(s, kv * s.group + g, m));
       }
     }
   }
@@ -154,7 +163,7 @@ std::string Text(const Dims& dims) {
 
 ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                           ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
-                          int64_t window, float softcap) {
+                          int64_t window, float softcap, const float* sinks) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = table.dimensions();
   const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
   if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 1 || td[0] < 1 || kd[1] < 1 || kd[2] < 1 ||
@@ -173,7 +182,7 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages
     return ffi::Error::InvalidArgument("tokenwire_chunk_attention_capped: softcap must be > 0, got " +
                                        std::to_string(softcap));
   }
-  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], td[0] * kd[2], kd[3], kd[2], window, softcap};
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], td[0] * kd[2], kd[3], kd[2], window, softcap, sinks};
   const int64_t lo = std::clamp<int64_t>(start.typed_data()[0], 0, s.context - 1);  // see the header: bounds
   // Each kv head's pages that the chunk reads, checked to be pages of the pools (the header says
   // why an entry outside them is an error).
@@ -227,20 +236,33 @@ ffi::Error ChunkAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages
 
 ffi::Error FullAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out) {
-  return ChunkAttention(q, k_pages, v_pages, table, start, out, 0, 0.0f);
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, 0, 0.0f, nullptr);
 }
 
 ffi::Error WindowAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
                            int64_t window) {
-  return ChunkAttention(q, k_pages, v_pages, table, start, out, window < 1 ? -1 : window, 0.0f);
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, window < 1 ? -1 : window, 0.0f, nullptr);
 }
 
 // window 0: none; softcap > 0 (a cap of 0 or less is refused: the uncapped targets are for that).
 ffi::Error CappedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::ResultBuffer<ffi::F32> out,
                            int64_t window, float softcap) {
-  return ChunkAttention(q, k_pages, v_pages, table, start, out, window, softcap > 0.0f ? softcap : -1.0f);
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, window, softcap > 0.0f ? softcap : -1.0f, nullptr);
+}
+
+// gpt-oss's attention sinks [H]; window 0: none; softcap 0: none (a negative one is refused).
+ffi::Error SinksAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                          ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::F32> sinks,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t window, float softcap) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3 || static_cast<int64_t>(sinks.element_count()) != qd[1]) {
+    return ffi::Error::InvalidArgument("tokenwire_chunk_attention_sinks: expected sinks [H] for q [C, H, D]; got sinks " +
+                                       Text(sinks.dimensions()) + ", q " + Text(qd));
+  }
+  return ChunkAttention(q, k_pages, v_pages, table, start, out, window < 0 ? -1 : window,
+                        softcap >= 0.0f ? softcap : -1.0f, sinks.typed_data());
 }
 
 }  // namespace
@@ -271,6 +293,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttentionCapped, CappedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireChunkAttentionSinks, SinksAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap"));

@@ -179,7 +179,7 @@ TW_TARGET void Unit(const Shape& s, const float* q, const float* const* key_page
   for (int64_t ci = 0; ci < c1 - c0; ++ci) {
     for (int64_t g = 0; g < g_count; ++g) {
       const int64_t r = ci * g_count + g;
-      const float inv = 1.0f / w.l[r];
+      const float inv = 1.0f / (w.l[r] + SinkTerm(s, kv * g_count + g, w.m[r]));  // (0 without sinks)
       float* dst = out + ((c0 + ci) * s.heads + kv * g_count + g) * d;
       for (int64_t e = 0; e < d; ++e) dst[e] = w.ot[e * rr + r] * inv;
     }

@@ -35,6 +35,11 @@
 // `softcap` > 0): each scaled score s becomes softcap * tanh(s / softcap) before the softmax, one
 // scalar pass over a unit's scores (CapScores). The other two targets pass softcap 0: no pass.
 //
+// Attention sinks (tokenwire_decode_attention_sinks, gpt-oss; a sinks [H] operand, attributes
+// `window` and `softcap`, 0 for none): each head's sink logit joins its softmax's maximum and
+// denominator and has no value, so the head's weights sum to less than 1. The other targets pass
+// no sinks: nothing added.
+//
 // Bounds: a position past the table (positions[r] >= W * P, or < 0: padding or idle rows, whose
 // output is unused) is clamped into it, as the contiguous kernel clamped into its cache. A table
 // entry that a row would read and that is outside [0, N) is an InvalidArgument error, not clamped:
@@ -85,6 +90,7 @@ struct Shape {
   int64_t rows, heads, kv_heads, group, dim, pages, page_size, width;  // R, H, K, G, D, N, P, W
   int64_t window;                                                      // 0: none (every position from 0)
   float softcap;                                                       // 0: none (Gemma 2's attention soft-cap)
+  const float* sinks;                                                  // [H] (gpt-oss's attention sinks); nullptr: none
 };
 
 // One row's keys (or values) of one kv head: page[i] holds its positions [i * size, (i + 1) * size).
@@ -136,7 +142,7 @@ bool UseAvx512() { return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512f
 
 // The same unit in plain loops, for a head dimension that is no multiple of 8.
 void ScalarUnit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t skip, int64_t g_count,
-                int64_t d, float softcap, float* oh, std::vector<float>& scores) {
+                int64_t d, float softcap, const float* sinks, float* oh, std::vector<float>& scores) {
   scores.resize(static_cast<size_t>(g_count * n));
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   for (int64_t a = 0; a < n; ++a) {
@@ -148,7 +154,8 @@ void ScalarUnit(const float* qh, const Pages& keys, const Pages& values, int64_t
     float* p = scores.data() + g * n;
     float m = p[0];
     for (int64_t a = 1; a < n; ++a) m = std::max(m, p[a]);
-    float total = 0.0f;
+    if (sinks != nullptr) m = std::max(m, sinks[g]);
+    float total = sinks != nullptr ? std::exp(sinks[g] - m) : 0.0f;
     for (int64_t a = 0; a < n; ++a) {
       p[a] = std::exp(p[a] - m);
       total += p[a];
@@ -209,12 +216,13 @@ void RunUnits(const Shape& s, const float* q, const float* k_pages, const float*
     const Pages keys{key_pages.data(), s.page_size, ahead, far}, values{value_pages.data(), s.page_size, ahead, far};
     const float* qh = q + (r * s.heads + kv * g_count) * d;  // [G, D]
     float* oh = out + (r * s.heads + kv * g_count) * d;      // [G, D]
+    const float* sinks = s.sinks != nullptr ? s.sinks + kv * g_count : nullptr;  // [G]
     if (wide && d % avx512::kLanes == 0) {
-      avx512::Unit(qh, keys, values, n, skip, g_count, d, s.softcap, oh, scores);
+      avx512::Unit(qh, keys, values, n, skip, g_count, d, s.softcap, sinks, oh, scores);
     } else if (d % avx2::kLanes == 0) {
-      avx2::Unit(qh, keys, values, n, skip, g_count, d, s.softcap, oh, scores);
+      avx2::Unit(qh, keys, values, n, skip, g_count, d, s.softcap, sinks, oh, scores);
     } else {
-      ScalarUnit(qh, keys, values, n, skip, g_count, d, s.softcap, oh, scores);
+      ScalarUnit(qh, keys, values, n, skip, g_count, d, s.softcap, sinks, oh, scores);
     }
   }
 }
@@ -228,7 +236,7 @@ std::string Text(const Dims& dims) {
 
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
-                           ffi::ResultBuffer<ffi::F32> out, int64_t window, float softcap) {
+                           ffi::ResultBuffer<ffi::F32> out, int64_t window, float softcap, const float* sinks) {
   const auto qd = q.dimensions(), kd = k_pages.dimensions(), vd = v_pages.dimensions(), td = tables.dimensions();
   const bool same_pools = vd.size() == kd.size() && std::equal(vd.begin(), vd.end(), kd.begin());
   if (qd.size() != 3 || kd.size() != 4 || !same_pools || td.size() != 2 || qd[2] != kd[3] || kd[1] < 1 ||
@@ -247,7 +255,7 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_page
     return ffi::Error::InvalidArgument("tokenwire_decode_attention_capped: softcap must be > 0, got " +
                                        std::to_string(softcap));
   }
-  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], kd[3], kd[1], kd[2], td[1], window, softcap};
+  const Shape s{qd[0], qd[1], kd[0], qd[1] / kd[0], kd[3], kd[1], kd[2], td[1], window, softcap, sinks};
   const int32_t *tp = tables.typed_data(), *pp = positions.typed_data();
   // Every table entry a row reads must name a page of the pools (the file's header says why this
   // is an error and not clamped); R x ceil(n / P) reads, ~1 us at 32 rows of 512 keys.
@@ -274,20 +282,34 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_page
 ffi::Error FullAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                          ffi::ResultBuffer<ffi::F32> out) {
-  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, 0, 0.0f);
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, 0, 0.0f, nullptr);
 }
 
 ffi::Error WindowAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                            ffi::ResultBuffer<ffi::F32> out, int64_t window) {
-  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window < 1 ? -1 : window, 0.0f);
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window < 1 ? -1 : window, 0.0f, nullptr);
 }
 
 // window 0: none; softcap > 0 (a cap of 0 or less is refused: the uncapped targets are for that).
 ffi::Error CappedAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
                            ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions,
                            ffi::ResultBuffer<ffi::F32> out, int64_t window, float softcap) {
-  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window, softcap > 0.0f ? softcap : -1.0f);
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window, softcap > 0.0f ? softcap : -1.0f, nullptr);
+}
+
+// gpt-oss's attention sinks [H] (one logit per query head in its softmax's denominator, no value);
+// window 0: none; softcap 0: none (a negative one is refused).
+ffi::Error SinksAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages, ffi::Buffer<ffi::F32> v_pages,
+                          ffi::Buffer<ffi::S32> tables, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> sinks,
+                          ffi::ResultBuffer<ffi::F32> out, int64_t window, float softcap) {
+  const auto qd = q.dimensions();
+  if (qd.size() != 3 || static_cast<int64_t>(sinks.element_count()) != qd[1]) {
+    return ffi::Error::InvalidArgument("tokenwire_decode_attention_sinks: expected sinks [H] for q [R, H, D]; got sinks " +
+                                       Text(sinks.dimensions()) + ", q " + Text(qd));
+  }
+  return DecodeAttention(q, k_pages, v_pages, tables, positions, out, window < 0 ? -1 : window,
+                         softcap >= 0.0f ? softcap : -1.0f, sinks.typed_data());
 }
 
 }  // namespace
@@ -318,6 +340,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttentionCapped, CappedAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("softcap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireDecodeAttentionSinks, SinksAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window")
                                   .Attr<float>("softcap"));

@@ -134,9 +134,10 @@ TW_TARGET void AllScores(const float* qh, const Pages& keys, int64_t n, int64_t 
 
 // One (row, kv head) unit: the row's keys and values of its kv head through their pages, n of
 // them, the first `skip` (< P: before a sliding window, in the first page read) masked out;
-// the scores soft-capped when softcap > 0 (CapScores); queries qh [G, D], out oh [G, D].
+// the scores soft-capped when softcap > 0 (CapScores); sinks [G] (nullptr: none): each head's
+// sink logit joins its softmax's denominator, with no value (gpt-oss); queries qh [G, D], out oh [G, D].
 TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int64_t n, int64_t skip, int64_t g_count,
-                    int64_t d, float softcap, float* oh, std::vector<float>& scores) {
+                    int64_t d, float softcap, const float* sinks, float* oh, std::vector<float>& scores) {
   const int64_t dv = d / kLanes, np = (n + kLanes - 1) / kLanes * kLanes;
   scores.resize(static_cast<size_t>(g_count * np));
   // The first line of every page the unit reads, so that reaching each page (anywhere in the
@@ -162,14 +163,16 @@ TW_TARGET void Unit(const float* qh, const Pages& keys, const Pages& values, int
     for (int64_t a = n; a < np; ++a) p[a] = tokenwire::vec::kNegInf;
     Vec m = Load(p);
     for (int64_t a0 = kLanes; a0 < np; a0 += kLanes) m = Max(m, Load(p + a0));
-    const Vec top = Set1(HMax(m));
+    const float head_top = sinks != nullptr ? std::max(HMax(m), sinks[g]) : HMax(m);
+    const Vec top = Set1(head_top);
     Vec sum = Zero();
     for (int64_t a0 = 0; a0 < np; a0 += kLanes) {
       const Vec e = Exp(Sub(Load(p + a0), top));
       Store(p + a0, e);
       sum = Add(sum, e);
     }
-    const Vec inv = Set1(1.0f / HSum(sum));
+    const float total = HSum(sum) + (sinks != nullptr ? std::exp(sinks[g] - head_top) : 0.0f);
+    const Vec inv = Set1(1.0f / total);
     for (int64_t a0 = 0; a0 < np; a0 += kLanes) Store(p + a0, Mul(Load(p + a0), inv));
   }
   // P . V, kValueHeads heads and kValueVecs column vectors a pass.
