@@ -2,6 +2,7 @@
 
     git worktree add /tmp/before <commit>
     python benchmarks/before_after.py /tmp/before . [--batches 1,8,32] [--rounds 16] [--steps 8] [--pin CPU]
+        [--after-xla-flags FLAGS]
 
 Each checkout gets a worker process that loads the model once and prefills its slots with the
 same random prompts (each checkout's own benchmarks/decode.py `Slots`). The parent then asks the
@@ -89,12 +90,13 @@ def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_
 
 
 class Worker:
-    def __init__(self, checkout: str, args: argparse.Namespace, model_dir: str) -> None:
+    def __init__(self, checkout: str, args: argparse.Namespace, model_dir: str, xla_flags: str | None = None) -> None:
         self.name = checkout
+        env = None if xla_flags is None else {**os.environ, "XLA_FLAGS": xla_flags}
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", checkout, model_dir, str(max(args.batches)),
              str(args.max_context_length), str(args.prompt_len), args.weights, str(args.pin)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
         )
 
     def wait_ready(self) -> None:
@@ -131,6 +133,8 @@ def main() -> None:
     parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 in both")
     parser.add_argument("--pin", type=int, default=-1, metavar="CPU",
                         help="run both workers on this CPU with one kernel thread: compare CPU ms per step (work), not speed")
+    parser.add_argument("--after-xla-flags", metavar="FLAGS",
+                        help="XLA_FLAGS for the after worker only (an XLA option tried before it ships)")
     args = parser.parse_args()
     if args.pin >= 0 and args.pin not in os.sched_getaffinity(0):
         parser.error(f"--pin {args.pin}: not a CPU this process may run on ({sorted(os.sched_getaffinity(0))})")
@@ -142,7 +146,7 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     print(describe())
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    before, after = Worker(str(Path(args.before).resolve()), args, model_dir), Worker(str(Path(args.after).resolve()), args, model_dir)
+    before, after = Worker(str(Path(args.before).resolve()), args, model_dir), Worker(str(Path(args.after).resolve()), args, model_dir, args.after_xla_flags)
     try:
         for w in (before, after):
             w.wait_ready()
@@ -159,7 +163,8 @@ def main() -> None:
         after.close()
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     pinned = f", pinned to CPU {args.pin} with one kernel thread" if args.pin >= 0 else ""
-    print(f"{args.rounds} rounds of {args.steps} steps, {args.weights} weights{pinned}; before = {args.before}, after = {args.after}")
+    flags = f" (XLA_FLAGS={args.after_xla_flags})" if args.after_xla_flags is not None else ""
+    print(f"{args.rounds} rounds of {args.steps} steps, {args.weights} weights{pinned}; before = {args.before}, after = {args.after}{flags}")
     print("| batch | mode | before ms/step | after ms/step | after / before speed | page faults/step before, after | "
           "sys ms/step before, after | CPU ms/step before, after | before / after CPU |")
     print("|---|---|---|---|---|---|---|---|---|")

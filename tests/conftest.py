@@ -29,22 +29,26 @@ from services.decode_server import start_decode_server
 from support import cpu_alone, file_order, prerequisites
 from support.backend import require_cpu
 from support.examples import FULL
+from support.xla_flags import TEST_XLA_FLAGS
 
-# The test run compiles without LLVM's expensive passes (XLA_FLAGS, inherited by the servers and
-# children that tests start): the same HLO, and in every program compared (the real model's
-# logits in float32 and bfloat16, reductions, softmax) the same results bit for bit, for about a
-# tenth less CPU per compile, and compiles are most of this suite's time on the 2-core machine
-# (docs/notes/test-suite-time.md). LLVM's optimization level 0 would save 40% but changes the
-# last bits of float32 sums, enough to flip a marginal real-model claim: not what ships.
-# TOKENWIRE_TEST_SERVED_XLA=1 compiles exactly as decode-server does; where a GPU plugin is
-# installed (scripts/gpu_check runs the suite there) nothing changes.
+# The test run compiles with LLVM at its optimization level 1 and without its expensive passes
+# (XLA_FLAGS, inherited by the servers and children that tests start): the same HLO, and in every
+# program compared (scripts/test_xla_flags.py: the real model's logits in float32, bfloat16, int8
+# and fp8 through each layer, its served greedy ids, tiny-llama's served ids) the same results bit
+# for bit, for about a fifth less CPU per compile of a tiny model, and compiles are most of this
+# suite's time on the 2-core machine (docs/notes/test-suite-time.md). Tried and not kept: level 0
+# (40% less, but float32 sums change in their last bits, enough to flip a marginal real-model
+# claim) and XLA:CPU's older emitters (`--xla_cpu_use_fusion_emitters=false`: the same bits and
+# quicker compiles, but the real model's steps ran twice as long). TOKENWIRE_TEST_SERVED_XLA=1
+# compiles exactly as decode-server does; where a GPU plugin is installed (scripts/gpu_check runs
+# the suite there) nothing changes.
 def _accelerator_installed() -> bool:
     return any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
 
 
 if not (os.environ.get("TOKENWIRE_TEST_SERVED_XLA") or _accelerator_installed()
         or "xla_llvm_disable_expensive_passes" in os.environ.get("XLA_FLAGS", "")):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_llvm_disable_expensive_passes=true").strip()
+    os.environ["XLA_FLAGS"] = " ".join((os.environ.get("XLA_FLAGS", ""), *TEST_XLA_FLAGS)).strip()
 
 # No Hypothesis deadline in either: a deadline is a wall-clock bound on each example, which a
 # loaded host breaks (speed is the benchmarks' question).

@@ -29,13 +29,15 @@ RUNS["tiny-phi3"] = (2,)  # issue 44: Phi-3's fused weights split at load, a win
 RUNS["tiny-gpt-oss"] = (2,)  # issue 44: attention sinks split by head, expert biases split with their features
 # Checkpoints whose runs here compare ids, logits and each device's share only, with no warm-up
 # (so no "nothing compiles after warm-up" under the mesh): which shapes a warm-up covers is decided
-# by the configuration's layer kinds and shardings, which tiny-llama (2 and 4 ways), tiny-qwen2 and
-# tiny-qwen3 check for the dense layer. These families add layer kinds (soft-caps, local and global
-# windows, fused weights split at load) whose shapes the in-process tests check on one device, and
-# no sharding of their own. tiny-qwen3-moe stays warmed up: its experts are sharded their own way
-# (mesh.py's expert specs, its dense and MoE layers side by side), so a warm-up that missed a
-# sharded MoE shape would show only here; tiny-mixtral shares that sharding.
-IDS_ONLY = frozenset({"tiny-mixtral", "tiny-gemma3", "tiny-gemma2", "tiny-phi3", "tiny-gpt-oss"})
+# by the configuration's buckets and the layers' shardings, not by a checkpoint's widths, so that
+# claim is checked where a sharding differs: the dense layer on tiny-llama (2 and 4 ways, kv heads
+# split and copied), the padded head and q/k/v biases on the odd tiny-qwen2 (2 ways), the experts
+# on tiny-qwen3-moe (mesh.py's expert specs, its dense and MoE layers side by side; tiny-mixtral
+# shares that sharding). tiny-qwen2 and tiny-qwen3 at 4 add widths (32-wide heads, q/k norms) and
+# the other families add layer kinds (soft-caps, local and global windows, fused weights split at
+# load, gpt-oss's sinks) whose shapes the in-process tests check on one device; their ids here check
+# the splits (the sinks split by head with the heads, one number each: no shape of their own).
+IDS_ONLY = frozenset({"tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-gemma3", "tiny-gemma2", "tiny-phi3", "tiny-gpt-oss"})
 TWO_SLOTS = "tiny-llama"  # batch invariance, seeded sampling, the split sampler: one checkpoint (more slots, more compiles)
 ODD = 509
 
