@@ -58,6 +58,18 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or "thorough")
 
 
 @pytest.fixture
+def on_the_cpu():
+    """Arrays made and calls run inside the test on the CPU device, whatever the default backend:
+    the families' whole-model checks against transformers' float32 goldens. (Not for JaxModel: a
+    default device is part of jit's cache key, so a step warmed up outside the context would
+    compile again inside it.)"""
+    import jax
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
+@pytest.fixture
 def scripted_model() -> ScriptedModel:
     # vocab 1000, EOS 2, 4 slots, context 64: small enough to reason about by hand
     return ScriptedModel(vocab_size=1000, eos_token_ids=frozenset({2}), max_batch_size=4, max_context_length=64)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import jax
 import pytest
 
 from engine.core.model import DecodeInput, PromptInput, SlotSetup
@@ -43,14 +42,6 @@ CFG = parse_config(RAW)
 BATCH, CONTEXT = 3, 64
 ATOL = 1e-4  # goldens are rounded to 1e-5; float32 differences seen are ~1e-5
 
-
-@pytest.fixture
-def on_the_cpu():
-    """The whole-model calls on the CPU device whatever the default backend. (Not for JaxModel:
-    a default device is part of jit's cache key, so a step warmed up outside the context would
-    compile again inside it.)"""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
 
 
 def test_the_config_gives_each_layer_its_window_rope_base_and_the_attention_scale():

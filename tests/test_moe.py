@@ -55,11 +55,6 @@ ATOL = 1e-4  # goldens are rounded to 1e-5; float32 differences seen are ~1e-5
 BF16_RTOL = 0.03  # as tests/test_bfloat16.py: |bf16 - f32| <= 3% of the step's largest |f32 logit|
 
 
-@pytest.fixture
-def on_the_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
-
 
 def test_routings_mixtrals_top_k_softmax_equals_the_renormalised_softmax():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((64, 8)), jnp.float32)  # [T, X]

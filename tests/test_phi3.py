@@ -25,7 +25,6 @@ import json
 import math
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
@@ -41,10 +40,7 @@ BATCH, CONTEXT = 3, 64
 ATOL = 1e-4  # goldens are rounded to 1e-5; float32 differences seen are ~1e-5
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_the_cpu")  # conftest: arrays and calls on the CPU device
 
 
 def test_the_config_gives_the_window_longrope_and_the_rotated_dims():

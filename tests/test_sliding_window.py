@@ -40,10 +40,7 @@ ATOL = 1e-4  # goldens are rounded to 1e-5; float32 differences seen are ~1e-5
 ISAS = ["avx2"] + (["avx512"] if "avx512f" in cpu_kernels._cpu_flags() else [])
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu():
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_the_cpu")  # conftest: arrays and calls on the CPU device
 
 
 def test_the_checkpoint_window_bites_and_follows_transformers_convention():

@@ -31,11 +31,7 @@ BATCH, CONTEXT, PROMPT_BUCKET = 3, 64, 32
 ATOL = 1e-4  # goldens are rounded to 1e-5; f32 differences seen are ~1e-5
 
 
-@pytest.fixture(autouse=True)
-def on_the_cpu():
-    """Arrays made and calls run inside the test go to the CPU device (see the module docstring)."""
-    with jax.default_device(jax.devices("cpu")[0]):
-        yield
+pytestmark = pytest.mark.usefixtures("on_the_cpu")  # conftest: arrays and calls on the CPU device
 
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["jax-attention", "kernel-attention"])
