@@ -26,7 +26,7 @@ from engine.model_store.gguf_convert import convert_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "tests" / "assets"
-TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")  # untied, tied + qkv bias, q/k norms
+TINY = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-gemma3", "tiny-gemma2")  # untied, tied + qkv bias, q/k norms, Gemma (post norms, a scaled embedding)
 GIB = 1 << 30
 
 # Llama-3-8B's dimensions (config.json of meta-llama/Meta-Llama-3-8B): the sizes of a real refusal.

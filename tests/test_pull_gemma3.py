@@ -151,6 +151,31 @@ def test_int8_from_a_gemma3_gguf_is_its_float32_load_to_half_a_step(tiny):
     rows = np.asarray(quantize.embed(got.embed, jnp.arange(want.embed.shape[0])))  # [V, E], scaled by sqrt(E)
     assert np.all(np.abs(rows - want.embed) <= step(got.lm_head) * np.float32(HIDDEN**0.5) * 0.6)
     assert loading.auto_weights(out, kernels=True) == "int8"
+    # the memory check's figure is the bytes placed: the scaled embedding's float32 scales included
+    from engine.jax_backend import memory_plan
+    from engine.jax_backend.jax_model import int8_layout
+
+    cfg = load_int8(out).config
+    settings = memory_plan.Settings(2, 32, 512, 5, 16, 4, int8=True, int8_layout=int8_layout(out, cfg))
+    assert memory_plan.plan(cfg, cfg.vocab_size, settings).weights == quantize.weight_bytes(got)
+
+
+def test_int8_from_gemma_safetensors_keeps_the_head_unscaled():
+    """`--weights int8` on a Gemma directory without a GGUF (each tensor quantized as read): the
+    tied head is the stored rows, not the embedding's sqrt(E)-scaled ones (which would make every
+    logit sqrt(E) times too large), and the embedding is those integers with scaled scales."""
+    from engine.jax_backend import quantize
+    from engine.jax_backend.weights import load_int8
+    from engine.model_store.checkpoint import load_checkpoint
+
+    assets = Path(__file__).parent / "assets"
+    for name in ("tiny-gemma3", "tiny-gemma2"):
+        want, got = load_checkpoint(assets / name).weights, load_int8(assets / name).weights
+        head, embed = (np.asarray(quantize.dequantize(m)) for m in (got.lm_head, got.embed))  # [V, E]
+        bound = np.abs(want.lm_head).max() / 127  # a step of the largest block's scale
+        assert got.lm_head.packed is got.embed.packed, name
+        assert np.abs(head - want.lm_head.T).max() <= bound, name
+        assert np.abs(embed - want.embed).max() <= bound * np.sqrt(want.embed.shape[1]), name
 
 
 def test_a_sentencepiece_vocabulary_merges_in_file_order_with_byte_fallback(tiny):

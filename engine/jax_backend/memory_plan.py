@@ -67,6 +67,7 @@ from engine.model_store.gguf_blocks import SYMMETRIC, BlockFormat
 from engine.jax_backend.cpu_kernels import PANEL
 from engine.jax_backend.moe import copied_experts
 from engine.model_store.checkpoint import ModelConfig
+from engine.model_store.families import FAMILIES
 
 GIB = 1 << 30
 ATTENTION_BLOCK = 256  # key positions per block of prefill's chunk attention (transformer.chunk_attention)
@@ -148,6 +149,8 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
     matrices = [e * qkv, h * d * e, e * 2 * f, f * e]  # w_qkv, w_o, w_gate_up, w_down
     vectors = 2 * e + (qkv if cfg.qkv_bias else 0) + (2 * d if cfg.qk_norm else 0)  # norms, bias, q/k norms
     vectors += (e if cfg.o_bias else 0) + (h if cfg.attention_sinks else 0)  # gpt-oss: o's bias, the sinks
+    family = FAMILIES[cfg.architecture]
+    vectors += 2 * e if family.post_norms else 0  # Gemma: the attention's and the MLP's outputs normed
     if s.channels:  # 1 byte a parameter and a float32 scale per output row; int8 embedding and head
         rows = [qkv, e, 2 * f, e]  # each matrix's outputs, in `matrices`' order
         head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else head_size * (e + 4)
@@ -161,11 +164,16 @@ def _weight_bytes(cfg: ModelConfig, head_size: int, s: Settings, kv: int) -> int
             return -(-outputs // INT8_PANEL) * INT8_PANEL * inputs // INT8_BLOCK * fmt.block_bytes
 
         head = 0 if cfg.tie_word_embeddings and head_size == cfg.vocab_size else per(layout.head, e, head_size)
+        embed = per(layout.embed, e, cfg.vocab_size)
+        if family.embed_scale:  # quantize.scaled: the embedding's scales (and offsets) again, in float32
+            blocks = -(-cfg.vocab_size // INT8_PANEL) * INT8_PANEL * e // INT8_BLOCK
+            copies = 1 + layout.embed.offset
+            embed += blocks * copies * (4 if head == 0 else 2)  # beside the shared head's float16 ones, else instead
         layers = sum(
             sum(per(fmt, *dims[field]) for (field, _), fmt in zip(LAYER_MATRICES, formats, strict=True)) + vectors * 4
             for formats in layout.layers
         )
-        return layers + per(layout.embed, e, cfg.vocab_size) + e * 4 + head
+        return layers + embed + e * 4 + head
     panels = [k * -(-n // PANEL) * PANEL for k, n in ((e, qkv), (h * d, e), (e, 2 * f), (f, e))] if s.panel_copies else []
     layer = (sum(matrices) + sum(panels) + vectors) * s.dtype_bytes
     moe_layers = sum(cfg.moe_layers or ())  # each holds its router and experts (and their panels), no dense MLP

@@ -79,12 +79,12 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoi
 
 def load_int8(model_dir: str | Path) -> Checkpoint:
     """The checkpoint with weight-only int8 projections, embedding and head
-    (engine.jax_backend.quantize); a tied head that covers every embedding row is the
-    embedding's own Int8Matrix (held once). A directory converted from a GGUF (it holds
+    (engine.jax_backend.quantize); a tied head that covers every embedding row shares the
+    embedding's integers (held once). A directory converted from a GGUF (it holds
     `model.gguf`, e.g. the pulled default model) is read from the GGUF's own blocks
     (quantize.gguf_weights); any other has each float32 tensor quantized as it is read."""
     from engine.jax_backend import quantize
-    from engine.model_store import gguf_blocks, gguf_convert
+    from engine.model_store import families, gguf_blocks, gguf_convert
 
     model_dir = Path(model_dir)
     cfg = checkpoint.parse_config(json.loads((model_dir / "config.json").read_text()))
@@ -96,7 +96,12 @@ def load_int8(model_dir: str | Path) -> Checkpoint:
     ckpt = checkpoint.load_checkpoint(model_dir, quantize.int8_place((cfg.vocab_size, cfg.hidden_size)))
     w = ckpt.weights
     if cfg.tie_word_embeddings and w.lm_head.shape == w.embed.shape:
-        ckpt = replace(ckpt, weights=replace(w, lm_head=w.embed))
+        # The head's integers once. A family whose embedding is its rows scaled (Gemma's sqrt(E))
+        # looks up the head's matrix with its scales multiplied, as from a GGUF (quantize.scaled);
+        # the scaled embedding itself must never be the head (logits sqrt(E) times too large).
+        scale = families.FAMILIES[cfg.architecture].embed_scale
+        tied = replace(w, embed=quantize.scaled(w.lm_head, scale(cfg))) if scale else replace(w, lm_head=w.embed)
+        ckpt = replace(ckpt, weights=tied)
     return ckpt
 
 
