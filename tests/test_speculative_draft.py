@@ -1,0 +1,187 @@
+"""Speculative decoding with a draft model (issue 45, `--draft-model`): the draft's greedy guesses
+change no greedy id of the target, a model drafting for itself has every guess accepted, sampled
+requests keep the stream contract, a draft with no free slot just stops guessing, and the
+configurations that cannot work are refused at the command line (exit 2, the reason last).
+
+Real parts: tiny-llama is the target in tests/support/tiny_served's configuration (with a verify
+step: `max_guesses`, as tests/test_compile_budget loads it), and drafts in the same configuration
+without one, as every file loading tiny-llama does; tiny-mistral, a different checkpoint with the
+same tokenizer, is the draft whose guesses the target sometimes rejects. Nothing is warmed up: each
+model compiles only the few shapes these prompts use.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+
+import pytest
+
+from engine.core.engine import Engine, EngineConfig
+from engine.core.events import Finished, FinishReason, Token
+from engine.core.request import Request, SamplingParams, StoppingCriteria
+from engine.core.speculation.draft import DraftProposer
+from support import tiny_served
+from test_cli import in_process
+
+TINY = tiny_served.ASSETS / "tiny-llama"
+PROMPTS = [  # ids below the tokenizer's 512; all in the 8-token prompt bucket
+    (1, 5, 9, 200, 3, 7),
+    (4, 4, 4, 4, 4, 4, 4, 4),
+    (300, 12, 45, 77),
+    (17, 260, 17, 260, 17),
+]
+TOKENS = 24
+
+
+class Collect:
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.finished: Finished | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+
+    def events(self, events) -> None:
+        self.ids += [e.id for e in events if isinstance(e, Token)]
+        if isinstance(events[-1], Finished):
+            self.finished = events[-1]
+            self.done.set()
+
+    def fail(self, error) -> None:
+        self.error = error
+        self.done.set()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_served.load(max_guesses=4)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    """Plain greedy decoding's ids for each prompt (no speculation)."""
+    return serve(Engine(target, EngineConfig()), [greedy(p) for p in PROMPTS])
+
+
+def greedy(prompt, tokens=TOKENS) -> Request:
+    return Request(f"r{prompt}", tuple(prompt), SamplingParams(temperature=0.0), StoppingCriteria(tokens, ignore_eos=True))
+
+
+def serve(engine: Engine, requests: list[Request]) -> list[Collect]:
+    """Each request to its end, one at a time (batch 1: a row guesses all it may)."""
+    sinks = []
+    engine.start()
+    try:
+        for request in requests:
+            sink = Collect()
+            engine.submit(request, sink)
+            assert sink.done.wait(120) and sink.error is None, sink.error
+            sinks.append(sink)
+    finally:
+        engine.stop()
+    return sinks
+
+
+def speculative(target, draft) -> Engine:
+    return Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=DraftProposer(draft))
+
+
+def test_a_model_drafting_for_itself_has_every_guess_accepted(target, plain):
+    engine = speculative(target, tiny_served.load())
+    ids = [s.ids for s in serve(engine, [greedy(p) for p in PROMPTS])]
+    assert ids == [s.ids for s in plain]
+    stats = engine.stats().speculation
+    assert stats.proposer == "draft"  # the metrics' label
+    # greedy on both sides, the same weights and bits: every guess is the target's own next id
+    assert stats.proposed > len(PROMPTS) * TOKENS // 2 and stats.accepted == stats.proposed, stats
+
+
+def test_another_checkpoint_drafting_keeps_the_greedy_ids(target, plain):
+    """tiny-mistral guesses for tiny-llama: other weights, so the target rejects many guesses and
+    the draft rewinds its slot; the ids stay plain decoding's."""
+    engine = speculative(target, tiny_served.load("tiny-mistral"))
+    ids = [s.ids for s in serve(engine, [greedy(p) for p in PROMPTS])]
+    assert ids == [s.ids for s in plain]
+    stats = engine.stats().speculation
+    print(f"tiny-mistral drafting for tiny-llama: {stats.accepted} of {stats.proposed} guesses accepted")
+    assert stats.proposed > 0 and stats.accepted < stats.proposed, stats
+
+
+def test_seeded_sampling_with_the_draft_keeps_the_stream_contract(target):
+    """Sampled rows accept a greedy draft's guess by rejection sampling: every run is cut at exactly
+    max_output_tokens, EOS (masked below min_output_tokens) is never sent, usage counts what was."""
+    draft = tiny_served.load()
+    requests = [
+        Request(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i), StoppingCriteria(TOKENS, min_output_tokens=TOKENS))
+        for i, prompt in enumerate(PROMPTS)
+    ] + [Request("free", PROMPTS[0], SamplingParams(temperature=0.8, top_k=40, seed=9), StoppingCriteria(TOKENS))]
+    engine = speculative(target, draft)
+    sinks = serve(engine, requests)
+    eos = target.info.eos_token_ids
+    for sink in sinks[:-1]:
+        assert len(sink.ids) == TOKENS and not eos & set(sink.ids), sink.ids
+        assert sink.finished.reason == FinishReason.LENGTH and sink.finished.usage.completion_tokens == TOKENS
+    last = sinks[-1]
+    assert len(last.ids) <= TOKENS and not eos & set(last.ids) and last.finished.usage.completion_tokens == len(last.ids)
+    assert engine.stats().speculation.proposed > 0
+
+
+def test_a_draft_with_no_free_slot_stops_guessing_and_changes_nothing(target, plain):
+    """Every draft slot is taken by other histories: the request gets no guesses, and its ids are
+    plain decoding's; once a slot is free again, guesses resume."""
+    proposer = DraftProposer(tiny_served.load())
+    others = [proposer.open(p) for p in PROMPTS]  # as many as the draft's slots, each given one by a proposal
+    assert len(others) == target.info.max_batch_size
+    assert all(proposer.propose([(h, 1)]) != [()] for h in others) and not proposer.expects(proposer.open((1, 2)))
+    engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
+    assert [s.ids for s in serve(engine, [greedy(PROMPTS[0])])] == [plain[0].ids]
+    assert engine.stats().speculation.proposed == 0
+    proposer.close(others[0])
+    engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
+    assert [s.ids for s in serve(engine, [greedy(PROMPTS[1])])] == [plain[1].ids]
+    assert engine.stats().speculation.accepted > 0
+
+
+def _draft_dir(tmp_path, config=None, generation=None):
+    """tiny-llama's files but its weights (refused before any weight is read), with changes."""
+    directory = tmp_path / "draft"
+    directory.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY / name, directory / name)
+    for name, changes in (("config.json", config), ("generation_config.json", generation)):
+        if changes:
+            path = directory / name
+            path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return directory
+
+
+@pytest.mark.parametrize("changes, reason", [
+    (dict(config={"vocab_size": 300}), "its tokenizer has 300 ids and the model's 512: a draft model must have the model's tokenizer"),
+    (dict(generation={"eos_token_id": [0, 2, 7]}), "its EOS ids [0, 2, 7] differ from the model's [0, 2]"),
+    (dict(config={"max_position_embeddings": 32}), "its context of 32 positions (max_position_embeddings) is shorter than the model's 256"),
+], ids=["vocabulary", "eos", "context"])
+def test_a_draft_that_cannot_guess_for_the_model_is_refused_before_loading(tmp_path, capsys, changes, reason):
+    code, _, err = in_process(capsys, "decode-server", "--model", str(TINY), "--draft-model", str(_draft_dir(tmp_path, **changes)))
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and reason in last, err
+
+
+@pytest.mark.parametrize("argv, reason", [
+    (["--speculation", "draft"], "--speculation draft guesses with a draft model: give it with --draft-model NAME|DIR"),
+    (["--draft-model", "d", "--speculation", "ngram"], "--draft-model d guesses for --speculation draft, not --speculation ngram"),
+    (["--draft-model", "d", "--model", "scripted:m"], "--draft-model guesses for a real model: --model scripted:DIR takes none"),
+])
+def test_flags_that_do_not_go_together_are_refused(capsys, argv, reason):
+    code, _, err = in_process(capsys, "decode-server", "--model", "no-such-model", *argv)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and reason in last and "no-such-model" not in last, err
+
+
+def test_a_draft_model_alone_implies_draft_speculation():
+    from services.config import DecodeServerConfig
+    from services.flags import build_parser
+
+    config = DecodeServerConfig.from_args(build_parser().parse_args(["decode-server", "--model", "m", "--draft-model", "d"]))
+    assert config.engine.speculation == "draft" and config.draft_model == "d"
+    assert config.model_options.max_guesses == EngineConfig.speculative_tokens
