@@ -6,8 +6,9 @@ configurations that cannot work are refused at the command line (exit 2, the rea
 Real parts: tiny-llama is the target in tests/support/tiny_served's configuration (with a verify
 step: `max_guesses`, as tests/test_compile_budget loads it), and drafts in the same configuration
 without one, as every file loading tiny-llama does; tiny-mistral, a different checkpoint with the
-same tokenizer, is the draft whose guesses the target sometimes rejects. Nothing is warmed up: each
-model compiles only the few shapes these prompts use.
+same tokenizer, is the draft whose guesses the target sometimes rejects. Nothing is warmed up (the
+decode service's load neither: `Unwarmed`): each model compiles only the few shapes these prompts
+use.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.core.events import Finished, FinishReason, Token
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.speculation.draft import DraftProposer
+from engine.jax_backend.jax_model import JaxModel
 from support import tiny_served
 from test_cli import in_process
 
@@ -53,9 +55,17 @@ class Collect:
         self.done.set()
 
 
+class Unwarmed(JaxModel):
+    """tiny-llama as served, but `warm_up` (which the decode service's load calls) compiles
+    nothing: the steps these few prompts use compile as they come, a fraction of every shape."""
+
+    def warm_up(self) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
 def target():
-    return tiny_served.load(max_guesses=4)
+    return tiny_served.load(cls=Unwarmed, max_guesses=4)
 
 
 @pytest.fixture(scope="module")
@@ -141,6 +151,35 @@ def test_a_draft_with_no_free_slot_stops_guessing_and_changes_nothing(target, pl
     engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
     assert [s.ids for s in serve(engine, [greedy(PROMPTS[1])])] == [plain[1].ids]
     assert engine.stats().speculation.accepted > 0
+
+
+async def test_the_decode_service_serves_with_a_draft_and_labels_its_metrics(target, plain):
+    """The service's path (`start_decode_server(proposer=...)`, as decode-server --draft-model
+    builds it): a Decode stream gets plain decoding's ids, and the speculative counters carry the
+    proposer's name, "draft"."""
+    import grpc
+    from prometheus_client import generate_latest
+
+    from protos.decode.v1 import decode_pb2_grpc
+    from services.client import decode_request
+    from services.decode_server import start_decode_server
+    from services.metrics import Metrics
+
+    draft, metrics = tiny_served.load(), Metrics()
+    server = await start_decode_server(
+        target, EngineConfig(speculation="draft"), metrics=metrics, proposer=lambda model: DraftProposer(draft)
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = decode_pb2_grpc.DecoderStub(channel)
+            request = decode_request(PROMPTS[0], max_output_tokens=TOKENS, ignore_eos=True)
+            ids = [e.token.id async for r in stub.Decode(request) for e in r.events if e.HasField("token")]
+    finally:
+        await server.stop(None)
+    assert ids == plain[0].ids
+    text = generate_latest(metrics.registry).decode()
+    accepted = next(line for line in text.splitlines() if line.startswith("tokenwire_speculative_accepted_tokens_total"))
+    assert accepted.startswith('tokenwire_speculative_accepted_tokens_total{proposer="draft"}') and float(accepted.split()[-1]) > 0
 
 
 def _draft_dir(tmp_path, config=None, generation=None):
