@@ -21,6 +21,7 @@ import pytest
 
 from engine.core.engine import Engine, EngineConfig
 from engine.core.events import Finished, FinishReason, Token
+from engine.core.model import ModelUsageError
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.speculation.draft import DraftProposer
 from engine.jax_backend.jax_model import JaxModel
@@ -180,6 +181,39 @@ async def test_the_decode_service_serves_with_a_draft_and_labels_its_metrics(tar
     text = generate_latest(metrics.registry).decode()
     accepted = next(line for line in text.splitlines() if line.startswith("tokenwire_speculative_accepted_tokens_total"))
     assert accepted.startswith('tokenwire_speculative_accepted_tokens_total{proposer="draft"}') and float(accepted.split()[-1]) > 0
+
+
+def test_a_history_caught_up_guesses_as_one_read_afresh():
+    """What the draft guesses after the request moved on does not depend on how its slot caught
+    up: a rejected guess (rewound, the target's id fed), every guess accepted (two ids fed), or
+    many ids at once (prefilled again) give the guesses of a history opened on the same ids."""
+    proposer = DraftProposer(tiny_served.load())
+
+    def fresh(ids):
+        history = proposer.open(ids)
+        try:
+            return proposer.propose([(history, 4)])[0]
+        finally:
+            proposer.close(history)
+
+    moves = {
+        "the second guess rejected": lambda guesses: [guesses[0], (guesses[1] + 1) % 512],
+        "every guess accepted, then the target's own id": lambda guesses: [*guesses, 7],
+        "many ids at once (a row back from a rest)": lambda guesses: list(range(100, 120)),
+    }
+    history = proposer.open(PROMPTS[0])
+    guesses = proposer.propose([(history, 4)])[0]
+    assert len(guesses) == 4 and guesses == fresh(PROMPTS[0])
+    for move, emitted in moves.items():
+        history.extend(emitted(guesses))
+        guesses = proposer.propose([(history, 4)])[0]
+        assert guesses == fresh(history.ids), move
+    slot, count = history.slot, history.count
+    with pytest.raises(ModelUsageError, match="outside 1.."):
+        proposer.model.rewind(slot, count + 1)
+    proposer.close(history)
+    with pytest.raises(ModelUsageError, match="which was not prefilled"):
+        proposer.model.rewind(slot, 1)
 
 
 def _draft_dir(tmp_path, config=None, generation=None):

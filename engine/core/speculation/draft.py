@@ -8,8 +8,9 @@ Per request (`DraftHistory`), the proposer keeps:
   * `ids`: the request's ids (prompt, then every id it emitted, as the scheduler extends them);
   * `valid`: how many of them have their KV in the draft's slot;
   * `written`: the guesses fed past them at the last proposal (their KV written, and right only
-    as far as the target accepts them), so `count`, the slot's count in the model, is
-    valid + len(written);
+    as far as the target accepts them); `count`, the slot's count in the model, is valid +
+    len(written) until a guess is rejected, and past `valid` after that until the next
+    proposal rewinds it;
   * `held`: the draft's own prediction after the last position written (its last sample, which
     the model keeps and feeds to a step given no token), or None once that is stale.
 
@@ -21,7 +22,8 @@ runs them back to back. When the target accepted only part of a row's guesses, t
 goes back to `valid` first (`rewind`) and the next steps overwrite the rest.
 
 A request gets its slot and prefill at its first proposal (the whole of its ids in one
-`prefill`, whose sample is the first guess). Where the draft has no free slot, or no page for a
+`prefill`, whose sample is the first guess), and again where it emitted many ids since its last
+proposal (`CATCH_UP_STEPS`). Where the draft has no free slot, or no page for a
 row's positions, that row gets no guesses (fewer, where pages run short), never an error; a row
 without a slot asks again at its next proposal. Guesses only cost time: the target's verify step
 decides every token, so the output is plain decoding's whatever the draft says.
@@ -30,14 +32,16 @@ decides every token, so the output is plain decoding's whatever the draft says.
 from __future__ import annotations
 
 import itertools
-import logging
 from typing import Protocol, Sequence
 
 from engine.core.kv_pages import KvPages
 from engine.core.model import DecodeInput, Model, Sample, SlotSetup
 from engine.core.request import SamplingParams
 
-log = logging.getLogger(__name__)
+# A row that emitted more ids than this since its last proposal (one back from a rest, whose steps
+# do not ask the proposer) and more than a quarter of its length has its slot prefilled again
+# from scratch rather than fed those ids one decode step each: a prompt reads many ids per pass.
+CATCH_UP_STEPS = 8
 
 # the draft always guesses its most likely id: a one-hot proposal, which the target's rejection
 # sampling turns into exactly the target's distribution for sampled rows too
@@ -124,11 +128,15 @@ class DraftProposer:
             return None, [], 0
         if history.count > history.valid:  # positions not (yet) confirmed: overwritten from `valid`
             self._rewind(history, history.valid)
-        if history.valid == len(history.ids) and history.held is None:  # (a rewind to the end)
+        n = len(history.ids)
+        if n - history.valid > max(CATCH_UP_STEPS, n // 4):  # (a row back from a rest: read again as a prompt)
+            self.close(history)
+            if not self._take_slot(history):
+                return None, [], 0
+        if history.valid == n and history.held is None:  # (a rewind to the end)
             if history.valid < 2:
                 return None, [], 0
             self._rewind(history, history.valid - 1)  # the last id fed again, for its prediction
-        n = len(history.ids)
         k = min(k, self.model.info.max_context_length - n + 1)  # the last guess fed sits at n + k - 2
         k = min(k, self._grow(history, n + k - 1))
         if k < 1:
