@@ -253,6 +253,9 @@ class DecodeServerConfig:
             )
         if a.draft_model is not None and a.model.startswith("scripted:"):
             raise ValueError("--draft-model guesses for a real model: --model scripted:DIR takes none")
+        if a.draft_model is not None and a.tensor_parallel > 1:  # (JaxModel: no verify step under a mesh)
+            raise ValueError(f"--draft-model needs the model's verify step, which --tensor-parallel {a.tensor_parallel} "
+                             "does not have: serve on one device, or without a draft")
         return DecodeServerConfig(
             model=a.model,
             server=dataclasses.replace(server_options(a), max_connection_age_s=a.max_connection_age),

@@ -108,6 +108,25 @@ def test_a_model_drafting_for_itself_has_every_guess_accepted(target, plain):
     assert stats.proposed > len(PROMPTS) * TOKENS // 2 and stats.accepted == stats.proposed, stats
 
 
+def test_rows_drafted_together_keep_their_greedy_ids(target, plain):
+    """Two requests at once under --speculation-max-batch 2: the draft decodes both rows in the
+    same steps (each its own ids to catch up on, then 2 guesses), and each gets its plain ids."""
+    engine = Engine(
+        target, EngineConfig(speculation="draft", speculative_tokens=4, speculation_max_batch=2),
+        proposer=DraftProposer(tiny_served.load("tiny-mistral")),
+    )
+    engine.start()
+    try:
+        sinks = [Collect() for _ in PROMPTS[:2]]
+        for prompt, sink in zip(PROMPTS, sinks):
+            engine.submit(greedy(prompt), sink)
+        assert all(sink.done.wait(120) and sink.error is None for sink in sinks)
+    finally:
+        engine.stop()
+    assert [s.ids for s in sinks] == [s.ids for s in plain[:2]]
+    assert engine.stats().speculation.accepted > 0
+
+
 def test_another_checkpoint_drafting_keeps_the_greedy_ids(target, plain):
     """tiny-mistral guesses for tiny-llama: other weights, so the target rejects many guesses and
     the draft rewinds its slot; the ids stay plain decoding's."""
@@ -244,6 +263,7 @@ def test_a_draft_that_cannot_guess_for_the_model_is_refused_before_loading(tmp_p
     (["--speculation", "draft"], "--speculation draft guesses with a draft model: give it with --draft-model NAME|DIR"),
     (["--draft-model", "d", "--speculation", "ngram"], "--draft-model d guesses for --speculation draft, not --speculation ngram"),
     (["--draft-model", "d", "--model", "scripted:m"], "--draft-model guesses for a real model: --model scripted:DIR takes none"),
+    (["--draft-model", "d", "--tensor-parallel", "2"], "--draft-model needs the model's verify step, which --tensor-parallel 2"),
 ])
 def test_flags_that_do_not_go_together_are_refused(capsys, argv, reason):
     code, _, err = in_process(capsys, "decode-server", "--model", "no-such-model", *argv)
