@@ -70,6 +70,18 @@ def target():
 
 
 @pytest.fixture(scope="module")
+def llama():
+    """tiny-llama as a draft, shared by the tests (each leaves its slots free, as a proposer's
+    requests do when they end): its steps compile once."""
+    return tiny_served.load()
+
+
+@pytest.fixture(scope="module")
+def mistral():
+    return tiny_served.load("tiny-mistral")
+
+
+@pytest.fixture(scope="module")
 def plain(target):
     """Plain greedy decoding's ids for each prompt (no speculation)."""
     return serve(Engine(target, EngineConfig()), [greedy(p) for p in PROMPTS])
@@ -98,8 +110,8 @@ def speculative(target, draft) -> Engine:
     return Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=DraftProposer(draft))
 
 
-def test_a_model_drafting_for_itself_has_every_guess_accepted(target, plain):
-    engine = speculative(target, tiny_served.load())
+def test_a_model_drafting_for_itself_has_every_guess_accepted(target, plain, llama):
+    engine = speculative(target, llama)
     ids = [s.ids for s in serve(engine, [greedy(p) for p in PROMPTS])]
     assert ids == [s.ids for s in plain]
     stats = engine.stats().speculation
@@ -108,29 +120,10 @@ def test_a_model_drafting_for_itself_has_every_guess_accepted(target, plain):
     assert stats.proposed > len(PROMPTS) * TOKENS // 2 and stats.accepted == stats.proposed, stats
 
 
-def test_rows_drafted_together_keep_their_greedy_ids(target, plain):
-    """Two requests at once under --speculation-max-batch 2: the draft decodes both rows in the
-    same steps (each its own ids to catch up on, then 2 guesses), and each gets its plain ids."""
-    engine = Engine(
-        target, EngineConfig(speculation="draft", speculative_tokens=4, speculation_max_batch=2),
-        proposer=DraftProposer(tiny_served.load("tiny-mistral")),
-    )
-    engine.start()
-    try:
-        sinks = [Collect() for _ in PROMPTS[:2]]
-        for prompt, sink in zip(PROMPTS, sinks):
-            engine.submit(greedy(prompt), sink)
-        assert all(sink.done.wait(120) and sink.error is None for sink in sinks)
-    finally:
-        engine.stop()
-    assert [s.ids for s in sinks] == [s.ids for s in plain[:2]]
-    assert engine.stats().speculation.accepted > 0
-
-
-def test_another_checkpoint_drafting_keeps_the_greedy_ids(target, plain):
+def test_another_checkpoint_drafting_keeps_the_greedy_ids(target, plain, mistral):
     """tiny-mistral guesses for tiny-llama: other weights, so the target rejects many guesses and
     the draft rewinds its slot; the ids stay plain decoding's."""
-    engine = speculative(target, tiny_served.load("tiny-mistral"))
+    engine = speculative(target, mistral)
     ids = [s.ids for s in serve(engine, [greedy(p) for p in PROMPTS])]
     assert ids == [s.ids for s in plain]
     stats = engine.stats().speculation
@@ -138,15 +131,14 @@ def test_another_checkpoint_drafting_keeps_the_greedy_ids(target, plain):
     assert stats.proposed > 0 and stats.accepted < stats.proposed, stats
 
 
-def test_seeded_sampling_with_the_draft_keeps_the_stream_contract(target):
+def test_seeded_sampling_with_the_draft_keeps_the_stream_contract(target, llama):
     """Sampled rows accept a greedy draft's guess by rejection sampling: every run is cut at exactly
     max_output_tokens, EOS (masked below min_output_tokens) is never sent, usage counts what was."""
-    draft = tiny_served.load()
     requests = [
         Request(f"s{i}", prompt, SamplingParams(temperature=1.0, seed=i), StoppingCriteria(TOKENS, min_output_tokens=TOKENS))
         for i, prompt in enumerate(PROMPTS)
     ] + [Request("free", PROMPTS[0], SamplingParams(temperature=0.8, top_k=40, seed=9), StoppingCriteria(TOKENS))]
-    engine = speculative(target, draft)
+    engine = speculative(target, llama)
     sinks = serve(engine, requests)
     eos = target.info.eos_token_ids
     for sink in sinks[:-1]:
@@ -157,23 +149,27 @@ def test_seeded_sampling_with_the_draft_keeps_the_stream_contract(target):
     assert engine.stats().speculation.proposed > 0
 
 
-def test_a_draft_with_no_free_slot_stops_guessing_and_changes_nothing(target, plain):
+def test_a_draft_with_no_free_slot_stops_guessing_and_changes_nothing(target, plain, llama):
     """Every draft slot is taken by other histories: the request gets no guesses, and its ids are
     plain decoding's; once a slot is free again, guesses resume."""
-    proposer = DraftProposer(tiny_served.load())
+    proposer = DraftProposer(llama)
     others = [proposer.open(p) for p in PROMPTS]  # as many as the draft's slots, each given one by a proposal
     assert len(others) == target.info.max_batch_size
     assert all(proposer.propose([(h, 1)]) != [()] for h in others) and not proposer.expects(proposer.open((1, 2)))
-    engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
-    assert [s.ids for s in serve(engine, [greedy(PROMPTS[0])])] == [plain[0].ids]
-    assert engine.stats().speculation.proposed == 0
-    proposer.close(others[0])
-    engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
-    assert [s.ids for s in serve(engine, [greedy(PROMPTS[1])])] == [plain[1].ids]
-    assert engine.stats().speculation.accepted > 0
+    try:
+        engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
+        assert [s.ids for s in serve(engine, [greedy(PROMPTS[0])])] == [plain[0].ids]
+        assert engine.stats().speculation.proposed == 0
+        proposer.close(others[0])
+        engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
+        assert [s.ids for s in serve(engine, [greedy(PROMPTS[1])])] == [plain[1].ids]
+        assert engine.stats().speculation.accepted > 0
+    finally:
+        for history in others:
+            proposer.close(history)  # (the draft's slots, free for the next test)
 
 
-async def test_the_decode_service_serves_with_a_draft_and_labels_its_metrics(target, plain):
+async def test_the_decode_service_serves_with_a_draft_and_labels_its_metrics(target, plain, llama):
     """The service's path (`start_decode_server(proposer=...)`, as decode-server --draft-model
     builds it): a Decode stream gets plain decoding's ids, and the speculative counters carry the
     proposer's name, "draft"."""
@@ -185,9 +181,9 @@ async def test_the_decode_service_serves_with_a_draft_and_labels_its_metrics(tar
     from services.decode_server import start_decode_server
     from services.metrics import Metrics
 
-    draft, metrics = tiny_served.load(), Metrics()
+    metrics = Metrics()
     server = await start_decode_server(
-        target, EngineConfig(speculation="draft"), metrics=metrics, proposer=lambda model: DraftProposer(draft)
+        target, EngineConfig(speculation="draft"), metrics=metrics, proposer=lambda model: DraftProposer(llama)
     )
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -202,11 +198,12 @@ async def test_the_decode_service_serves_with_a_draft_and_labels_its_metrics(tar
     assert accepted.startswith('tokenwire_speculative_accepted_tokens_total{proposer="draft"}') and float(accepted.split()[-1]) > 0
 
 
-def test_a_history_caught_up_guesses_as_one_read_afresh():
+def test_a_history_caught_up_guesses_as_one_read_afresh(llama):
     """What the draft guesses after the request moved on does not depend on how its slot caught
     up: a rejected guess (rewound, the target's id fed), every guess accepted (two ids fed), or
-    many ids at once (prefilled again) give the guesses of a history opened on the same ids."""
-    proposer = DraftProposer(tiny_served.load())
+    many ids at once (prefilled again) give the guesses of a history opened on the same ids; nor
+    on the rows proposed with it in the same steps."""
+    proposer = DraftProposer(llama)
 
     def fresh(ids):
         history = proposer.open(ids)
@@ -227,6 +224,12 @@ def test_a_history_caught_up_guesses_as_one_read_afresh():
         history.extend(emitted(guesses))
         guesses = proposer.propose([(history, 4)])[0]
         assert guesses == fresh(history.ids), move
+    # two rows in the same steps (one with 2 ids to feed first, one with none): each as alone
+    other = proposer.open(PROMPTS[1])
+    alone = fresh(PROMPTS[1])
+    history.extend([*guesses, 7])
+    assert proposer.propose([(history, 4), (other, 3)]) == [fresh(history.ids), alone[:3]]
+    proposer.close(other)
     slot, count = history.slot, history.count
     with pytest.raises(ModelUsageError, match="outside 1.."):
         proposer.model.rewind(slot, count + 1)
