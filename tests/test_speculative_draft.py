@@ -26,6 +26,7 @@ from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.speculation.draft import DraftProposer
 from engine.jax_backend.jax_model import JaxModel
 from support import tiny_served
+from support.waiting import until_sync
 from test_cli import in_process
 
 TINY = tiny_served.ASSETS / "tiny-llama"
@@ -236,6 +237,60 @@ def test_a_history_caught_up_guesses_as_one_read_afresh(llama):
     proposer.close(history)
     with pytest.raises(ModelUsageError, match="which was not prefilled"):
         proposer.model.rewind(slot, 1)
+
+
+class _Ids(list):
+    def extend(self, ids):  # (list.extend, named as History wants)
+        super().extend(ids)
+
+
+class Counting:
+    """A proposer for the scripted model (after t comes t + 1) that counts the histories open:
+    a draft's slot is held by a history until `close`, so none may be left open."""
+
+    name = "counting"
+
+    def __init__(self) -> None:
+        self.open_histories = 0
+
+    def open(self, ids):
+        self.open_histories += 1
+        return _Ids(ids)
+
+    def propose(self, rows):
+        return [tuple(range(history[-1] + 1, history[-1] + 1 + k)) for history, k in rows]
+
+    def close(self, history) -> None:
+        self.open_histories -= 1
+
+
+def test_a_request_preempted_then_cancelled_while_it_waits_closes_its_history():
+    """Two requests outgrow a small pool: the later one is preempted after speculating, keeping
+    its history, and is cancelled while it waits to be read again (the engine thread cancels it,
+    at the delivery after the preemption, so it surely waits): its history is closed all the same."""
+    from engine.core.scripted_model import ScriptedModel
+
+    model = ScriptedModel(max_batch_size=2, max_context_length=256, max_guesses=4, page_size=4, kv_cache_tokens=128)
+    proposer = Counting()
+    engine = Engine(model, EngineConfig(speculation="ngram", speculation_max_batch=2), proposer=proposer)
+    tickets: list[int] = []
+
+    def cancel_the_preempted() -> None:
+        if len(tickets) == 2 and engine.stats().preemptions:
+            engine.abort(tickets.pop())
+
+    engine.after_delivery(cancel_the_preempted)
+    sinks = [Collect(), Collect()]
+    engine.start()
+    try:
+        for prompt, sink in zip(([10], [500]), sinks):
+            tickets.append(engine.submit(Request(f"p{prompt}", tuple(prompt), SamplingParams(), StoppingCriteria(100)), sink))
+        assert sinks[0].done.wait(30) and sinks[0].ids == list(range(11, 111))
+        assert len(tickets) == 1 and not sinks[1].done.is_set()  # cancelled: no more events
+        until_sync(lambda: engine.stats().slots_in_use == 0 and engine.stats().queue_depth == 0, "nothing held")
+        assert engine.stats().speculation.accepted > 0 and proposer.open_histories == 0
+    finally:
+        engine.stop()
 
 
 def _draft_dir(tmp_path, config=None, generation=None):

@@ -297,9 +297,12 @@ class Engine(ConstrainedSteps, SpeculativeSteps):
         step, before the next step. No further events are sent for it. Aborting a finished or
         unknown ticket does nothing."""
         with self._cond:
-            if self._waiting.pop(ticket, None) is None:
+            waiting = self._waiting.pop(ticket, None)
+            if waiting is None:
                 self._aborts.add(ticket)
                 self._cond.notify_all()
+            elif waiting.speculation is not None:  # preempted after it speculated: its proposer
+                self._unfollowed.append(waiting)  # history is closed on the engine thread
 
     def after_delivery(self, callback: Callable[[], None]) -> None:
         """Call `callback()` on the engine thread after each prefill and each decode step, once
