@@ -26,7 +26,9 @@ from engine.model_store.registry import ModelDownloadFailed
 from services.config import ApiServerConfig, DecodeServerConfig, TextServerConfig, cache_dir
 from services.flags import build_parser
 from services.generation_commands import chat, generate
-from services.model_loading import SCRIPTED_PREFIX, find_model_dir, load_model, require_jax, say, scripted_model
+from services.model_loading import (
+    SCRIPTED_PREFIX, check_draft, draft_proposer, find_model_dir, load_model, require_jax, say, scripted_model,
+)
 
 _load_model = load_model  # the name tests/test_compilation_cache.py imports it by
 
@@ -99,6 +101,11 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         )
     else:
         spawn_model = functools.partial(load_model, model_dir, config.max_batch_size, config.model_options, config.group)
+    proposer = None
+    if config.draft_model is not None:  # refused here, before anything loads, where it cannot guess for the model
+        draft_dir = find_model_dir(config.draft_model, config.model_options.cache_dir)
+        check_draft(model_dir, draft_dir, config.model_options.max_context_length)
+        proposer = functools.partial(draft_proposer, draft_dir, config.max_batch_size, config.model_options)
     log_setup = functools.partial(configure_logging, logging.getLevelName(logging.getLogger().level))
     if config.group is not None and config.group.process_id > 0:
         return await _decode_follower(config, spawn_model, log_setup)
@@ -112,6 +119,7 @@ async def _decode_server(config: DecodeServerConfig) -> int:
         spawn_model=spawn_model,
         log_setup=log_setup,
         tokenizer_json=tokenizer if (tokenizer := model_dir / "tokenizer.json").is_file() else None,
+        proposer=proposer,
     )
     http = _serve_metrics(metrics, config.server.host, config.metrics_port)
     log.info("decode service listening on %s:%d; loading %s", config.server.host, server.port, model_dir)

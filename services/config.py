@@ -159,10 +159,24 @@ def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
     )
 
 
+def speculation(a: argparse.Namespace) -> str:
+    """The speculation mode: `--speculation`, or "draft" where only `--draft-model` is given
+    ("off" for commands without the flags); ValueError for a draft model without a draft mode, or
+    the other way round."""
+    mode, draft = getattr(a, "speculation", "off"), getattr(a, "draft_model", None)
+    if draft is None:
+        if mode == "draft":
+            raise ValueError("--speculation draft guesses with a draft model: give it with --draft-model NAME|DIR")
+        return mode
+    if mode not in ("off", "draft"):
+        raise ValueError(f"--draft-model {draft} guesses for --speculation draft, not --speculation {mode}: drop one of them")
+    return "draft"
+
+
 def speculative_tokens(a: argparse.Namespace) -> int:
     """The model's `max_guesses` for `--speculation` and `--speculative-tokens` (0: off, and for
     commands without the flags); ValueError for a configuration that cannot speculate."""
-    if getattr(a, "speculation", "off") == "off":
+    if speculation(a) == "off":
         return 0
     context = a.max_context_length or 2048
     if a.speculative_tokens >= context:
@@ -227,6 +241,7 @@ class DecodeServerConfig:
     metrics_port: int | None
     step_ms: float = 0.0  # the scripted model's step time (--model scripted:DIR only)
     group: ProcessGroup | None = None  # several hosts; None: this process alone
+    draft_model: str | None = None  # --draft-model: the draft for --speculation draft
 
     @staticmethod
     def from_args(a: argparse.Namespace) -> "DecodeServerConfig":
@@ -236,11 +251,16 @@ class DecodeServerConfig:
             raise ValueError(
                 "--model scripted:DIR has no device memory to take a fraction of: size its KV cache with --kv-cache-tokens"
             )
+        if a.draft_model is not None and a.model.startswith("scripted:"):
+            raise ValueError("--draft-model guesses for a real model: --model scripted:DIR takes none")
+        if a.draft_model is not None and a.tensor_parallel > 1:  # (JaxModel: no verify step under a mesh)
+            raise ValueError(f"--draft-model needs the model's verify step, which --tensor-parallel {a.tensor_parallel} "
+                             "does not have: serve on one device, or without a draft")
         return DecodeServerConfig(
             model=a.model,
             server=dataclasses.replace(server_options(a), max_connection_age_s=a.max_connection_age),
             engine=EngineConfig(
-                max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens, speculation=a.speculation,
+                max_queue_size=a.max_queue_size, max_step_tokens=a.max_step_tokens, speculation=speculation(a),
                 speculative_tokens=a.speculative_tokens, speculation_max_batch=a.speculation_max_batch,
             ),
             max_batch_size=a.max_batch_size,
@@ -250,6 +270,7 @@ class DecodeServerConfig:
             metrics_port=a.metrics_port,
             step_ms=a.step_ms,
             group=ProcessGroup.from_args(a),
+            draft_model=a.draft_model,
         )
 
 

@@ -28,6 +28,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.core.engine_process import EngineProcess
 from engine.core.errors import ModelLoadFailed, ModelRefused
 from engine.core.model import Model, ModelFactory, load
+from engine.core.speculation.proposer import Proposer
 from protos.decode.v1 import decode_pb2_grpc
 from services.admission import Admission
 from services.decode_service import DecoderServicer
@@ -70,6 +71,7 @@ class DecodeServer:
     async def _load(
         self, load_model: Callable[[], Model] | None, spawn_model: ModelFactory | None,
         engine_config: EngineConfig, log_setup: Callable[[], None] | None,
+        proposer: Callable[[Model], Proposer] | None,
     ) -> None:
         loop = asyncio.get_running_loop()
 
@@ -79,11 +81,12 @@ class DecodeServer:
         on_step = self.metrics.engine_step_seconds.observe
         try:
             if spawn_model is not None:
-                engine = EngineProcess(spawn_model, engine_config, on_death, on_step, log_setup)
+                engine = EngineProcess(spawn_model, engine_config, on_death, on_step, log_setup, proposer)
                 await asyncio.to_thread(engine.start)
             else:
                 model = await asyncio.to_thread(load, load_model)
-                engine = Engine(model, engine_config, on_death=on_death, on_step=on_step)
+                guesser = None if proposer is None else await asyncio.to_thread(proposer, model)
+                engine = Engine(model, engine_config, on_death=on_death, on_step=on_step, proposer=guesser)
                 engine.start()
         except ModelLoadFailed as error:  # why, sorted by engine.core.model.load
             self.load_failure = error
@@ -185,13 +188,15 @@ async def start_decode_server(
     spawn_model: ModelFactory | None = None,
     log_setup: Callable[[], None] | None = None,
     tokenizer_json: str | Path | None = None,
+    proposer: Callable[[Model], Proposer] | None = None,
 ) -> DecodeServer:
     """Serve at once (liveness SERVING, readiness NOT_SERVING), load and warm up the model off
     the event loop, then start the engine and become ready. The model: `model`, or what
     `load_model()` returns (the engine on a thread of this process), or what `spawn_model()`
     returns in an engine process (a picklable callable; `log_setup()` configures its logging).
     `tokenizer_json`: the model's tokenizer file, which requests' constraints compile against
-    (None: constraints are refused)."""
+    (None: constraints are refused). `proposer(model)`: the engine's speculative proposer, built
+    where the model is, after it (a draft model's, `--draft-model`; picklable with `spawn_model`)."""
     if sum(x is not None for x in (model, load_model, spawn_model)) != 1:
         raise TypeError("give exactly one of model, load_model and spawn_model")
     if model is not None:
@@ -204,7 +209,7 @@ async def start_decode_server(
     )
     server = DecodeServer(running, servicer, admission, metrics, stall_timeout_s)
     server.running.tasks += [
-        asyncio.create_task(server._load(load_model, spawn_model, engine_config, log_setup)),
+        asyncio.create_task(server._load(load_model, spawn_model, engine_config, log_setup, proposer)),
         asyncio.create_task(server._monitor(health_interval_s)),
     ]
     if wait_until_ready:

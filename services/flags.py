@@ -148,14 +148,21 @@ def _decode_server(commands):
              "(nothing decoding, or a burst of arrivals) the waiting prompts are read whole. 0: always whole, which "
              "stalls every stream for its length. Unset: 8 on a CPU, 512 on an accelerator. Below 16 the smallest prompt "
              "chunk shape follows it, so its chunks are not padded to 16.", type=non_negative, default=SERVED.max_step_tokens)
-    add_flag(p, "--speculation", help="speculative decoding: off, or ngram (guesses from the request's own text)",
+    add_flag(p, "--speculation", help="speculative decoding: off, ngram (guesses from the request's own text) or draft",
              details="ngram: each step, a row's last few ids are looked up earlier in its prompt and output, and what "
              "followed them is checked by the model in the same pass as the step: every accepted guess is a token "
              "for free; the output is exactly plain decoding's. It pays on text that copies its input (code edits, "
              "extraction, quoting) at small batches; a step where no row's known ids recur stays a plain pipelined step, "
              "a row whose guesses fail rests, and a step of more rows than --speculation-max-batch does not speculate. "
-             "See docs/speculative.md.",
+             "draft: the guesses are --draft-model's greedy tokens (which implies it). See docs/speculative.md.",
              choices=list(SPECULATION_MODES), default=EngineConfig.speculation)
+    add_flag(p, "--draft-model", help="a small model with the same tokenizer that guesses for --speculation draft",
+             details="A directory or registered name, as --model. It runs in the engine process beside the model, loaded "
+             "with the same options (weights, dtype, --max-batch-size slots, the model's context, the KV cache's size) but "
+             "a pool of pages of its own; each request decoding with speculation takes one of its slots, and a request "
+             "that finds none free gets no guesses. Refused at start (exit 2) where its tokenizer's size or its EOS ids "
+             "differ from the model's, or where its context is shorter. It pays where the model is much larger than the "
+             "draft (docs/speculative.md).", default=None)
     add_flag(p, "--speculative-tokens", help="the most ids a row guesses per step (with --speculation)",
              details="Also the verify step's shapes the model compiles at warm-up (powers of two up to K). A batch of R "
              "rows gives each at most max(1, K // R), and a row at most the power of two above its recent accepted "

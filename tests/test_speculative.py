@@ -333,7 +333,7 @@ def test_the_flags_reach_the_engine_and_the_models_verify_shape():
 
 
 @pytest.mark.parametrize("argv, reason", [
-    (["--speculation", "draft"], "argument --speculation: invalid choice: 'draft'"),
+    (["--speculation", "eagle"], "argument --speculation: invalid choice: 'eagle'"),
     (["--speculative-tokens", "0"], "argument --speculative-tokens: must be a whole number >= 1, got 0"),
     (["--speculation", "ngram", "--speculative-tokens", "64", "--max-context-length", "64"],
      "--speculative-tokens 64 must be below --max-context-length (64)"),

@@ -144,7 +144,8 @@ class EngineConfig:
     # None: the model's `default_step_tokens` (what its hardware reads in a few decode steps' time).
     max_step_tokens: int | None = None
     # speculative decoding (engine.core.speculative_step): "off", or the proposer that guesses
-    # ("ngram"); it runs where the model verifies (`Model.max_guesses` > 0)
+    # ("ngram"; "draft": a draft model's, which the engine is handed, `Engine(proposer=...)`);
+    # it runs where the model verifies (`Model.max_guesses` > 0)
     speculation: str = "off"
     speculative_tokens: int = 4  # the most ids a row guesses a step (the model's max_guesses caps it)
     speculation_max_batch: int = 1  # no speculation in a step of more rows than this (docs/speculative.md: why 1)
@@ -296,9 +297,12 @@ class Engine(ConstrainedSteps, SpeculativeSteps):
         step, before the next step. No further events are sent for it. Aborting a finished or
         unknown ticket does nothing."""
         with self._cond:
-            if self._waiting.pop(ticket, None) is None:
+            waiting = self._waiting.pop(ticket, None)
+            if waiting is None:
                 self._aborts.add(ticket)
                 self._cond.notify_all()
+            elif waiting.speculation is not None:  # preempted after it speculated: its proposer
+                self._unfollowed.append(waiting)  # history is closed on the engine thread
 
     def after_delivery(self, callback: Callable[[], None]) -> None:
         """Call `callback()` on the engine thread after each prefill and each decode step, once

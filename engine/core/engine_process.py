@@ -18,8 +18,9 @@ Data flow (multiprocessing, spawn; one duplex pipe):
                                                      sender thread, with everything delivered
                                                      since (several steps when the parent is behind)
 The child loads and warms up the model from `factory` (a picklable callable: spawn starts a
-fresh interpreter; `engine.core.model.load`), then answers ("ready", info, kernel state, KV
-layout) or ("failed", the ModelLoadFailed, which `start` raises again).
+fresh interpreter; `engine.core.model.load`), and a draft model's proposer where it is given one
+(`proposer`), then answers ("ready", info, kernel state, KV layout) or ("failed", the
+ModelLoadFailed, which `start` raises again).
 
 What holds, as with the in-process `Engine`:
   * submit refuses synchronously: the stop rule is resolved here (ValueError), a request the KV
@@ -57,8 +58,9 @@ from engine.core.engine import Engine, EngineConfig, EngineStats, EventSink
 from engine.core.errors import DecoderFault, EngineStopped, InvalidArgument, ModelLoadFailed, QueueFull
 from engine.core.events import Event, FinishReason, Finished, Token, Usage
 from engine.core.kv_pages import PageStats
-from engine.core.model import KvLayout, ModelFactory, ModelInfo, load
+from engine.core.model import KvLayout, Model, ModelFactory, ModelInfo, load
 from engine.core.speculation.policy import SpeculationStats
+from engine.core.speculation.proposer import Proposer
 from engine.core.request import Request
 
 log = logging.getLogger(__name__)
@@ -242,12 +244,16 @@ class _KeySink:
         self._outbox.fail(self._key, error)
 
 
-def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, log_setup: Callable[[], None] | None) -> None:
+def _child_main(
+    conn: Connection, factory: ModelFactory, config: EngineConfig, log_setup: Callable[[], None] | None,
+    proposer_factory: Callable[[Model], Proposer] | None = None,
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent drains, then stops us
     if log_setup is not None:
         log_setup()
     try:
         model = load(factory)
+        proposer = None if proposer_factory is None else proposer_factory(model)  # (a draft model: load's errors too)
     except ModelLoadFailed as error:  # the parent raises it again, to say why as it exits
         conn.send(("failed", error))
         return
@@ -264,7 +270,7 @@ def _child_main(conn: Connection, factory: ModelFactory, config: EngineConfig, l
     outbox = _Outbox(conn)
     engine = Engine(
         model, dataclasses.replace(config, max_queue_size=config.max_queue_size + model.info.max_batch_size),
-        on_death=on_death, on_step=outbox.step,
+        on_death=on_death, on_step=outbox.step, proposer=proposer,
     )
     outbox.stats = engine.stats
     engine.after_delivery(outbox.flush)
@@ -320,11 +326,16 @@ class EngineProcess:
         on_death: Callable[[BaseException], None] | None = None,
         on_step: Callable[[float], None] | None = None,
         log_setup: Callable[[], None] | None = None,
+        proposer: Callable[[Model], Proposer] | None = None,
     ) -> None:
         """`factory` builds the model in the child (picklable: a module-level function or a
         functools.partial of one). `on_death(error)` is called on the reader thread if the child
-        dies; `on_step(seconds)` for each decode step. `log_setup` configures logging in the child."""
+        dies; `on_step(seconds)` for each decode step. `log_setup` configures logging in the child.
+        `proposer(model)` (picklable too) builds the engine's speculative proposer in the child,
+        after the model: a draft model's (engine.core.speculation.draft), loaded there; it raises
+        as `engine.core.model.load` does."""
         self._factory = factory
+        self._proposer = proposer
         self.config = config
         self._on_death = on_death
         self._on_step = on_step
@@ -360,7 +371,7 @@ class EngineProcess:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         self._process = context.Process(
-            target=_child_main, args=(child, self._factory, self.config, self._log_setup),
+            target=_child_main, args=(child, self._factory, self.config, self._log_setup, self._proposer),
             name="tokenwire-engine", daemon=True,
         )
         self._process.start()

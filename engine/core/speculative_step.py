@@ -55,6 +55,7 @@ class SpeculativeSteps:
         self._proposer = proposer if proposer is not None else proposer_named(config.speculation)
         self._policy: SpeculationPolicy | None = None
         self._speculation_stats = SpeculationStats()
+        self._unfollowed: list[_Live] = []  # cancelled while waiting with a history (under _cond): to close
         if self._proposer is None:
             return
         # (a proposer without `expects` is asked at every step)
@@ -73,6 +74,10 @@ class SpeculativeSteps:
         """Run this iteration's step as a verify step when it should (the module docstring).
         -> (whether it did, the time of the step it read: that of the step in flight, read
         first, or the verify step's own)."""
+        with self._cond:
+            unfollowed, self._unfollowed = self._unfollowed, []
+        for live in unfollowed:  # (a draft's slot, held by the history until then)
+            self._close_speculation(live)
         lives = self._decoding()
         if self._chunk is not None or not self._policy.guesses_for(len(lives)):
             return False, None  # (a prompt chunk rides along with a plain step: one pass for both)

@@ -326,6 +326,13 @@ class JaxModel(DecodeLaunch, Verifying):
         slots = step.slots.tolist()
         return [Sample(t, p, tops[s]) for s, t, p in zip(slots, tokens[slots].tolist(), logprobs[slots].tolist())]
 
+    def rewind(self, slot: int, length: int) -> None:
+        """The slot's count back to `length`, with no step in flight: its next step feeds position
+        `length` (its token given: the last sample is no longer the one before it). A draft
+        model's speculative positions, once the target rejected them (engine.core.speculation.draft)."""
+        require(not self._pending and self._held is None, "rewind with a dispatched step not yet collected")
+        self._slots.rewind(slot, length)
+
     def release(self, slot: int) -> None:
         self._slots.release(slot)
         self._sampling.release(slot)

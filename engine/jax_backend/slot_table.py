@@ -88,6 +88,14 @@ class SlotTable:
         require(all(0 <= t < self.vocab_size for t in ids), "a token id outside the vocabulary")
         return slots, given
 
+    def rewind(self, slot: int, length: int) -> None:
+        """The decoding slot's count back to `length` (at least 1, at most its count): what it
+        wrote past that is garbage its next steps overwrite (a draft model's rejected guesses)."""
+        require(0 <= slot < len(self.length), f"slot {slot} outside the {len(self.length)} slots")
+        require(self.length[slot] > 0 and not self.filling[slot], f"rewind of slot {slot}, which was not prefilled")
+        require(1 <= length <= self.length[slot], f"rewind of slot {slot} to {length}, outside 1..{self.length[slot]}")
+        self.length[slot] = length
+
     def release(self, slot: int) -> None:
         self.length[slot] = 0
         self.filling[slot] = False

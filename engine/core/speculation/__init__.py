@@ -12,6 +12,8 @@ The parts, one noun per file:
   * `ngram`: the model-free proposer: the latest earlier occurrence of the sequence's last n
     ids (n from 4 down to 2), over the request's own prompt and output; what followed it is the
     guess. Text that copies its input (code edits, extraction, quoting) gets long runs;
+  * `draft`: a draft model's proposer (`--draft-model`): a small model with the same tokenizer,
+    a slot of its own per request, k batched greedy decode steps for every row of a step;
   * `policy`: when a row speculates and how many ids it guesses: per-row acceptance with a
     rest when it is low, as many guesses as its recent runs earn, fewer as the batch
     grows, none above a batch size;

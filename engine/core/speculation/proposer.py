@@ -7,12 +7,11 @@ only cost time: a wrong one is rejected by the model and never reaches a client.
 
 Why batched and stateful: the model-free n-gram proposer (engine.core.speculation.ngram) keeps
 an index per request that each new id updates in O(1), so a step costs O(k) a row rather than a
-rescan; a draft model (a small model with the same tokenizer, issue 45) would keep a slot of its
-own per request (`open` prefills it, `extend` feeds it the accepted ids, `close` releases it)
-and answer `propose` with one batched decode of k steps for every row; an EAGLE-style head would
-do the same over the target model's hidden states, which would then have to come back from
-`verify` with the samples. Neither is built yet: each would be one more class here and one more
-name in `proposer_named`.
+rescan; a draft model (a small model with the same tokenizer, issue 45) keeps a slot of its
+own per request and answers `propose` with one batched decode of k steps for every row
+(engine.core.speculation.draft, `--draft-model`); an EAGLE-style head would do the same over the
+target model's hidden states, which would then have to come back from `verify` with the samples
+(not built yet: one more class and one more name in `proposer_named`).
 """
 
 from __future__ import annotations
@@ -51,13 +50,17 @@ class Proposer(Protocol):
         """The request ended (finished, cancelled or failed): forget its history."""
 
 
-SPECULATION_MODES = ("off", "ngram")  # the `--speculation` values
+SPECULATION_MODES = ("off", "ngram", "draft")  # the `--speculation` values
 
 
 def proposer_named(name: str) -> Proposer | None:
-    """The proposer a `--speculation` value names; None for "off". ValueError for another name."""
+    """The proposer a `--speculation` value names; None for "off". ValueError for another name,
+    and for "draft", which is built around its loaded model (engine.core.speculation.draft;
+    the engine is handed it)."""
     if name == "off":
         return None
     if name == "ngram":
         return NgramProposer()
+    if name == "draft":
+        raise ValueError("speculation draft needs a draft model (decode-server --draft-model NAME|DIR)")
     raise ValueError(f"speculation must be one of {', '.join(SPECULATION_MODES)}, got {name!r}")
