@@ -1,7 +1,7 @@
 """Speculative decoding (issue 45) on the real model: n-gram speculation on against off, through the
 engine, side by side in one run; and, with `--check`, that it changes no greedy id.
 
-    python benchmarks/speculative.py [--rounds 3] [--tokens 192] [--mixed-tokens 96] [--guesses 4]
+    python benchmarks/speculative.py [--rounds 3] [--tokens 192] [--mixed-tokens 96] [--guesses 4] [--cpu-threads N]
     python benchmarks/speculative.py --check [--check-tokens 96]
 
 One JaxModel (SmolLM2-135M as decode-server serves it on the CPU: int8 weights, the CPU kernels,
