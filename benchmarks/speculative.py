@@ -1,7 +1,7 @@
 """Speculative decoding (issue 45) on the real model: n-gram speculation on against off, through the
 engine, side by side in one run; and, with `--check`, that it changes no greedy id.
 
-    python benchmarks/speculative.py [--rounds 3] [--tokens 192] [--mixed-tokens 96] [--guesses 4]
+    python benchmarks/speculative.py [--rounds 3] [--tokens 192] [--mixed-tokens 96] [--guesses 4] [--cpu-threads N]
     python benchmarks/speculative.py --check [--check-tokens 96]
 
 One JaxModel (SmolLM2-135M as decode-server serves it on the CPU: int8 weights, the CPU kernels,
@@ -150,11 +150,13 @@ def benchmark(args, model_dir: Path) -> None:
     mixed = [(copy if i % 2 == 0 else chat)[(i // 2) % len(copy if i % 2 == 0 else chat)] for i in range(args.batch)]
     print(f"machine: {describe('jax', 'jaxlib', 'numpy')}")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
-    model = JaxModel.load(model_dir, max_batch_size=args.batch, max_context_length=1024, max_guesses=args.guesses)
+    model = JaxModel.load(model_dir, max_batch_size=args.batch, max_context_length=1024, max_guesses=args.guesses,
+                          cpu_threads=args.cpu_threads or None)
     model.warm_up()
     bench = Bench(model, args.guesses, args.max_batch)
     print(f"model {model.info.model_id}: weights {'int8' if model.int8 else 'float'}, CPU kernels "
-          f"{'on' if model.kernels else 'off'}; speculation ngram, {args.guesses} guesses, max batch {args.max_batch}; "
+          f"{'on' if model.kernels else 'off'} ({model.cpu_threads} threads); speculation ngram, "
+          f"{args.guesses} guesses, max batch {args.max_batch}; "
           f"copy prompts {[len(p) for p in copy]} tokens, chat {[len(p) for p in chat]}")
     workloads = {
         "copy, batch 1": lambda: batch1_rate(bench, copy[: args.copy_prompts], args.tokens),
@@ -202,7 +204,8 @@ def benchmark(args, model_dir: Path) -> None:
             "command": "python benchmarks/speculative.py " + " ".join(sys.argv[1:]),
             "machine": describe("jax", "jaxlib", "numpy"), "date": time.strftime("%Y-%m-%d", time.gmtime()),
             "load_average": os.getloadavg(), "model": model.info.model_id, "weights": "int8" if model.int8 else "float",
-            "guesses": args.guesses, "max_batch": args.max_batch, "rounds": args.rounds, "tokens": args.tokens,
+            "guesses": args.guesses, "max_batch": args.max_batch, "cpu_threads": model.cpu_threads,
+            "rounds": args.rounds, "tokens": args.tokens,
             "mixed_tokens": args.mixed_tokens, "results": results,
         }, indent=2) + "\n")
         print(f"wrote {RESULTS}")
@@ -260,6 +263,8 @@ def main() -> None:
     parser.add_argument("--guesses", type=int, default=EngineConfig.speculative_tokens, help="--speculative-tokens")
     parser.add_argument("--max-batch", type=int, default=EngineConfig.speculation_max_batch,
                         help="--speculation-max-batch")
+    parser.add_argument("--cpu-threads", type=int, default=0,
+                        help="decode-server's --cpu-threads: threads per CPU kernel call (0: the CPUs it may use)")
     parser.add_argument("--json", action="store_true", help="write the figures to benchmarks/results/speculative.json")
     parser.add_argument("--check", action="store_true", help="exactness: greedy ids on against off, float32 and int8")
     parser.add_argument("--check-tokens", type=int, default=96, help="max output tokens a --check request")

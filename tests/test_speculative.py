@@ -92,20 +92,36 @@ def finish(sink: Recorder) -> Finished:
 def test_copy_heavy_text_gets_long_guesses_and_no_match_gets_none():
     proposer = NgramProposer()
     copied = proposer.open([5, 6, 7, 8, 9, 10, 11, 12, 1, 5, 6])  # "5 6" was followed by 7 8 9 ...
-    fresh = proposer.open([5, 6, 7, 8, 9, 10, 11, 12])  # its last 2 ids never came before
+    fresh = proposer.open([5, 6, 7, 8, 9, 10, 11, 12])  # its last id never came before
     assert proposer.propose([(copied, 4), (fresh, 4), (copied, 0)]) == [(7, 8, 9, 10), (), ()]
     copied.extend([7, 8, 9, 10, 11, 12])  # at the end of what it copied: the rest of the sequence follows
     assert copied.guess(8) == (1, 5, 6, 7, 8, 9, 10, 11)
 
 
-def test_the_longest_suffix_wins_then_the_latest_occurrence():
+def test_the_longest_suffix_wins_then_the_latest_occurrence_then_one_id():
     history = NgramProposer().open([1, 2, 3, 9, 2, 3, 7, 4, 2, 3, 8, 1, 2, 3])
     assert history.guess(2) == (9, 2)  # "1 2 3" (3 ids) beats the later "2 3"s
     history = NgramProposer().open([2, 3, 7, 4, 2, 3, 8, 5, 2, 3])
     assert history.guess(1) == (8,)  # of the "2 3"s, the latest
+    history = NgramProposer().open([4, 6, 7, 5, 6])
+    assert history.guess(2) == (7, 5)  # no 2-gram: the one id 6, followed by 7
+    assert NgramProposer(shortest=2).open([4, 6, 7, 5, 6]).guess(2) == ()
 
 
-def _rescan(ids: list[int], k: int, shortest: int = 2, longest: int = 4) -> tuple[int, ...]:
+def test_a_copy_is_followed_while_it_holds_even_where_a_later_occurrence_differs():
+    # the passage 9 1 2 3 4 5, then 8 1 2 3 4 7; the sequence starts copying the first from its 9
+    history = NgramProposer().open([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4, 7, 0, 9])
+    assert history.guess(2) == (1, 2)  # only the one id 9 occurred before
+    history.extend([1, 2, 3, 4])
+    assert history.following() and history.guess(2) == (5, 8)  # the passage it follows goes on 5
+    assert NgramProposer().open(history.ids).guess(2) == (7, 0)  # where the latest "1 2 3 4" went on
+    history.extend([6])  # not the 5 of its source: the copy is dropped, and 6 occurred nowhere
+    assert not history.following() and history.guess(1) == ()
+    history.extend([8])
+    assert history.guess(3) == (1, 2, 3)  # a fresh lookup: the one id 8
+
+
+def _rescan(ids: list[int], k: int, shortest: int = 1, longest: int = 4) -> tuple[int, ...]:
     """What the index must answer, found by scanning the whole sequence."""
     for n in range(min(longest, len(ids)), shortest - 1, -1):
         suffix = ids[len(ids) - n :]
@@ -121,7 +137,22 @@ def test_the_incremental_index_answers_as_a_rescan_would(ids, cuts, k):
     history = NgramProposer().open(ids[: min(cuts, default=0)])
     for end in sorted(cuts) + [len(ids)]:
         history.extend(ids[len(history.ids) : max(end, len(history.ids))])
-        assert history.guess(k) == _rescan(history.ids, k)
+        assert NgramProposer().open(history.ids).guess(k) == _rescan(history.ids, k)
+        assert history.lookup() == NgramProposer().open(history.ids).lookup()
+
+
+@settings(max_examples=examples(200), deadline=None)
+@given(ids=st.lists(st.integers(0, 3), min_size=1, max_size=40), k=st.integers(1, 4))
+def test_a_followed_copy_still_guesses_what_came_after_an_earlier_occurrence(ids, k):
+    """Guessing at every id: each guess is what followed some earlier occurrence of the last id,
+    as long as k allows or the sequence goes, and there is one wherever a fresh lookup finds one."""
+    history = NgramProposer().open(ids[:1])
+    for token in ids[1:] + [None]:
+        guess, known = history.guess(k), history.ids
+        assert any(known[s - 1] == known[-1] and tuple(known[s : s + k]) == guess for s in range(1, len(known))) \
+            if guess else not _rescan(known, k)
+        if token is not None:
+            history.extend([token])
 
 
 # -- the policy ---------------------------------------------------------------------------------
@@ -247,7 +278,7 @@ def test_a_row_whose_guesses_all_fail_rests_then_tries_again():
     (sink,), engine = run([request([10], 60)], proposer=proposer)
     assert sink.tokens == list(range(11, 71))
     kinds = "".join(call[0][0] for call in engine.model.calls[1:])  # v: verify, d: plain decode
-    assert kinds.startswith("vv" + "d" * 16 + "vv" + "d" * 32), kinds  # rests of 16, then 32 steps
+    assert kinds.startswith("vv" + "d" * 4 + "vv" + "d" * 8 + "vv" + "d" * 16), kinds  # rests of 4, 8, then 16 steps
 
 
 def test_a_batch_shares_its_guesses_and_above_the_limit_does_not_speculate():

@@ -10,8 +10,9 @@ The parts, one noun per file:
   * `proposer`: the `Proposer` interface (guesses for the rows of a step, from each request's
     ids so far) and `proposer_named`, the registry the `--speculation` flag picks from;
   * `ngram`: the model-free proposer: the latest earlier occurrence of the sequence's last n
-    ids (n from 4 down to 2), over the request's own prompt and output; what followed it is the
-    guess. Text that copies its input (code edits, extraction, quoting) gets long runs;
+    ids (n from 4 down to 1), over the request's own prompt and output; what followed it is the
+    guess, and that source is followed while the output keeps copying it. Text that copies its
+    input (code edits, extraction, quoting) gets long runs;
   * `draft`: a draft model's proposer (`--draft-model`): a small model with the same tokenizer,
     a slot of its own per request, k batched greedy decode steps for every row of a step;
   * `policy`: when a row speculates and how many ids it guesses: per-row acceptance with a

@@ -10,6 +10,9 @@ expects no guess does not break the pipelined step, engine.core.speculative_step
     the row rests:
     it sits out the next `rest_steps` steps (twice as many after each rest that ends in another
     failure, up to `max_rest_steps`), riding in the step without guesses, and then tries again.
+    The first rest is short (4 steps): a copying answer misses where it departs from its source
+    (a changed name, a reworded line) and copies again a few ids later, and a long rest lost
+    those copied tails; a row that keeps missing (chat) soon rests for long anyway.
     A step in which no row speculates is a plain pipelined decode step, so a server whose
     traffic never repeats itself quickly decodes as if speculation were off.
   * Per row, the guesses it is offered follow its recent accepted runs: the smallest power of
@@ -58,7 +61,7 @@ class SpeculationPolicy:
         max_batch: int,
         smoothing: float = 0.5,
         threshold: float = 0.25,
-        rest_steps: int = 16,
+        rest_steps: int = 4,
         max_rest_steps: int = 512,
     ) -> None:
         if guesses < 1 or max_batch < 1:
