@@ -15,10 +15,11 @@ served smallest chunk, chunks along with decode steps, the prefix pool) with 8 s
 the int8 agreement was measured at), a context of 512 with prompt chunks up to 256 (every piece
 size test_prefill_chunked cuts a prompt into), and one row bucket, 8: every decode step runs
 8 rows, the idle ones masked, so the files meet on the same decode programs and each compiles
-one decode shape where the served ladder (1, 2, 4, 8 rows) would be four. Which rows a step
-pads to changes no live row's numbers: the kernels and the layers treat rows apart (the tiny
-models' tests compare ids across row buckets). `weights` is the caller's: float32 where a
-claim compares against float32, the served `auto` (int8 from the model's GGUF) otherwise.
+one decode shape where the served ladder (1, 2, 4, 8 rows) would be four. The files' claims
+compare two runs in this one configuration (chunked against whole prefill, int8 against float32)
+or hold against fixed answers ("The capital of France is Paris."), so no claim rests on which row
+bucket a step ran in. `weights` is the caller's: float32 where a claim compares against float32,
+the served `auto` (int8 from the model's GGUF) otherwise.
 """
 
 from __future__ import annotations
