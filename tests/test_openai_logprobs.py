@@ -4,8 +4,6 @@ compile after warm-up, and the decode contract's validation and Token field (inv
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grpc
 import jax
 import numpy as np
@@ -14,11 +12,9 @@ import pytest
 from engine.core.model import DecodeInput, SlotSetup
 from engine.core.request import MAX_TOP_LOGPROBS, SamplingParams
 from engine.jax_backend import sampling
-from engine.jax_backend.jax_model import JaxModel
+from support import tiny_served
 from support.pages import own_pages_all
 from services.client import decode_request
-
-TINY = Path(__file__).parent / "assets" / "tiny-llama"
 
 
 def test_top_logprobs_are_the_best_ids_of_the_raw_distribution_and_skipped_when_nobody_asks():
@@ -39,7 +35,9 @@ def test_top_logprobs_are_the_best_ids_of_the_raw_distribution_and_skipped_when_
 
 
 def test_the_real_model_reports_top_logprobs_per_slot_with_no_compile_after_warm_up():
-    model = JaxModel.load(TINY, max_batch_size=2, max_context_length=64)
+    # support.tiny_served's configuration, which other files warm up too: read back from the run's
+    # compilation cache (the claim is about whatever shapes warm-up compiled, two slots are used)
+    model = tiny_served.load()
     model.warm_up()
     compiled = model.compilations()
     own_pages_all(model)

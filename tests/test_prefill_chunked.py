@@ -25,6 +25,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.core.model import ChunkInput, DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
+from support import real_served
 from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.gated_steps import GatedSteps
@@ -202,9 +203,10 @@ def test_chunks_carried_by_decode_steps_change_no_id(pair):
 def test_chunked_and_prefix_cached_prefill_give_the_same_greedy_ids_on_the_real_model(real_model):
     require_cpu()
     path = real_model
-    # a context of 512 and prompts of ~300 tokens: every piece size from 256 down, in fewer FLOPs
+    # support.real_served's configuration (test_int8 compiles its float32 8-row decode step too):
+    # a context of 512 and prompts of ~300 tokens, every piece size from 256 down, in fewer FLOPs
     # than a longer prompt (each whole read of the prompt is a float32 prefill of the 30 layers)
-    model = JaxModel.load(path, max_batch_size=2, max_context_length=512, max_chunk=256, dtype="float32")
+    model = real_served.load(path, weights="float32")
     rng = np.random.default_rng(0)
     prompt = tuple(int(t) for t in rng.integers(3, 49152, 300))
     want, want_logprob = _greedy(model, prompt, 8, None)  # 300 = 256 + 32 + 8 + 4
