@@ -15,17 +15,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 
 import pytest
 
 from engine.core.engine import Engine, EngineConfig
-from engine.core.events import Finished, FinishReason, Token
+from engine.core.events import FinishReason
 from engine.core.model import ModelUsageError
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.speculation.draft import DraftProposer
 from engine.jax_backend.jax_model import JaxModel
 from support import tiny_served
+from support.recording_sink import Recorder
 from support.waiting import until_sync
 from test_cli import in_process
 
@@ -37,24 +37,6 @@ PROMPTS = [  # ids below the tokenizer's 512; all in the 8-token prompt bucket
     (17, 260, 17, 260, 17),
 ]
 TOKENS = 24
-
-
-class Collect:
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.finished: Finished | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def events(self, events) -> None:
-        self.ids += [e.id for e in events if isinstance(e, Token)]
-        if isinstance(events[-1], Finished):
-            self.finished = events[-1]
-            self.done.set()
-
-    def fail(self, error) -> None:
-        self.error = error
-        self.done.set()
 
 
 class Unwarmed(JaxModel):
@@ -92,13 +74,13 @@ def greedy(prompt, tokens=TOKENS) -> Request:
     return Request(f"r{prompt}", tuple(prompt), SamplingParams(temperature=0.0), StoppingCriteria(tokens, ignore_eos=True))
 
 
-def serve(engine: Engine, requests: list[Request]) -> list[Collect]:
+def serve(engine: Engine, requests: list[Request]) -> list[Recorder]:
     """Each request to its end, one at a time (batch 1: a row guesses all it may)."""
     sinks = []
     engine.start()
     try:
         for request in requests:
-            sink = Collect()
+            sink = Recorder()
             engine.submit(request, sink)
             assert sink.done.wait(120) and sink.error is None, sink.error
             sinks.append(sink)
@@ -113,8 +95,8 @@ def speculative(target, draft) -> Engine:
 
 def test_a_model_drafting_for_itself_has_every_guess_accepted(target, plain, llama):
     engine = speculative(target, llama)
-    ids = [s.ids for s in serve(engine, [greedy(p) for p in PROMPTS])]
-    assert ids == [s.ids for s in plain]
+    ids = [s.tokens for s in serve(engine, [greedy(p) for p in PROMPTS])]
+    assert ids == [s.tokens for s in plain]
     stats = engine.stats().speculation
     assert stats.proposer == "draft"  # the metrics' label
     # greedy on both sides, the same weights and bits: every guess is the target's own next id
@@ -125,8 +107,8 @@ def test_another_checkpoint_drafting_keeps_the_greedy_ids(target, plain, mistral
     """tiny-mistral guesses for tiny-llama: other weights, so the target rejects many guesses and
     the draft rewinds its slot; the ids stay plain decoding's."""
     engine = speculative(target, mistral)
-    ids = [s.ids for s in serve(engine, [greedy(p) for p in PROMPTS])]
-    assert ids == [s.ids for s in plain]
+    ids = [s.tokens for s in serve(engine, [greedy(p) for p in PROMPTS])]
+    assert ids == [s.tokens for s in plain]
     stats = engine.stats().speculation
     print(f"tiny-mistral drafting for tiny-llama: {stats.accepted} of {stats.proposed} guesses accepted")
     assert stats.proposed > 0 and stats.accepted < stats.proposed, stats
@@ -143,10 +125,10 @@ def test_seeded_sampling_with_the_draft_keeps_the_stream_contract(target, llama)
     sinks = serve(engine, requests)
     eos = target.info.eos_token_ids
     for sink in sinks[:-1]:
-        assert len(sink.ids) == TOKENS and not eos & set(sink.ids), sink.ids
+        assert len(sink.tokens) == TOKENS and not eos & set(sink.tokens), sink.tokens
         assert sink.finished.reason == FinishReason.LENGTH and sink.finished.usage.completion_tokens == TOKENS
     last = sinks[-1]
-    assert len(last.ids) <= TOKENS and not eos & set(last.ids) and last.finished.usage.completion_tokens == len(last.ids)
+    assert len(last.tokens) <= TOKENS and not eos & set(last.tokens) and last.finished.usage.completion_tokens == len(last.tokens)
     assert engine.stats().speculation.proposed > 0
 
 
@@ -159,11 +141,11 @@ def test_a_draft_with_no_free_slot_stops_guessing_and_changes_nothing(target, pl
     assert all(proposer.propose([(h, 1)]) != [()] for h in others) and not proposer.expects(proposer.open((1, 2)))
     try:
         engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
-        assert [s.ids for s in serve(engine, [greedy(PROMPTS[0])])] == [plain[0].ids]
+        assert [s.tokens for s in serve(engine, [greedy(PROMPTS[0])])] == [plain[0].tokens]
         assert engine.stats().speculation.proposed == 0
         proposer.close(others[0])
         engine = Engine(target, EngineConfig(speculation="draft", speculative_tokens=4), proposer=proposer)
-        assert [s.ids for s in serve(engine, [greedy(PROMPTS[1])])] == [plain[1].ids]
+        assert [s.tokens for s in serve(engine, [greedy(PROMPTS[1])])] == [plain[1].tokens]
         assert engine.stats().speculation.accepted > 0
     finally:
         for history in others:
@@ -193,7 +175,7 @@ async def test_the_decode_service_serves_with_a_draft_and_labels_its_metrics(tar
             ids = [e.token.id async for r in stub.Decode(request) for e in r.events if e.HasField("token")]
     finally:
         await server.stop(None)
-    assert ids == plain[0].ids
+    assert ids == plain[0].tokens
     text = generate_latest(metrics.registry).decode()
     accepted = next(line for line in text.splitlines() if line.startswith("tokenwire_speculative_accepted_tokens_total"))
     assert accepted.startswith('tokenwire_speculative_accepted_tokens_total{proposer="draft"}') and float(accepted.split()[-1]) > 0
@@ -280,12 +262,12 @@ def test_a_request_preempted_then_cancelled_while_it_waits_closes_its_history():
             engine.abort(tickets.pop())
 
     engine.after_delivery(cancel_the_preempted)
-    sinks = [Collect(), Collect()]
+    sinks = [Recorder(), Recorder()]
     engine.start()
     try:
         for prompt, sink in zip(([10], [500]), sinks):
             tickets.append(engine.submit(Request(f"p{prompt}", tuple(prompt), SamplingParams(), StoppingCriteria(100)), sink))
-        assert sinks[0].done.wait(30) and sinks[0].ids == list(range(11, 111))
+        assert sinks[0].done.wait(30) and sinks[0].tokens == list(range(11, 111))
         assert len(tickets) == 1 and not sinks[1].done.is_set()  # cancelled: no more events
         until_sync(lambda: engine.stats().slots_in_use == 0 and engine.stats().queue_depth == 0, "nothing held")
         assert engine.stats().speculation.accepted > 0 and proposer.open_histories == 0

@@ -9,14 +9,12 @@ check, 18 prompts in float32 and int8, is `python benchmarks/speculative.py --ch
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from engine.core.engine import Engine, EngineConfig
-from engine.core.events import Finished, Token
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.jax_backend.jax_model import JaxModel
+from support.recording_sink import Recorder
 from tokenizer_svc.chat import ChatMessage
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -32,33 +30,17 @@ MESSAGES = [
 TOKENS = 40
 
 
-class Collect:
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-
-    def events(self, events) -> None:
-        self.ids += [e.id for e in events if isinstance(e, Token)]
-        if isinstance(events[-1], Finished):
-            self.done.set()
-
-    def fail(self, error) -> None:
-        self.error = error
-        self.done.set()
-
-
 def greedy_ids(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
     outputs = []
     engine.start()
     try:
         for i, prompt in enumerate(prompts):  # one at a time: batch 1, where a row guesses all it may
-            sink = Collect()
+            sink = Recorder()
             request = Request(f"r{i}", tuple(prompt), SamplingParams(temperature=0.0), StoppingCriteria(TOKENS))
             engine.submit(request, sink)
             assert sink.done.wait(120), f"prompt {i} did not finish"
             assert sink.error is None, sink.error
-            outputs.append(sink.ids)
+            outputs.append(sink.tokens)
     finally:
         engine.stop()
     return outputs

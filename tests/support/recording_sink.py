@@ -28,5 +28,11 @@ class Recorder:
         self.done.set()
 
     @property
+    def finished(self) -> Finished | None:
+        """The stream's Finished event, once sent."""
+        last = self.batches[-1][-1] if self.batches else None
+        return last if isinstance(last, Finished) else None
+
+    @property
     def tokens(self) -> list[int]:
         return [e.id for b in self.batches for e in b if isinstance(e, Token)]
