@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.core.engine import EngineConfig
-from engine.core.model_options import SERVED, ModelOptions, least_kv_pages
+from engine.core.model_options import MOST_GUESSES, SERVED, ModelOptions, least_kv_pages
 from services.security import ClientTlsConfig, ServerTlsConfig, check_server_auth, read_token_file
 from services.server import ServerOptions
 
@@ -53,6 +53,7 @@ seconds = _bounded(float, 0.0, None, "a number of seconds >= 0")
 milliseconds = _bounded(float, 0.0, None, "a number of milliseconds >= 0")
 timeout = _bounded(float, 0.0, None, "a number of seconds > 0", low_allowed=False)
 fraction = _bounded(float, 0.0, 1.0, "a fraction in (0, 1]", low_allowed=False)  # a share of a device's memory
+guesses = _bounded(int, 1, MOST_GUESSES, f"a whole number in 1..{MOST_GUESSES}")  # --speculative-tokens
 
 
 def add_flag(parser: argparse.ArgumentParser, flag: str, *, help: str, details: str = "", **kwargs) -> None:

@@ -15,7 +15,7 @@ from engine.core.engine import EngineConfig
 from engine.core.model_options import SERVED
 from engine.core.speculation.proposer import SPECULATION_MODES
 from engine.model_store.registry import DEFAULT_MODEL, REGISTERED_MODELS
-from services.config import add_flag, fraction, milliseconds, non_negative, port_number, positive, seconds, timeout
+from services.config import add_flag, fraction, guesses, milliseconds, non_negative, port_number, positive, seconds, timeout
 
 DEFAULT_DECODE_PORT = 50051
 DEFAULT_TEXT_PORT = 50052
@@ -166,7 +166,8 @@ def _decode_server(commands):
     add_flag(p, "--speculative-tokens", help="the most ids a row guesses per step (with --speculation)",
              details="Also the verify step's shapes the model compiles at warm-up (powers of two up to K). A batch of R "
              "rows gives each at most max(1, K // R), and a row at most the power of two above its recent accepted "
-             "run.", type=positive, default=EngineConfig.speculative_tokens)
+             "run. At most 63: a row's guesses and its last sample are one product of the CPU kernels.",
+             type=guesses, default=EngineConfig.speculative_tokens)
     add_flag(p, "--speculation-max-batch", help="no speculation in a step of more rows than this",
              type=positive, default=EngineConfig.speculation_max_batch)
     add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model",

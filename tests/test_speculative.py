@@ -365,9 +365,11 @@ def test_the_flags_reach_the_engine_and_the_models_verify_shape():
 
 @pytest.mark.parametrize("argv, reason", [
     (["--speculation", "eagle"], "argument --speculation: invalid choice: 'eagle'"),
-    (["--speculative-tokens", "0"], "argument --speculative-tokens: must be a whole number >= 1, got 0"),
-    (["--speculation", "ngram", "--speculative-tokens", "64", "--max-context-length", "64"],
-     "--speculative-tokens 64 must be below --max-context-length (64)"),
+    (["--speculative-tokens", "0"], "argument --speculative-tokens: must be a whole number in 1..63, got 0"),
+    (["--speculation", "ngram", "--speculative-tokens", "64"],
+     "argument --speculative-tokens: must be a whole number in 1..63, got 64"),  # before the model is read
+    (["--speculation", "ngram", "--speculative-tokens", "32", "--max-context-length", "32"],
+     "--speculative-tokens 32 must be below --max-context-length (32)"),
     (["--speculation", "ngram", "--coordinator", "h:1", "--num-processes", "2", "--process-id", "0"],
      "--speculation runs in one process: it cannot be combined with --coordinator"),
 ])

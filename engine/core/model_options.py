@@ -47,8 +47,14 @@ class ModelOptions:
     # the backend's (8 on CPU, 512 on an accelerator); below 16 the smallest chunk shape follows it
     max_step_tokens: int | None = None
     # the most guesses one row of a verify step takes (speculative decoding, issue 45): the shapes
-    # warm-up compiles for `Model.verify`; 0: no verify step (speculation off)
+    # warm-up compiles for `Model.verify`; 0: no verify step (speculation off); at most MOST_GUESSES
     max_guesses: int = 0
+
+
+# The most guesses a row may take: its guesses and its last sample, 64 tokens, are one product of
+# the CPU kernels (engine.jax_backend.verify checks its own figure against this one). Here, without
+# JAX, so that the command line refuses more before a model is read.
+MOST_GUESSES = 63
 
 
 SERVED = ModelOptions()  # what decode-server runs with no flags

@@ -42,6 +42,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from engine.core import model_options
 from engine.core.model import DecodeInput, Sample, VerifyInput
 from engine.jax_backend import cpu_kernels
 from engine.jax_backend.shapes import Shapes, bucket, length_buckets
@@ -51,6 +52,7 @@ from engine.jax_backend.steps import alternatives
 from engine.jax_backend.verify_step import COUNT, GUESSES, SLOT
 
 MOST_GUESSES = cpu_kernels.PANEL_ROWS - 1  # a row's K + 1 tokens within one product of the CPU kernels
+assert MOST_GUESSES == model_options.MOST_GUESSES, "the command line's limit (engine.core.model_options) is this one"
 
 
 def max_guesses(requested: int, mesh: bool) -> int:
