@@ -56,15 +56,19 @@ pytestmark = pytest.mark.usefixtures("cpu_backend")
 )
 def model(request) -> JaxModel:
     """4 slots, context 64, pages of 8 (a short prompt spans several), a pool of 48 pages and the
-    null page: more than the slots' 4 x 8, so pages can be handed out in no order."""
+    null page: more than the slots' 4 x 8, so pages can be handed out in no order. One row bucket
+    (`min_rows` 4: every step runs 4 rows, the idle ones masked): a table is read per row the same
+    way at any row count, and crossing the row ladder is test_jax_model's claim (its steps read
+    their slots' pages too), so the ladder's other two steps, and their chunk-along twins, would
+    be compiles that prove nothing here."""
     name, kernels = request.param
     if kernels:
         prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     m = JaxModel.load(
         ASSETS / name, max_batch_size=SLOTS, max_context_length=CONTEXT, kv_page_size=PAGE,
-        kv_cache_tokens=48 * PAGE, min_bucket=8, max_chunk=32, kernels=kernels, dtype="float32",
+        kv_cache_tokens=48 * PAGE, min_bucket=8, max_chunk=32, kernels=kernels, dtype="float32", min_rows=SLOTS,
     )
-    assert m.kernels == kernels and (m.kv.page_size, m.kv.num_pages) == (PAGE, 49)
+    assert m.kernels == kernels and (m.kv.page_size, m.kv.num_pages) == (PAGE, 49) and m.row_buckets == (SLOTS,)
     assert m.fused_chunk_tokens == 8 if kernels else m.fused_chunk_tokens == 0
     m.warm_up()
     m.golden = json.loads((ASSETS / name / "golden.json").read_text())["cases"]
