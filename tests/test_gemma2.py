@@ -71,6 +71,10 @@ def _pools(rng, tables, lengths, n_pages, page, d):
 # their dozens of operations compiles its own executable on the first call.
 DECODE_REFERENCE = jax.jit(transformer.decode_attention, static_argnums=(5, 6))
 CHUNK_REFERENCE = jax.jit(transformer.chunk_attention, static_argnums=(5,), static_argnames=("block", "window"))
+# The Pallas kernel (interpreted) and its reference too: the interpreter runs each grid step's
+# operations one by one, each compiling its own executable, where jitted the kernel is one program.
+PALLAS = jax.jit(ragged_attention.decode_attention, static_argnames=("block_k", "splits", "interpret", "window", "softcap"))
+PALLAS_REFERENCE = jax.jit(ragged_attention.reference, static_argnames=("window", "softcap"))
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -115,15 +119,13 @@ def test_the_pallas_kernel_in_interpret_mode_soft_caps_as_the_reference():
     tables = jnp.asarray(1 + rng.permutation(r * width).reshape(r, width), jnp.int32)
     q = _scaled_queries(rng, (r, 4, 16))
     window = 8  # the cap is one line of the kernel, windowed or not: one interpreted run
-    got = ragged_attention.decode_attention(
-        q, k_pages, v_pages, tables, lengths, block_k=16, splits=2, interpret=True, window=window, softcap=3.0
-    )
-    want = ragged_attention.reference(q, k_pages, v_pages, tables, lengths, window=window, softcap=3.0)
+    got = PALLAS(q, k_pages, v_pages, tables, lengths, block_k=16, splits=2, interpret=True, window=window, softcap=3.0)
+    want = PALLAS_REFERENCE(q, k_pages, v_pages, tables, lengths, window=window, softcap=3.0)
     np.testing.assert_allclose(got, want, atol=2e-5)
     live = np.asarray(lengths) > 0  # the reference equals the engine's XLA attention on live rows
-    xla = transformer.decode_attention(q, k_pages, v_pages, tables, jnp.maximum(lengths - 1, 0), CFG, window)
+    xla = DECODE_REFERENCE(q, k_pages, v_pages, tables, jnp.maximum(lengths - 1, 0), CFG, window)
     np.testing.assert_allclose(np.asarray(got)[live], np.asarray(xla)[live], atol=2e-5)
-    uncapped = ragged_attention.reference(q, k_pages, v_pages, tables, lengths, window=window)
+    uncapped = PALLAS_REFERENCE(q, k_pages, v_pages, tables, lengths, window=window)
     assert not np.allclose(np.asarray(got)[live], np.asarray(uncapped)[live], atol=1e-2)
 
 

@@ -92,10 +92,14 @@ def test_chunks_riding_along_with_decode_steps_give_transformers_logits(whole_mo
 @pytest.fixture(scope="module")
 def served() -> JaxModel:
     prerequisites.cpu_kernels()
-    m = JaxModel.load(  # 2 slots, one prompt and one attend bucket: few shapes to warm up
+    # 2 slots (the packed prefill below) in one row bucket (`min_rows` 2: a lone stream's steps run
+    # 2 rows, one idle; the row ladder is test_jax_model's), one prompt and one attend bucket: few
+    # shapes to warm up, each with both of Gemma 3's layer kinds
+    m = JaxModel.load(
         GEMMA3, max_batch_size=2, max_context_length=CONTEXT, min_bucket=CONTEXT, min_attend=CONTEXT, kernels=True,
-        dtype="float32",
+        dtype="float32", min_rows=2,
     )
+    assert m.row_buckets == (2,)
     m.warm_up()
     return m
 

@@ -102,6 +102,16 @@ def _sink_reference(q, keys, values, seen, sinks):
     return out.reshape(t, h * d)
 
 
+# Each path jitted whole, as the model calls it (op by op, each operation would compile its own
+# executable on its first call).
+DECODE = jax.jit(transformer.decode_attention, static_argnums=(5, 6))
+CHUNK = jax.jit(transformer.chunk_attention, static_argnums=(5,), static_argnames=("block", "window"))
+WHOLE = jax.jit(transformer.attention, static_argnums=(4, 5))
+MASKED = jax.jit(transformer._masked_attention, static_argnums=(4,))
+PALLAS = jax.jit(ragged_attention.decode_attention, static_argnames=("block_k", "splits", "interpret", "window"))
+PALLAS_REFERENCE = jax.jit(ragged_attention.reference, static_argnames=("window",))
+
+
 def test_attention_sinks_in_every_xla_path_and_the_pallas_kernel():
     rng = np.random.default_rng(44)
     page, width, kv, h, d = 8, 6, 2, 4, 16
@@ -119,9 +129,9 @@ def test_attention_sinks_in_every_xla_path_and_the_pallas_kernel():
             _sink_reference(np.asarray(q)[r : r + 1], keys[r], values[r], np.asarray(transformer.in_window(s, p, window))[None], sinks)[0]
             for r, p in enumerate(positions)
         ])  # [R, H*D]
-        got = transformer.decode_attention(q, k_pool, v_pool, tables, positions, cfg, window, sinks)
+        got = DECODE(q, k_pool, v_pool, tables, positions, cfg, window, sinks)
         np.testing.assert_allclose(got, want, atol=2e-5)
-        plain = transformer.decode_attention(q, k_pool, v_pool, tables, positions, cfg, window)
+        plain = DECODE(q, k_pool, v_pool, tables, positions, cfg, window)
         assert not np.allclose(got, plain, atol=1e-2)  # the sinks take their share
     # A chunk of 12 queries at 30..41 over slot 2's pages, blocked (16 keys a block), and the
     # same queries against their own keys through the packed mask and the whole attention.
@@ -129,20 +139,18 @@ def test_attention_sinks_in_every_xla_path_and_the_pallas_kernel():
     qc = jnp.asarray(2 * rng.standard_normal((c, h, d)), jnp.float32)  # [C, H, D]
     seen = np.asarray(transformer.in_window(s[None, :], start + np.arange(c)[:, None], window))  # [C, S]
     want = _sink_reference(np.asarray(qc), keys[2], values[2], seen, sinks)
-    got = transformer.chunk_attention(qc, k_pool, v_pool, tables[2], jnp.int32(start), cfg, block=16, window=window, sinks=sinks)
+    got = CHUNK(qc, k_pool, v_pool, tables[2], jnp.int32(start), cfg, block=16, window=window, sinks=sinks)
     np.testing.assert_allclose(got, want, atol=2e-5)
-    whole = transformer.attention(qc[None], keys[2][None], values[2][None], jnp.arange(start, start + c)[None], cfg, window, sinks)
+    whole = WHOLE(qc[None], keys[2][None], values[2][None], jnp.arange(start, start + c)[None], cfg, window, sinks)
     np.testing.assert_allclose(whole[0], want, atol=2e-5)
     own = np.asarray(transformer.in_window(np.arange(c)[None, :], np.arange(c)[:, None], window))  # [C, C]
-    packed = transformer._masked_attention(qc, jnp.asarray(keys[2][:c]), jnp.asarray(values[2][:c]), jnp.asarray(own), cfg, sinks)
+    packed = MASKED(qc, jnp.asarray(keys[2][:c]), jnp.asarray(values[2][:c]), jnp.asarray(own), cfg, sinks)
     np.testing.assert_allclose(packed, _sink_reference(np.asarray(qc), keys[2][:c], values[2][:c], own, sinks), atol=2e-5)
     # The Pallas kernel (interpret mode): an idle row, rows inside and past the window, 2 splits.
     lengths = jnp.asarray([0, 5, 42], jnp.int32)
-    got = ragged_attention.decode_attention(
-        q, k_pool, v_pool, tables, lengths, block_k=16, splits=2, interpret=True, window=window, sinks=sinks
-    )
-    np.testing.assert_allclose(got, ragged_attention.reference(q, k_pool, v_pool, tables, lengths, window=window, sinks=sinks), atol=2e-5)
-    xla = transformer.decode_attention(q, k_pool, v_pool, tables, lengths - 1, cfg, window, sinks)
+    got = PALLAS(q, k_pool, v_pool, tables, lengths, block_k=16, splits=2, interpret=True, window=window, sinks=sinks)
+    np.testing.assert_allclose(got, PALLAS_REFERENCE(q, k_pool, v_pool, tables, lengths, window=window, sinks=sinks), atol=2e-5)
+    xla = DECODE(q, k_pool, v_pool, tables, lengths - 1, cfg, window, sinks)
     np.testing.assert_allclose(np.asarray(got)[1:], np.asarray(xla)[1:], atol=2e-5)
     assert not np.asarray(got)[0].any()  # the idle row: zeros
 

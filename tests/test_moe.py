@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +39,7 @@ from engine.jax_backend import cpu_kernels, families, loading, memory_plan, mesh
 from engine.jax_backend.jax_model import JaxModel
 from engine.jax_backend.weights import load_checkpoint, packed_head, with_panels
 from engine.model_store.checkpoint import CheckpointError, parse_config
+from services import cli
 from support import golden_parity, prerequisites
 from support.compile_watch import compile_events
 from support.pages import own_pages
@@ -119,13 +118,12 @@ def test_int8_is_refused_for_moe_and_auto_chooses_float32_saying_why(caplog, tmp
     assert "weights auto: float32 (MixtralForCausalLM: a mixture of experts runs in float32 or bfloat16" in caplog.text
 
 
-def test_the_cli_refuses_int8_moe_with_exit_2_and_the_reason_last():
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--local", "--model", str(MIXTRAL), "--weights", "int8", "hi"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )
-    assert done.returncode == 2, done.stderr[-2000:]
-    assert "--weights int8 cannot serve MixtralForCausalLM" in done.stderr.strip().splitlines()[-1]
+def test_the_cli_refuses_int8_moe_with_exit_2_and_the_reason_last(capsys):
+    # In this process (a child would import JAX again to refuse), with the compilation cache off so
+    # that the CLI leaves this process's cache where conftest put it.
+    argv = ["generate", "--local", "--model", str(MIXTRAL), "--weights", "int8", "--compilation-cache", "off", "hi"]
+    assert cli.main(argv) == 2
+    assert "--weights int8 cannot serve MixtralForCausalLM" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("checkpoint", [QWEN3_MOE, MIXTRAL], ids=["qwen3-moe", "mixtral"])

@@ -58,6 +58,11 @@ def _pool(rng, n_pages, page, kv=2, d=16):
 
 _chunk = jax.jit(transformer.chunk_attention, static_argnames=("cfg", "block", "window"))
 _decode = jax.jit(transformer.decode_attention, static_argnames=("cfg", "window"))
+# The whole attention, the Pallas kernel (interpreted) and its reference jitted too: op by op, each
+# of their operations (the interpreter's, per grid step) would compile its own executable.
+_whole = jax.jit(transformer.attention, static_argnums=(4, 5))
+_pallas = jax.jit(ragged_attention.decode_attention, static_argnames=("block_k", "splits", "interpret", "window"))
+_pallas_reference = jax.jit(ragged_attention.reference, static_argnums=(5,))
 
 
 @pytest.mark.parametrize("window", [3, 8, 21])
@@ -71,10 +76,10 @@ def test_the_xla_chunk_and_decode_attention_see_only_the_window(window):
     for start, c in ((0, 8), (5, 8), (13, 8), (40, 16)):  # chunks across the window's edge
         q = jnp.asarray(rng.standard_normal((c, 4, 16)), jnp.float32)  # [C, H, D]
         pos = start + jnp.arange(c)
-        want = transformer.attention(q[None], keys, values, pos[None], CFG, window)[0]  # [C, H*D]
+        want = _whole(q[None], keys, values, pos[None], CFG, window)[0]  # [C, H*D]
         got = _chunk(q, k_pages, v_pages, table, jnp.int32(start), CFG, block=8, window=window)
         np.testing.assert_allclose(got, want, atol=1e-5)
-        full = transformer.attention(q[None], keys, values, pos[None], CFG)[0]
+        full = _whole(q[None], keys, values, pos[None], CFG, None)[0]
         assert start + c <= window or not np.allclose(got, full, atol=1e-3)  # the window changed something
         rows = _decode(q, k_pages, v_pages, jnp.tile(table, (c, 1)), pos, CFG, window)
         np.testing.assert_allclose(rows, want, atol=1e-5)
@@ -136,12 +141,10 @@ def test_the_pallas_kernel_in_interpret_mode_sees_only_the_window():
     k_pages, v_pages = _pool(rng, r * width + 1, page)
     tables = jnp.asarray(1 + rng.permutation(r * width).reshape(r, width), jnp.int32)
     q = jnp.asarray(rng.standard_normal((r, 4, 16)), jnp.float32)
-    got = ragged_attention.decode_attention(
-        q, k_pages, v_pages, tables, lengths, block_k=16, splits=2, interpret=True, window=window
-    )
-    want = ragged_attention.reference(q, k_pages, v_pages, tables, lengths, window)
+    got = _pallas(q, k_pages, v_pages, tables, lengths, block_k=16, splits=2, interpret=True, window=window)
+    want = _pallas_reference(q, k_pages, v_pages, tables, lengths, window)
     np.testing.assert_allclose(got, want, atol=1e-5)
-    full = ragged_attention.reference(q, k_pages, v_pages, tables, lengths)
+    full = _pallas_reference(q, k_pages, v_pages, tables, lengths, None)
     assert not np.allclose(got[4:], full[4:], atol=1e-3)
 
 
