@@ -333,10 +333,11 @@ def test_padding_ids_past_the_tokenizer_are_never_sampled(tmp_path):
     case = json.loads((ASSETS / "tiny-qwen3" / "golden.json").read_text())["cases"][0]
     prompt, first = tuple(case["prompt_ids"]), case["greedy_ids"][0]
     assert case["first_logits"][first] > 0  # so the padding row 50x its head row would win argmax
-    # min_bucket 32: one prompt shape to compile; the claim is about the head, whatever the chunks.
-    # No warm-up: the claim is about what each step samples, and the steps run compile what they use
-    # (a warm-up samples for no row; nothing compiling after it is test_nothing_compiles_after_warm_up's).
-    model = JaxModel.load(_padded_qwen3(tmp_path), max_batch_size=2, max_context_length=32, min_bucket=32)
+    # min_bucket 32 and min_rows 2: one prompt and one decode shape to compile; the claim is about
+    # the head, whatever the chunks and rows. No warm-up: the claim is about what each step samples,
+    # and the steps run compile what they use (a warm-up samples for no row; nothing compiling after
+    # it is test_nothing_compiles_after_warm_up's).
+    model = JaxModel.load(_padded_qwen3(tmp_path), max_batch_size=2, max_context_length=32, min_bucket=32, min_rows=2)
     assert model.info.vocab_size == PADDED and model._weights.lm_head.shape[1] == 512  # the tokenizer's ids
     greedy, sampled, cut = drive(model, [
         Plan(0, prompt, len(case["greedy_ids"])),
