@@ -402,8 +402,9 @@ def wait_http_ready(process: subprocess.Popen, log: Path, url: str, budget_s: fl
 def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
     """compose.yaml runs the tiny checkpoint on the served defaults (its CPU kernels from this
     run's one build, support.kernel_cache, and its executables from the run's compilation cache
-    when another file compiled support.tiny_served's configuration first: run_cache); compose.secure.yaml proves the TLS and token wiring,
-    for which decode runs the scripted model (what the model computes is compose.yaml's run)."""
+    when another file compiled support.tiny_served's configuration first: run_cache);
+    compose.secure.yaml proves the TLS and token wiring, for which decode runs the scripted model
+    (what the model computes is compose.yaml's run)."""
     from protos.decode.v1 import decode_pb2
     from services.client import TextClient, decode_request
     from services.security import ClientTlsConfig
