@@ -277,12 +277,13 @@ QUICK_START = ["--port", "0", "--cpu-kernels", "off", "--compilation-cache", "of
 
 
 @pytest.mark.parametrize("argv, reason", [
-    # the issue's case: the engine process refuses at load, naming what does not fit and what to lower
-    (["--max-batch-size", "1048576"], "refusing to serve: the model does not fit in memory: "),
+    # the engine process refuses at load (a model that does not fit in memory, the issue's case, is
+    # refused the same way through the real entry point in tests/test_memory_plan.py:
+    # test_decode_server_refuses_an_impossible_configuration_in_one_line)
     (["--tensor-parallel", "3"], "refusing to serve: --tensor-parallel 3 does not divide the model's 4 attention heads"),
     # flags that the parser takes one by one but that do not go together, refused before loading
     (["--weights", "int8", "--tensor-parallel", "2"], "--weights int8 runs on one device: it cannot be combined with --tensor-parallel 2"),
-], ids=["memory", "tensor-parallel", "flags"])
+], ids=["tensor-parallel", "flags"])
 async def test_a_configuration_that_cannot_work_exits_2_with_its_reason_last(argv, reason):
     """Through the real entry point: exit 2, the reason as the last line printed, and no word of a
     restart anywhere (a supervisor would restart it forever)."""

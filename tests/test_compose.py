@@ -37,7 +37,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.cli import build_parser
 from services.config import env_name
 from services.health_probe import health_check
-from support import kernel_cache
+from support import kernel_cache, tiny_served
 from support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -345,9 +345,21 @@ def localize(
     if secrets is not None:
         env.update({k: v.replace("/run/secrets", str(secrets)) for k, v in SECURE["services"][name]["environment"].items()})
     env.update(TOKENWIRE_CACHE=str(cache), TOKENWIRE_METRICS_PORT=str(metrics_ports[name]))
-    if name == "decode":  # a fast warm-up: fewer slots and compiled lengths than a real deployment
-        env.update(TOKENWIRE_MAX_BATCH_SIZE="2", TOKENWIRE_MAX_CONTEXT_LENGTH="64")
+    if name == "decode":  # a fast warm-up: support.tiny_served's slots and context, not a real deployment's
+        env.update(
+            TOKENWIRE_MAX_BATCH_SIZE=str(tiny_served.CONFIG["max_batch_size"]),
+            TOKENWIRE_MAX_CONTEXT_LENGTH=str(tiny_served.CONFIG["max_context_length"]),
+        )
     return argv, env
+
+
+def run_cache() -> Path:
+    """The decode server's --cache for the tiny checkpoint: this run's directory, whose xla/ is
+    the run's compilation cache (tests/conftest.py). JAX keys a cached executable on the cache's
+    path too, so only a server whose <cache>/xla is that very directory reads back what the
+    in-process loads of support.tiny_served's configuration (the server's, at the same slots and
+    context) compiled; its warm-up then reads its shapes back instead of compiling them."""
+    return Path(os.environ["TOKENWIRE_TEST_RUN_DIR"])
 
 
 def metric_families(port: int) -> dict:
@@ -389,16 +401,19 @@ def wait_http_ready(process: subprocess.Popen, log: Path, url: str, budget_s: fl
 @pytest.mark.parametrize("overlay", [None, "compose.secure.yaml"])
 def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
     """compose.yaml runs the tiny checkpoint on the served defaults (its CPU kernels from this
-    run's one build, support.kernel_cache); compose.secure.yaml proves the TLS and token wiring,
-    for which decode runs the scripted model (what the model computes is compose.yaml's run)."""
+    run's one build, support.kernel_cache, and its executables from the run's compilation cache
+    when another file compiled support.tiny_served's configuration first: run_cache);
+    compose.secure.yaml proves the TLS and token wiring, for which decode runs the scripted model
+    (what the model computes is compose.yaml's run)."""
     from protos.decode.v1 import decode_pb2
     from services.client import TextClient, decode_request
     from services.security import ClientTlsConfig
 
     assert "--metrics-port" in command_flags("decode-server") and "--metrics-port" in command_flags("text-server")
     decode_model = str(TINY) if overlay is None else f"scripted:{TINY}"
+    decode_cache = run_cache() if overlay is None else tmp_path / "cache"
     if overlay is None:  # the library this run built once, where the server looks first (its --cache)
-        kernel_cache.seed(tmp_path / "cache")
+        kernel_cache.seed(decode_cache)
     secrets = tls = token = None
     if overlay is not None:
         if shutil.which("openssl") is None:
@@ -411,7 +426,8 @@ def test_services_start_as_compose_starts_them_and_answer(tmp_path, overlay):
     processes: dict[str, subprocess.Popen] = {}
     try:
         for name in ("decode", "text"):  # depends_on order: text waits for decode to be healthy
-            argv, env = localize(name, ports, metrics_ports, tmp_path / "cache", secrets, decode_model if name == "decode" else str(TINY))
+            cache, model = (decode_cache, decode_model) if name == "decode" else (tmp_path / "cache", str(TINY))
+            argv, env = localize(name, ports, metrics_ports, cache, secrets, model)
             log = tmp_path / f"{name}.log"
             with log.open("w") as out:  # the same entry point as the image's ENTRYPOINT ["tokenwire"]
                 processes[name] = subprocess.Popen(

@@ -39,6 +39,7 @@ from services.cli import main
 from services.client import generate_request
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
+from support import tiny_served
 from support.recording_sink import Recorder
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -468,10 +469,9 @@ async def test_tiny_llama_greedy_stream_under_a_json_schema_parses_and_validates
     """tiny-llama's random weights would never write JSON on their own: under the mask, greedy
     decoding walks the schema's (finite) language to its end, by Decode and by the text
     service's DecodeStream alike."""
-    from engine.jax_backend.jax_model import JaxModel
-
-    # the fewest shapes (one slot, one prompt bucket): warm-up is most of this test's time
-    model = JaxModel.load(TINY, max_batch_size=1, max_context_length=64, min_bucket=64)
+    # support.tiny_served's configuration, which other files warm up: read back from the run's
+    # compilation cache (its warm-up, at start, is most of this test's time when compiled)
+    model = tiny_served.load()
     decode = await start_decode_server(model, EngineConfig(max_queue_size=4), tokenizer_json=TOKENIZER_JSON)
     text = await start_text_server(TextTokenizer.from_dir(TINY), f"127.0.0.1:{decode.port}")
     try:
@@ -512,12 +512,9 @@ def test_tiny_llama_split_sampler_samples_apart_and_keeps_the_schema(tok):
     after them. A stream under the schema and a free one beside it: random weights write JSON
     only if every step sampled under its own row (a row one step late lets through an id the
     grammar refuses), and the free stream is the one it is alone."""
-    from engine.jax_backend.jax_model import JaxModel
-
-    # few shapes (one row bucket, one prompt bucket, no chunk along): warm-up is most of its time
-    model = JaxModel.load(
-        TINY, max_batch_size=2, max_context_length=64, min_bucket=64, split_sampler=True, fused_chunk_tokens=0, min_rows=2,
-    )
+    # support.tiny_served's split model, which test_split_sampler warms up: read back from the
+    # run's compilation cache (warm-up is most of this test's time when compiled)
+    model = tiny_served.load(split_sampler=True)
     assert model.samples_apart
     compiler = ConstraintCompiler(TOKENIZER_JSON, model.info.vocab_size, model.info.eos_token_ids)
     grammar = compiler.compile(Constraint("json_schema", json.dumps(TINY_SCHEMA)))
@@ -545,9 +542,9 @@ def test_tiny_llama_one_executable_samples_a_stream_alone_apart_and_its_rows_wit
 
     from engine.core.model import DecodeInput, SlotSetup
     from engine.core.request import SamplingParams
-    from engine.jax_backend.jax_model import JaxModel
-
-    model = JaxModel.load(TINY, max_batch_size=2, max_context_length=64, min_bucket=64, fused_chunk_tokens=0, min_rows=1)
+    # support.tiny_served's configuration (row buckets 1, 2 and 4): read back from the run's
+    # compilation cache
+    model = tiny_served.load()
     assert not model.split_sampler and model.samples_apart == 1
     model.warm_up()
     warm = model.compilations()

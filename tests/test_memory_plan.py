@@ -331,6 +331,7 @@ def test_decode_server_refuses_an_impossible_configuration_in_one_line():
     assert refusals == result.stderr.splitlines()[-1:], result.stderr
     assert "CRITICAL tokenwire.decode refusing to serve: the model does not fit" in refusals[0]
     assert "lower KV cache tokens 1024" in refusals[0] and "Traceback" not in result.stderr
+    assert "supervisor" not in result.stderr  # no word of a restart: a supervisor would restart it forever
 
 
 def test_decode_server_refuses_a_memory_fraction_on_the_cpu_and_exits_2():

@@ -30,6 +30,9 @@ TOL = {jnp.float32: dict(atol=1e-6, rtol=1e-5), jnp.bfloat16: dict(atol=8e-3, rt
 INTERPRET = jax.default_backend() != "gpu"
 WIDTH = 5  # table entries per row: every row below ends with null entries
 kernel = jax.jit(ragged_attention.decode_attention, static_argnames=("block_k", "splits", "interpret"))
+# the plain-JAX reference jitted: one executable per shape, where called op by op each of its
+# operations compiled one of its own
+reference = jax.jit(ragged_attention.reference)
 
 
 def _layout(page: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, int]:
@@ -77,7 +80,7 @@ def test_kernel_equals_the_gathering_reference(heads, kv_heads, head_dim, page, 
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
     np.testing.assert_array_equal(got[lengths == 0], 0.0)  # an idle row: zeros, never NaN
-    want = np.asarray(ragged_attention.reference(q, k_pages, v_pages, tables, lengths), np.float32)
+    want = np.asarray(reference(q, k_pages, v_pages, tables, lengths), np.float32)
     np.testing.assert_allclose(got, want, **TOL[dtype])
 
 
@@ -94,7 +97,7 @@ def test_the_reference_reads_the_pages_the_tables_name():
     scores = np.einsum("kgd,ksd->kgs", qr, k) / 4.0
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     want = np.einsum("kgs,ksd->kgd", probs / probs.sum(-1, keepdims=True), v).reshape(-1)
-    got = np.asarray(ragged_attention.reference(q, k_pages, v_pages, tables, lengths))
+    got = np.asarray(reference(q, k_pages, v_pages, tables, lengths))
     np.testing.assert_allclose(got[row], want, atol=1e-5, rtol=1e-5)
 
 

@@ -109,9 +109,11 @@ def test_decode_py_steps_run_on_the_in_process_model_and_leave_its_slots_free():
     """--real-model's engine-only figure (benchmarks/decode.py's decode steps, timed on the model the
     engine path uses) is a rate, and it leaves the model's slots free: the engine path then runs
     on the same model (a slot still held would refuse its prompt: "slot 0 is in use")."""
-    from engine.jax_backend.jax_model import JaxModel
+    from support import tiny_served
 
-    model = JaxModel.load(TINY, max_batch_size=2, max_context_length=128, weights="float32")
+    # support.tiny_served's float32 model, which test_int8 warms up: what these steps and the
+    # engine path run is read back from the run's compilation cache, not compiled
+    model = tiny_served.load(weights="float32")
     assert transport.measure_steps(model, batch=2, steps=2, prompt_len=8) > 0
     engine = transport.measure_engine(model, [3, 3], transport.prompts(TINY, 2), timeout_s=60)
     assert engine.tokens == 6
