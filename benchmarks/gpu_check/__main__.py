@@ -12,7 +12,7 @@ phase gets its own limit, cut to what is left
 of the deadline; one that would start after the deadline is skipped.
 
 --out receives three files: gpu-check.json, gpu-check.md and gpu-check-logs.tar.gz (each
-phase's log and result); the scratch (the stack's model, the compilation cache) stays in --work
+phase's log and result); the scratch (the stack's model) stays in --work
 (a fresh temporary directory by default; its path is in the report), so that --out can be a
 folder with a limit on its files.
 
@@ -37,6 +37,7 @@ from pathlib import Path
 
 from benchmarks.gpu_check import report
 from benchmarks.gpu_check.plan import PROFILES, Plan
+from engine.model_store.registry import default_cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 REAL_MODEL = "smollm2-135m-instruct"
@@ -162,8 +163,10 @@ def stack(runner: Runner) -> None:
     ]
     # Two processes hold the model on one device (the engine path here, the decode server's
     # engine process): no process may take most of its memory up front. The second compiles
-    # nothing: the first's executables are in the persistent cache.
-    env = {**SHARED_DEVICE, "JAX_COMPILATION_CACHE_DIR": str(runner.work / "jax-cache"),
+    # nothing: the first's executables are in the persistent cache, which both read. The decode
+    # server's is tokenwire's own (transport.py starts it without TOKENWIRE_ variables, so with
+    # the default --cache), so the engine path's model is pointed at the same directory.
+    env = {**SHARED_DEVICE, "JAX_COMPILATION_CACHE_DIR": str(default_cache_dir() / "xla"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     code, tail = runner.command("stack", argv, limit, env)
     shutil.rmtree(made["dir"], ignore_errors=True)  # 2.5 GB on the GPU

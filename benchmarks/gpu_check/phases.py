@@ -207,9 +207,12 @@ def _decode_speed(plan: Plan, shape, weights, bandwidth: Bandwidth, warm_up: boo
     batches use are compiled, by their untimed steps, and compilations are counted after those."""
     batches = plan.batches
     context = decode_context(plan)
-    model, _ = random_model(  # one attend bucket (the context) and one prompt bucket: few compiles
+    # One attend bucket (the context) and one prompt bucket: few compiles. No chunk along a decode
+    # step (an accelerator's default, so the same model there): no step measured here takes one,
+    # and on a CPU each would be a step of every layer to warm up for nothing.
+    model, _ = random_model(
         shape, plan.dtype, weights, max_batch_size=max(batches), max_context_length=context, min_attend=context,
-        min_bucket=plan.prompt_len, max_chunk=plan.prompt_len,
+        min_bucket=plan.prompt_len, max_chunk=plan.prompt_len, fused_chunk_tokens=0,
     )
     warm_s, _ = _timed(model.warm_up if warm_up else lambda: None)
     compiled = model.compilations()
