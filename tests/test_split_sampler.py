@@ -12,6 +12,7 @@ devices. Run on the CPU, where the split is off by default, by asking for it.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine.core.model import ChunkInput, DecodeInput, SlotSetup
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
@@ -28,6 +29,18 @@ def _load(name: str, split: bool) -> JaxModel:
     model = tiny_served.load(name, split_sampler=split)  # the one-executable step is the shared configuration's own
     model.warm_up()
     return model
+
+
+@pytest.fixture(scope="module")
+def split() -> JaxModel:
+    """The split model, warmed up once for both tests that run it (each leaves every slot free
+    and greedy_variant on, as warm-up left them)."""
+    return _load("tiny-llama", True)
+
+
+def _release_all(model: JaxModel) -> None:
+    for slot in range(model.info.max_batch_size):
+        model.release(slot)
 
 
 def _run(model: JaxModel) -> list:
@@ -55,12 +68,14 @@ def _run(model: JaxModel) -> list:
     return out
 
 
-def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_nothing_after_warm_up():
+def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_nothing_after_warm_up(split):
     require_cpu()  # equal logprobs: float32 on XLA:CPU (tests/support/backend.py)
-    one, split = _load("tiny-llama", False), _load("tiny-llama", True)
+    one = _load("tiny-llama", False)
     assert not one.split_sampler and split.split_sampler
+    split.sampler_calls.clear()
     before = split.compilations()
     want, got = _run(one), _run(split)
+    _release_all(split)
     assert split.compilations() == before
     assert [s.token_id for s in got] == [s.token_id for s in want]
     np.testing.assert_allclose([s.logprob for s in got], [s.logprob for s in want], atol=1e-6)
@@ -72,8 +87,8 @@ def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_no
     assert split.sampler_calls["greedy"] and split.sampler_calls["full"]
 
 
-def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alternatives():
-    model = _load("tiny-llama", True)
+def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alternatives(split):
+    model = split
     for slot, params in enumerate([GREEDY, GREEDY, SAMPLED, ALTERNATIVES]):
         own_pages(model, slot)
         model.prefill(slot, [5, 6, 7], SlotSetup(params, frozenset()), False)
@@ -93,7 +108,11 @@ def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alt
     assert step(0, 3) == "full"  # one row wants alternatives
     assert step(1) == "greedy"  # slots 2 and 3 are idle in this step's rows: they do not count
     model.greedy_variant = False
-    assert step(0) == "full"
+    try:
+        assert step(0) == "full"
+    finally:
+        model.greedy_variant = True
+        _release_all(model)
 
 
 def test_under_a_mesh_of_two_devices_the_split_step_gives_what_the_one_executable_step_gives(tmp_path_factory):
