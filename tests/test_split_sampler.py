@@ -32,15 +32,21 @@ def _load(name: str, split: bool) -> JaxModel:
 
 
 @pytest.fixture(scope="module")
-def split() -> JaxModel:
-    """The split model, warmed up once for both tests that run it (each leaves every slot free
-    and greedy_variant on, as warm-up left them)."""
-    return _load("tiny-llama", True)
+def split() -> tuple[JaxModel, int]:
+    """The split model, warmed up once for both tests that run it (each starts it `_fresh`), and
+    its compilations at the end of warm-up: whichever test runs first, nothing may compile after."""
+    model = _load("tiny-llama", True)
+    return model, model.compilations()
 
 
-def _release_all(model: JaxModel) -> None:
+def _fresh(model: JaxModel) -> JaxModel:
+    """`model` as warm-up left it, whatever a test before did: every slot free, the greedy
+    variant on, no sampler call counted."""
     for slot in range(model.info.max_batch_size):
         model.release(slot)
+    model.greedy_variant = True
+    model.sampler_calls.clear()
+    return model
 
 
 def _run(model: JaxModel) -> list:
@@ -70,13 +76,11 @@ def _run(model: JaxModel) -> list:
 
 def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_nothing_after_warm_up(split):
     require_cpu()  # equal logprobs: float32 on XLA:CPU (tests/support/backend.py)
-    one = _load("tiny-llama", False)
+    (split, warm), one = split, _load("tiny-llama", False)
+    _fresh(split)
     assert not one.split_sampler and split.split_sampler
-    split.sampler_calls.clear()
-    before = split.compilations()
     want, got = _run(one), _run(split)
-    _release_all(split)
-    assert split.compilations() == before
+    assert split.compilations() == warm  # here, nor in the other test if it ran first
     assert [s.token_id for s in got] == [s.token_id for s in want]
     np.testing.assert_allclose([s.logprob for s in got], [s.logprob for s in want], atol=1e-6)
     for g, w in zip(got, want):
@@ -88,7 +92,7 @@ def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_no
 
 
 def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alternatives(split):
-    model = split
+    model = _fresh(split[0])
     for slot, params in enumerate([GREEDY, GREEDY, SAMPLED, ALTERNATIVES]):
         own_pages(model, slot)
         model.prefill(slot, [5, 6, 7], SlotSetup(params, frozenset()), False)
@@ -108,11 +112,7 @@ def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alt
     assert step(0, 3) == "full"  # one row wants alternatives
     assert step(1) == "greedy"  # slots 2 and 3 are idle in this step's rows: they do not count
     model.greedy_variant = False
-    try:
-        assert step(0) == "full"
-    finally:
-        model.greedy_variant = True
-        _release_all(model)
+    assert step(0) == "full"
 
 
 def test_under_a_mesh_of_two_devices_the_split_step_gives_what_the_one_executable_step_gives(tmp_path_factory):
