@@ -12,6 +12,7 @@ devices. Run on the CPU, where the split is off by default, by asking for it.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from engine.core.model import ChunkInput, DecodeInput, SlotSetup
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
@@ -27,6 +28,24 @@ ALTERNATIVES = SamplingParams(temperature=0.0, seed=0, top_logprobs=3)
 def _load(name: str, split: bool) -> JaxModel:
     model = tiny_served.load(name, split_sampler=split)  # the one-executable step is the shared configuration's own
     model.warm_up()
+    return model
+
+
+@pytest.fixture(scope="module")
+def split() -> tuple[JaxModel, int]:
+    """The split model, warmed up once for both tests that run it (each starts it `_fresh`), and
+    its compilations at the end of warm-up: whichever test runs first, nothing may compile after."""
+    model = _load("tiny-llama", True)
+    return model, model.compilations()
+
+
+def _fresh(model: JaxModel) -> JaxModel:
+    """`model` as warm-up left it, whatever a test before did: every slot free, the greedy
+    variant on, no sampler call counted."""
+    for slot in range(model.info.max_batch_size):
+        model.release(slot)
+    model.greedy_variant = True
+    model.sampler_calls.clear()
     return model
 
 
@@ -55,13 +74,13 @@ def _run(model: JaxModel) -> list:
     return out
 
 
-def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_nothing_after_warm_up():
+def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_nothing_after_warm_up(split):
     require_cpu()  # equal logprobs: float32 on XLA:CPU (tests/support/backend.py)
-    one, split = _load("tiny-llama", False), _load("tiny-llama", True)
+    (split, warm), one = split, _load("tiny-llama", False)
+    _fresh(split)
     assert not one.split_sampler and split.split_sampler
-    before = split.compilations()
     want, got = _run(one), _run(split)
-    assert split.compilations() == before
+    assert split.compilations() == warm  # here, nor in the other test if it ran first
     assert [s.token_id for s in got] == [s.token_id for s in want]
     np.testing.assert_allclose([s.logprob for s in got], [s.logprob for s in want], atol=1e-6)
     for g, w in zip(got, want):
@@ -72,8 +91,8 @@ def test_the_split_step_gives_what_the_one_executable_step_gives_and_compiles_no
     assert split.sampler_calls["greedy"] and split.sampler_calls["full"]
 
 
-def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alternatives():
-    model = _load("tiny-llama", True)
+def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alternatives(split):
+    model = _fresh(split[0])
     for slot, params in enumerate([GREEDY, GREEDY, SAMPLED, ALTERNATIVES]):
         own_pages(model, slot)
         model.prefill(slot, [5, 6, 7], SlotSetup(params, frozenset()), False)

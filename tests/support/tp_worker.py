@@ -6,11 +6,12 @@ runs the batch-invariance and seeded-sampling cases (each slot count is a few mo
 costs seconds.
 
 Per (checkpoint, size): greedy ids and logprobs of the golden prompt through the engine's own
-calls (prefill, then decode), with two slots the same request again beside a second one (batch
-invariance) and a seeded sampled run, the prompt's next-token logits, compilations after
-warm-up (none at size 1, the reference, which is not warmed up: what warm-up covers on one
-device is the in-process tests' claim; none for forced_devices.IDS_ONLY's families, which are not
-warmed up either), and what each device holds of the weights and of the KV cache.
+calls (prefill, then decode; forced_devices.IDS_ONLY's families with the split sampler), with two
+slots a seeded sampled run and, under a mesh, the same request again beside a second one (batch
+invariance), the prompt's next-token logits, compilations after warm-up (none at size 1, the
+reference, which is not warmed up: what warm-up covers on one device is the in-process tests'
+claim; none for IDS_ONLY's families, which are not warmed up either), and what each device holds
+of the weights and of the KV cache.
 
 With `--split-sampler`, the two-slot tiny-llama model at size 2 is also compared with the same
 model split (tests/support/split_sampler_mesh.py; key "split-sampler"), in this one child: each
@@ -116,9 +117,11 @@ def main() -> None:
         prompt = case["prompt_ids"]
         for size in map(int, sizes.split(",")):
             options = dict(max_batch_size=int(slots), max_context_length=CONTEXT, max_chunk=16, tensor_parallel=size)
-            model = JaxModel.load(ASSETS / name, **options)
-            warmed = size > 1 and Path(name).name not in IDS_ONLY  # one device is the reference only, and the
-            if warmed:  # IDS_ONLY families compare ids and shares: each compiles what it runs (forced_devices)
+            ids_only = Path(name).name in IDS_ONLY
+            # IDS_ONLY families decode through the split sampler (the accelerators' default step; why: forced_devices)
+            model = JaxModel.load(ASSETS / name, **options, **({"split_sampler": True} if ids_only else {}))
+            warmed = size > 1 and not ids_only  # one device is the reference only, and the IDS_ONLY
+            if warmed:  # families compare ids and shares: each compiles what it runs (forced_devices)
                 model.warm_up()
             warm = model.compilations()
             ids, logprobs = greedy(model, 0, prompt, STEPS)
@@ -126,7 +129,8 @@ def main() -> None:
             out[f"{name}/{size}"] = {
                 "greedy": ids,
                 "logprobs": logprobs,
-                "beside": greedy(model, 1, prompt, STEPS, other=prompt[:5])[0] if two else None,
+                # batch invariance is asserted under the mesh only (test_tensor_parallel, sizes 2 and 4)
+                "beside": greedy(model, 1, prompt, STEPS, other=prompt[:5])[0] if two and size > 1 else None,
                 "sampled": sampled(model, prompt, STEPS) if two else None,
                 "logits": logits(model, prompt),
                 "compiled_after_warm_up": model.compilations() - warm if warmed else None,
