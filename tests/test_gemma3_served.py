@@ -57,14 +57,16 @@ def gemma() -> Path:
 async def stubs(gemma):
     """(Tokenizer, TextGeneration) stubs of a text service in front of a decode server on Gemma.
     Off the served configuration only where it costs warm-up (each decode shape compiles all 18
-    layers): a context that holds the longest golden prompt and its continuation, prompt chunks
-    of 128 and 256 only, decode steps of all 8 rows only, and no chunk along with a decode step
-    (two decode shapes fewer: the plain step and its layers apart; tests/test_gemma3.py checks
-    chunks riding along against transformers on tiny-gemma3, and a prompt here read beside
-    running streams is read in chunk calls instead, to the same ids)."""
+    layers): a context that holds the longest golden prompt and its continuation, one prompt
+    chunk size, 128 (the seven short prompts, 86 tokens, fit one packed call of it; the long one
+    is read in 9 calls, across the 512-token window), decode steps of all 8 rows only, and no
+    chunk along with a decode step (two decode shapes fewer: the plain step and its layers apart;
+    tests/test_gemma3.py checks chunks riding along against transformers on tiny-gemma3, and a
+    prompt here read beside running streams is read in chunk calls instead, to the same ids)."""
     longest = max(len(case["prompt_ids"]) + len(case["output_ids"]) for case in GOLDENS["greedy"])
     model = JaxModel.load(gemma, max_batch_size=8, max_context_length=-(-longest // 128) * 128, weights="float32",
-                          max_prefill_chunk=256, min_bucket=128, min_rows=8, min_packed=256, fused_chunk_tokens=0)
+                          max_prefill_chunk=128, min_bucket=128, min_rows=8, min_packed=128, fused_chunk_tokens=0)
+    assert model.buckets == model.packed_prefill_sizes == (128,)
     decode = await start_decode_server(model)
     text = await start_text_server(TextTokenizer.from_dir(gemma), f"127.0.0.1:{decode.port}")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{text.port}")
