@@ -40,6 +40,9 @@ from tokenizer_svc.tokenizer import TextTokenizer
 
 pytestmark = pytest.mark.real_model
 
+# the int8 model's shapes (its fixture says why), and its float32 reference's
+ONE_CHUNK = {"min_bucket": 64, "max_chunk": 64, "fused_chunk_tokens": 0}
+
 
 @pytest.fixture(scope="module")
 def model_dir(real_model) -> Path:
@@ -49,14 +52,15 @@ def model_dir(real_model) -> Path:
 @pytest.fixture(scope="module")
 def model(model_dir) -> JaxModel:
     """The file's one load of the 30-layer model in its served weights, in support.real_served's
-    configuration, with verify steps of up to 4 guesses (the
-    speculative test's; a model's other programs do not depend on them). Off the served
-    configuration only where it costs warm-up: prompt shapes from 64 instead of the served ladder
-    from 8, and no chunk along with a decode step (each size of one is a decode step of every layer
-    to compile, and no prompt here arrives while another decodes: the requests run one at a time;
-    test_prefill_chunked runs chunks along on this model)."""
-    loaded = real_served.load(model_dir, min_bucket=64, fused_chunk_tokens=0, max_guesses=4)
-    assert loaded.int8 and loaded.kernels
+    configuration, with verify steps of up to 4 guesses (the speculative test's; a model's other
+    programs do not depend on them), which the server's warm-up compiles. Off the served
+    configuration only where it costs warm-up: one prompt chunk size, 64 (every prompt here is
+    read in one or two calls of it; test_prefill_chunked reads prompts in every size to 256 on
+    this model), and no chunk along with a decode step (each size of one is a decode step of every
+    layer to compile, and no prompt here arrives while another decodes: the requests run one at a
+    time; test_prefill_chunked runs chunks along on this model)."""
+    loaded = real_served.load(model_dir, **ONE_CHUNK, max_guesses=4)
+    assert loaded.int8 and loaded.kernels and loaded.buckets == loaded.packed_prefill_sizes == (64,)
     return loaded
 
 
@@ -154,6 +158,6 @@ def test_the_default_model_served_int8_from_its_gguf_follows_float32(model_dir, 
     prompts = [tuple(p) for p in agreement_prompts(model_dir)]
     # float32 in the int8 model's configuration: the same shapes (test_prefill_chunked compiles
     # float32's 8-row decode step too)
-    float32 = real_served.load(model_dir, weights="float32", min_bucket=64, fused_chunk_tokens=0)
+    float32 = real_served.load(model_dir, weights="float32", **ONE_CHUNK)
     want = greedy_ids(float32, prompts, AGREEMENT_TOKENS)
     assert agreement(want, greedy_ids(model, prompts, AGREEMENT_TOKENS)) >= 0.95
