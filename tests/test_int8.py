@@ -3,7 +3,8 @@ weight products: products against float32, greedy ids of a tiny checkpoint, memo
 after warm-up, the thread count, and the refusals; int8 read straight from a GGUF
 (engine.model_store.gguf_blocks: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 exact, Q4_1's and Q5_1's with
 their block offsets; F16 requantized within half a step), written here with `gguf.GGUFWriter`
-(tests/support/tiny_gguf.py); and the real default model's agreement gate."""
+(tests/support/tiny_gguf.py). The real default model's agreement gate is in tests/test_real_model.py,
+which loads its int8 weights once for all its tests."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import real_served, tiny_gguf, tiny_served
+from support import tiny_gguf, tiny_served
 from support.greedy import greedy_ids
 from support.pool_threads import on_threads
 
@@ -369,31 +370,6 @@ def test_a_q4_1_gguf_serves_its_own_values_and_a_directory_without_one_is_quanti
             # half a step of the block's float16 scale, which is within 2**-11 of max / 127
             assert getattr(c, field).offset is None
             assert np.all(np.abs(got - want.reshape(n, k // 32, 32)) <= bound * (1 + 2**-10)), field
-
-
-@pytest.mark.real_model
-def test_the_default_model_served_int8_from_its_gguf_follows_float32(real_model):
-    """The pulled default model (a Q4_1 GGUF kept as model.gguf: its Q4_1 blocks served with their
-    offsets, the Q8_0 embedding and tied head as they are, so int8 holds the values float32 does),
-    8 chat prompts x 64 greedy tokens (the set benchmarks/vs_llamacpp.py measures llama.cpp on):
-    int8's free-running greedy ids equal float32's at >= 95% of the positions (measured 100%;
-    requantized to symmetric blocks it was 64.5%), and "The capital of France is Paris." still
-    comes back."""
-    from benchmarks.vs_llamacpp import AGREEMENT_TOKENS, agreement, agreement_prompts, chat_prompt
-    from tokenizers import Tokenizer
-
-    model_dir = real_model
-    assert (model_dir / gguf_convert.GGUF_NAME).is_file()
-    prompts = [tuple(p) for p in agreement_prompts(model_dir)]
-    # support.real_served's configuration: test_prefill_chunked compiles float32's 8-row decode step
-    # too, test_real_model int8's, so the run compiles each once
-    want = greedy_ids(real_served.load(model_dir, weights="float32"), prompts, AGREEMENT_TOKENS)  # (served: int8)
-    int8 = real_served.load(model_dir, weights="int8")
-    assert agreement(want, greedy_ids(int8, prompts, AGREEMENT_TOKENS)) >= 0.95
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    france = tuple(tok.encode(chat_prompt("What is the capital of France?"), add_special_tokens=False).ids)
-    (answer,) = greedy_ids(int8, [france], 8)
-    assert tok.decode(answer[: answer.index(2)]) == "The capital of France is Paris."
 
 
 def test_fewer_threads_after_more_run_on_fewer():

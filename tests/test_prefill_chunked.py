@@ -25,7 +25,7 @@ from engine.core.engine import Engine, EngineConfig
 from engine.core.model import ChunkInput, DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.scripted_model import ScriptedModel
-from support import real_served
+from support import real_served, tiny_served
 from support.backend import require_cpu
 from support.compile_watch import compile_events
 from support.gated_steps import GatedSteps
@@ -92,22 +92,22 @@ def _greedy(model: JaxModel, prompt: tuple[int, ...], n: int, cuts: list[int] | 
     return ids, first.logprob
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-qwen3"])
 def pair(request) -> tuple[JaxModel, JaxModel]:
-    """The same checkpoint twice, context 60: `whole` runs any prompt as one call (one bucket, the
-    context); `chunked` has chunk buckets 4, 8, 16, so its prompts always run in several calls,
-    and a last piece near the end of the context must start earlier to stay inside it. Equal ids
-    from different chunkings are a float32 CPU claim (support.backend). tiny-llama's `chunked` is
-    warmed up, for the claims that nothing compiles after warm-up: the shapes warm-up makes are
-    the configuration's, which the three checkpoints share; the others compile as they run."""
+    """The same checkpoint twice, in support.tiny_served's configuration (context 64, whose
+    executables other files compile too: read back from the run's compilation cache): `whole`
+    runs any prompt as one call (one bucket, the context); `chunked` has chunk buckets 8 and 16,
+    so a prompt of more than 16 runs in several calls, and a last piece near the end of the
+    context starts earlier to stay inside it (61 tokens cut at 50: the last call is 48-63). Equal ids from different chunkings are a float32 CPU claim
+    (support.backend). tiny-llama's `chunked` is warmed up, for the claims that nothing compiles
+    after warm-up: the shapes warm-up makes are the configuration's, which the checkpoints share;
+    the other compiles as it runs. tiny-qwen3 is here for its 32-wide heads; tiny-qwen2 has
+    tiny-llama's heads and adds only q/k/v biases and a tied head, which no chunking changes (its
+    own goldens are test_transformer_parity's, its packed prompts test_packed_prefill's)."""
     require_cpu()
-    whole = JaxModel.load(
-        ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=64, dtype="float32", fused_chunk_tokens=0
-    )
-    chunked = JaxModel.load(
-        ASSETS / request.param, max_batch_size=2, max_context_length=60, min_bucket=4, max_chunk=16, dtype="float32"
-    )
-    assert whole.buckets == (60,) and chunked.buckets == (4, 8, 16)
+    whole = tiny_served.load(request.param, min_bucket=64, fused_chunk_tokens=0)
+    chunked = tiny_served.load(request.param, max_chunk=16)
+    assert whole.buckets == (64,) and chunked.buckets == (8, 16)
     chunked.warmed = request.param == "tiny-llama"
     if chunked.warmed:
         chunked.warm_up()  # `whole` is the reference only, and compiles the few shapes it runs as it runs them
@@ -115,12 +115,12 @@ def pair(request) -> tuple[JaxModel, JaxModel]:
 
 
 @pytest.mark.parametrize(
-    "length, cuts", [(9, None), (40, None), (40, [7, 20, 33]), (57, [1, 2, 50]), (57, [16, 32, 48, 56])]
+    "length, cuts", [(9, None), (40, None), (40, [7, 20, 33]), (61, [1, 2, 50]), (57, [16, 32, 48, 56])]
 )
 def test_chunked_prefill_gives_the_same_greedy_ids_on_tiny_checkpoints(pair, length, cuts):
     whole, chunked = pair
     prompt = tuple(int(t) for t in np.random.default_rng(length).integers(3, 250, length))
-    n = min(8, 60 - length)
+    n = min(8, 64 - length)
     want, want_logprob = _greedy(whole, prompt, n, None)
     got, got_logprob = _greedy(chunked, prompt, n, cuts)
     assert got == want
@@ -163,7 +163,7 @@ def test_chunks_carried_by_decode_steps_change_no_id(pair):
     the same greedy ids as one whole-prompt call, and the decoding slot gets the ids it gets
     alone; nothing compiles after warm-up."""
     whole, model = pair
-    assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (4, 8)  # the CPU's default budget
+    assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (8,)  # the CPU's default budget, the served smallest chunk
     prompt = tuple(int(t) for t in np.random.default_rng(7).integers(3, 250, 45))
     want, want_logprob = _greedy(whole, prompt, 6, None)
 
@@ -179,7 +179,7 @@ def test_chunks_carried_by_decode_steps_change_no_id(pair):
     model.release(0)
     with compile_events() as compiles:
         before = model.compilations()
-        cuts = ((0, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 43))  # the last of 3, padded to 4
+        cuts = ((0, 8), (8, 16), (16, 24), (24, 32), (32, 40), (40, 43))  # the last of 3, padded to 8
         beside = decode_slot_0([ChunkInput(1, prompt, lo, hi, GREEDY) for lo, hi in cuts])
         first = model.prefill_chunk(1, prompt, 43, 45, GREEDY, masked=False)
         ids = [first.token_id]

