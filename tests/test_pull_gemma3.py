@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -111,6 +112,26 @@ def test_a_gemma3_gguf_converts_to_hf_names_with_its_norms_less_one(tiny):
     get = int8_tensor_reader(out / GGUF_NAME, _quantize_rows)  # --weights int8 reads the same tensors
     np.testing.assert_array_equal(get("model.layers.1.self_attn.k_norm.weight"), weights["model.layers.1.self_attn.k_norm.weight"])
     assert set(block_formats(out / GGUF_NAME)) == {name for name, a in weights.items() if a.ndim == 2}
+
+
+def test_a_load_parses_the_gguf_header_once_and_keeps_no_reader_after_it(tiny, monkeypatch):
+    """The memory check's `block_formats` hands its reader to the load's `int8_tensor_reader`
+    (gguf-py's parse of a 262k-id vocabulary costs seconds); the handed-over reader serves one
+    load of that same file, never another file or a second load."""
+    out, _ = tiny
+    parses = []
+    init = gguf.GGUFReader.__init__
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", lambda self, *a, **k: (parses.append(a[0]), init(self, *a, **k))[1])
+    block_formats(out / GGUF_NAME)
+    int8_tensor_reader(out / GGUF_NAME, _quantize_rows)("model.norm.weight")
+    assert len(parses) == 1
+    int8_tensor_reader(out / GGUF_NAME, _quantize_rows)  # a second load: nothing was kept for it
+    assert len(parses) == 2
+    other = out.parent / "other.gguf"
+    shutil.copy(out / GGUF_NAME, other)
+    block_formats(other)
+    int8_tensor_reader(out / GGUF_NAME, _quantize_rows)  # not the file the memory check read
+    assert parses[-2:] == [other, out / GGUF_NAME]
 
 
 def test_a_gemma3_config_reads_the_file_and_its_architecture(tiny):

@@ -189,11 +189,25 @@ def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
     return Int8Rows(q, scale)
 
 
+# The reader `block_formats` opened, kept for the `int8_tensor_reader` of the same load, which
+# takes it (so nothing holds it past the load). gguf-py parses the whole header into numpy views,
+# one per element of every array (a 262k-id vocabulary makes most of a million), which took seconds
+# of CPU a time for Gemma 3's: a load that checks its memory and then reads would parse it twice.
+_handed_over: tuple[tuple, gguf.GGUFReader] | None = None
+
+
+def _file_key(gguf_path: Path | str) -> tuple:
+    st = Path(gguf_path).stat()
+    return str(Path(gguf_path).resolve()), st.st_size, st.st_mtime_ns
+
+
 def block_formats(gguf_path: Path | str) -> dict[str, BlockFormat]:
     """HF matrix name -> the format `int8_tensor_reader` gives it, from the GGUF's header alone
     (the memory check at load counts the bytes before anything is read)."""
+    global _handed_over
     formats = {}
     reader = gguf.GGUFReader(gguf_path, "r")
+    _handed_over = (_file_key(gguf_path), reader)
     hf_name = tensor_map(reader).hf_name
     for t in reader.tensors:
         if len(t.shape) == 2:
@@ -206,7 +220,9 @@ def int8_tensor_reader(gguf_path: Path | str, requantize: Requantize) -> Callabl
     a matrix as `Int8Rows` (rows in HF's order, as gguf_convert.hf_tensors puts them), a vector as
     float32 (a Gemma norm less llama.cpp's +1, likewise). The reader memory-maps the file, so only
     the tensor being read is in memory."""
-    reader = gguf.GGUFReader(gguf_path, "r")
+    global _handed_over
+    kept, _handed_over = _handed_over, None
+    reader = kept[1] if kept and kept[0] == _file_key(gguf_path) else gguf.GGUFReader(gguf_path, "r")
     tmap = tensor_map(reader)
     by_name = {tmap.hf_name(t.name): t for t in reader.tensors}
 
