@@ -202,9 +202,13 @@ def _wide_case() -> tuple[np.ndarray, SlotSampling, np.ndarray]:
     return logits, params, mask
 
 
+UNDERFLOW = 1e-37  # float32's smallest normal is 1.18e-38
+
+
 def _kept_by_sort(logits, params, mask, slack: float = 0.0) -> np.ndarray:
     """The kept set [B, V] of every cut, from a full sort in numpy (float64 running sums), with
-    the top_p and min_p targets moved by the relative `slack` (> 0 keeps more)."""
+    the top_p and min_p targets moved by the relative `slack` (> 0 keeps more; < 0 also drops the
+    ids whose weight float32 cannot hold)."""
     kept = np.zeros(logits.shape, bool)
     for row in range(len(logits)):
         z = np.where(mask[row], -np.inf, logits[row] / params.temperature[row])  # float32, as sampled
@@ -219,6 +223,8 @@ def _kept_by_sort(logits, params, mask, slack: float = 0.0) -> np.ndarray:
             keep &= z >= z[order[first]]
         if params.min_p[row] > 0:
             keep &= w >= params.min_p[row] * (1 - slack)
+        if slack < 0:  # float32 weights below its normal range are 0 (flushed) and never kept: an
+            keep &= w > UNDERFLOW  # id ~100 nats under the best has no chance in float32 either
         kept[row] = keep
     return kept
 
