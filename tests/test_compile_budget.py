@@ -10,18 +10,21 @@ attend shape; rows from 1), and once with neither attention kernel, rows from 16
 chunk along with a decode step, one packed prefill size and the decode step's sampler split off
 in two variants, as an accelerator without the Pallas kernel runs them (attend buckets from 128).
 A GPU with the Pallas kernel (engine.jax_backend.ragged_attention) has one attend shape:
-1 + 2 + 15 + 2 + 3 + 1 = 24 there (26 with the sampling under fresh rows). (The prefix cache's two copies between its pool and a slot went
+1 + 2 + 15 + 2 + 1 = 21 there. (The prefix cache's two copies between its pool and a slot went
 with the paged KV cache, issue 41: a prefix hit shares pages, so 45 -> 43 and 26 -> 24. A decode
 step's constrained rows, written in one call, issue 43, add one per row bucket: 47 and 25. A
-step whose sampling waits for its rows, issue 43, samples under them in one call, greedy or full,
-per row bucket it may have: on the CPU the smallest bucket only, whose layers apart it also
-compiles, alone and with a chunk along: 51 and 27. Speculative decoding's verify step, issue 45,
-adds one per verify row bucket and attend shape, only where max_guesses > 0: none here, and the
-last test counts it.) Each count is written out, not computed from
-the model, so it reads as the budget it is.
+step whose sampling waits for its rows, issue 43, sampled under them in one call: 51 and 27.
+Then every sampling call went through one sampler per row bucket, greedy and full (issue 47: the
+full sampler had been compiled into every program that samples, most of a small model's
+warm-up): the CPU's decode steps that sample, or carry a chunk along, run their layers and then
+that sampler, a greedy step stays one executable, and each prompt's last positions are gathered
+per (prompt size, row bucket) by a small program of their own. More programs, far less compile
+time: 67 and 22. Speculative decoding's verify step, issue 45, adds one per verify row bucket and
+attend shape, only where max_guesses > 0: none here, and the last test counts it.) Each count is
+written out, not computed from the model, so it reads as the budget it is.
 
 The two counts of the defaults lower warm-up's programs without compiling them (`lower_only`:
-JAX's trace and MLIR, about a tenth of the CPU time XLA's compile of 51 and 27 shapes takes; that
+JAX's trace and MLIR, about a tenth of the CPU time XLA's compile of 67 and 22 shapes takes; that
 compile is XLA's, and the shapes are what is budgeted). The last test warms up the run's shared
 configuration (support.tiny_served, the served options at 4 slots and a context of 64) for real,
 counts its executables in jit's caches and its compile events, shows that nothing compiles after
@@ -100,25 +103,25 @@ def _check_progress(caplog, compiled: int) -> None:
     assert [k for k, _ in counts] == sorted({k for k, _ in counts}), said  # rising
 
 
-def test_the_cpu_shape_of_the_defaults_compiles_51_shapes(caplog):
+def test_the_cpu_shape_of_the_defaults_compiles_67_shapes(caplog):
     prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     model = _warm(caplog, kernels=True, min_rows=1, min_bucket=None)  # the smallest chunk as decode-server sets it
     assert model.row_buckets == (1, 2, 4, 8) and model.attend_buckets == (256,)
     assert model.buckets == (8, 16, 32, 64, 128, 256)  # from the CPU's default budget, 8
-    # decode steps: 4 rows x 1 attend, alone and with an 8-token chunk along (the default budget);
-    # per prompt bucket: embed, one prefill layer, last position (6 x 3); the mask write; a
-    # prompt's head and sampling; a step's constrained rows written at once, per row bucket (4)
+    # decode steps, 4 rows x 1 attend: the layers alone (a step that samples or waits for its
+    # rows), the greedy step as one executable, the layers with an 8-token chunk along (the
+    # default budget); per row bucket the sampler, greedy and full (4 x 2); per prompt bucket:
+    # embed, one prefill layer, its last position as the smallest row bucket's rows (6 x 3); the
+    # mask write; a step's constrained rows written at once, per row bucket (4)
     assert model.fused_chunk_tokens == 8 and model.fused_chunk_sizes == (8,)
-    # packed prefill: a layer and the last positions per packed size (every prompt bucket), and the
-    # samples per row bucket from 2 (3)
+    # packed prefill: per packed size (every prompt bucket) a layer, and the last positions per
+    # row bucket from 2 (6 x (1 + 3))
     assert model.packed_prefill_sizes == model.buckets and model.packed_prefill_rows == (2, 4, 8)
-    # a stream alone samples apart (issue 43): its layers alone and with the chunk along, and its
-    # sampling under fresh rows, greedy and full (rows 1)
-    assert model.samples_apart == 1
-    assert model.compilations() == 4 * 2 + 18 + 1 + 1 + 6 * 2 + 3 + 4 + 2 + 2 == 51
+    assert model.samples_apart == 1  # a stream alone samples apart (issue 43): the layers alone, above
+    assert model.compilations() == 4 * 3 + 4 * 2 + 18 + 1 + 4 + 6 * 4 == 67
 
 
-def test_the_plain_accelerator_shape_of_the_defaults_compiles_27_shapes(caplog):
+def test_the_plain_accelerator_shape_of_the_defaults_compiles_22_shapes(caplog):
     # an accelerator's defaults: no chunk along, rows from 16, one packed size (the largest, 256),
     # the sampler split off (greedy and full)
     model = _warm(caplog, kernels=False, min_rows=16, fused_chunk_tokens=0, min_packed=256, split_sampler=True)
@@ -126,36 +129,36 @@ def test_the_plain_accelerator_shape_of_the_defaults_compiles_27_shapes(caplog):
     assert model.attend_buckets == (128, 256)
     assert model.packed_prefill_sizes == (256,) and model.packed_prefill_rows == (8,)
     # decode steps' layers: 1 row bucket x 2 attend, and its two samplers; 5 prompt buckets x 3;
-    # mask; prompt sampling; a packed layer, its last positions and its samples; the constrained
-    # rows' write (1 row bucket); the sampling under fresh rows, greedy and full (1 row bucket)
+    # mask; the constrained rows' write (1 row bucket); a packed layer (its last positions at 8
+    # rows are the 256-token prompt bucket's own program)
     assert model.samples_apart == 8
-    assert model.compilations() == 2 + 2 + 15 + 1 + 1 + 3 + 1 + 2 == 27
+    assert model.compilations() == 2 + 2 + 15 + 1 + 1 + 1 == 22
 
 
 def test_speculative_decoding_adds_a_verify_step_per_row_bucket_and_compiles_nothing_after(caplog):
     # the run's shared configuration (support.tiny_served: 4 slots, a context of 64) with
     # max_guesses 4 (off, 0, by default: no verify shape, as the counts above show), which changes
-    # no other program: its 37 shapes are read back from the run's compilation cache when another
+    # no other program: its 43 shapes are read back from the run's compilation cache when another
     # file has warmed that configuration up, and only the verify steps compile. They are one per
     # verify row bucket (R x 5 fed tokens within the CPU kernels' products of up to 64 rows: 1, 2
-    # and 4), guess bucket (1, 2, 4) and attend shape (1), on top of 37: 4 prompt buckets x 3,
-    # 3 rows x (alone, with the 8-token chunk), the mask, a prompt's sampling, 3 constrained-row
-    # writes, 4 packed sizes x 2 and 2 row buckets of their samples, and the stream alone's 4
-    # apart. After warm-up a verify of each compiles nothing.
+    # and 4), guess bucket (1, 2, 4) and attend shape (1), on top of 43: 4 prompt buckets x 3,
+    # 3 rows x (the layers alone, the greedy step, the layers with the 8-token chunk), 3 rows x 2
+    # samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a layer, the last positions
+    # of 2 row buckets). After warm-up a verify of each compiles nothing.
     # Compiled here for real (counted in jit's caches, and bounded in JAX's compile events: at most
-    # a few of jnp's helpers beyond the 46), then lowered alone on a second load of the same
+    # a few of jnp's helpers beyond the 52), then lowered alone on a second load of the same
     # configuration: the same count, which is what the two counts above rely on.
     prerequisites.cpu_kernels()
     model = tiny_served.load(max_guesses=4)
     with compile_events() as compiles, caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
         model.warm_up()
     _check_progress(caplog, model.compilations())
-    assert len([c for c in compiles if "backend_compile" in c]) <= 46 + 4
+    assert len([c for c in compiles if "backend_compile" in c]) <= 52 + 4
     lowered = lower_only(tiny_served.load(max_guesses=4))
     lowered.warm_up()
     assert lowered.compilations() == model.compilations()
     assert model.verify_rows == (1, 2, 4) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
-    assert model.compilations() == 4 * 3 + 3 * 2 + 1 + 1 + 3 + 4 * 2 + 2 + 4 + 3 * 3 == 46
+    assert model.compilations() == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 3 * 3 == 52
     for slot in range(3):
         own_pages(model, slot)
         model.prefill(slot, (1, 2, 3), SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset()), False)

@@ -250,20 +250,17 @@ def test_nothing_compiles_after_warm_up(model):
     rows, attend, prompts = len(model.row_buckets), len(model.attend_buckets), len(model.buckets)
     along = len(model.fused_chunk_sizes)  # decode steps with a chunk along, one per compiled chunk size
     assert along == (1 if model.kernels else 0)  # (on by default with the CPU kernels only)
-    layers = rows * attend * (1 + along) + prompts  # a decode step is one call; prefill runs 2 calls of 1 layer
-    samplers = 2 * rows if model.split_sampler else 0  # an accelerator's decode step: greedy and full samplers apart
-    small = prompts + prompts + 1 + 1  # embed and last of a prompt; write_mask; a prompt's head and sampling
-    small += rows  # write_masks: a step's constrained rows' mask rows, one call per row bucket
-    packed = model.packed_prefill_sizes  # a packed prefill: one layer and the last positions per size
+    # per (rows, attend): the layers alone (a step that samples, or waits for its rows), the greedy
+    # step as one executable (unless the sampler is split off) and the layers with each chunk along
+    steps = rows * attend * (1 + (0 if model.split_sampler else 1) + along)
+    samplers = 2 * rows  # per row bucket the sampler, greedy and full: every sampling call goes through one
+    prompt = 3 * prompts  # per prompt bucket: embed, a prefill layer, its last position as the sampler's rows
+    small = 1 + rows  # write_mask; write_masks: a step's constrained rows' mask rows, one call per row bucket
+    packed = model.packed_prefill_sizes  # a packed prefill: one layer, and the last positions per row bucket
     every = tuple(t for t in model.buckets if t <= 256)  # the CPU packs every prompt bucket, an accelerator the largest
     assert packed == (every if jax.default_backend() == "cpu" else every[-1:])
     assert model.packed_prefill_rows == tuple(r for r in model.row_buckets if r >= 2)
-    # a stream alone samples apart (issue 43; constrained_step): per row bucket up to samples_apart,
-    # its sampling under fresh rows (greedy and full) and, where a step is otherwise one executable,
-    # its layers apart, alone and with each chunk size along
-    apart_rows = len([r for r in model.row_buckets if r <= model.samples_apart])
-    apart = 2 * apart_rows + (0 if model.split_sampler else apart_rows * attend * (1 + along))
-    assert before == layers + samplers + small + 2 * len(packed) + len(model.packed_prefill_rows) + apart  # and its samples per rows
+    assert before == steps + samplers + prompt + small + len(packed) * (1 + len(model.packed_prefill_rows))
     with compile_events() as compiles:
         drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
         drive(model, [Plan(3, _prompt(9, 1), 30, SamplingParams(temperature=0.7, top_k=3, seed=3))])  # rows 4
@@ -436,22 +433,26 @@ def test_the_host_one_step_behind_gets_the_ids_of_a_step_at_a_time(model):
 
 
 def test_the_decode_step_lowered_for_the_gpu_waits_on_the_host_for_nothing():
-    """The whole decode step as a GPU runs it (plain-JAX layers, the ragged Pallas attention,
-    sampling), lowered for CUDA from here: no conditional and no while loop for XLA:GPU to read a
-    predicate of on the host. (On the CPU, sampling keeps its lax.conds: the predicate is in host
-    memory there, so they cost no sync and skip work; engine.jax_backend.sampling.)"""
+    """A decode step as a GPU runs it (plain-JAX layers with the ragged Pallas attention, then the
+    full sampler), lowered for CUDA from here: no conditional and no while loop for XLA:GPU to
+    read a predicate of on the host. (On the CPU, sampling keeps its lax.conds: the predicate is
+    in host memory there, so they cost no sync and skip work; engine.jax_backend.sampling.)"""
     # kernels off: a GPU's layers are plain JAX (the CPU kernels' custom calls do not lower for CUDA)
     model = JaxModel.load(LLAMA, max_batch_size=4, max_context_length=32, kernels=False, dtype="float32")
-    step = jax.jit(
-        functools.partial(steps.decode_step, kernels=False, ragged=True), static_argnames=("cfg", "attend")
+    layers = jax.jit(
+        functools.partial(steps.decode_layers, kernels=False, ragged=True), static_argnames=("cfg", "attend")
     )
+    sampler = jax.jit(steps.step_sample, static_argnames=("cfg", "greedy_only"))
     w = model._weights
     for rows in model.row_buckets:
         ints, floats = model._sampling.pack([], rows, model._slots.tables)
-        lowered = step.trace(
-            w.embed, w.final_norm, w.lm_head, model._decode_weights, model.cache.k, model.cache.v, model._last,
-            model._mask, ints, floats, cfg=model.config, attend=model.info.max_context_length,
-        ).lower(lowering_platforms=("cuda",))
-        module = lowered.compiler_ir("stablehlo")
-        assert host_syncs(module) == [], rows
-        assert "triton" in str(module).lower() or "pallas" in str(module).lower()  # the ragged kernel is in it
+        x = jax.ShapeDtypeStruct((rows, 1, model.config.hidden_size), jnp.float32)  # [R, 1, E]
+        lowered = [
+            layers.trace(w.embed, model._decode_weights, model.cache.k, model.cache.v, model._last, ints,
+                         cfg=model.config, attend=model.info.max_context_length),
+            sampler.trace(x, w.final_norm, w.lm_head, model._mask, model._last, ints, floats, np.arange(rows, dtype=np.int32),
+                          cfg=model.config),
+        ]
+        modules = [t.lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo") for t in lowered]
+        assert [host_syncs(m) for m in modules] == [[], []], rows
+        assert "triton" in str(modules[0]).lower() or "pallas" in str(modules[0]).lower()  # the ragged kernel is in it

@@ -6,8 +6,9 @@ Lowered: the tiny checkpoint's jitted steps, as JaxModel holds them (`model._ste
 and the mask widened to a real vocabulary (Llama 3's 128,256 ids) as abstract shapes, so the
 top-k pieces show against a row of that width. The steps: the split sampler's full variant
 (`step_sampler`, what an accelerator runs for any step with a sampled row or alternatives), its
-greedy variant, the one-executable decode step (layers, head and sampling), and a prompt's
-`head_and_sample`. Lowering costs no compile; the test reads the module's operations.
+greedy variant (every sampling call, prompts' too, goes through one of the two), and the
+one-executable greedy decode step (layers, head and the greedy sampler). Lowering costs no
+compile; the test reads the module's operations.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 
 from engine.jax_backend.jax_model import JaxModel
-from engine.jax_backend.sampling import TOP_K_PIECE, SlotSampling
+from engine.jax_backend.sampling import TOP_K_PIECE
 from support.lowering import stablehlo_ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,18 +43,14 @@ def _lowered_steps(model: JaxModel, platform: str = "cuda") -> dict[str, object]
     mask = jax.ShapeDtypeStruct((ROWS, VOCAB), bool)  # [B, V]
     ints, floats = model._sampling.pack([], ROWS, model._slots.tables)  # [R, 9 + W], [R, 3]
     x = jax.ShapeDtypeStruct((ROWS, 1, cfg.hidden_size), jnp.float32)  # [R, 1, E]
-    r = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
-    f, b = jax.ShapeDtypeStruct((ROWS,), jnp.float32), jax.ShapeDtypeStruct((ROWS,), bool)
-    params = SlotSampling(f, r, f, f, jax.ShapeDtypeStruct((ROWS, 2), jnp.uint32))
-    sampler = (x, w.final_norm, head, mask, model._last, ints, floats)
+    slots = jax.ShapeDtypeStruct((ROWS,), jnp.int32)
+    sampler = (x, w.final_norm, head, mask, model._last, ints, floats, slots)
     traced = {
         "split sampler, full": s.step_sampler.trace(*sampler, cfg=cfg),
         "split sampler, greedy": s.step_sampler.trace(*sampler, cfg=cfg, greedy_only=True),
-        "one-executable decode step": s.step.trace(
+        "one-executable greedy decode step": s.step.trace(
             w.embed, w.final_norm, head, model._decode_weights, model.cache.k, model.cache.v, model._last, mask,
-            ints, floats, cfg=cfg, attend=model.info.max_context_length),
-        "a prompt's head_and_sample": s.sample.trace(x, w.final_norm, head, mask, model._last, r, b, b, params, r, r,
-                                                      cfg=cfg),
+            ints, cfg=cfg, attend=model.info.max_context_length),
     }
     return {name: t.lower(lowering_platforms=(platform,)).compiler_ir("stablehlo") for name, t in traced.items()}
 

@@ -56,9 +56,10 @@ class BackendProfile:
     # kernel (12 rows), whose cost there is the weights' read: a stream's gaps while a long prompt
     # was read were closer to its steady gap than with 16 a step (docs/benchmarks.md, 'Figures behind code comments').
     step_tokens: int
-    # The decode step's head and sampling as their own executable, in a greedy and a full variant
-    # the host picks per step: on an accelerator, where the one-executable step computes every
-    # piece of sampling.sample for rows that need none (docs/benchmarks.md, "GPU check").
+    # Every decode step as its layers and then the row bucket's sampler (greedy or full, the host
+    # picks). False (the CPU): a step whose rows are all greedy runs as one executable with the
+    # greedy sampler inside, which saves a dispatch that is a measurable part of a batch-1 step
+    # there; steps that sample, or carry a chunk along, are the two calls on every backend.
     split_sampler: bool
     dtype: str  # float32 on CPU (XLA:CPU's bfloat16 products are far slower there), bfloat16 elsewhere
     host_scratch: bool  # keep XLA:CPU's per-call scratch mapped (engine.jax_backend.host_memory)

@@ -16,8 +16,9 @@ bucket above the highest active slot (the scheduler fills the lowest free slot f
 slots sit low), attending over the smallest attend bucket that covers every active position (on
 the CPU in float32 a C++ kernel reads each row's live keys in place, engine.jax_backend.cpu_kernels:
 one attend bucket, no window copied; its weight products of a few rows run on panel-packed copies
-of the projections, made once here). A decode step is one jitted executable, or two with
-`split_sampler` (engine.jax_backend.steps). The host runs one step behind the device: `dispatch`
+of the projections, made once here). A decode step is its layers as one jitted executable and
+then its row bucket's sampler, which every sampling call shares (a greedy step may be one
+executable: engine.jax_backend.steps). The host runs one step behind the device: `dispatch`
 enqueues step N+1 with no wait (its inputs are the samples of step N, which never leave the
 device, and host arrays packed into two transfers), and only then does `collect` read step N's
 ids and logprobs; the scheduler decides on them while the device computes. Per-slot sampling
@@ -59,7 +60,7 @@ from engine.jax_backend.shapes import (
     MAX_CHUNK, MIN_ATTEND, MIN_BUCKET, Shapes, bucket, length_buckets, prompt_pieces, smallest_chunk,
 )
 from engine.jax_backend.slot_table import SlotTable, require
-from engine.jax_backend.slot_sampling import SlotSamplingState, chunk_arrays, mask_row
+from engine.jax_backend.slot_sampling import TOP_N, SlotSamplingState, chunk_arrays, mask_row
 from engine.jax_backend.steps import Pending, Steps, fetch
 from engine.jax_backend.verify import Verifying, guess_buckets, max_guesses, verify_rows
 from engine.jax_backend.weights import Weights, decode_weights
@@ -173,51 +174,38 @@ class JaxModel(DecodeLaunch, Verifying):
 
     def warm_up(self) -> None:
         """Compile every shape serving can use: each prompt bucket (one prefill layer of each
-        kind: the layers of one sliding window share a compiled call), a prompt's head and
-        sampling, and a decode step for each (rows, attend) pair, run with every row idle. Only with no request in flight: every write goes to
-        the null page. Logs "compiled k of n shapes" as it goes (engine.jax_backend.compile_progress)."""
+        kind: the layers of one sliding window share a compiled call, and its last position as the
+        sampler's rows), the decode steps and samplers of each row bucket (decode_launch), packed
+        prefill, and verify steps where configured, run with every row idle. Only with no request
+        in flight: every write goes to the null page. Logs "compiled k of n shapes" as it goes
+        (engine.jax_backend.compile_progress)."""
         if self._slots.length.any() or self._slots.held.any():
             raise ModelUsageError("warm_up with requests in flight")
-        shapes, variants = self.shapes, (True, False) if self.split_sampler else (None,)
-        decode_steps = len(shapes.rows) * len(shapes.attend) * (len(variants) + len(shapes.fused))
+        shapes = self.shapes
         # each item below compiles as many executables as it adds; tests/test_compile_budget checks the sum
         kinds = len(set(self._layer_kinds()))  # layers of differing windows or MLPs compile apart
-        progress = CompileProgress((2 + kinds) * len(shapes.prompt) + 2 + len(shapes.rows) + decode_steps
-                                   + (1 + kinds) * len(shapes.packed) + len(shapes.packed_rows) + self._apart_shapes()
-                                   + self._verify_shapes())
-        zero = np.int32(0)
-        for t in shapes.prompt:  # embed, one prefill layer of each kind, the last position
+        # the last positions of a prompt as the smallest row bucket, of a packed prefill as each of
+        # its row buckets: one program per (size, rows), which the two may share
+        ends = {(t, shapes.rows[0]) for t in shapes.prompt} | {(t, r) for t in shapes.packed for r in shapes.packed_rows}
+        progress = CompileProgress((1 + kinds) * len(shapes.prompt) + len(ends) + 1 + len(shapes.rows) + self._step_shapes()
+                                   + kinds * len(shapes.packed) + self._verify_shapes())
+        zero, one_row = np.int32(0), np.ones(shapes.rows[0], np.int32)
+        for t in shapes.prompt:  # embed, one prefill layer of each kind, the last position as the smallest row bucket
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
             self._through(self._steps.prefill_layers, x, self._put_once(self._null_table), zero, zero, zero, kinds_only=True)
-            last = self._steps.last_hidden(x, np.int32(1))
+            self._steps.prompt_ends(x, one_row)
             progress.advance(2 + kinds)
         self._mask = self._steps.write_mask(self._mask, np.zeros(self._head_size, bool), np.int32(0))
         for rows in shapes.rows:  # `ban`'s sizes
             self._mask = self._steps.write_masks(self._mask, np.zeros((rows, self._head_size), bool), np.zeros(rows, np.int32))
-        one = np.zeros(1, np.int32)
-        self._sample(self._steps.sample, last, one, np.ones(1, bool), np.zeros(1, bool), one)
-        progress.advance(2 + len(shapes.rows))
-        for rows in shapes.rows:  # a step with every row idle writes nothing and samples for nobody
-            for attend in shapes.attend:
-                for variant in variants:  # split: both samplers
-                    self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, greedy_only=variant)
-                    self.collect()
-                    progress.advance()
-                for size in shapes.fused:  # and with a chunk along (padding, into the null page)
-                    self._launch(np.zeros(0, np.int64), *self._pack([], rows), attend, chunk_arrays(self._null_table, [0] * size, 0))
-                    self.collect()
-                    progress.advance()
-        for t in shapes.packed:  # packed prefill: one layer per size (padding into the null page), the ends
+        progress.advance(1 + len(shapes.rows))
+        self._warm_up_steps(progress)  # every decode step and both samplers per row bucket (decode_launch)
+        for t in shapes.packed:  # packed prefill: one layer per size (padding into the null page), the ends per row bucket
             x = self._steps.embed(self._weights.embed, np.zeros((1, t), np.int32))
             x = self._through(self._steps.packed_layers, x, *self._packed_arrays([], [], t), kinds_only=True)
-            ends = self._steps.packed_ends(x, np.ones(self.info.max_batch_size, np.int32))
-            progress.advance(1 + kinds)
-        for rows in shapes.packed_rows:  # and its samples, every row idle
-            idle = np.zeros(rows, np.int32), np.zeros(rows, bool), np.zeros(rows, bool), np.zeros(rows, np.int32)
-            self._sample(self._steps.packed_sample, ends, *idle)
-            progress.advance()
-        self._warm_up_apart()  # a step whose sampling waits for its rows (decode_launch)
-        progress.advance(self._apart_shapes())
+            for rows in shapes.packed_rows:
+                self._steps.prompt_ends(x, np.ones(rows, np.int32))
+            progress.advance(kinds + len({(t, r) for r in shapes.packed_rows} - {(t, shapes.rows[0]) for t in shapes.prompt}))
         self._warm_up_verify(progress)  # speculative decoding's verify step, where configured (engine.jax_backend.verify)
         self.release(0)
 
@@ -243,10 +231,9 @@ class JaxModel(DecodeLaunch, Verifying):
         if end < n:
             return None
         self._slots.filling[slot] = False
-        token, logprob, top = self._sample(
-            self._steps.sample, self._steps.last_hidden(x, np.int32(last)), np.array([slot], np.int32), np.ones(1, bool),
-            np.array([masked]), np.array([n], np.int32),
-        )
+        ends = np.ones(self.shapes.rows[0], np.int32)  # [R]: the prompt's last position, then rows for nobody
+        ends[0] = last
+        token, logprob, top = self._sample_prompts(self._steps.prompt_ends(x, ends), [slot], [masked], [n])
         return Sample(int(token[0]), float(logprob[0]), top[0])
 
     def prefill_packed(self, prompts: Sequence[PromptInput]) -> list[Sample]:
@@ -269,8 +256,8 @@ class JaxModel(DecodeLaunch, Verifying):
             self._slots.length[p.slot] = len(p.prompt_token_ids)
             self._slots.filling[p.slot] = False
         rows = bucket(self.shapes.packed_rows, max(m, 2))
-        ends = self._steps.packed_ends(x, packed_prefill.ends(lengths, b))
-        token, logprob, top = self._sample(self._steps.packed_sample, ends, *packed_prefill.sample_rows(prompts, rows, b))
+        x = self._steps.prompt_ends(x, packed_prefill.ends(lengths, rows))  # [R, 1, E]
+        token, logprob, top = self._sample_prompts(x, slots, [p.masked for p in prompts], lengths)
         return [Sample(int(token[i]), float(logprob[i]), top[i]) for i in range(m)]
 
     def _take(self, slot: int, setup: SlotSetup) -> None:
@@ -384,16 +371,12 @@ class JaxModel(DecodeLaunch, Verifying):
         windows = self.config.layer_windows or (self.config.sliding_window,) * self.config.n_layers
         return [(window, layer.experts is None) for window, layer in zip(windows, self._decode_weights, strict=True)]
 
-    def _sample(self, call, x: jax.Array, slots: np.ndarray, active: np.ndarray, masked: np.ndarray, positions: np.ndarray):
-        """Head and sampling, `call`: steps.sample for a prompt's last position (the row of slot
-        `slots[0]`, which also becomes the slot's first decode input on the device), or
-        steps.packed_sample for the first len(slots) rows of a packed prefill's x [B, 1, E]. ->
-        sampled ids [R], their logprobs [R], and per row its alternatives (fetched from the device
-        only when some row asks for them)."""
-        w = self._weights
-        top_n = np.where(active, self._sampling.top_n[slots], 0).astype(np.int32)
-        self._last, *samples = call(
-            x, w.final_norm, self._lm_head, self._mask, self._last, slots, active, masked, self._sampling.rows(slots),
-            positions, top_n, cfg=self.config,
-        )
-        return fetch(tuple(samples), top_n)
+    def _sample_prompts(self, x: jax.Array, slots: Sequence[int], masked: Sequence[bool], lengths: Sequence[int]):
+        """Head and sampling of prompts' last positions x [R, 1, E] (the first len(slots) rows;
+        the rest sample for nobody), by the sampler of that row bucket that decode steps use too,
+        each sample also the slot's first decode input on the device. -> sampled ids [R], their
+        logprobs [R], and per row its alternatives (fetched from the device only when some row
+        asks for them)."""
+        ints, floats, at = self._sampling.pack_prompts(slots, masked, lengths, x.shape[0], self._slots.tables.shape[1])
+        samples = self._sample(x, *self._both_calls((ints, floats)), self._put(at), self._all_greedy(ints, floats))
+        return fetch(samples, ints[:, TOP_N])

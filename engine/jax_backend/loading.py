@@ -259,11 +259,11 @@ def load(cls, model_dir: str | Path, options: ModelOptions, *, max_batch_size: i
     device only (ValueError). `max_step_tokens`: also the longest chunk
     a decode step takes along (`dispatch`), padded to the smallest prompt bucket that holds it;
     None: with the CPU kernels on, the backend's budget, otherwise 0 (each chunk its own calls).
-    `split_sampler`: a decode step as two executables, the layers and then the head and sampling
-    in a greedy and a full variant the host picks per step (the greedy one when every row is
-    greedy and wants no alternatives); default: the backend's (on an accelerator, whose
-    one-executable step computes every piece of sampling every step; off on the CPU, whose step
-    skips them with conditionals). A size the model's dimensions or the devices refuse raises
+    `split_sampler`: every decode step as two executables, the layers and then the head and
+    sampling in a greedy or a full variant the host picks per step (the greedy one when every
+    row is greedy and wants no alternatives); False: a greedy step as one executable with the
+    greedy sampler inside, the rest as the two; default: the backend's (on an accelerator; off on
+    the CPU, where a batch-1 step's second dispatch costs a measurable part of it). A size the model's dimensions or the devices refuse raises
     ValueError (mesh.TensorParallelError; memory_plan.MemoryPlanError, one line, when the
     configuration cannot fit `memory_limit_bytes` or what the device offers) before any weight
     is read.

@@ -3,7 +3,7 @@
 `JaxModel.prefill_packed` runs the prompts of a burst, each into its own slot, as one sequence of
 the smallest packed size that holds them (transformer.packed_prefill_layers reads, per token, its
 page, its position in its prompt and its prompt's index), then samples every prompt's last
-position in one call of a row bucket. These are the arrays it hands the device, built here.
+position in one call of a row bucket's sampler (steps.step_sample). These are the arrays it hands the device, built here.
 """
 
 from __future__ import annotations
@@ -40,27 +40,9 @@ def token_arrays(
     return page, position, prompt
 
 
-def ends(lengths: Sequence[int], batch: int) -> np.ndarray:
-    """[B]: one past each prompt's last token in the sequence; 1 for unused rows."""
-    out = np.ones(batch, np.int32)
+def ends(lengths: Sequence[int], rows: int) -> np.ndarray:
+    """[R]: one past each prompt's last token in the sequence; 1 for the rows past the prompts
+    (the sampler's row bucket R samples for nobody there: slot_sampling.pack_prompts)."""
+    out = np.ones(rows, np.int32)
     out[: len(lengths)] = np.cumsum(lengths)
     return out
-
-
-def sample_rows(
-    prompts: Sequence[PromptInput], rows: int, batch: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The sampling call's [rows] slots, active, masked and positions (the prompts first). Rows
-    past the prompts sample for nobody, at a slot none of them holds (so the write of each row's
-    sample into `last` never meets another row's at the same slot)."""
-    m, slots = len(prompts), [p.slot for p in prompts]
-    idle = next((s for s in range(batch) if s not in set(slots)), 0)  # none: no idle rows
-    row_slots = np.full(rows, idle, np.int32)
-    row_slots[:m] = slots
-    active = np.zeros(rows, bool)
-    active[:m] = True
-    masked = np.zeros(rows, bool)
-    masked[:m] = [p.masked for p in prompts]
-    positions = np.zeros(rows, np.int32)
-    positions[:m] = [len(p.prompt_token_ids) for p in prompts]
-    return row_slots, active, masked, positions

@@ -2,10 +2,11 @@
 a decode step carries them in.
 
 A request's parameters are written when it takes a slot (`take`) and reset when it leaves
-(`release`). A prompt's last position reads its rows as a `SlotSampling` (`rows`); a decode step
-packs the first R slots' parameters, inputs and block tables into two arrays (`pack`), one
-[R, 9 + W] i32 and one [R, 3] f32, so that two transfers cross to the device per step, not twelve
-small ones; a prompt chunk along with it adds its ids, place and table (`chunk_arrays`).
+(`release`). A decode step packs the first R slots' parameters, inputs and block tables into two
+arrays (`pack`), one [R, 9 + W] i32 and one [R, 3] f32, so that two transfers cross to the device
+per step, not twelve small ones; a prompt chunk along with it adds its ids, place and table
+(`chunk_arrays`). Prompts' last positions are sampled by the same executable as a decode step of
+their row bucket, from the same two arrays (`pack_prompts`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import numpy as np
 from engine.core.model import DecodeInput
 from engine.core.request import SamplingParams
 from engine.jax_backend import sampling
-from engine.jax_backend.sampling import SlotSampling
 from engine.jax_backend.slot_table import require
 
 # Columns of a decode step's packed host inputs ([R, 9 + W] i32 and [R, 3] f32): the row's block
@@ -49,10 +49,6 @@ class SlotSamplingState:
         self.seed[slot] = 0
         self.top_n[slot] = 0
 
-    def rows(self, rows: slice) -> SlotSampling:
-        """The rows' sampling parameters (a prompt's last position; a decode step packs its own)."""
-        return SlotSampling(self.temperature[rows], self.top_k[rows], self.top_p[rows], self.min_p[rows], self.seed[rows])
-
     def pack(self, inputs: Sequence[DecodeInput], rows: int, tables: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """A step's host inputs for the first `rows` slots as the two packed arrays the step
         reads (columns GIVEN.., the slots' block tables [B, W] from TABLE, and TEMPERATURE..);
@@ -69,6 +65,31 @@ class SlotSamplingState:
             floats[s] = self.temperature[s], self.top_p[s], self.min_p[s]
         ints[:, SEED_HI:SEED_LO + 1] = self.seed[:rows].view(np.int32)
         return ints, floats
+
+
+    def pack_prompts(
+        self, slots: Sequence[int], masked: Sequence[bool], lengths: Sequence[int], rows: int, width: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The sampler's inputs for the last positions of prompts into `slots` (lengths: each
+        prompt's, so the sample's position), padded to `rows` (a row bucket): as `pack`'s two
+        arrays (POSITION the prompt's last, so that POSITION + 1 is the sample's; no block
+        table: the sampler reads none, W = `width` zero columns to share the decode step's
+        shapes) and the rows' slots [rows] i32. Rows past the prompts sample for nobody, at a slot
+        none of them holds, so the write of each row's sample into `last` never meets another
+        row's at the same slot (greedy, no cuts)."""
+        m, taken = len(slots), set(slots)
+        require(0 < m <= rows and len(taken) == m, f"prompts into slots {list(slots)} in {rows} rows")
+        idle = next((s for s in range(len(self.temperature)) if s not in taken), 0)  # none: no idle rows
+        at = np.full(rows, idle, np.int32)
+        at[:m] = slots
+        ints, floats = np.zeros((rows, TABLE + width), np.int32), np.zeros((rows, 3), np.float32)
+        floats[:, TOP_P] = 1.0
+        s = at[:m]
+        ints[:m, POSITION], ints[:m, ACTIVE], ints[:m, MASKED] = np.asarray(lengths) - 1, 1, masked
+        ints[:m, TOP_K], ints[:m, TOP_N] = self.top_k[s], self.top_n[s]
+        ints[:m, SEED_HI:SEED_LO + 1] = self.seed[s].view(np.int32)
+        floats[:m] = np.stack([self.temperature[s], self.top_p[s], self.min_p[s]], axis=1)
+        return ints, floats, at
 
 
 def mask_row(head_size: int, vocab_size: int, masked_ids=(), banned: np.ndarray | None = None) -> np.ndarray:

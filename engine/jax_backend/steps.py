@@ -1,14 +1,18 @@
 """The jitted functions a model runs, as pure functions of their arrays, and `Steps`, their
 compiled forms for one model.
 
-A decode step is one executable (`decode_step`): embed the slots' inputs (the token the host
-gives, or the slot's last sample, already on the device), every layer, head and sampling, with
-the page pools and the slots' last samples donated and handed back written in place. With
-`split_sampler` it is two (`decode_layers`, then `step_sample` in a greedy or a full variant the
-host picks); a step whose sampling waits for its rows of banned ids runs `decode_layers`, then
-`step_sample_under`, which writes them and samples in one call. A prompt runs one layer per call (transformer.prefill_layers, or
-packed_prefill_layers for several prompts end to end), then `head_and_sample` for its last
-position. `fetch` reads a sampling call's outputs back, its alternatives only when a row asks.
+Sampling is one executable per row bucket R, in a greedy and a full variant the host picks
+(`step_sample`, `Steps.step_sampler`): every kind of step that samples goes through it, so the
+full sampler (sampling.sample, most of a small model's compile time) is compiled once per row
+bucket, not into every program that samples. A decode step is its layers (`decode_layers`,
+with the page pools donated and handed back written in place), then that sampler; a step whose
+rows are all greedy and want no alternatives may instead run as one executable with the greedy
+sampler inside (`decode_step`: the CPU's choice, where a second dispatch is a measurable part of
+a batch-1 step; `split_sampler` says never). A step whose sampling waits for its rows of banned
+ids runs its layers, then `write_masks` and the sampler. A prompt runs one layer per call
+(transformer.prefill_layers, or packed_prefill_layers for several prompts end to end), then
+`prompt_ends` takes each prompt's last position as a row of the sampler's bucket. `fetch` reads a
+sampling call's outputs back, its alternatives only when a row asks.
 
 Shapes: B slots, R rows in a step, T prompt tokens, W block table width, N pool pages, P page
 size, V embedding rows, V' ids the tokenizer can produce, E hidden, K kv heads, D head dim, L layers.
@@ -35,21 +39,10 @@ def embed(table: jax.Array, tokens: jax.Array) -> jax.Array:
     return transformer.embed(table, tokens)  # [V, E], [R, T] -> [R, T, E]
 
 
-def last_hidden(x: jax.Array, length: jax.Array) -> jax.Array:
-    """x [1, T, E], length [] -> the hidden state after the last real prompt token [1, 1, E]."""
-    return jax.lax.dynamic_slice_in_dim(x, length - 1, 1, axis=1)
-
-
 def prompt_ends(x: jax.Array, ends: jax.Array) -> jax.Array:
-    """x [1, T, E], ends [B] (one past each packed prompt's last token; 1 for unused rows) -> the
-    hidden state after each prompt's last token [B, 1, E]."""
+    """x [1, T, E], ends [R] (one past each prompt's last token; 1 for rows that sample for
+    nobody) -> the hidden state after each prompt's last token [R, 1, E], the sampler's rows."""
     return x[0, ends - 1][:, None]
-
-
-def rows_head_and_sample(x: jax.Array, final_norm: jax.Array, lm_head, mask, last, slots: jax.Array, *rest, **bound):
-    """`head_and_sample` of the first R rows of x [B, 1, E], R = len(slots): a packed prefill's
-    samples, compiled per row bucket (x's shape is always [B, 1, E])."""
-    return head_and_sample(x[: slots.shape[0]], final_norm, lm_head, mask, last, slots, *rest, **bound)
 
 
 def write_mask(mask: jax.Array, row: jax.Array, slot: jax.Array) -> jax.Array:
@@ -92,8 +85,6 @@ def head_and_sample(
     return (last, tokens, logprobs, *tops)
 
 
-
-
 def decode_step(
     embed_table: jax.Array,  # [V, E] (or its int8 form)
     final_norm: jax.Array,  # [E]
@@ -104,8 +95,6 @@ def decode_step(
     last: jax.Array,  # [B] i32, each slot's last sampled token, donated
     mask: jax.Array,  # [B, V'] bool
     ints: jax.Array,  # [R, 9 + W] i32, the columns above and the rows' block tables
-    floats: jax.Array,  # [R, 3] f32, the columns above
-    chunk: tuple | None = None,  # a prompt chunk riding along: ids [C] i32, (start, end) [2] i32, table [W] i32
     *,
     cfg: ModelConfig,
     attend: int,
@@ -113,15 +102,18 @@ def decode_step(
     ragged: bool,
     head_size: int | None = None,
 ) -> tuple:
-    """One whole decode step for the first R slots as one executable: embed the slots' inputs
-    (the token the host gives, or the slot's last sample, already on the device), every layer,
-    head and sampling; with `chunk`, that prompt chunk's KV written into its slot in the same
-    pass (transformer.mixed_layers). -> (k_caches, v_caches, last, ids [R], logprobs [R], top ids
+    """A decode step for the first R slots whose rows are all greedy and want no alternatives, as
+    one executable: embed the slots' inputs (the token the host gives, or the slot's last sample,
+    already on the device), every layer, the head and the greedy sampler (`decode_layers`, then
+    `step_sample`'s greedy variant). -> (k_caches, v_caches, last, ids [R], logprobs [R], top ids
     [R, K], top logprobs [R, K])."""
     k_caches, v_caches, x = decode_layers(
-        embed_table, layers, k_caches, v_caches, last, ints, chunk, cfg=cfg, attend=attend, kernels=kernels, ragged=ragged
+        embed_table, layers, k_caches, v_caches, last, ints, None, cfg=cfg, attend=attend, kernels=kernels, ragged=ragged
     )
-    return (k_caches, v_caches, *step_sample(x, final_norm, lm_head, mask, last, ints, floats, cfg=cfg, head_size=head_size))
+    r = ints.shape[0]
+    floats = jnp.zeros((r, 3), jnp.float32)  # (greedy: the parameters are not read)
+    return (k_caches, v_caches, *step_sample(x, final_norm, lm_head, mask, last, ints, floats, jnp.arange(r, dtype=jnp.int32),
+                                             cfg=cfg, head_size=head_size, greedy_only=True))
 
 
 def decode_layers(
@@ -131,7 +123,7 @@ def decode_layers(
     v_caches: tuple[jax.Array, ...],
     last: jax.Array,  # [B] i32, each slot's last sampled token (read, not written)
     ints: jax.Array,  # [R, 9 + W] i32
-    chunk: tuple | None = None,
+    chunk: tuple | None = None,  # a prompt chunk riding along: ids [C] i32, (start, end) [2] i32, table [W] i32
     *,
     cfg: ModelConfig,
     attend: int,
@@ -139,7 +131,8 @@ def decode_layers(
     ragged: bool,
 ) -> tuple:
     """A decode step up to the final hidden state: the slots' inputs embedded and every layer
-    run (with `chunk` along, as `decode_step`). -> (k_caches, v_caches, x [R, 1, E])."""
+    run; with `chunk`, that prompt chunk's KV written into its slot in the same pass
+    (transformer.mixed_layers). -> (k_caches, v_caches, x [R, 1, E])."""
     r = ints.shape[0]
     active = ints[:, ACTIVE] > 0  # [R]
     positions = ints[:, POSITION]  # [R]
@@ -166,52 +159,23 @@ def step_sample(
     lm_head: jax.Array,
     mask: jax.Array,  # [B, V'] bool
     last: jax.Array,  # [B] i32, donated where this is its own executable
-    ints: jax.Array,  # [R, 9 + W] i32
+    ints: jax.Array,  # [R, 9 + W] i32 (slot_sampling.pack, or pack_rows for prompts)
     floats: jax.Array,  # [R, 3] f32
+    slots: jax.Array,  # [R] i32, the slot of each row (a decode step's row i is slot i)
     *,
     cfg: ModelConfig,
     head_size: int | None = None,
     greedy_only: bool = False,
 ) -> tuple:
-    """A decode step's head and sampling for its R rows (row i is slot i), parameters from the
-    packed host columns. -> (last, ids [R], logprobs [R], top ids [R, K], top logprobs [R, K])."""
-    r = ints.shape[0]
+    """The head and sampling of R rows, parameters from the packed host columns, the sample
+    for row i at its slot's position POSITION + 1: the one sampler of a row bucket, for decode
+    steps and prompts alike. -> (last, ids [R], logprobs [R], top ids [R, K], top logprobs [R, K])."""
     seed = jax.lax.bitcast_convert_type(ints[:, SEED_HI:SEED_LO + 1], jnp.uint32)  # [R, 2]
     params = SlotSampling(floats[:, TEMPERATURE], ints[:, TOP_K], floats[:, TOP_P], floats[:, MIN_P], seed)
     return head_and_sample(
-        x, final_norm, lm_head, mask, last, jnp.arange(r, dtype=jnp.int32), ints[:, ACTIVE] > 0, ints[:, MASKED] > 0,
+        x, final_norm, lm_head, mask, last, slots, ints[:, ACTIVE] > 0, ints[:, MASKED] > 0,
         params, ints[:, POSITION] + 1, ints[:, TOP_N], cfg, head_size, greedy_only,
     )
-
-
-def step_sample_under(
-    x: jax.Array,  # [R, 1, E]
-    final_norm: jax.Array,
-    lm_head: jax.Array,
-    mask: jax.Array,  # [B, V'] bool, donated
-    last: jax.Array,  # [B] i32, donated
-    ints: jax.Array,  # [R, 9 + W] i32
-    floats: jax.Array,  # [R, 3] f32
-    rows: jax.Array,  # [R, V'] bool, the rows of banned ids written since the step's layers
-    fresh: jax.Array,  # [R] bool, the rows of `rows` that were written (the others keep the slot's)
-    *,
-    cfg: ModelConfig,
-    head_size: int | None = None,
-    greedy_only: bool = False,
-    keep: jax.sharding.Sharding | None = None,
-) -> tuple:
-    """`step_sample` of a step whose sampling waited for its rows of banned ids: the fresh
-    rows go into the slots' mask rows and are sampled under in the same call, so a constrained
-    step costs no call of its own to write them. `keep`: the mask's sharding under a mesh, kept
-    (else it would take the head's split over the vocabulary from the sampling that reads it,
-    and every later call reading the mask would compile again). -> (mask [B, V'], then as
-    `step_sample`)."""
-    r = ints.shape[0]
-    mask = jax.lax.dynamic_update_slice(mask, jnp.where(fresh[:, None], rows, mask[:r]), (0, 0))  # [B, V']
-    if keep is not None:
-        mask = jax.lax.with_sharding_constraint(mask, keep)
-    return (mask, *step_sample(x, final_norm, lm_head, mask, last, ints, floats, cfg=cfg, head_size=head_size,
-                               greedy_only=greedy_only))
 
 
 def alternatives(ids: np.ndarray, logprobs: np.ndarray, wanted: np.ndarray) -> list[tuple[tuple[int, float], ...]]:
@@ -258,38 +222,28 @@ class Steps:
         self.packed_layers = jax.jit(
             own(transformer.packed_prefill_layers), static_argnames=("cfg", "windows"), donate_argnames=pools, **o
         )
-        self.packed_ends = jax.jit(own(prompt_ends), **o)
-        self.step = jax.jit(
+        self.prompt_ends = jax.jit(own(prompt_ends), **o)  # per (prompt or packed size, row bucket)
+        self.step = jax.jit(  # a greedy decode step as one executable (decode_step)
             own(decode_step, kernels=kernels, ragged=ragged, head_size=head_size),
             static_argnames=("cfg", "attend"), donate_argnames=(*caches, "last"), **o,
         )
-        self.layers_step = jax.jit(  # split_sampler: the step up to the final hidden states, then step_sampler
+        self.layers_step = jax.jit(  # a decode step up to the final hidden states, then step_sampler
             own(decode_layers, kernels=kernels, ragged=ragged),
             static_argnames=("cfg", "attend"), donate_argnames=caches, **o,
         )
-        self.step_sampler = jax.jit(
+        self.step_sampler = jax.jit(  # per row bucket, greedy and full: every sampling call
             own(step_sample, head_size=head_size), static_argnames=("cfg", "greedy_only"), donate_argnames="last", **o
-        )
-        self.step_sampler_under = jax.jit(  # a step whose sampling waited for its rows (sample_later)
-            own(step_sample_under, head_size=head_size), static_argnames=("cfg", "greedy_only", "keep"),
-            donate_argnames=("mask", "last"), **o,
         )
         self.verify = jax.jit(  # speculative decoding's verify step (engine.jax_backend.verify)
             own(verify_step.verify_step, kernels=kernels, ragged=ragged, head_size=head_size),
             static_argnames=("cfg", "attend"), donate_argnames=(*caches, "last"), **o,
         )
-        self.last_hidden = jax.jit(own(last_hidden), **o)
         self.write_mask = jax.jit(own(write_mask), donate_argnums=0, **o)
         self.write_masks = jax.jit(own(write_masks), donate_argnums=0, **o)  # compiled per row bucket
-        self.sample = jax.jit(own(head_and_sample, head_size=head_size), static_argnames="cfg", donate_argnames="last", **o)
-        self.packed_sample = jax.jit(
-            own(rows_head_and_sample, head_size=head_size), static_argnames="cfg", donate_argnames="last", **o
-        )
 
     def jitted(self) -> tuple:
         """Every jitted function (for counting compilations)."""
         return (
-            self.embed, self.prefill_layers, self.step, self.last_hidden, self.write_mask, self.write_masks, self.sample,
-            self.packed_layers, self.packed_ends, self.packed_sample, self.layers_step, self.step_sampler,
-            self.step_sampler_under, self.verify,
+            self.embed, self.prefill_layers, self.packed_layers, self.prompt_ends, self.step, self.layers_step,
+            self.step_sampler, self.verify, self.write_mask, self.write_masks,
         )
