@@ -29,9 +29,8 @@ RUNS["tiny-phi3"] = (2,)  # issue 44: Phi-3's fused weights split at load, a win
 RUNS["tiny-gpt-oss"] = (2,)  # issue 44: attention sinks split by head, expert biases split with their features
 # Checkpoints whose runs here compare ids, logits and each device's share only, with no warm-up
 # (so no "nothing compiles after warm-up" under the mesh), decoding through the split sampler's
-# greedy variant (tp_worker: the head and an argmax, where the one-executable step would compile
-# the whole sampler into each family's step; the split step equals that one under the mesh, the
-# "split-sampler" run's claim): which shapes a warm-up covers is decided
+# greedy variant (tp_worker: the accelerators' step; it equals the CPU's one-executable greedy
+# step under the mesh, the "split-sampler" run's claim): which shapes a warm-up covers is decided
 # by the configuration's buckets and the layers' shardings, not by a checkpoint's widths, so that
 # claim is checked where a sharding differs: the dense layer on tiny-llama (2 and 4 ways, kv heads
 # split and copied), the padded head and q/k/v biases on the odd tiny-qwen2 (2 ways), the experts
