@@ -378,7 +378,7 @@ def test_auto_serves_int8_for_a_model_that_brings_its_gguf_and_float32_elsewhere
         assert not JaxModel.load(ASSETS / "tiny-llama", **kw).int8
     choices = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights auto")]
     assert choices == [
-        "weights auto: int8 (the CPU kernels and the model's model.gguf)",
+        "weights auto: int8 (the CPU kernels and the model's model.gguf: its 4- and 5-bit blocks held as they are)",
         "weights auto: float32 (the CPU kernels are off)",
         "weights auto: float32 (no model.gguf in the model directory)",
     ]
