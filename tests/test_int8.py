@@ -120,6 +120,10 @@ def test_blocks_with_offsets_give_their_exact_product(rows, bits, int8_isa):
     np.testing.assert_allclose(got - without, share, rtol=1e-4, atol=1e-4)
 
 
+_integers = jax.jit(lambda m: m.rows()[0])  # one compile a shape, not one per operation
+_embed = jax.jit(quantize.embed)
+
+
 @pytest.mark.parametrize("signed", [True, False], ids=["q5_0", "q5_1"])
 def test_5_bit_blocks_give_the_bits_of_their_int8_widening(signed, int8_isa):
     """Blocks of 5-bit integers (a GGUF's Q5_0: -16..15, no offset; Q5_1: 0..31 with offsets),
@@ -138,12 +142,12 @@ def test_5_bit_blocks_give_the_bits_of_their_int8_widening(signed, int8_isa):
         five, eight = quantize.pack(q.astype(np.int8), scale, offset, 5), quantize.pack(q.astype(np.int8), scale, offset, 8)
         assert five.bits == 5 and five.shape == (k, n) and five.high.dtype == jnp.uint32
         assert five.nbytes == -(-n // 16) * 16 * (k // 32) * (22 if signed else 24)  # the file's bytes a block
-        np.testing.assert_array_equal(np.asarray(five.rows()[0]), q)
+        np.testing.assert_array_equal(np.asarray(_integers(five)), q)
         x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
         got, want = (np.asarray(cpu_kernels.int8_matmul(x, m.packed, m.scale, n, m.offset, m.high)) for m in (five, eight))
         np.testing.assert_array_equal(got, want, err_msg=f"{rows} rows, {n} outputs, {k} inputs")
         tokens = jnp.asarray([0, n // 2, n - 1])
-        np.testing.assert_array_equal(np.asarray(quantize.embed(five, tokens)), np.asarray(quantize.embed(eight, tokens)))
+        np.testing.assert_array_equal(np.asarray(_embed(five, tokens)), np.asarray(_embed(eight, tokens)))
 
 
 def test_an_offset_of_another_shape_and_4_bits_without_one_are_refused():
