@@ -337,6 +337,23 @@ def test_int8_blocks_are_the_float32_weights(gemma, int8_get):
         assert requantized.bits == 8 and np.all(np.abs(_dequantize(requantized) - w) <= step * 0.6)  # half a step
 
 
+@pytest.mark.real_model
+@pytest.mark.usefixtures("loaded_kernels")
+def test_the_q5_0_projections_are_held_in_5_bits_with_their_int8_products(int8_get):
+    """Layer 0's gate and up (Q5_0 in the file) fused as served: 5-bit blocks, 22 bytes a block as
+    in the file, whose products of 1 and 5 rows are the bits the same blocks widened to int8 give."""
+    from engine.jax_backend import quantize
+
+    parts = [int8_get(f"model.layers.0.mlp.{name}_proj.weight") for name in ("gate", "up")]  # [2048, 640] each
+    five = quantize.fused_rows(lambda *a: np.concatenate(a), *parts)
+    assert five.bits == 5 and five.offset is None and five.nbytes == 2 * 2048 * 640 // 32 * 22
+    eight = quantize.pack(np.concatenate([r.q for r in parts]), np.concatenate([r.scale for r in parts]))
+    rng = np.random.default_rng(0)
+    for rows in (1, 5):
+        x = jnp.asarray(rng.standard_normal((rows, 640)).astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(quantize.matmul(x, five)), np.asarray(quantize.matmul(x, eight)))
+
+
 def _quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Symmetric int8 blocks of 32: [N, K] -> ([N, K] int8, [N, K / 32] float16)."""
     blocks = w.reshape(w.shape[0], -1, 32)  # [N, K/32, 32]
