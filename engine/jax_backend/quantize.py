@@ -42,8 +42,8 @@ packed [P, K / 2, 16, 2] int8 (8 bits: packed[p, j, i] = q[16 p + i, 2 j : 2 j +
 of high[p, g, h] the fifth bit of q[16 p + i, 4 g + 2 h + t], of q + 16 where q is signed: the
 masks the kernel applies to the nibbles it unpacks, one load each), scale [P, K / 32, 16] and
 offset (or None) in scale's layout, P = ceil(N / 16), zero past N: the layout the C++ kernel reads
-with one load per pair (or two pairs) of inputs of 16 outputs (kernels/int8_matmul.cc says why). `rows()` gives q and scale back (the many-row path,
-the embedding's lookups, tests). The embedding [V, E] is already [rows, in]; a tied head shares it
+with one load per pair (or two pairs) of inputs of 16 outputs (kernels/int8_matmul.cc says why).
+`rows()` gives q and scale back (the many-row path, the embedding's lookups, tests). The embedding [V, E] is already [rows, in]; a tied head shares it
 (same object) when it covers every row, so the model holds those bytes once.
 
 Products: `matmul` sends up to DIRECT_ROWS rows (decode steps, short prompt chunks) to the C++
@@ -165,12 +165,9 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None, bit
     n, k = q.shape
     if bits not in (8, 5, 4):
         raise ValueError(f"blocks of 8, 5 or 4 bits, not {bits}")
-    low, high = RANGES.get((bits, offset is not None), (0, -1))
-    if q.size and not low <= q.min() <= q.max() <= high:
-        raise ValueError("4-bit blocks hold 0..15, with an offset" if bits == 4 else
-                         "5-bit blocks hold -16..15 without an offset, 0..31 with one" if bits == 5 else "int8 blocks")
-    if bits == 4 and offset is None:
-        raise ValueError("4-bit blocks hold 0..15, with an offset")
+    kind = (bits, offset is not None)
+    if kind not in RANGES or q.size and not RANGES[kind][0] <= q.min() <= q.max() <= RANGES[kind][1]:  # never for 8 bits
+        raise ValueError({4: "4-bit blocks hold 0..15, with an offset", 5: "5-bit blocks hold -16..15 without an offset, 0..31 with one"}[bits])
     panels = -(-n // PANEL)
     padded_q = np.zeros((panels * PANEL, k), np.int8)
     padded_q[:n] = q
