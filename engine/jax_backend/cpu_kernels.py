@@ -81,7 +81,7 @@ from engine.model_store.registry import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.cc", "chunk_attention.cc", "int8_matmul.cc", "panel_matmul.cc")
-HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h")  # included by the sources; hashed into the library name with them
+HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h", "int8_vnni.h")  # included by the sources; hashed into the library name with them
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
