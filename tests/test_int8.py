@@ -122,17 +122,19 @@ def test_blocks_with_offsets_give_their_exact_product(rows, bits, int8_isa):
 
 _integers = jax.jit(lambda m: m.rows()[0])  # one compile a shape, not one per operation
 _embed = jax.jit(quantize.embed)
+_matmul = jax.jit(quantize.matmul)
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["q5_0", "q5_1"])
 def test_5_bit_blocks_give_the_bits_of_their_int8_widening(signed, int8_isa):
     """Blocks of 5-bit integers (a GGUF's Q5_0: -16..15, no offset; Q5_1: 0..31 with offsets),
     held in 5 bits (nibbles and fifth-bit masks), give exactly the products, bit for bit, that
-    the same blocks held as int8 give, on each path, for 1..12 rows (the VNNI tiles' row counts
-    and sums per row) and odd numbers of outputs (a part-filled last panel); their rows, embedding
-    lookups and bytes are those of 5 bits."""
+    the same blocks held as int8 give, on each path, for 1..13 rows (the VNNI tiles' row counts
+    and sums per row, a 12-row pass and one more) and odd numbers of outputs (a part-filled last
+    panel), and through `matmul` in slices and by the many-row GEMM; their rows, embedding lookups
+    and bytes are those of 5 bits."""
     rng = np.random.default_rng(int(signed))
-    for rows in (1, 2, 3, 5, 8, 12):
+    for rows in (1, 2, 3, 5, 8, 12, 13):
         n, k = int(rng.integers(1, 48)) * 2 + 1, int(rng.integers(1, 6)) * 32
         q = rng.integers(-16, 16, (n, k)) if signed else rng.integers(0, 32, (n, k))
         q[0, :32] = -16 if signed else 31  # one block at an end of the range, one at the other
@@ -148,6 +150,9 @@ def test_5_bit_blocks_give_the_bits_of_their_int8_widening(signed, int8_isa):
         np.testing.assert_array_equal(got, want, err_msg=f"{rows} rows, {n} outputs, {k} inputs")
         tokens = jnp.asarray([0, n // 2, n - 1])
         np.testing.assert_array_equal(np.asarray(_embed(five, tokens)), np.asarray(_embed(eight, tokens)))
+    for rows in (quantize.DIRECT_ROWS + 1, quantize.SLICED_ROWS + 1):  # the last shape's matrices
+        x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(_matmul(x, five)), np.asarray(_matmul(x, eight)), err_msg=f"{rows} rows")
 
 
 def test_an_offset_of_another_shape_and_4_bits_without_one_are_refused():
