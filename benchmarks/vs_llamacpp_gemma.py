@@ -6,8 +6,9 @@ batch 1 and 8 >= llama.cpp's on the same file, side by side in one run").
 
 Ours: one `tokenwire decode-server` on the pulled gemma-3-270m (`tokenwire pull gemma-3-270m`),
 with its default weights unless --weights says otherwise (auto: int8 on the CPU kernels, read from
-the model's own Q4_K_M file: Q8_0 and Q5_0 blocks as they are, Q4_K as 4-bit blocks, Q6_K
-requantized to 8 bits; the log line "weights auto: ..." is printed). llama.cpp: `llama-batched-bench` on that
+the model's own Q4_K_M file: Q8_0 blocks as they are, Q5_0 as 5-bit blocks (a fused q/k/v with
+a Q8_0 v in 8 bits), Q4_K as 4-bit blocks, Q6_K requantized to 8 bits; the log line "weights
+auto: ..." is printed). llama.cpp: `llama-batched-bench` on that
 very file (model.gguf in the pulled directory), the same thread count. Both decode random 64-token
 prompts for 128 greedy tokens at each batch size; rounds interleave the two, in reversed order every
 other round (vs_llamacpp.round_order says why). Build, server, client and the figures' definitions

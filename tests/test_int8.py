@@ -2,7 +2,8 @@
 weight products: products against float32, greedy ids of a tiny checkpoint, memory, compiles
 after warm-up, the thread count, and the refusals; int8 read straight from a GGUF
 (engine.model_store.gguf_blocks: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 exact, Q4_1's and Q5_1's with
-their block offsets; F16 requantized within half a step), written here with `gguf.GGUFWriter`
+their block offsets, the 4- and 5-bit ones held so, their products the int8 widening's bits; F16
+requantized within half a step), written here with `gguf.GGUFWriter`
 (tests/support/tiny_gguf.py). The real default model's agreement gate is in tests/test_real_model.py,
 which loads its int8 weights once for all its tests."""
 
@@ -119,6 +120,41 @@ def test_blocks_with_offsets_give_their_exact_product(rows, bits, int8_isa):
     np.testing.assert_allclose(got - without, share, rtol=1e-4, atol=1e-4)
 
 
+_integers = jax.jit(lambda m: m.rows()[0])  # one compile a shape, not one per operation
+_embed = jax.jit(quantize.embed)
+_matmul = jax.jit(quantize.matmul)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["q5_0", "q5_1"])
+def test_5_bit_blocks_give_the_bits_of_their_int8_widening(signed, int8_isa):
+    """Blocks of 5-bit integers (a GGUF's Q5_0: -16..15, no offset; Q5_1: 0..31 with offsets),
+    held in 5 bits (nibbles and fifth-bit masks), give exactly the products, bit for bit, that
+    the same blocks held as int8 give, on each path, for 1..13 rows (the VNNI tiles' row counts
+    and sums per row, a 12-row pass and one more) and odd numbers of outputs (a part-filled last
+    panel), and through `matmul` in slices and by the many-row GEMM; their rows, embedding lookups
+    and bytes are those of 5 bits."""
+    rng = np.random.default_rng(int(signed))
+    for rows in (1, 2, 3, 5, 8, 12, 13):
+        n, k = int(rng.integers(1, 48)) * 2 + 1, int(rng.integers(1, 6)) * 32
+        q = rng.integers(-16, 16, (n, k)) if signed else rng.integers(0, 32, (n, k))
+        q[0, :32] = -16 if signed else 31  # one block at an end of the range, one at the other
+        q[-1, -32:] = 15 if signed else 0
+        scale = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float16)
+        offset = None if signed else (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
+        five, eight = quantize.pack(q.astype(np.int8), scale, offset, 5), quantize.pack(q.astype(np.int8), scale, offset, 8)
+        assert five.bits == 5 and five.shape == (k, n) and five.high.dtype == jnp.uint32
+        assert five.nbytes == -(-n // 16) * 16 * (k // 32) * (22 if signed else 24)  # the file's bytes a block
+        np.testing.assert_array_equal(np.asarray(_integers(five)), q)
+        x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+        got, want = (np.asarray(cpu_kernels.int8_matmul(x, m.packed, m.scale, n, m.offset, m.high)) for m in (five, eight))
+        np.testing.assert_array_equal(got, want, err_msg=f"{rows} rows, {n} outputs, {k} inputs")
+        tokens = jnp.asarray([0, n // 2, n - 1])
+        np.testing.assert_array_equal(np.asarray(_embed(five, tokens)), np.asarray(_embed(eight, tokens)))
+    for rows in (quantize.DIRECT_ROWS + 1, quantize.SLICED_ROWS + 1):  # the last shape's matrices
+        x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(_matmul(x, five)), np.asarray(_matmul(x, eight)), err_msg=f"{rows} rows")
+
+
 def test_an_offset_of_another_shape_and_4_bits_without_one_are_refused():
     m = quantize.pack(np.zeros((16, 64), np.int8), np.ones((16, 2), np.float16), np.zeros((16, 2), np.float16))
     with pytest.raises(ValueError, match="offset of scale's shape"):
@@ -130,6 +166,10 @@ def test_an_offset_of_another_shape_and_4_bits_without_one_are_refused():
         quantize.pack(np.full((16, 64), 16, np.int8), np.ones((16, 2), np.float16), np.zeros((16, 2), np.float16), 4)
     with pytest.raises(ValueError, match="0..15, with an offset"):
         quantize.pack(np.zeros((16, 64), np.int8), np.ones((16, 2), np.float16), None, 4)
+    with pytest.raises(ValueError, match="-16..15 without an offset, 0..31 with one"):
+        quantize.pack(np.full((16, 64), 16, np.int8), np.ones((16, 2), np.float16), None, 5)
+    with pytest.raises(ValueError, match="-16..15 without an offset, 0..31 with one"):
+        quantize.pack(np.full((16, 64), -1, np.int8), np.ones((16, 2), np.float16), np.zeros((16, 2), np.float16), 5)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -253,15 +293,15 @@ def test_q8_0_blocks_are_read_as_they_are_with_no_float_round_trip(tmp_path):
 
 
 # each exact type: (the range of its integers, whether its blocks carry an offset, their bits)
-EXACT = {T.Q4_0: ((0, 15), True, 4), T.Q4_1: ((0, 15), True, 4), T.Q5_0: ((-16, 15), False, 8), T.Q5_1: ((0, 31), True, 8)}
+EXACT = {T.Q4_0: ((0, 15), True, 4), T.Q4_1: ((0, 15), True, 4), T.Q5_0: ((-16, 15), False, 5), T.Q5_1: ((0, 31), True, 5)}
 
 
 @pytest.mark.parametrize("qtype", sorted(EXACT, key=lambda t: t.name), ids=lambda t: t.name)
 def test_the_4_and_5_bit_types_map_onto_int8_blocks_exactly(tmp_path, qtype):
     """Q4_0 (d * (q - 8): q with offset -8 d), Q5_0 (d * (q - 16)) and Q4_1 / Q5_1 (d * q + m)
-    are their integers, d and m as the file has them, 4-bit ones held in 4 bits: scale * q (+
-    offset) is gguf's own dequantization, bit for bit, with the integers spanning their type's
-    range."""
+    are their integers, d and m as the file has them, held in 4 and 5 bits: scale * q (+ offset)
+    is gguf's own dequantization, bit for bit, with the integers spanning their type's range, and
+    so is the matrix packed in those bits."""
     (low, high), has_offset, bits = EXACT[qtype]
     tiny_gguf.write(tmp_path / "t.gguf", {"model.layers.{i}.mlp.up_proj.weight": qtype})
     t = _raw(tmp_path / "t.gguf", "blk.0.ffn_up.weight")  # [96, 64]: 2 blocks a row
@@ -272,6 +312,8 @@ def test_the_4_and_5_bit_types_map_onto_int8_blocks_exactly(tmp_path, qtype):
     if has_offset:
         got = got + rows.offset[..., None].astype(np.float32)
     np.testing.assert_array_equal(got.reshape(96, 64), gguf.quants.dequantize(t.data, qtype))
+    packed = quantize.dequantize(quantize.pack(rows.q, rows.scale, rows.offset, rows.bits))
+    np.testing.assert_array_equal(np.asarray(packed), gguf.quants.dequantize(t.data, qtype))
 
 
 def test_f16_is_requantized_within_half_a_step(tmp_path):
@@ -298,12 +340,23 @@ def test_requantizing_chunk_by_chunk_equals_the_whole_tensor_at_once(tmp_path, m
     np.testing.assert_array_equal(chunked.scale, whole.scale)
 
 
-def test_a_gguf_directory_serves_int8_from_its_blocks_in_the_float32_layout(tmp_path):
-    """A converted directory keeps model.gguf, and --weights int8 reads its Q8_0 / Q4_0 blocks:
+# Q8_0 with Q4_0 MLPs; Gemma 3's mix: Q5_0 q/k/v and MLP (5 bits, signed), here a Q5_1 o (5 bits
+# with offsets) and a Q8_0 down (8 bits), with what each fused matrix is held in
+GGUF_MIXES = {
+    "q8_0+q4_0": ({"mlp": T.Q4_0}, T.Q8_0, [(8, False), (8, False), (4, True), (4, True)]),
+    "q5_0+q5_1": ({"q_proj": T.Q5_0, "k_proj": T.Q5_0, "v_proj": T.Q5_0, "o_proj": T.Q5_1, "gate": T.Q5_0, "up": T.Q5_0},
+                  T.Q8_0, [(5, False), (5, True), (5, False), (8, False)]),
+}
+
+
+@pytest.mark.parametrize("mix", GGUF_MIXES)
+def test_a_gguf_directory_serves_int8_from_its_blocks_in_the_float32_layout(tmp_path, mix):
+    """A converted directory keeps model.gguf, and --weights int8 reads its blocks (GGUF_MIXES):
     every matrix dequantizes to exactly what the float32 load of the same directory holds (the
-    fused q/k/v and gate/up layouts, the un-permuted q and k, the tied head), and the greedy ids
-    equal float32's."""
-    types = {name: (T.Q4_0 if "mlp" in name else T.Q8_0) for name in ALL_MATRICES}
+    fused q/k/v and gate/up layouts, the un-permuted q and k, the tied head), each held in its
+    type's bits, and the greedy ids equal float32's."""
+    by_part, rest, held = GGUF_MIXES[mix]
+    types = {name: next((t for part, t in by_part.items() if part in name), rest) for name in ALL_MATRICES}
     model_dir, _ = _gguf_dir(tmp_path, types)
     assert (model_dir / gguf_convert.GGUF_NAME).is_file()
     f32, int8 = weights_mod.load_checkpoint(model_dir, "float32").weights, weights_mod.load_int8(model_dir).weights
@@ -315,6 +368,7 @@ def test_a_gguf_directory_serves_int8_from_its_blocks_in_the_float32_layout(tmp_
         for field in ("w_qkv", "w_o", "w_gate_up", "w_down"):
             np.testing.assert_array_equal(np.asarray(quantize.dequantize(getattr(b, field))).T, np.asarray(getattr(a, field)), err_msg=field)
         np.testing.assert_array_equal(np.asarray(b.attn_norm), np.asarray(a.attn_norm))
+        assert [(m.bits, m.offset is not None) for m in (b.w_qkv, b.w_o, b.w_gate_up, b.w_down)] == held
     prompts = [(5, 70, 80, 90), (100, 101)]
     want = greedy_ids(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="float32"), prompts, 12)
     got = greedy_ids(JaxModel.load(model_dir, max_batch_size=2, max_context_length=32, weights="int8"), prompts, 12)
@@ -333,7 +387,7 @@ def test_auto_serves_int8_for_a_model_that_brings_its_gguf_and_float32_elsewhere
         assert not JaxModel.load(ASSETS / "tiny-llama", **kw).int8
     choices = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights auto")]
     assert choices == [
-        "weights auto: int8 (the CPU kernels and the model's model.gguf)",
+        "weights auto: int8 (the CPU kernels and the model's model.gguf: its 4- and 5-bit blocks held as they are)",
         "weights auto: float32 (the CPU kernels are off)",
         "weights auto: float32 (no model.gguf in the model directory)",
     ]

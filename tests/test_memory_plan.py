@@ -71,9 +71,10 @@ def test_weights_and_cache_are_exactly_what_is_placed(name, kind):
 
 def test_int8_blocks_of_every_format_are_counted_from_the_gguf(tmp_path):
     """A GGUF with 4-bit matrices (Q4_1: 4 bits, a scale and an offset; Q4_0), a fused q/k/v whose
-    v is Q8_0 (held in 8 bits with offsets), a Q5_0 (8 bits, no offset) and an F16 (requantized)
-    one: the plan the loader builds from the file's header (jax_model.int8_layout) equals the
-    bytes placed, and so does one of Q8_0 matrices only."""
+    v is Q8_0 (held in 8 bits with offsets), a Q5_0 (5 bits, no offset) and an F16 (requantized)
+    one; one of 5-bit matrices (Q5_0 q/k/v, a Q5_1 o with offsets, a gate/up of Q5_0 and Q5_1,
+    held in 8 bits); one of Q8_0 matrices only: the plan the loader builds from the file's header
+    (jax_model.int8_layout) equals the bytes placed."""
     from engine.jax_backend.jax_model import int8_layout
 
     T = gguf.GGMLQuantizationType
@@ -83,7 +84,14 @@ def test_int8_blocks_of_every_format_are_counted_from_the_gguf(tmp_path):
         "model.layers.{i}.mlp.down_proj.weight": T.Q5_0, "model.layers.{i}.self_attn.o_proj.weight": T.F16,
         "model.layers.{i}.mlp.up_proj.weight": T.Q4_0,
     })
-    for name, types in (("mixed", mixed), ("q8_0", {name: T.Q8_0 for name in tiny_gguf.MATRICES})):
+    five = {name: T.Q5_0 for name in tiny_gguf.MATRICES}
+    five.update({"model.layers.{i}.self_attn.o_proj.weight": T.Q5_1, "model.layers.{i}.mlp.up_proj.weight": T.Q5_1})
+    held = {
+        "mixed": [(8, True), (8, False), (4, True), (5, False)],
+        "q5": [(5, False), (5, True), (8, True), (5, False)],
+        "q8_0": [(8, False)] * 4,
+    }
+    for name, types in (("mixed", mixed), ("q5", five), ("q8_0", {name: T.Q8_0 for name in tiny_gguf.MATRICES})):
         tiny_gguf.write(tmp_path / f"{name}.gguf", types)
         d = convert_gguf(tmp_path / f"{name}.gguf", tmp_path / name)
         ckpt = load_int8(d)
@@ -91,8 +99,7 @@ def test_int8_blocks_of_every_format_are_counted_from_the_gguf(tmp_path):
         plan = memory_plan.plan(ckpt.config, ckpt.tokenizer_size, settings(int8=True, int8_layout=layout))
         assert plan.weights == quantize.weight_bytes(ckpt.weights), name
         layer = ckpt.weights.layers[0]
-        held = [(m.bits, m.offset is not None) for m in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)]
-        assert held == ([(8, True), (8, False), (4, True), (8, False)] if name == "mixed" else [(8, False)] * 4)
+        assert [(m.bits, m.offset is not None) for m in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down)] == held[name]
 
 
 @pytest.mark.parametrize("name, batch, context", [("tiny-llama", 4, 32), ("tiny-qwen3", 8, 256)])

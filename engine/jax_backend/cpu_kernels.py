@@ -6,7 +6,7 @@ keys in place; and the weight products of a few rows (decode steps, short prompt
 XLA:CPU streams from memory well below the bandwidth a step needs, run as `panel_matmul` here
 over a copy of each projection packed in panels of 32 outputs (`pack_panels`; the copies are made
 by engine.jax_backend.weights.with_panels), up to PANEL_ROWS rows.
-`int8_matmul` is the product of `--weights int8` (engine.jax_backend.quantize: blocks of 8 or 4 bits) for 1-64 rows.
+`int8_matmul` is the product of `--weights int8` (engine.jax_backend.quantize: blocks of 8, 5 or 4 bits) for 1-64 rows.
 `chunk_attention` is a prefill chunk's attention over its slot's cached keys: plain JAX runs it as
 small blocked products far below the machine's GEMM speed, and near the end of a long prompt it is
 a large part of a 16-token chunk, whose cost is what the streams decoding beside a chunked prefill
@@ -81,7 +81,7 @@ from engine.model_store.registry import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.cc", "chunk_attention.cc", "int8_matmul.cc", "panel_matmul.cc")
-HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h")  # included by the sources; hashed into the library name with them
+HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h", "int8_vnni.h")  # included by the sources; hashed into the library name with them
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
@@ -99,6 +99,8 @@ SINKS_CHUNK_TARGET = "tokenwire_chunk_attention_sinks"
 INT8_TARGET = "tokenwire_int8_matmul"
 INT8_OFFSET_TARGET = "tokenwire_int8_matmul_offset"
 INT4_TARGET = "tokenwire_int4_matmul"
+INT5_TARGET = "tokenwire_int5_matmul"  # 5-bit blocks, signed (Q5_0), no offsets
+INT5_OFFSET_TARGET = "tokenwire_int5_matmul_offset"  # 5-bit blocks, unsigned (Q5_1), with offsets
 PANEL_TARGET = "tokenwire_panel_matmul"
 EXPERT_PANEL_TARGET = "tokenwire_expert_panel_matmul"  # the same product, each row by its own expert's panels
 PANEL = 32  # outputs per panel of a packed weight (panel_matmul)
@@ -229,26 +231,35 @@ def chunk_attention_applies(head_dim: int) -> bool:
     return head_dim % 8 == 0
 
 
-def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, n: int, offset: jax.Array | None = None) -> jax.Array:
+def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, n: int, offset: jax.Array | None = None,
+                high: jax.Array | None = None) -> jax.Array:
     """x [..., K] f32 @ W.T, W [N, K] given as integer blocks in panels of INT8_PANEL outputs
     (engine.jax_backend.quantize.Int8Matrix): packed [ceil(N / 16), K / 2, 16, 2] int8 (8 bits)
-    or [ceil(N / 16), K / 4, 16, 2] uint8 (4 bits, two inputs a byte: it needs the offset), scale
+    or [ceil(N / 16), K / 4, 16, 2] uint8 (4 or 5 bits, two inputs' low nibbles a byte), high
+    [ceil(N / 16), K / 4, 2] uint32 (5 bits: the fifth bits; None for 4 or 8), scale
     [ceil(N / 16), K / INT8_BLOCK, 16] f16 and optionally offset (a value added to every weight of
-    a block) in scale's shape and dtype -> [..., N] f32; needs `load()` to have succeeded. The
-    weights are read once per call however many rows x has (kernels/int8_matmul.cc)."""
-    four = packed.dtype == jnp.uint8
+    a block) in scale's shape and dtype -> [..., N] f32; needs `load()` to have succeeded. 4-bit
+    blocks need the offset; 5-bit ones are signed (-16..15) without it, unsigned (0..31) with it.
+    The weights are read once per call however many rows x has (kernels/int8_matmul.cc)."""
+    nibbles = packed.dtype == jnp.uint8
     panels, groups, width, two = packed.shape
-    k = groups * (4 if four else 2)
+    k = groups * (4 if nibbles else 2)
     if x.shape[-1] != k or k % INT8_BLOCK or width != INT8_PANEL or two != 2 or panels != -(-n // INT8_PANEL):  # checked while tracing
         raise ValueError(f"int8_matmul takes rows of {k} values (a multiple of {INT8_BLOCK}) and {n} outputs, got x {x.shape}, packed {packed.shape}")
     if offset is not None and offset.shape != scale.shape:
         raise ValueError(f"int8_matmul takes an offset of scale's shape {scale.shape}, got {offset.shape}")
-    if four and offset is None:
+    if high is not None and (not nibbles or high.shape != (panels, groups, 2) or high.dtype != jnp.uint32):
+        raise ValueError(f"int8_matmul takes fifth bits uint32 [{panels}, {groups}, 2] beside nibbles, got {high.dtype} {high.shape}")
+    if nibbles and high is None and offset is None:
         raise ValueError("int8_matmul takes 4-bit blocks with an offset")
     rows = x.size // k
-    target = INT4_TARGET if four else INT8_TARGET if offset is None else INT8_OFFSET_TARGET
+    if high is not None:
+        target = INT5_TARGET if offset is None else INT5_OFFSET_TARGET
+    else:
+        target = INT4_TARGET if nibbles else INT8_TARGET if offset is None else INT8_OFFSET_TARGET
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, n), jnp.float32))
-    operands = (x.reshape(rows, k).astype(jnp.float32), packed, scale) + (() if offset is None else (offset.astype(scale.dtype),))
+    operands = (x.reshape(rows, k).astype(jnp.float32), packed) + (() if high is None else (high,)) + (scale,)
+    operands += () if offset is None else (offset.astype(scale.dtype),)
     return call(*operands).reshape(*x.shape[:-1], n)
 
 
@@ -524,7 +535,8 @@ def _load_fd(fd: int, path: Path, origin: str, digest: str | None = None) -> Ker
             SINKS_ATTENTION_TARGET: library.TokenwireDecodeAttentionSinks,
             SINKS_CHUNK_TARGET: library.TokenwireChunkAttentionSinks,
             INT8_TARGET: library.TokenwireInt8Matmul, INT8_OFFSET_TARGET: library.TokenwireInt8MatmulOffset,
-            INT4_TARGET: library.TokenwireInt4Matmul,
+            INT4_TARGET: library.TokenwireInt4Matmul, INT5_TARGET: library.TokenwireInt5Matmul,
+            INT5_OFFSET_TARGET: library.TokenwireInt5MatmulOffset,
             PANEL_TARGET: library.TokenwirePanelMatmul, EXPERT_PANEL_TARGET: library.TokenwireExpertPanelMatmul,
         }
         library.TokenwireSetThreads.argtypes = [ctypes.c_int]

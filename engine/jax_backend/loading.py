@@ -94,8 +94,8 @@ def auto_weights(model_dir: Path, kernels: bool) -> str:
     """What `weights="auto"` (the servers' default) serves: "int8" where the CPU kernels run
     (`kernels`: the CPU backend, one device, float32, a library loaded; as `kernel_state`
     decides, and says why not) for a model that brings its own GGUF (a pulled model keeps it as
-    model.gguf, whose Q8_0, Q4_0/1 and Q5_0/1 blocks are served as the file has them: the values
-    float32 holds). There int8 decodes faster than float32 in less memory and passes the quality
+    model.gguf, whose Q8_0, Q4_0/1 and Q5_0/1 blocks are served as the file has them, in their own
+    8, 4 and 5 bits: the values float32 holds). There int8 decodes faster than float32 in less memory and passes the quality
     gates (docs/benchmarks.md, issue 15). Elsewhere "float32", also for a checkpoint with no GGUF
     (its int8 would be our own quantization of it, not gated on that model), and for a mixture of
     experts (its experts have no int8 product: `check_moe_weights`). Logs the choice."""
@@ -110,7 +110,7 @@ def auto_weights(model_dir: Path, kernels: bool) -> str:
     if not (model_dir / GGUF_NAME).is_file():
         reasons.append(f"no {GGUF_NAME} in the model directory")
     choice = "float32" if reasons else "int8"
-    log.info("weights auto: %s (%s)", choice, ", ".join(reasons) or f"the CPU kernels and the model's {GGUF_NAME}")
+    log.info("weights auto: %s (%s)", choice, ", ".join(reasons) or f"the CPU kernels and the model's {GGUF_NAME}: its 4- and 5-bit blocks held as they are")
     return choice
 
 

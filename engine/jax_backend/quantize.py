@@ -1,6 +1,6 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
 int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_0, Q4_1, Q5_1 or Q4_K, a
-float16 offset each; a GGUF's 4-bit blocks stay 4-bit); activations and the KV cache stay float32 (the
+float16 offset each; a GGUF's 4- and 5-bit blocks stay 4- and 5-bit); activations and the KV cache stay float32 (the
 kernel's AVX-512 VNNI path takes each product's input as 16-bit blocks, to float rounding of the
 float path).
 
@@ -27,13 +27,23 @@ in. A 4-bit block is 0.56x the bytes of an 8-bit one with its offset; the defaul
 batch-1 step reads them all: int8 here means weights of at most 8 bits, as the file has them. A fused matrix whose parts
 differ (a Q4_1 q with a Q8_0 v) is held in 8 bits.
 
+5-bit blocks: likewise a GGUF's Q5_0 (w = d * q, q in -16..15: Gemma 3's own projections) and
+Q5_1 (w = d * q + m, q in 0..31) stay 5-bit (`bits` 5: signed without an offset, unsigned with
+one), 22 and 24 bytes a block as in the file, 0.65x (0.67x) the bytes of their int8 widening; the
+kernel adds the fifth bit as it unpacks the nibbles, and its products are the same bits as the
+widened blocks' (kernels/int8_matmul.cc). A fused matrix is 5-bit when every part is, with
+offsets on all parts or on none (a Q5_0 part beside a Q5_1 one is held in 8 bits: one matrix's
+integers are either signed or unsigned).
+
 Layout: `Int8Matrix` holds those blocks regrouped once, at load, in panels of 16 outputs (`pack`):
 packed [P, K / 2, 16, 2] int8 (8 bits: packed[p, j, i] = q[16 p + i, 2 j : 2 j + 2]) or
-[P, K / 4, 16, 2] uint8 (4 bits: packed[p, g, i, t] = q[16 p + i, 4 g + t] | q[16 p + i, 4 g + 2
-+ t] << 4), scale [P, K / 32, 16] and offset (or None) in scale's layout, P = ceil(N / 16), zero
-past N: the layout the C++ kernel reads with one load per pair (or two pairs) of inputs of 16
-outputs (kernels/int8_matmul.cc says why). `rows()` gives q and scale back (the many-row path,
-the embedding's lookups, tests). The embedding [V, E] is already [rows, in]; a tied head shares it
+[P, K / 4, 16, 2] uint8 (4 and 5 bits: packed[p, g, i, t] = q[16 p + i, 4 g + t] | q[16 p + i,
+4 g + 2 + t] << 4, each q's low four bits), for 5 bits high [P, K / 4, 2] uint32 (bit 2 i + t
+of high[p, g, h] the fifth bit of q[16 p + i, 4 g + 2 h + t], of q + 16 where q is signed: the
+masks the kernel applies to the nibbles it unpacks, one load each), scale [P, K / 32, 16] and
+offset (or None) in scale's layout, P = ceil(N / 16), zero past N: the layout the C++ kernel reads
+with one load per pair (or two pairs) of inputs of 16 outputs (kernels/int8_matmul.cc says why).
+`rows()` gives q and scale back (the many-row path, the embedding's lookups, tests). The embedding [V, E] is already [rows, in]; a tied head shares it
 (same object) when it covers every row, so the model holds those bytes once.
 
 Products: `matmul` sends up to DIRECT_ROWS rows (decode steps, short prompt chunks) to the C++
@@ -90,35 +100,49 @@ AUTO = "auto"  # what --weights defaults to: int8 where it runs and the model br
 class Int8Matrix:
     """A weight matrix as integer blocks of [out, in] rows, in panels of 16 outputs (module docstring)."""
 
-    packed: jax.Array  # [P, K / 2, PANEL, 2] int8 (bits 8) or [P, K / 4, PANEL, 2] uint8 (bits 4)
+    packed: jax.Array  # [P, K / 2, PANEL, 2] int8 (bits 8) or [P, K / 4, PANEL, 2] uint8 (bits 4 and 5: low nibbles)
     scale: jax.Array  # [P, K / BLOCK, PANEL] float16
     n: int = field(metadata=dict(static=True))  # outputs (rows of q)
     offset: jax.Array | None = None  # [P, K / BLOCK, PANEL] float16, or None: no offsets (module docstring)
-    bits: int = field(default=8, metadata=dict(static=True))  # 8, or 4 (always with an offset)
+    bits: int = field(default=8, metadata=dict(static=True))  # 8, 5 (signed exactly without an offset) or 4 (always with one)
+    high: jax.Array | None = None  # [P, K / 4, 2] uint32: the fifth bits (bits 5), else None (module docstring)
 
     @property
     def shape(self) -> tuple[int, int]:
         """The matrix's shape as x @ W sees it: [in, out] (the float32 weight's shape)."""
-        return self.packed.shape[1] * (16 // self.bits), self.n
+        return self.packed.shape[1] * (2 if self.bits == 8 else 4), self.n
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scale.nbytes + (0 if self.offset is None else self.offset.nbytes)
+        return sum(a.nbytes for a in (self.packed, self.scale, self.offset, self.high) if a is not None)
 
     def rows(self) -> tuple[jax.Array, jax.Array]:
-        """(q [N, K] int8 (0..15 for 4 bits), scale [N, K / BLOCK] float16): the blocks as
-        `quantize_rows` (or engine.model_store.gguf_blocks) gives them."""
+        """(q [N, K] int8 (0..15 for 4 bits; -16..15 or 0..31 for 5), scale [N, K / BLOCK]
+        float16): the blocks as `quantize_rows` (or engine.model_store.gguf_blocks) gives them."""
         p = self.packed.shape[0]
-        if self.bits == 4:  # [P, K / 4, 16, 2] -> [P, 16, K / 4, 2 (low, high nibbles), 2]
-            quads = self.packed.transpose(0, 2, 1, 3)
-            q = jnp.stack([quads & 0x0F, quads >> 4], axis=-2).astype(jnp.int8)
-        else:
+        if self.bits == 8:
             q = self.packed.transpose(0, 2, 1, 3)
+        else:
+            high = None if self.high is None else self.high[:, None]  # [P, 1, K / 4, 2]
+            lanes = jnp.arange(PANEL)[None, :]  # [1, 16]
+            q = _nibble_values(self.packed.transpose(0, 2, 1, 3), high, lanes, self.offset is None)  # [P, 16, K / 4, 2, 2]
         return q.reshape(p * PANEL, self.shape[0])[: self.n], _unpanel(self.scale, self.n)
 
     def offsets(self) -> jax.Array | None:
         """offset [N, K / BLOCK] float16 in the layout of `rows()`'s scale, or None."""
         return None if self.offset is None else _unpanel(self.offset, self.n)
+
+
+def _nibble_values(quads: jax.Array, high: jax.Array | None, lane: jax.Array, signed: bool) -> jax.Array:
+    """The integers of 4- or 5-bit blocks (module docstring's layout): quads [..., G, 2 (t)] uint8
+    of the outputs at `lane` (broadcast against ...), high [..., G, 2 (h)] uint32 their panel's
+    fifth bits (None: 4 bits) -> q [..., G, 2 (h), 2 (t)] int8, input 4 g + 2 h + t."""
+    q = jnp.stack([quads & 0x0F, quads >> 4], axis=-2).astype(jnp.int32)  # [..., G, 2, 2]
+    if high is None:
+        return q.astype(jnp.int8)
+    shift = ((2 * lane)[..., None, None, None] + jnp.arange(2)).astype(jnp.uint32)  # [..., 1, 1, 2]
+    q = q + 16 * ((high[..., None] >> shift) & 1).astype(jnp.int32)  # bit 2 lane + t of mask h
+    return (q - 16 if signed else q).astype(jnp.int8)
 
 
 def _unpanel(per_block: jax.Array, n: int) -> jax.Array:
@@ -127,25 +151,37 @@ def _unpanel(per_block: jax.Array, n: int) -> jax.Array:
     return per_block.transpose(0, 2, 1).reshape(p * PANEL, blocks)[:n]
 
 
+# What q may hold at each width, by whether the blocks carry offsets (module docstring)
+RANGES = {(8, False): (-128, 127), (8, True): (-128, 127), (4, True): (0, 15), (5, False): (-16, 15), (5, True): (0, 31)}
+
+
 def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None, bits: int = 8) -> Int8Matrix:
     """Blocks q [N, K] int8, scale [N, K / BLOCK] and optionally offset [N, K / BLOCK] (as
     `quantize_rows` gives them, or a GGUF's own, engine.model_store.gguf_blocks; held as float16,
     which they are in the file) -> an Int8Matrix on the device, regrouped into panels of 16
     outputs (module docstring). `bits` 4 packs q, which must lie in 0..15, two to a byte, and
-    needs an offset."""
+    needs an offset; `bits` 5 packs q's low four bits so, and its fifth bits as masks: q in
+    -16..15 without an offset, 0..31 with one (RANGES)."""
     n, k = q.shape
-    if bits not in (8, 4):
-        raise ValueError(f"blocks of 8 or 4 bits, not {bits}")
-    if bits == 4 and (offset is None or q.min(initial=0) < 0 or q.max(initial=0) > 15):
-        raise ValueError("4-bit blocks hold 0..15, with an offset")
+    if bits not in (8, 5, 4):
+        raise ValueError(f"blocks of 8, 5 or 4 bits, not {bits}")
+    kind = (bits, offset is not None)
+    if kind not in RANGES or q.size and not RANGES[kind][0] <= q.min() <= q.max() <= RANGES[kind][1]:  # never for 8 bits
+        raise ValueError({4: "4-bit blocks hold 0..15, with an offset", 5: "5-bit blocks hold -16..15 without an offset, 0..31 with one"}[bits])
     panels = -(-n // PANEL)
     padded_q = np.zeros((panels * PANEL, k), np.int8)
     padded_q[:n] = q
-    if bits == 4:  # [P, 16, K / 4, 2 (low, high), 2] -> one byte per (group, output, t)
-        nibbles = padded_q.view(np.uint8).reshape(panels, PANEL, k // 4, 2, 2)
-        packed = (nibbles[:, :, :, 0] | nibbles[:, :, :, 1] << 4).transpose(0, 2, 1, 3)
-    else:
+    fifth = None
+    if bits == 8:
         packed = padded_q.reshape(panels, PANEL, k // 2, 2).transpose(0, 2, 1, 3)
+    else:  # [P, 16, K / 4, 2 (low, high), 2 (t)] -> one byte per (group, output, t)
+        unsigned = (padded_q + np.int8(16) if bits == 5 and offset is None else padded_q).view(np.uint8)
+        nibbles = (unsigned & 0x0F).reshape(panels, PANEL, k // 4, 2, 2)
+        packed = (nibbles[:, :, :, 0] | nibbles[:, :, :, 1] << 4).transpose(0, 2, 1, 3)
+        if bits == 5:  # bit 2 i + t of mask (p, g, h): the fifth bit of output i's input 4 g + 2 h + t
+            bit = (unsigned >> 4).reshape(panels, PANEL, k // 4, 2, 2).transpose(0, 2, 3, 1, 4)  # [P, G, 2 (h), 16, 2 (t)]
+            masks = np.packbits(bit.reshape(panels, k // 4, 2, 2 * PANEL), axis=-1, bitorder="little")  # [P, G, 2, 4]
+            fifth = jnp.asarray(np.ascontiguousarray(masks).view("<u4").astype(np.uint32)[..., 0])  # [P, G, 2]
 
     def per_block(values: np.ndarray) -> jax.Array:  # [N, K / BLOCK] -> [P, K / BLOCK, PANEL] float16
         padded = np.zeros((panels * PANEL, k // BLOCK), SCALE)
@@ -153,7 +189,8 @@ def pack(q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None = None, bit
         return jnp.asarray(np.ascontiguousarray(padded.reshape(panels, PANEL, k // BLOCK).transpose(0, 2, 1)))
 
     return Int8Matrix(
-        jnp.asarray(np.ascontiguousarray(packed)), per_block(scale), n, None if offset is None else per_block(offset), bits
+        jnp.asarray(np.ascontiguousarray(packed)), per_block(scale), n, None if offset is None else per_block(offset), bits,
+        fifth,
     )
 
 
@@ -188,10 +225,10 @@ def matmul(x: jax.Array, m: Int8Matrix) -> jax.Array:
     """x [..., in] @ W -> [..., out] float32 (module docstring for which path runs)."""
     rows = x.size // x.shape[-1]
     if rows <= DIRECT_ROWS:
-        return cpu_kernels.int8_matmul(x, m.packed, m.scale, m.n, m.offset)
+        return cpu_kernels.int8_matmul(x, m.packed, m.scale, m.n, m.offset, m.high)
     if rows <= SLICED_ROWS:  # static: chosen while tracing
         flat = x.reshape(rows, x.shape[-1])  # [R, in]
-        parts = [cpu_kernels.int8_matmul(flat[s : s + DIRECT_ROWS], m.packed, m.scale, m.n, m.offset)
+        parts = [cpu_kernels.int8_matmul(flat[s : s + DIRECT_ROWS], m.packed, m.scale, m.n, m.offset, m.high)
                  for s in range(0, rows, DIRECT_ROWS)]  # each [<= DIRECT_ROWS, out]
         return jnp.concatenate(parts).reshape(*x.shape[:-1], m.n)
     return jnp.matmul(x.astype(jnp.float32), dequantize(m).T)
@@ -200,9 +237,10 @@ def matmul(x: jax.Array, m: Int8Matrix) -> jax.Array:
 def embed(m: Int8Matrix, tokens: jax.Array) -> jax.Array:
     """Rows `tokens` of an int8 embedding [V, E] as float32: tokens [...] -> [..., E]."""
     panel, lane = tokens // PANEL, tokens % PANEL
-    q = m.packed[panel, :, lane]  # [..., E / 2, 2] int8, or [..., E / 4, 2] uint8 (4 bits)
-    if m.bits == 4:
-        q = jnp.stack([q & 0x0F, q >> 4], axis=-2).astype(jnp.int8)  # [..., E / 4, 2, 2]
+    q = m.packed[panel, :, lane]  # [..., E / 2, 2] int8, or [..., E / 4, 2] uint8 (4 and 5 bits)
+    if m.bits != 8:
+        high = None if m.high is None else m.high[panel]  # [..., E / 4, 2] uint32
+        q = _nibble_values(q, high, lane, m.offset is None)  # [..., E / 4, 2, 2]
     q = q.reshape(*tokens.shape, -1)  # [..., E]
     offset = None if m.offset is None else m.offset[panel, :, lane]
     return _blocks_to_float(q, m.scale[panel, :, lane], offset)  # scale, offset [..., E / BLOCK]
@@ -304,7 +342,8 @@ class GGUFInt8Reader:
 
 def fused_rows(join, *parts) -> Int8Matrix:
     """One Int8Matrix of `parts` (engine.model_store.gguf_blocks.Int8Rows) whose rows `join`
-    combines: 4 bits when every part has 4, else 8 (module docstring); offsets when any part has them."""
+    combines: 4 (or 5) bits when every part has 4 (or 5, all with offsets or none), else 8
+    (module docstring); offsets when any part has them."""
     f = fused_format(*(r.format for r in parts))
     offsets = join(*(np.zeros_like(r.scale) if r.offset is None else r.offset for r in parts)) if f.offset else None
     return pack(join(*(r.q for r in parts)), join(*(r.scale for r in parts)), offsets, f.bits)
@@ -317,7 +356,7 @@ def scaled(m: Int8Matrix, factor: float) -> Int8Matrix:
     the big array is held once, the copy is its scales. Only `embed` reads it (the kernels read
     float16 scales; never give it to `matmul`)."""
     times = lambda a: None if a is None else (a.astype(jnp.float32) * np.float32(factor))  # noqa: E731
-    return Int8Matrix(m.packed, times(m.scale), m.n, times(m.offset), m.bits)
+    return Int8Matrix(m.packed, times(m.scale), m.n, times(m.offset), m.bits, m.high)
 
 
 def gguf_weights(get, config, head_size: int):

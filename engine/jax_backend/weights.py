@@ -9,7 +9,9 @@ tensor on the device, cast to the serving dtype, as it is read; or, split over a
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +27,8 @@ from engine.model_store.checkpoint import Checkpoint, ExpertWeights, LayerWeight
 
 if TYPE_CHECKING:
     from engine.jax_backend import mesh
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,10 @@ def load_int8(model_dir: str | Path) -> Checkpoint:
         get = gguf_blocks.int8_tensor_reader(model_dir / gguf_convert.GGUF_NAME, quantize.quantize_rows)
         head_size = checkpoint.tokenizer_size(model_dir, cfg.vocab_size)
         weights = quantize.gguf_weights(get, cfg, head_size)
+        held = collections.Counter(m.bits for layer in weights.layers for m in (layer.w_qkv, layer.w_o, layer.w_gate_up, layer.w_down))
+        log.info("int8 from %s: layer matrices held in %s; embedding %d bits; %.1f MiB", gguf_convert.GGUF_NAME,
+                 ", ".join(f"{bits} bits: {held[bits]}" for bits in sorted(held)), weights.embed.bits,
+                 quantize.weight_bytes(weights) / 2**20)
         return Checkpoint(cfg, weights, checkpoint.eos_token_ids(model_dir), head_size)
     ckpt = checkpoint.load_checkpoint(model_dir, quantize.int8_place((cfg.vocab_size, cfg.hidden_size)))
     w = ckpt.weights

@@ -6,7 +6,13 @@ llama.cpp types whose blocks are 32 small integers with a float16 scale map onto
 exactly, with no float32 round trip: Q8_0 and Q5_0 (w = d * q) as the integers and d; Q4_1 and
 Q5_1 (w = d * q + m, q unsigned) as the integers, d and the block's offset m (an Int8Rows with
 `offset`; the kernel adds m times the sum of the block's inputs); Q4_0 (w = d * (q - 8)) as its
-unsigned q with offset -8 d. Q4_0 and Q4_1 stay 4-bit (`bits` 4: engine.jax_backend.quantize).
+unsigned q with offset -8 d. Q4_0 and Q4_1 stay 4-bit (`bits` 4: engine.jax_backend.quantize),
+Q5_0 and Q5_1 5-bit (`bits` 5: Q5_0's q - 16 signed, Q5_1's q unsigned with its m), so a decode
+step reads the file's own bytes a block rather than their widening to 34 or 36. The reader still
+hands every type's integers one int8 a value, [N, K], whatever its bits: a tensor is in memory
+alone and briefly, and the fusions (q/k/v per kv head, gate and up interleaved, a head's rows
+cut, llama's q and k rows permuted) move whole rows of it; engine.jax_backend.quantize.pack splits
+them into nibbles and fifth bits once the rows are in their place.
 So the weights served are the file's own values, the ones a float32 load of the same file holds.
 Q4_K's sub-blocks of 32 (w = d * sc * q - dmin * m) are 4-bit blocks with an offset too, whose
 scale d * sc and offset -dmin * m are rounded to float16: the one difference from the file's
@@ -39,10 +45,10 @@ class Int8Rows:
     """A GGUF matrix as int8 blocks along its input, row n being output n (GGUF's own order, HF's
     [out, in]): W[n, j] = q[n, j] * scale[n, j // 32] (+ offset[n, j // 32] where there is one)."""
 
-    q: np.ndarray  # [N, K] int8 (0..15 when bits is 4)
+    q: np.ndarray  # [N, K] int8 (0..15 when bits is 4; -16..15, or 0..31 with an offset, when 5)
     scale: np.ndarray  # [N, K / 32] float16 (the GGUF's own d for the exact types)
     offset: np.ndarray | None = None  # [N, K / 32] float16: Q4_1's and Q5_1's m, Q4_0's -8 d; None: no offset
-    bits: int = 8  # 4: q fits 4 bits (Q4_0, Q4_1), and is held so; 8 otherwise
+    bits: int = 8  # 4: q fits 4 bits (Q4_0, Q4_1, Q4_K), and is held so; 5: likewise 5 (Q5_0, Q5_1); 8 otherwise
 
     @property
     def format(self) -> "BlockFormat":
@@ -62,13 +68,16 @@ class BlockFormat:
         return INT8_BLOCK * self.bits // 8 + 2 + (2 if self.offset else 0)
 
 
-SYMMETRIC = BlockFormat()  # 8 bits, a scale: Q8_0, Q5_0, and every requantized type
+SYMMETRIC = BlockFormat()  # 8 bits, a scale: Q8_0 and every requantized type
 
 
 def fused_format(*formats: BlockFormat) -> BlockFormat:
-    """The format of a matrix fused from parts (q/k/v, gate/up): 4 bits only when every part has
-    them, an offset when any has one."""
-    return BlockFormat(4 if all(f.bits == 4 for f in formats) else 8, any(f.offset for f in formats))
+    """The format of a matrix fused from parts (q/k/v, gate/up): 4 or 5 bits only when every part
+    has them (5: and every part an offset, or none: a 5-bit matrix's integers are signed exactly
+    when it has no offsets), else 8; an offset when any part has one."""
+    bits = {f.bits for f in formats}
+    same = len(bits) == 1 and (bits != {5} or len({f.offset for f in formats}) == 1)
+    return BlockFormat(bits.pop() if same else 8, any(f.offset for f in formats))
 
 
 def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -116,18 +125,18 @@ def _q4_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
 
 def _q5_0_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
     """Q5_0 blocks (f16 d, 4 bytes of fifth bits, 16 of nibbles; w = d * (q5 - 16)) -> q = q5 - 16
-    in [-16, 15], d."""
+    in [-16, 15], d, held in 5 bits."""
     blocks = data.reshape(n, k // INT8_BLOCK, 6 + INT8_BLOCK // 2)
     q5 = _nibbles(blocks[..., 6:]) | _fifth_bits(blocks[..., 2:6])
-    return Int8Rows((q5.astype(np.int8) - np.int8(16)).reshape(n, k), _halves(blocks, 0))
+    return Int8Rows((q5.astype(np.int8) - np.int8(16)).reshape(n, k), _halves(blocks, 0), bits=5)
 
 
 def _q5_1_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
     """Q5_1 blocks (f16 d, f16 m, 4 bytes of fifth bits, 16 of nibbles; w = d * q5 + m) -> q = q5
-    in [0, 31], d, offset m."""
+    in [0, 31], d, offset m, held in 5 bits."""
     blocks = data.reshape(n, k // INT8_BLOCK, 8 + INT8_BLOCK // 2)
     q5 = _nibbles(blocks[..., 8:]) | _fifth_bits(blocks[..., 4:8])
-    return Int8Rows(q5.astype(np.int8).reshape(n, k), _halves(blocks, 0), _halves(blocks, 2))
+    return Int8Rows(q5.astype(np.int8).reshape(n, k), _halves(blocks, 0), _halves(blocks, 2), bits=5)
 
 
 def _q4_k_rows(data: np.ndarray, n: int, k: int) -> Int8Rows:
@@ -155,7 +164,7 @@ EXACT_INT8 = {_T.Q8_0: _q8_0_rows, _T.Q4_0: _q4_0_rows, _T.Q4_1: _q4_1_rows, _T.
 # types mapped onto blocks of 32 with their scale and offset rounded to float16, not requantized
 ROUNDED = {_T.Q4_K: _q4_k_rows}
 WITH_OFFSET = frozenset({_T.Q4_0, _T.Q4_1, _T.Q5_1, _T.Q4_K})  # the mapped types whose blocks carry an offset
-FOUR_BITS = frozenset({_T.Q4_0, _T.Q4_1, _T.Q4_K})  # the mapped types held in 4 bits
+BITS = {_T.Q4_0: 4, _T.Q4_1: 4, _T.Q4_K: 4, _T.Q5_0: 5, _T.Q5_1: 5}  # the mapped types held in fewer than 8 bits
 
 
 def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
@@ -211,7 +220,7 @@ def block_formats(gguf_path: Path | str) -> dict[str, BlockFormat]:
     hf_name = tensor_map(reader).hf_name
     for t in reader.tensors:
         if len(t.shape) == 2:
-            formats[hf_name(t.name)] = BlockFormat(4 if t.tensor_type in FOUR_BITS else 8, t.tensor_type in WITH_OFFSET)
+            formats[hf_name(t.name)] = BlockFormat(BITS.get(t.tensor_type, 8), t.tensor_type in WITH_OFFSET)
     return formats
 
 

@@ -24,6 +24,24 @@
 // load, two masks and two widenings give what two loads of the int8 layout give, from half the
 // bytes. A block is 20 bytes, Q4_1's own size, 0.56x an 8-bit block with its offset.
 //
+// tokenwire_int5_matmul (and _offset): 5-bit blocks, as llama.cpp's Q5_0 (w = d * q, q in
+// -16..15, no offset) and Q5_1 (w = d * q + m, q in 0..31) hold them:
+//
+//   x [R, K] f32, quads [P, K / 4, 16, 2] u8, high [P, K / 4, 2] u32, scale (and offset) [P, K / 32, 16] f16
+//
+// quads holds each q's low four bits as the 4-bit layout does; high[p, g, h] holds the fifth bits
+// of the 32 bytes that the low (h = 0) or high (h = 1) nibbles of group g unpack to, bit 2 i + t
+// for output i and input 4 g + 2 h + t: a 32-bit mask per unpacked vector, so the fifth bit goes
+// in with one masked byte add (q unsigned, 0..31) or subtract (q signed: a clear bit means the
+// nibble less 16, two's complement of 0xF0 | nibble) before the widening, all in registers. A
+// block is 22 bytes (16 of nibbles, 4 of fifth bits, the scale), Q5_0's own size, against 34
+// widened to int8. Why masks and not llama.cpp's plane of 32 bits per block: in the panel layout a
+// group's 32 bytes are 16 outputs of 4 inputs each, so the bits that one vector needs are spread
+// over 16 blocks' planes; regrouped once at load (engine.jax_backend.quantize.pack) they are one
+// mask load. The integer sums are the int8 layout's exactly (the same integers, summed exactly in
+// int32), and the scale and offset are applied in the same order, so a product is the same bits
+// as the same blocks widened to int8 give, on either path.
+//
 // Why: decode at small batch is bound by the weight bytes read per token; int8 reads a quarter of
 // float32's. XLA:CPU does not fuse an int8-to-float convert into a dot ("dequantize, then dot" ran
 // ~15x slower than float32 at one row), so the work happens here, as the bytes stream in.
@@ -37,7 +55,7 @@
 // output and block.
 //
 // Two paths:
-// * AVX-512 VNNI (where the CPU has it): each row of x is quantized to int16 blocks of 32 with a
+// * AVX-512 VNNI (where the CPU has it; int8_vnni.h): each row of x is quantized to int16 blocks of 32 with a
 //   float32 scale (max |x| / 32767), so a block's dot is exact in int32 (|sum| <= 32 * 32767 * 128
 //   < 2^31). Activations in 16 bits, not 8 as llama.cpp's Q8_0 dot has them: 8 bits flipped
 //   near-tie greedy picks of the default model (its answer to "What is the capital of France?"
@@ -47,7 +65,7 @@
 // * AVX2/FMA/F16C elsewhere (and when tests cap the ISA): the same panels converted to float, in
 //   registers for one row, for several once per panel into a buffer that every row then reads.
 // Either way the weights are read once per call, and the panels are split over pool.h's threads.
-// The AVX2 path takes 4-bit panels unpacked to the int8 layout, a panel at a time, into a buffer.
+// The AVX2 path takes 4- and 5-bit panels unpacked to the int8 layout, a panel at a time, into a buffer.
 
 #include <immintrin.h>
 
@@ -70,178 +88,7 @@ constexpr int64_t kBlockPairs = kBlock / 2;   // pairs per block
 constexpr int64_t kBlockQuads = kBlock / 4;   // 4-bit: groups of two pairs (32 bytes) per block
 
 namespace vnni {
-#define TW_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")))
-// How far ahead of the pair being read (in bytes of the panel stream, about one panel of K = 576)
-// the tile prefetches, a line every two pairs. The panels of a thread's range are one contiguous
-// stream, but the hardware prefetcher alone kept too few lines in flight: a batch-1 step's 121
-// products read from memory (151 MB) took 6.0-6.6 ms without, 4.7-5.0 ms with 8 KiB (4 KiB: 5.6-5.9,
-// 16 KiB: 6.4; AMD Zen 5, 2 threads). Prefetches past the array's end are harmless (they never fault).
-constexpr int64_t kAheadBytes = 8192;
-constexpr int kRows = 12;  // rows per pass: 12 int32 + 12 float accumulators, a weight vector, a broadcast
-
-// One row of K floats -> K int16, K / 32 scales and K / 32 sums: xq = round(x / scale), scale =
-// max |x| over the block / 32767 (0 for an all-zero block), sum = scale * the block's xq summed (the
-// quantized inputs' own sum, for the offsets). 16 bits keep x to ~1.5e-5 of its block's largest value.
-TW_TARGET void QuantizeRow(const float* x, int64_t k, int16_t* xq, float* sx, float* xsum) {
-  for (int64_t b = 0, j = 0; j < k; ++b, j += kBlock) {
-    const __m512 v0 = _mm512_loadu_ps(x + j), v1 = _mm512_loadu_ps(x + j + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-    sx[b] = amax / 32767.0f;
-    const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 32767.0f / amax : 0.0f);
-    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));  // to nearest, |i| <= 32767
-    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + j), _mm512_cvtsepi32_epi16(i0));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + j + 16), _mm512_cvtsepi32_epi16(i1));
-    xsum[b] = sx[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));  // exact: |sum| < 2^21
-  }
-}
-
-// y[r * n + i] for the panel's `count` outputs i and MR rows r; S independent int32 sums per row
-// (each taking every S-th pair of a block), added at the block's end. With kOffset, each block
-// also adds offset * xsum (the row's inputs summed over the block).
-template <int MR, int S, bool kOffset>
-TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, int64_t count,
-                         const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
-  static_assert(kBlockPairs % S == 0, "S must divide a block's pairs");
-  const int64_t blocks = k / kBlock;
-  const __mmask16 outputs = count >= kPanel ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[MR][S];
-    for (int r = 0; r < MR; ++r)
-      for (int t = 0; t < S; ++t) dot[r][t] = _mm512_setzero_si512();
-    for (int64_t p = b * kBlockPairs; p < (b + 1) * kBlockPairs; p += S) {
-      for (int t = 0; t < S; ++t) {
-        if (kAheadBytes > 0 && (p + t) % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(pairs + (p + t) * kPairBytes + kAheadBytes), _MM_HINT_T0);
-        const __m512i w =
-            _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + (p + t) * kPairBytes)));
-        for (int r = 0; r < MR; ++r) {
-          int32_t pair;
-          __builtin_memcpy(&pair, xq + r * k + 2 * (p + t), sizeof(pair));  // inputs 2p and 2p + 1 of row r
-          dot[r][t] = _mm512_dpwssd_epi32(dot[r][t], w, _mm512_set1_epi32(pair));
-        }
-      }
-    }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * kPanel)));  // block b's 16 scales
-    for (int r = 0; r < MR; ++r) {
-      __m512i d = dot[r][0];
-      for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_set1_ps(sx[r * blocks + b])), acc[r]);
-    }
-    if constexpr (kOffset) {
-      const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + b * kPanel)));
-      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
-}
-
-// The 4-bit tile: PanelTile's sums over groups of two pairs, each group's 32 bytes unpacked once
-// for the MR rows (always with offsets: module comment). The prefetch runs the same time ahead as
-// the int8 tile's, half the bytes.
-template <int MR, int S>
-TW_TARGET void PanelTile4(const uint8_t* quads, const uint16_t* scale, const uint16_t* offset, int64_t count,
-                          const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
-  static_assert(kBlockQuads % S == 0, "S must divide a block's groups");
-  const int64_t blocks = k / kBlock;
-  const __mmask16 outputs = count >= kPanel ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i dot[MR][S];
-    for (int r = 0; r < MR; ++r)
-      for (int t = 0; t < S; ++t) dot[r][t] = _mm512_setzero_si512();
-    for (int64_t g = b * kBlockQuads; g < (b + 1) * kBlockQuads; g += S) {
-      for (int t = 0; t < S; ++t) {
-        const uint8_t* group = quads + (g + t) * kPairBytes;
-        if (kAheadBytes > 0 && (g + t) % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(group + kAheadBytes / 2), _MM_HINT_T0);
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group));
-        const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));                          // inputs 4g, 4g + 1
-        const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));   // inputs 4g + 2, 4g + 3
-        for (int r = 0; r < MR; ++r) {
-          int32_t first, second;
-          __builtin_memcpy(&first, xq + r * k + 4 * (g + t), sizeof(first));
-          __builtin_memcpy(&second, xq + r * k + 4 * (g + t) + 2, sizeof(second));
-          dot[r][t] = _mm512_dpwssd_epi32(dot[r][t], w0, _mm512_set1_epi32(first));
-          dot[r][t] = _mm512_dpwssd_epi32(dot[r][t], w1, _mm512_set1_epi32(second));
-        }
-      }
-    }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * kPanel)));
-    const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + b * kPanel)));
-    for (int r = 0; r < MR; ++r) {
-      __m512i d = dot[r][0];
-      for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_set1_ps(sx[r * blocks + b])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
-}
-
-// The two tiles behind one row dispatch (Panels): the weights' type, a panel's bytes per input,
-// whether blocks carry offsets, and the tile for MR rows with S sums each.
-template <bool kOffsets>
-struct Int8Tiles {
-  using Weights = int8_t;
-  static constexpr int64_t kBytesPerInput = kPanel;
-  static constexpr bool kOffset = kOffsets;
-  template <int MR, int S>
-  TW_TARGET static void Tile(const Weights* w, const uint16_t* scale, const uint16_t* offset, int64_t count,
-                             const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
-    PanelTile<MR, S, kOffsets>(w, scale, offset, count, xq, sx, xsum, k, y, n);
-  }
-};
-
-struct Int4Tiles {  // always with offsets (module comment)
-  using Weights = uint8_t;
-  static constexpr int64_t kBytesPerInput = kPanel / 2;
-  static constexpr bool kOffset = true;
-  template <int MR, int S>
-  TW_TARGET static void Tile(const Weights* w, const uint16_t* scale, const uint16_t* offset, int64_t count,
-                             const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
-    PanelTile4<MR, S>(w, scale, offset, count, xq, sx, xsum, k, y, n);
-  }
-};
-
-// Panels [begin, end) for every row: kRows rows a pass, then the rest (one or two rows take more
-// independent sums: a lone row's dot products would otherwise wait on each other).
-template <class T>
-TW_TARGET void Panels(const typename T::Weights* weights, const uint16_t* scale, const uint16_t* offset, const int16_t* xq,
-                      const float* sx, const float* xsum, int64_t rows, int64_t k, int64_t begin, int64_t end, float* y,
-                      int64_t n) {
-  const int64_t blocks = k / kBlock;
-  for (int64_t p = begin; p < end; ++p) {
-    const typename T::Weights* pw = weights + p * k * T::kBytesPerInput;
-    const uint16_t* ps = scale + p * blocks * kPanel;
-    const uint16_t* pm = T::kOffset ? offset + p * blocks * kPanel : nullptr;
-    const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
-    int64_t r = 0;
-    for (; r + kRows <= rows; r += kRows)
-      T::template Tile<kRows, 1>(pw, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
-    const int16_t* xr = xq + r * k;
-    const float* sr = sx + r * blocks;
-    const float* mr = xsum + r * blocks;
-    float* yr = y + r * n + o;
-    switch (rows - r) {
-      case 0: break;
-      case 1: T::template Tile<1, 4>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 2: T::template Tile<2, 2>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 3: T::template Tile<3, 2>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 4: T::template Tile<4, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 5: T::template Tile<5, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 6: T::template Tile<6, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 7: T::template Tile<7, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 8: T::template Tile<8, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 9: T::template Tile<9, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 10: T::template Tile<10, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      default: T::template Tile<11, 1>(pw, ps, pm, count, xr, sr, mr, k, yr, n); break;
-    }
-  }
-}
-#undef TW_TARGET
+#include "int8_vnni.h"  // QuantizeRow, the tiles, Panels
 }  // namespace vnni
 
 // The AVX2 path: pair j of a panel (32 bytes) as four vectors of 8 floats, lanes (output 4v + l / 2,
@@ -313,15 +160,37 @@ void DequantizePanel(const int8_t* pairs, const uint16_t* scale, const uint16_t*
   }
 }
 
-// A 4-bit panel (K / 4 groups of 32 bytes) as the int8 layout (K / 2 pairs of 32 bytes): group g's
-// low nibbles are pair 2 g, its high nibbles pair 2 g + 1 (module comment).
-void UnpackPanel4(const uint8_t* quads, int64_t k, int8_t* pairs) {
+// The 32 bits of m as 32 bytes, 0xFF where the bit is set (byte i for bit i).
+inline __m256i MaskBytes(uint32_t m) {
+  const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of m (both lanes hold all four)
+      _mm256_set1_epi32(static_cast<int32_t>(m)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);  // byte i <- bit i % 8
+  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+// 32 nibbles with their fifth bits (module comment): unsigned q = nibble + 16 where the bit is
+// set; signed q = nibble - 16 (0xF0 | nibble) where it is clear.
+inline __m256i WithFifth(__m256i nibbles, uint32_t m, bool is_signed) {
+  const __m256i set = MaskBytes(m);
+  return is_signed ? _mm256_or_si256(nibbles, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))))
+                   : _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+// A 4- or 5-bit panel (K / 4 groups of 32 bytes; `high` its fifth bits, or null for 4 bits) as
+// the int8 layout (K / 2 pairs of 32 bytes): group g's low nibbles are pair 2 g, its high
+// nibbles pair 2 g + 1 (module comment).
+void UnpackPanel(const uint8_t* quads, const uint32_t* high, bool is_signed, int64_t k, int8_t* pairs) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int64_t g = 0; g < k / 4; ++g) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + g * kPairBytes));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 2 * g * kPairBytes), _mm256_and_si256(v, low));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (2 * g + 1) * kPairBytes),
-                        _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    __m256i b0 = _mm256_and_si256(v, low), b1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if (high != nullptr) {
+      b0 = WithFifth(b0, high[2 * g], is_signed);
+      b1 = WithFifth(b1, high[2 * g + 1], is_signed);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 2 * g * kPairBytes), b0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (2 * g + 1) * kPairBytes), b1);
   }
 }
 
@@ -345,18 +214,19 @@ bool UseVnni() {
          __builtin_cpu_supports("avx512bw");
 }
 
-// The product for every handler: `packed` holds int8 pairs (bits 8) or 4-bit groups (bits 4, with
-// an offset), `offset` is null for blocks without offsets, else in scale's layout.
-ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const int64_t> pd, int bits,
+// The product for every handler: `packed` holds int8 pairs (bits 8) or 4-bit groups (bits 4 and
+// 5, `high` the fifth bits for 5), `offset` is null for blocks without offsets, else in scale's
+// layout. 4-bit blocks always have offsets; 5-bit ones are signed exactly when they have none.
+ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const int64_t> pd, int bits, const uint32_t* high,
                    ffi::Buffer<ffi::F16> scale, const uint16_t* offset, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), sd = scale.dimensions(), yd = y->dimensions();
-  const int64_t inputs_per_row = bits == 4 ? 4 : 2;  // inputs per 32-byte row of a panel
+  const int64_t inputs_per_row = bits == 8 ? 2 : 4;  // inputs per 32-byte row of a panel
   if (xd.size() != 2 || pd.size() != 4 || sd.size() != 3 || yd.size() != 2 || yd[0] != xd[0] ||
       xd[1] % kBlock != 0 || pd[1] * inputs_per_row != xd[1] || pd[2] != kPanel || pd[3] != 2 || sd[0] != pd[0] ||
       sd[1] != xd[1] / kBlock || sd[2] != kPanel || pd[0] != (yd[1] + kPanel - 1) / kPanel) {
     return ffi::Error::InvalidArgument(
         "tokenwire_int8_matmul: expected x [R, K] (K a multiple of 32), pairs [ceil(N / 16), K / 2, 16, 2] "
-        "(int4: quads [ceil(N / 16), K / 4, 16, 2]), scale (and offset) [ceil(N / 16), K / 32, 16], y [R, N]");
+        "(int4, int5: quads [ceil(N / 16), K / 4, 16, 2]), scale (and offset) [ceil(N / 16), K / 32, 16], y [R, N]");
   }
   const int64_t rows = xd[0], k = xd[1], n = yd[1], panels = pd[0];
   const float* xp = x.typed_data();
@@ -378,12 +248,17 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const 
     const int16_t* xq = x16.data();
     const float *xs = sx.data(), *xm = xsum.data();
     tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
-      if (bits == 4) {
-        vnni::Panels<vnni::Int4Tiles>(quads, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+      using vnni::Fifth, vnni::NibbleTiles, vnni::Panels;
+      if (bits == 5 && offset != nullptr) {
+        Panels<NibbleTiles<Fifth::kUnsigned>>(quads, high, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+      } else if (bits == 5) {
+        Panels<NibbleTiles<Fifth::kSigned>>(quads, high, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+      } else if (bits == 4) {
+        Panels<NibbleTiles<Fifth::kNone>>(quads, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
       } else if (offset != nullptr) {
-        vnni::Panels<vnni::Int8Tiles<true>>(qp, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+        Panels<vnni::Int8Tiles<true>>(qp, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
       } else {
-        vnni::Panels<vnni::Int8Tiles<false>>(qp, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+        Panels<vnni::Int8Tiles<false>>(qp, nullptr, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
       }
     });
     return ffi::Error::Success();
@@ -394,9 +269,10 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const 
     for (int64_t p = begin / 8; p < end / 8; ++p) {
       const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
       const int8_t* pp = qp + p * k * kPanel;
-      if (bits == 4) {
+      if (bits != 8) {
         unpacked.resize(k * kPanel);
-        UnpackPanel4(quads + p * k * kPanel / 2, k, unpacked.data());
+        UnpackPanel(quads + p * k * kPanel / 2, bits == 5 ? high + p * (k / 4) * 2 : nullptr, offset == nullptr, k,
+                    unpacked.data());
         pp = unpacked.data();
       }
       const uint16_t* ps = sp + p * blocks * kPanel;
@@ -420,9 +296,11 @@ bool SameShape(ffi::Buffer<ffi::F16> a, ffi::Buffer<ffi::F16> b) {
   return ad.size() == bd.size() && std::equal(ad.begin(), ad.end(), bd.begin());
 }
 
+const uint16_t* Halves(ffi::Buffer<ffi::F16> a) { return reinterpret_cast<const uint16_t*>(a.typed_data()); }
+
 ffi::Error Int8Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
                       ffi::ResultBuffer<ffi::F32> y) {
-  return Product(x, pairs.typed_data(), pairs.dimensions(), 8, scale, nullptr, y);
+  return Product(x, pairs.typed_data(), pairs.dimensions(), 8, nullptr, scale, nullptr, y);
 }
 
 ffi::Error Int8MatmulOffset(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs, ffi::Buffer<ffi::F16> scale,
@@ -430,7 +308,7 @@ ffi::Error Int8MatmulOffset(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> pairs,
   if (!SameShape(scale, offset)) {
     return ffi::Error::InvalidArgument("tokenwire_int8_matmul_offset: offset must have scale's shape [ceil(N / 16), K / 32, 16]");
   }
-  return Product(x, pairs.typed_data(), pairs.dimensions(), 8, scale, reinterpret_cast<const uint16_t*>(offset.typed_data()), y);
+  return Product(x, pairs.typed_data(), pairs.dimensions(), 8, nullptr, scale, Halves(offset), y);
 }
 
 ffi::Error Int4Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> quads, ffi::Buffer<ffi::F16> scale,
@@ -438,7 +316,30 @@ ffi::Error Int4Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> quads, ffi::
   if (!SameShape(scale, offset)) {
     return ffi::Error::InvalidArgument("tokenwire_int4_matmul: offset must have scale's shape [ceil(N / 16), K / 32, 16]");
   }
-  return Product(x, quads.typed_data(), quads.dimensions(), 4, scale, reinterpret_cast<const uint16_t*>(offset.typed_data()), y);
+  return Product(x, quads.typed_data(), quads.dimensions(), 4, nullptr, scale, Halves(offset), y);
+}
+
+// The 5-bit product, signed without offsets (offset null) or unsigned with them.
+ffi::Error Int5Product(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> quads, ffi::Buffer<ffi::U32> high,
+                       ffi::Buffer<ffi::F16> scale, const uint16_t* offset, ffi::ResultBuffer<ffi::F32> y) {
+  const auto qd = quads.dimensions(), hd = high.dimensions();
+  if (qd.size() != 4 || hd.size() != 3 || hd[0] != qd[0] || hd[1] != qd[1] || hd[2] != 2) {
+    return ffi::Error::InvalidArgument("tokenwire_int5_matmul: high must be [ceil(N / 16), K / 4, 2] beside quads [ceil(N / 16), K / 4, 16, 2]");
+  }
+  return Product(x, quads.typed_data(), qd, 5, high.typed_data(), scale, offset, y);
+}
+
+ffi::Error Int5Matmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> quads, ffi::Buffer<ffi::U32> high,
+                      ffi::Buffer<ffi::F16> scale, ffi::ResultBuffer<ffi::F32> y) {
+  return Int5Product(x, quads, high, scale, nullptr, y);
+}
+
+ffi::Error Int5MatmulOffset(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> quads, ffi::Buffer<ffi::U32> high,
+                            ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset, ffi::ResultBuffer<ffi::F32> y) {
+  if (!SameShape(scale, offset)) {
+    return ffi::Error::InvalidArgument("tokenwire_int5_matmul_offset: offset must have scale's shape [ceil(N / 16), K / 32, 16]");
+  }
+  return Int5Product(x, quads, high, scale, Halves(offset), y);
 }
 
 }  // namespace
@@ -462,6 +363,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt4Matmul, Int4Matmul,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt5Matmul, Int5Matmul,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt5MatmulOffset, Int5MatmulOffset,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
