@@ -30,6 +30,26 @@ TW_TARGET void QuantizeRow(const float* x, int64_t k, int16_t* xq, float* sx, fl
   }
 }
 
+// Block b's S int32 sums per row into the MR rows' float accumulators: added, scaled by block b's
+// 16 weight scales and each row's input scale, and with kOffset plus block b's 16 offsets times
+// each row's input sum. Shared by both tiles, so their float arithmetic is the same operations in
+// the same order (the nibble tiles' bit-for-bit equality with the int8 tile rests on it).
+template <int MR, int S, bool kOffset>
+TW_TARGET __attribute__((always_inline)) inline void AddBlock(
+    const __m512i (&dot)[MR][S], const uint16_t* scale, const uint16_t* offset, const float* sx, const float* xsum,
+    int64_t b, int64_t blocks, __m512 (&acc)[MR]) {
+  const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * kPanel)));
+  for (int r = 0; r < MR; ++r) {
+    __m512i d = dot[r][0];
+    for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_set1_ps(sx[r * blocks + b])), acc[r]);
+  }
+  if constexpr (kOffset) {
+    const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + b * kPanel)));
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
+  }
+}
+
 // y[r * n + i] for the panel's `count` outputs i and MR rows r; S independent int32 sums per row
 // (each taking every S-th pair of a block), added at the block's end. With kOffset, each block
 // also adds offset * xsum (the row's inputs summed over the block).
@@ -57,16 +77,7 @@ TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, const uint1
         }
       }
     }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * kPanel)));  // block b's 16 scales
-    for (int r = 0; r < MR; ++r) {
-      __m512i d = dot[r][0];
-      for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_set1_ps(sx[r * blocks + b])), acc[r]);
-    }
-    if constexpr (kOffset) {
-      const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + b * kPanel)));
-      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
-    }
+    AddBlock<MR, S, kOffset>(dot, scale, offset, sx, xsum, b, blocks, acc);
   }
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
 }
@@ -122,16 +133,7 @@ TW_TARGET void PanelTileNibbles(const uint8_t* quads, const uint32_t* high, cons
         }
       }
     }
-    const __m512 ws = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + b * kPanel)));
-    for (int r = 0; r < MR; ++r) {
-      __m512i d = dot[r][0];
-      for (int t = 1; t < S; ++t) d = _mm512_add_epi32(d, dot[r][t]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, _mm512_set1_ps(sx[r * blocks + b])), acc[r]);
-    }
-    if constexpr (kOffset) {
-      const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(offset + b * kPanel)));
-      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(xsum[r * blocks + b]), acc[r]);
-    }
+    AddBlock<MR, S, kOffset>(dot, scale, offset, sx, xsum, b, blocks, acc);
   }
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
 }
