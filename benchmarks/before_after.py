@@ -2,7 +2,7 @@
 
     git worktree add /tmp/before <commit>
     python benchmarks/before_after.py /tmp/before . [--batches 1,8,32] [--rounds 16] [--steps 8] [--pin CPU]
-        [--processes N] [--after-xla-flags FLAGS]
+        [--processes N] [--after-xla-flags FLAGS] [--after-env NAME=VALUE ...]
 
 Each checkout gets a worker process that loads the model once and prefills its slots with the
 same random prompts (each checkout's own benchmarks/decode.py `Slots`). The parent then asks the
@@ -98,9 +98,12 @@ def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_
 
 
 class Worker:
-    def __init__(self, checkout: str, args: argparse.Namespace, model_dir: str, xla_flags: str | None = None) -> None:
+    def __init__(self, checkout: str, args: argparse.Namespace, model_dir: str, after: bool = False) -> None:
         self.name = checkout
-        env = None if xla_flags is None else {**os.environ, "XLA_FLAGS": xla_flags}
+        extra = dict(item.split("=", 1) for item in args.after_env) if after else {}
+        if after and args.after_xla_flags is not None:
+            extra["XLA_FLAGS"] = args.after_xla_flags
+        env = {**os.environ, **extra} if extra else None
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", checkout, model_dir, str(max(args.batches)),
              str(args.max_context_length), str(args.prompt_len), args.weights, str(args.pin)],
@@ -145,6 +148,8 @@ def main() -> None:
                         help="split the rounds over N fresh pairs of workers, one pair after the other (see above)")
     parser.add_argument("--after-xla-flags", metavar="FLAGS",
                         help="XLA_FLAGS for the after worker only (an XLA option tried before it ships)")
+    parser.add_argument("--after-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the after worker only (repeatable; e.g. a glibc tunable)")
     args = parser.parse_args()
     if args.pin >= 0 and args.pin not in os.sched_getaffinity(0):
         parser.error(f"--pin {args.pin}: not a CPU this process may run on ({sorted(os.sched_getaffinity(0))})")
@@ -156,6 +161,8 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     print(describe())
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if any("=" not in item for item in args.after_env):
+        parser.error(f"--after-env takes NAME=VALUE, got {args.after_env}")
     if not 1 <= args.processes <= args.rounds:
         parser.error(f"--processes must be 1..{args.rounds} (the rounds are split over them), got {args.processes}")
     names = (str(Path(args.before).resolve()), str(Path(args.after).resolve()))
@@ -168,6 +175,7 @@ def main() -> None:
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     pinned = f", pinned to CPU {args.pin} with one kernel thread" if args.pin >= 0 else ""
     flags = f" (XLA_FLAGS={args.after_xla_flags})" if args.after_xla_flags is not None else ""
+    flags += "".join(f" ({item})" for item in args.after_env)
     processes = f" over {args.processes} pairs of processes" if args.processes > 1 else ""
     print(f"{args.rounds} rounds of {args.steps} steps{processes}, {args.weights} weights{pinned}; before = {args.before}, after = {args.after}{flags}")
     print("| batch | mode | before ms/step | after ms/step | after / before speed | page faults/step before, after | "
@@ -199,7 +207,7 @@ def main() -> None:
 def _run_pair(args: argparse.Namespace, model_dir: str, names: tuple[str, str], after_first: bool, rounds: range,
               results: dict) -> None:
     """One pair of fresh workers (the before's and the after's, started in turn) for `rounds`."""
-    before, after = Worker(names[0], args, model_dir), Worker(names[1], args, model_dir, args.after_xla_flags)
+    before, after = Worker(names[0], args, model_dir), Worker(names[1], args, model_dir, after=True)
     try:
         for w in (after, before) if after_first else (before, after):
             w.wait_ready()
