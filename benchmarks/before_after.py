@@ -19,13 +19,15 @@ workers run on that one CPU with one kernel thread (cpu_threads 1), so their CPU
 per step are the step's work, with no thread spinning while it waits for another that the host
 has descheduled; the wall-clock ratio then says little.
 
-`--processes N` splits the rounds over N pairs of worker processes, started afresh one pair
-after the other (the first to start alternating), and prints each pair's median speed and CPU
-ratios per batch and mode as well. Two processes of the same code do not run at the same speed:
-a worker's matrix products (identical code and weights) can run a few per cent slower or faster
-than its twin's for the whole life of the process (where its memory lands is the likely cause,
-not proven), so one pair cannot tell a 3% difference between checkouts from that draw, however
-many rounds it runs; several pairs can (docs/notes/design-measurements.md, "Paged KV at batch 1").
+`--processes N` splits the rounds over N pairs of worker processes, a fresh pair for each group
+of rounds (which of the two warms up first alternating), and prints each pair's median speed and
+CPU ratios per batch and mode as well. Two processes of the same code do not run at the same
+speed: a worker's matrix products (identical code and weights) can run a few per cent slower or
+faster than its twin's for the whole life of the process, by where the weights' 4 KiB pages
+landed (the page walks of streaming them; in huge pages, `--after-env
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, the spread shrank), so one pair cannot tell a 3%
+difference between checkouts from that draw, however many rounds it runs; several pairs can
+(docs/notes/design-measurements.md, "Paged KV at batch 1").
 
 Modes: "read" dispatches a step and reads its samples before the next (the step's own time);
 "lag" dispatches step N+1 before reading step N, as the engine does. A checkout whose Slots has
@@ -206,7 +208,8 @@ def main() -> None:
 
 def _run_pair(args: argparse.Namespace, model_dir: str, names: tuple[str, str], after_first: bool, rounds: range,
               results: dict) -> None:
-    """One pair of fresh workers (the before's and the after's, started in turn) for `rounds`."""
+    """One pair of fresh workers (the before's and the after's, started together) for `rounds`;
+    `after_first`: the after's warms up first."""
     before, after = Worker(names[0], args, model_dir), Worker(names[1], args, model_dir, after=True)
     try:
         for w in (after, before) if after_first else (before, after):
