@@ -2,7 +2,7 @@
 
     git worktree add /tmp/before <commit>
     python benchmarks/before_after.py /tmp/before . [--batches 1,8,32] [--rounds 16] [--steps 8] [--pin CPU]
-        [--after-xla-flags FLAGS]
+        [--processes N] [--after-xla-flags FLAGS] [--after-env NAME=VALUE ...]
 
 Each checkout gets a worker process that loads the model once and prefills its slots with the
 same random prompts (each checkout's own benchmarks/decode.py `Slots`). The parent then asks the
@@ -18,6 +18,16 @@ process's CPU milliseconds (user + sys, every thread) per step.
 workers run on that one CPU with one kernel thread (cpu_threads 1), so their CPU milliseconds
 per step are the step's work, with no thread spinning while it waits for another that the host
 has descheduled; the wall-clock ratio then says little.
+
+`--processes N` splits the rounds over N pairs of worker processes, a fresh pair for each group
+of rounds (which of the two warms up first alternating), and prints each pair's median speed and
+CPU ratios per batch and mode as well. Two processes of the same code do not run at the same
+speed: a worker's matrix products (identical code and weights) can run a few per cent slower or
+faster than its twin's for the whole life of the process, by where the weights' 4 KiB pages
+landed (the page walks of streaming them; in huge pages, `--after-env
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, the spread shrank), so one pair cannot tell a 3%
+difference between checkouts from that draw, however many rounds it runs; several pairs can
+(docs/notes/design-measurements.md, "Paged KV at batch 1").
 
 Modes: "read" dispatches a step and reads its samples before the next (the step's own time);
 "lag" dispatches step N+1 before reading step N, as the engine does. A checkout whose Slots has
@@ -90,9 +100,12 @@ def _worker(checkout: str, model_dir: str, max_batch: int, context: int, prompt_
 
 
 class Worker:
-    def __init__(self, checkout: str, args: argparse.Namespace, model_dir: str, xla_flags: str | None = None) -> None:
+    def __init__(self, checkout: str, args: argparse.Namespace, model_dir: str, after: bool = False) -> None:
         self.name = checkout
-        env = None if xla_flags is None else {**os.environ, "XLA_FLAGS": xla_flags}
+        extra = dict(item.split("=", 1) for item in args.after_env) if after else {}
+        if after and args.after_xla_flags is not None:
+            extra["XLA_FLAGS"] = args.after_xla_flags
+        env = {**os.environ, **extra} if extra else None
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", checkout, model_dir, str(max(args.batches)),
              str(args.max_context_length), str(args.prompt_len), args.weights, str(args.pin)],
@@ -133,8 +146,12 @@ def main() -> None:
     parser.add_argument("--weights", default="float32", choices=["float32", "int8"], help="int8: weight-only int8 in both")
     parser.add_argument("--pin", type=int, default=-1, metavar="CPU",
                         help="run both workers on this CPU with one kernel thread: compare CPU ms per step (work), not speed")
+    parser.add_argument("--processes", type=int, default=1, metavar="N",
+                        help="split the rounds over N fresh pairs of workers, one pair after the other (see above)")
     parser.add_argument("--after-xla-flags", metavar="FLAGS",
                         help="XLA_FLAGS for the after worker only (an XLA option tried before it ships)")
+    parser.add_argument("--after-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the after worker only (repeatable; e.g. a glibc tunable)")
     args = parser.parse_args()
     if args.pin >= 0 and args.pin not in os.sched_getaffinity(0):
         parser.error(f"--pin {args.pin}: not a CPU this process may run on ({sorted(os.sched_getaffinity(0))})")
@@ -146,31 +163,29 @@ def main() -> None:
     model_dir = str(resolve_model(args.model))
     print(describe())
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    before, after = Worker(str(Path(args.before).resolve()), args, model_dir), Worker(str(Path(args.after).resolve()), args, model_dir, args.after_xla_flags)
-    try:
-        for w in (before, after):
-            w.wait_ready()
-            for batch in args.batches:  # compile every shape before timing
-                w.run(batch, 2, "read")
-        results: dict[tuple[str, int, str], list[tuple[float, float, float]]] = {}
-        for r in range(args.rounds):
-            for batch in args.batches:
-                for mode in args.modes:
-                    for w in (before, after) if r % 2 == 0 else (after, before):
-                        results.setdefault((w.name, batch, mode), []).append(w.run(batch, args.steps, mode))
-    finally:
-        before.close()
-        after.close()
+    if any("=" not in item for item in args.after_env):
+        parser.error(f"--after-env takes NAME=VALUE, got {args.after_env}")
+    if not 1 <= args.processes <= args.rounds:
+        parser.error(f"--processes must be 1..{args.rounds} (the rounds are split over them), got {args.processes}")
+    names = (str(Path(args.before).resolve()), str(Path(args.after).resolve()))
+    results: dict[tuple[int, int, str], list[tuple[float, float, float, float]]] = {}  # (0 before | 1 after, batch, mode)
+    pairs: list[int] = []  # the process pair of each round
+    for pair in range(args.processes):
+        rounds = range(pair * args.rounds // args.processes, (pair + 1) * args.rounds // args.processes)
+        _run_pair(args, model_dir, names, pair % 2 == 1, rounds, results)
+        pairs += [pair] * len(rounds)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     pinned = f", pinned to CPU {args.pin} with one kernel thread" if args.pin >= 0 else ""
     flags = f" (XLA_FLAGS={args.after_xla_flags})" if args.after_xla_flags is not None else ""
-    print(f"{args.rounds} rounds of {args.steps} steps, {args.weights} weights{pinned}; before = {args.before}, after = {args.after}{flags}")
+    flags += "".join(f" ({item})" for item in args.after_env)
+    processes = f" over {args.processes} pairs of processes" if args.processes > 1 else ""
+    print(f"{args.rounds} rounds of {args.steps} steps{processes}, {args.weights} weights{pinned}; before = {args.before}, after = {args.after}{flags}")
     print("| batch | mode | before ms/step | after ms/step | after / before speed | page faults/step before, after | "
           "sys ms/step before, after | CPU ms/step before, after | before / after CPU |")
     print("|---|---|---|---|---|---|---|---|---|")
     for batch in args.batches:
         for mode in args.modes:
-            b, a = results[(before.name, batch, mode)], results[(after.name, batch, mode)]
+            b, a = results[(0, batch, mode)], results[(1, batch, mode)]
             speed = [x[0] / y[0] for x, y in zip(b, a)]
             work = [x[3] / y[3] for x, y in zip(b, a)]  # >1: after does less work a step
             med = lambda rows, i: statistics.median(row[i] for row in rows)  # noqa: E731
@@ -179,6 +194,36 @@ def main() -> None:
                 f"{med(b, 1):.0f}, {med(a, 1):.0f} | {med(b, 2) * 1e3:.1f}, {med(a, 2) * 1e3:.1f} | "
                 f"{med(b, 3) * 1e3:.2f}, {med(a, 3) * 1e3:.2f} | {median_range(work, '{:.3f}')}x |"
             )
+    if args.processes > 1:
+        print("each pair of processes, median over its rounds: after / before speed; before / after CPU")
+        for batch in args.batches:
+            for mode in args.modes:
+                b, a = results[(0, batch, mode)], results[(1, batch, mode)]
+                each = [
+                    [statistics.median(x[i] / y[i] for x, y, p in zip(b, a, pairs) if p == pair) for pair in range(args.processes)]
+                    for i in (0, 3)
+                ]
+                print(f"  batch {batch} {mode}: {' '.join(f'{r:.3f}' for r in each[0])}; CPU {' '.join(f'{r:.3f}' for r in each[1])}")
+
+
+def _run_pair(args: argparse.Namespace, model_dir: str, names: tuple[str, str], after_first: bool, rounds: range,
+              results: dict) -> None:
+    """One pair of fresh workers (the before's and the after's, started together) for `rounds`;
+    `after_first`: the after's warms up first."""
+    before, after = Worker(names[0], args, model_dir), Worker(names[1], args, model_dir, after=True)
+    try:
+        for w in (after, before) if after_first else (before, after):
+            w.wait_ready()
+            for batch in args.batches:  # compile every shape before timing
+                w.run(batch, 2, "read")
+        for r in rounds:  # keyed by side, not by path: a checkout may be compared with itself (a control)
+            for batch in args.batches:
+                for mode in args.modes:
+                    for side, w in ((0, before), (1, after)) if r % 2 == 0 else ((1, after), (0, before)):
+                        results.setdefault((side, batch, mode), []).append(w.run(batch, args.steps, mode))
+    finally:
+        before.close()
+        after.close()
 
 
 if __name__ == "__main__":
