@@ -40,6 +40,7 @@ hidden, K kv heads, D head dim, L layers.
 from __future__ import annotations
 
 import collections
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -65,6 +66,8 @@ from engine.jax_backend.steps import Pending, Steps, fetch
 from engine.jax_backend.verify import Verifying, guess_buckets, max_guesses, verify_rows
 from engine.jax_backend.weights import Weights, decode_weights
 from engine.model_store.checkpoint import ModelConfig
+
+log = logging.getLogger(__name__)
 
 __all__ = [  # what callers import from here (the rest lives in the modules above)
     "JaxModel", "MAX_CHUNK", "MIN_ATTEND", "MIN_BUCKET", "PACKED_TOKENS", "auto_weights",
@@ -133,6 +136,9 @@ class JaxModel(DecodeLaunch, Verifying):
         if backend.host_scratch:  # each call's scratch reuses the last one's pages
             host_memory.keep_scratch_resident()
         self._steps = Steps(self.kernels, self.ragged, None if plan is None else self._head_size, jit_options)
+        if backend.host_scratch:  # every step reads every weight: in huge pages, a page walk per 2 MiB, not per 4 KiB
+            self.huge_pages = host_memory.weights_in_huge_pages((weights, self._decode_weights, self._lm_head))
+            log.info("weights in huge pages: %s", self.huge_pages)
 
     @classmethod
     def load(
