@@ -1,5 +1,6 @@
 """engine.jax_backend.host_memory: a large block freed and allocated again reuses its pages
-instead of faulting them in anew (XLA:CPU allocates an executable's scratch on every call)."""
+instead of faulting them in anew (XLA:CPU allocates an executable's scratch on every call), and
+a model's weights move into huge pages with their values kept."""
 
 import subprocess
 import sys
@@ -52,3 +53,47 @@ def test_it_is_made_once_and_says_what_it_did():
     first = host_memory.keep_scratch_resident()
     assert first.split(":")[0] in ("on", "off")
     assert host_memory.keep_scratch_resident() is first
+
+
+# 24 weights of 1 MiB and one of 8 MiB placed on the CPU one after another (as a model's are),
+# then asked into huge pages; prints the outcome line and the process's huge pages before and
+# after (kB, /proc/self/smaps_rollup), and the weights' bytes.
+WEIGHTS = """
+import sys
+import jax, numpy as np
+sys.path.insert(0, {root!r})
+from engine.jax_backend import host_memory
+def huge_kb():
+    return next(int(l.split()[1]) for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages"))
+weights = [jax.device_put(np.full(1 << 20, i, np.uint8)) for i in range(24)] + [jax.device_put(np.ones(8 << 20, np.uint8))]
+before = huge_kb()
+line = host_memory.weights_in_huge_pages({{"layers": weights[:-1], "head": weights[-1]}})
+print(line, before, huge_kb(), sum(w.nbytes for w in weights), sep="|")
+assert all((np.asarray(w) == (i if i < 24 else 1)).all() for i, w in enumerate(weights))  # the values stay
+"""
+
+
+def _transparent_huge_pages() -> str:
+    """The host's transparent huge page mode: "always", "madvise" or "never" ("" where unknown)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return ""
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else ""
+
+
+def test_the_weights_go_into_huge_pages_where_the_kernel_has_them_and_keep_their_values():
+    out = subprocess.run(
+        [sys.executable, "-c", WEIGHTS.format(root=str(ROOT))], capture_output=True, text=True, timeout=120,
+        env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    line, before, after, total = out.stdout.strip().splitlines()[-1].split("|")
+    mode = _transparent_huge_pages()
+    if mode not in ("always", "madvise"):  # the kernel has none to give: it says so, and nothing moved
+        assert line.startswith("off: "), line
+        return
+    pages = int(line.split()[1])  # "on: N pages of 2 MiB"
+    # the run's whole huge pages: all but the partial ones at its two ends
+    assert line.startswith("on: ") and pages >= int(total) // (2 << 20) - 2, line
+    assert int(after) - int(before) >= pages * 2048, (line, before, after)
