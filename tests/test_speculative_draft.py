@@ -4,7 +4,7 @@ requests keep the stream contract, a draft with no free slot just stops guessing
 configurations that cannot work are refused at the command line (exit 2, the reason last).
 
 Real parts: tiny-llama is the target in tests/support/tiny_served's configuration (with a verify
-step: `max_guesses`, as tests/test_compile_budget loads it), and drafts in the same configuration
+step: `max_guesses` 4), and drafts in the same configuration
 without one, as every file loading tiny-llama does; tiny-mistral, a different checkpoint with the
 same tokenizer, is the draft whose guesses the target sometimes rejects. Nothing is warmed up (the
 decode service's load neither: `Unwarmed`): each model compiles only the few shapes these prompts
