@@ -71,7 +71,8 @@ class _Said(logging.Handler):
 @pytest.fixture(scope="module")
 def warmed() -> tuple[JaxModel, list[str], list[str], int]:
     """tiny-llama in float32 at 4 slots, warmed up: -> the model, warm-up's log lines, the
-    compile events of its warm-up and the executables it left in jit's caches. The tests below share the model (each releases what it takes)."""
+    compile events of its warm-up and the executables it left in jit's caches. The tests below
+    share the model (each releases what it takes)."""
     model, said, log = _load("tiny-llama", "float32"), _Said(), logging.getLogger("engine.jax_backend.warm_up")
     level = log.level
     log.setLevel(logging.INFO)
