@@ -23,13 +23,13 @@ time: 67 and 22. Speculative decoding's verify step, issue 45, adds one per veri
 attend shape, only where max_guesses > 0: none here, and the last test counts it.) Each count is
 written out, not computed from the model, so it reads as the budget it is.
 
-The two counts of the defaults lower warm-up's programs without compiling them (`lower_only`:
-JAX's trace and MLIR, about a tenth of the CPU time XLA's compile of 67 and 22 shapes takes; that
-compile is XLA's, and the shapes are what is budgeted). The last test warms up the run's shared
-configuration (support.tiny_served, the served options at 4 slots and a context of 64) for real,
-counts its executables in jit's caches and its compile events, shows that nothing compiles after
-warm-up there, and that `lower_only` counts the same number of programs on that configuration as
-the compile made executables.
+Every count here lowers warm-up's programs without compiling them (`lower_only`: JAX's trace and
+MLIR, about a tenth of the CPU time XLA's compile of 67 and 22 shapes takes; that compile is
+XLA's, and the shapes are what is budgeted). The last test lowers test_verify's float32 model
+(the served options at 4 slots, a context of 64, max_guesses 4), which tests/test_verify.py warms
+up for real: there its executables are counted in jit's caches and its compile events, and
+nothing compiles after warm-up; both files write out the same 52, so `lower_only` counts the
+programs that the compile made executables, which the two counts of the defaults rely on.
 """
 
 from __future__ import annotations
@@ -42,12 +42,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from engine.core.model import SlotSetup, VerifyInput
-from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
-from support import prerequisites, tiny_served
-from support.compile_watch import compile_events
-from support.pages import own_pages
+from support import prerequisites
 
 LLAMA = Path(__file__).parent / "assets" / "tiny-llama"
 DEFAULTS = dict(max_batch_size=8, max_context_length=256, dtype="float32")
@@ -135,39 +131,22 @@ def test_the_plain_accelerator_shape_of_the_defaults_compiles_22_shapes(caplog):
     assert model.compilations() == 2 + 2 + 15 + 1 + 1 + 1 == 22
 
 
-def test_speculative_decoding_adds_a_verify_step_per_row_bucket_and_compiles_nothing_after(caplog):
-    # the run's shared configuration (support.tiny_served: 4 slots, a context of 64) with
-    # max_guesses 4 (off, 0, by default: no verify shape, as the counts above show), which changes
-    # no other program: its 43 shapes are read back from the run's compilation cache when another
-    # file has warmed that configuration up, and only the verify steps compile. They are one per
+def test_speculative_decoding_adds_a_verify_step_per_row_and_guess_bucket(caplog):
+    # test_verify's float32 tiny-llama (the served options at 4 slots, a context of 64, pages of 4,
+    # max_guesses 4; off, 0, by default: no verify shape, as the counts above show), lowered: the
+    # same 52 programs that its warm-up compiles there for real (tests/test_verify.py counts them
+    # in jit's caches and JAX's compile events, and shows that nothing compiles after), so the
+    # lowered counts here are the compiled ones where both are taken. The verify steps are one per
     # verify row bucket (R x 5 fed tokens within the CPU kernels' products of up to 64 rows: 1, 2
     # and 4), guess bucket (1, 2, 4) and attend shape (1), on top of 43: 4 prompt buckets x 3,
     # 3 rows x (the layers alone, the greedy step, the layers with the 8-token chunk), 3 rows x 2
     # samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a layer, the last positions
-    # of 2 row buckets). After warm-up a verify of each compiles nothing.
-    # Compiled here for real (counted in jit's caches, and bounded in JAX's compile events: at most
-    # a few of jnp's helpers beyond the 52), then lowered alone on a second load of the same
-    # configuration: the same count, which is what the two counts above rely on.
+    # of 2 row buckets).
     prerequisites.cpu_kernels()
-    model = tiny_served.load(max_guesses=4)
-    with compile_events() as compiles, caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
+    model = lower_only(JaxModel.load(LLAMA, max_batch_size=4, max_context_length=64, dtype="float32",
+                                     kv_page_size=4, max_guesses=4, min_rows=1))
+    with caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
         model.warm_up()
     _check_progress(caplog, model.compilations())
-    assert len([c for c in compiles if "backend_compile" in c]) <= 52 + 4
-    lowered = lower_only(tiny_served.load(max_guesses=4))
-    lowered.warm_up()
-    assert lowered.compilations() == model.compilations()
     assert model.verify_rows == (1, 2, 4) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
     assert model.compilations() == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 3 * 3 == 52
-    for slot in range(3):
-        own_pages(model, slot)
-        model.prefill(slot, (1, 2, 3), SlotSetup(SamplingParams(temperature=0.0, seed=0), frozenset()), False)
-    before = model.compilations()
-    with compile_events() as compiles:
-        at = [3, 3, 3]  # each slot's next position
-        # (slot, guesses) per call: rows 1, 2 and 4 (3 held), guesses 4, 2 and 1
-        for call in ([(0, (4, 5, 6, 7))], [(1, (9, 9)), (0, ())], [(2, (8,)), (1, ()), (0, ())]):
-            runs = model.verify([VerifyInput(slot, at[slot], guesses, False) for slot, guesses in call])
-            for (slot, _), run in zip(call, runs):
-                at[slot] += len(run)
-    assert model.compilations() == before and not [c for c in compiles if "backend_compile" in c], compiles

@@ -3,12 +3,12 @@ change no greedy id of the target, a model drafting for itself has every guess a
 requests keep the stream contract, a draft with no free slot just stops guessing, and the
 configurations that cannot work are refused at the command line (exit 2, the reason last).
 
-Real parts: tiny-llama is the target in tests/support/tiny_served's configuration (with a verify
-step: `max_guesses`, as tests/test_compile_budget loads it), and drafts in the same configuration
-without one, as every file loading tiny-llama does; tiny-mistral, a different checkpoint with the
-same tokenizer, is the draft whose guesses the target sometimes rejects. Nothing is warmed up (the
-decode service's load neither: `Unwarmed`): each model compiles only the few shapes these prompts
-use.
+Real parts: tiny-llama is the target in tests/support/tiny_served's configuration with a verify
+step (`max_guesses` 4) and pages of 4, as tests/test_verify warms it up, and drafts in
+tiny_served's own configuration, as every file loading tiny-llama does; tiny-mistral, a
+different checkpoint with the same tokenizer, is the draft whose guesses the target sometimes
+rejects. Nothing is warmed up (the decode service's load neither: `Unwarmed`): each model compiles
+only the few shapes these prompts use (in a run, most are read back from other files' warm-ups).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ class Unwarmed(JaxModel):
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_served.load(cls=Unwarmed, max_guesses=4)
+    # test_verify's configuration (pages of 4), which that file warms up: read back in a run
+    return tiny_served.load(cls=Unwarmed, max_guesses=4, kv_page_size=4, min_rows=1)
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,19 @@ crosses a page boundary into a page elsewhere, and a decode after a verify reads
 verify wrote and overwrites the garbage of its rejected guesses. Sampled: the same seed gives
 the same ids as plain sampling (verify's draw is plain sampling's at each position), and over
 many seeds the first sample and the acceptance of a fixed guess follow the target distribution
-(chi-square, and the acceptance rate against the guess's probability). No warm-up here (each
-call compiles what it uses); tests/test_compile_budget.py counts verify's warm-up shapes.
+(chi-square, and the acceptance rate against the guess's probability).
+
+The float32 tiny-llama is warmed up once for the module, and its warm-up is counted here: a verify
+step per verify row bucket and guess bucket, compiled for real, and nothing compiled after it
+(tests/test_compile_budget.py lowers the same configuration and counts the same programs without
+compiling them). The int8 and Gemma 3 models are not warmed up: each call compiles what it uses.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
+import re
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +38,7 @@ from engine.core.model import DecodeInput, ModelUsageError, PromptInput, SlotSet
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
 from support import prerequisites
+from support.compile_watch import compile_events
 
 ASSETS = Path(__file__).parent / "assets"
 K = 4  # max_guesses
@@ -50,10 +57,38 @@ def _load(name: str, weights: str, batch: int = 4, guesses: int = K, rows: int =
     )
 
 
+class _Said(logging.Handler):
+    """Collects warm-up's progress lines (a module fixture has no caplog)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def llama() -> JaxModel:
-    """tiny-llama in float32, 8 slots: the tests below share it (each releases what it takes)."""
-    return _load("tiny-llama", "float32", batch=8)
+def warmed() -> tuple[JaxModel, list[str], list[str], int]:
+    """tiny-llama in float32 at 4 slots, warmed up: -> the model, warm-up's log lines, the
+    compile events of its warm-up and the executables it left in jit's caches. The tests below
+    share the model (each releases what it takes)."""
+    model, said, log = _load("tiny-llama", "float32"), _Said(), logging.getLogger("engine.jax_backend.warm_up")
+    level = log.level
+    log.setLevel(logging.INFO)
+    log.addHandler(said)
+    try:
+        with compile_events() as compiles:
+            model.warm_up()
+    finally:
+        log.removeHandler(said)
+        log.setLevel(level)
+    return model, said.lines, compiles, model.compilations()
+
+
+@pytest.fixture(scope="module")
+def llama(warmed) -> JaxModel:
+    return warmed[0]
 
 
 def _shuffled_pages(model: JaxModel, rng: np.random.Generator) -> None:
@@ -161,13 +196,13 @@ def test_sampled_verify_draws_plain_samplings_ids_for_the_same_seed(llama):
 
 
 def test_sampled_acceptance_and_first_samples_follow_the_target_distribution(llama):
-    """One position, DRAWS seeds (8 sequences at a time: a packed prefill, then one verify), a
+    """One position, DRAWS seeds (4 sequences at a time: a packed prefill, then one verify), a
     fixed guess g. Each prefill's sample is forced to the greedy one (every other id masked), so
     the verify's first sample s_0 is drawn after the same context every time, from the target q
     (temperature 0.8, top_k 8: exactly the softmax of the 8 best raw logprobs over 0.8, read from
     a greedy decode's alternatives there). s_0 follows q (chi-square), the runs that accept g are
     a share q(g) of all (binomial), and the rejected runs' s_0 follow q without g, renormalised."""
-    draws, batch, temperature, model = 2048, 8, 0.8, llama
+    draws, batch, temperature, model = 2048, 4, 0.8, llama
     rng = np.random.default_rng(0)
     _shuffled_pages(model, rng)
     prompt = PROMPTS[0]
@@ -230,3 +265,38 @@ def test_verify_refuses_what_the_contract_does_not_allow(llama):
         off.verify([VerifyInput(0, 1, (), False)])
     with pytest.raises(ValueError, match="max_guesses must be in 0..63"):
         _load("tiny-llama", "float32", guesses=64)
+
+
+def test_warm_up_adds_a_verify_step_per_row_and_guess_bucket_and_nothing_compiles_after(warmed):
+    """The compile budget of speculative decoding (tests/test_compile_budget.py has the others):
+    max_guesses 4 adds one verify step per verify row bucket (R x 5 fed tokens within the CPU
+    kernels' products of up to 64 rows: 1, 2 and 4), guess bucket (1, 2, 4) and attend shape (1)
+    to the 43 of this configuration without it (the served options at 4 slots, a context of 64:
+    4 prompt buckets x 3, 3 rows x (the layers alone, the greedy step, the layers with the
+    8-token chunk), 3 rows x 2 samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a
+    layer, the last positions of 2 row buckets); pages of 4 add no shape: the tables are inputs
+    of one shape). Counted in jit's caches, announced the same by warm-up's log, bounded in JAX's
+    compile events (at most a few of jnp's helpers beyond the 52), and after warm-up a verify of
+    each row bucket compiles nothing. tests/test_compile_budget.py lowers this configuration
+    without compiling it and counts the same 52 programs: what its lowered counts rely on."""
+    model, said, compiles, compiled = warmed
+    assert model.verify_rows == (1, 2, 4) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
+    assert compiled == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 3 * 3 == 52
+    assert said[0] == "warm-up: compiling 52 shapes", said
+    counts = [(int(m[1]), int(m[2])) for line in said[1:] if (m := re.match(r"warm-up: compiled (\d+) of (\d+) shapes", line))]
+    assert len(counts) == len(said) - 1 >= 4 and {n for _, n in counts} == {52} and counts[-1][0] == 52, said
+    assert len([c for c in compiles if "backend_compile" in c]) <= 52 + 4
+    _shuffled_pages(model, np.random.default_rng(3))
+    for slot in range(3):
+        model.prefill(slot, (1, 2, 3), _setup(0), False)
+    before = model.compilations()  # (compiled, unless another test here compiled a shape warm-up left out)
+    with compile_events() as after:
+        at = [3, 3, 3]  # each slot's next position
+        # (slot, guesses) per call: rows 1, 2 and 4 (3 held), guesses 4, 2 and 1
+        for call in ([(0, (4, 5, 6, 7))], [(1, (9, 9)), (0, ())], [(2, (8,)), (1, ()), (0, ())]):
+            runs = model.verify([VerifyInput(slot, at[slot], guesses, False) for slot, guesses in call])
+            for (slot, _), run in zip(call, runs):
+                at[slot] += len(run)
+    for slot in range(3):
+        model.release(slot)
+    assert model.compilations() == before == compiled and not [c for c in after if "backend_compile" in c], after
