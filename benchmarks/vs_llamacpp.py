@@ -68,6 +68,7 @@ import numpy as np  # noqa: E402
 
 from benchmarks.machine import describe  # noqa: E402
 from benchmarks.summary import median_range  # noqa: E402
+from engine.model_store.gguf_reader import open_gguf  # noqa: E402
 
 SDIST = "llama-cpp-python==0.3.36"
 PROMPT_LEN, NEW_TOKENS = 64, 128
@@ -150,7 +151,7 @@ def make_ggufs(source: Path, out: Path) -> dict[str, Path]:
 
     paths = {"F32": out / "model-f32.gguf", "Q8_0": out / "model-q8_0.gguf"}
     out.mkdir(parents=True, exist_ok=True)
-    reader = gguf.GGUFReader(source)
+    reader = open_gguf(source)
     arch = reader.get_field("general.architecture").contents()
     for kind, path in paths.items():
         if path.exists():
@@ -183,10 +184,8 @@ def file_type(path: Path) -> str:
     """The type most of a GGUF's matrix elements have (e.g. "Q4_1")."""
     import collections
 
-    import gguf
-
     counts: collections.Counter = collections.Counter()
-    for t in gguf.GGUFReader(path).tensors:
+    for t in open_gguf(path).tensors:
         if len(t.shape) == 2:
             counts[t.tensor_type.name] += int(t.n_elements)
     return counts.most_common(1)[0][0]

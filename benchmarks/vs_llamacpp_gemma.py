@@ -74,7 +74,9 @@ def file_kind(path: Path) -> str:
     """The GGUF's declared type (general.file_type, e.g. "Q4_K_M"): its mix of block types."""
     import gguf
 
-    value = gguf.GGUFReader(path).get_field("general.file_type").contents()
+    from engine.model_store.gguf_reader import open_gguf
+
+    value = open_gguf(path).get_field("general.file_type").contents()
     return gguf.LlamaFileType(value).name.removeprefix("MOSTLY_")
 
 

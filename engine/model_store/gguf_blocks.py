@@ -33,6 +33,7 @@ import gguf
 import numpy as np
 
 from engine.model_store.gguf_convert import GGUFConversionError, dequantize_tensor, tensor_map
+from engine.model_store.gguf_reader import open_gguf
 
 
 INT8_BLOCK = 32  # the blocks of Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1, and of engine.jax_backend.quantize.Int8Matrix
@@ -200,8 +201,9 @@ def int8_rows(t: gguf.ReaderTensor, requantize: Requantize) -> Int8Rows:
 
 # The reader `block_formats` opened, kept for the `int8_tensor_reader` of the same load, which
 # takes it (so nothing holds it past the load). gguf-py parses the whole header into numpy views,
-# one per element of every array (a 262k-id vocabulary makes most of a million), which took seconds
-# of CPU a time for Gemma 3's: a load that checks its memory and then reads would parse it twice.
+# one per element of every array (a 262k-id vocabulary makes most of a million), which takes
+# seconds of CPU for Gemma 3's even as gguf_reader.GGUFFile: a load that checks its memory and
+# then reads would parse it twice.
 _handed_over: tuple[tuple, gguf.GGUFReader] | None = None
 
 
@@ -215,7 +217,7 @@ def block_formats(gguf_path: Path | str) -> dict[str, BlockFormat]:
     (the memory check at load counts the bytes before anything is read)."""
     global _handed_over
     formats = {}
-    reader = gguf.GGUFReader(gguf_path, "r")
+    reader = open_gguf(gguf_path)
     _handed_over = (_file_key(gguf_path), reader)
     hf_name = tensor_map(reader).hf_name
     for t in reader.tensors:
@@ -231,7 +233,7 @@ def int8_tensor_reader(gguf_path: Path | str, requantize: Requantize) -> Callabl
     the tensor being read is in memory."""
     global _handed_over
     kept, _handed_over = _handed_over, None
-    reader = kept[1] if kept and kept[0] == _file_key(gguf_path) else gguf.GGUFReader(gguf_path, "r")
+    reader = kept[1] if kept and kept[0] == _file_key(gguf_path) else open_gguf(gguf_path)
     tmap = tensor_map(reader)
     by_name = {tmap.hf_name(t.name): t for t in reader.tensors}
 

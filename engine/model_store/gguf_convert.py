@@ -34,6 +34,8 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from engine.model_store.gguf_reader import open_gguf
+
 GGUF_NAME = "model.gguf"  # the source GGUF, kept in the converted directory for `--weights int8`
 _REQUIRED = object()
 _TOKEN_TYPE_CONTROL = 3  # gguf.TokenType.CONTROL: a special token (<|im_start|>, <|endoftext|>, ...)
@@ -396,7 +398,7 @@ def convert_gguf(gguf_path: Path | str, out_dir: Path | str, log: Callable[[str]
     """
     out = Path(out_dir)
     log("reading the GGUF's metadata and tokenizer")
-    reader = gguf.GGUFReader(gguf_path, "r")
+    reader = open_gguf(gguf_path)
     if field_value(reader, "general.architecture") == "gemma3":
         from engine.model_store import gguf_gemma  # (it builds on this module)
 
