@@ -3,14 +3,15 @@
 gguf-py's `GGUFReader` maps the file as a `numpy.memmap` and parses the header into views of it,
 one view per element of every metadata array. Gemma 3's vocabulary of 262k pieces (tokens,
 scores, types) makes about a million views, and each view of a memmap runs numpy's bookkeeping for
-that subclass (`memmap.__array_finalize__` and its `__getitem__`): three quarters of the parse,
-~12 s of CPU for Gemma 3 270M's file, paid by `tokenwire pull` and by every `--weights int8` start
-on it (the model store's profile of the parse).
+that subclass (`memmap.__array_finalize__` and its `__getitem__`): in a profile, three quarters
+of the parse, which for Gemma 3 270M's file takes seconds of CPU, paid by `tokenwire pull` and by
+every `--weights int8` start on it (figures: docs/notes/test-suite-time.md, the eighth pass as a
+whole run).
 
 `GGUFFile` is GGUFReader reading the same mapping as a plain ndarray: the same memory, read-only
 where the file was opened so, kept mapped by the memmap it views. gguf-py's own parse runs
-unchanged over it and gives the same fields and tensors (tests/test_gguf_reader.py), in about a
-quarter of the time. Only the type of the views differs (the tensors' data are ndarrays over the
+unchanged over it and gives the same fields and tensors (tests/test_gguf_reader.py), in a
+fraction of the time. Only the type of the views differs (the tensors' data are ndarrays over the
 mapping, not memmaps). This leans on one detail of gguf-py (pinned in pyproject.toml): that the
 parse reads the file through the `data` attribute its constructor sets. A release that stopped
 doing so would lose the speed, not the result.
