@@ -162,6 +162,21 @@ def test_unsupported_rope_type_and_activation_are_named(tmp_path):
         parse_config({k: v for k, v in raw.items() if k != "intermediate_size"})
 
 
+def test_tokenizer_size_reads_each_version_of_the_file_once(tmp_path):
+    """A load asks for the size several times (the memory plan, the weights, the service): the
+    file is parsed once, and an edited file (another size or time) is parsed again."""
+    from engine.model_store.checkpoint import _largest_id
+
+    d = _copy("tiny-llama", tmp_path)
+    before = _largest_id.cache_info()
+    assert [tokenizer_size(d, 512), tokenizer_size(d, 300), tokenizer_size(d, 512)] == [512, 300, 512]
+    after = _largest_id.cache_info()
+    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+    tokenizer = json.loads((d / "tokenizer.json").read_text())
+    _edit_json(d / "tokenizer.json", added_tokens=[*tokenizer["added_tokens"], {"id": 700, "content": "<x>"}])
+    assert tokenizer_size(d, 1024) == 701 and _largest_id.cache_info().misses - before.misses == 2
+
+
 def test_tokenizer_size_is_one_past_the_largest_id_and_caps_the_head(tmp_path):
     """Model vocab (a dict, or a Unigram list) and added tokens count; at most the embedding rows;
     no tokenizer.json means every embedded id can be produced."""
