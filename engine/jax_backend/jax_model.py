@@ -137,8 +137,7 @@ class JaxModel(DecodeLaunch, Verifying):
             host_memory.keep_scratch_resident()
         self._steps = Steps(self.kernels, self.ragged, None if plan is None else self._head_size, jit_options)
         if backend.host_scratch:  # every step reads every weight: in huge pages, a page walk per 2 MiB, not per 4 KiB
-            self.huge_pages = host_memory.weights_in_huge_pages((weights, self._decode_weights, self._lm_head))
-            log.info("weights in huge pages: %s", self.huge_pages)
+            log.info("weights in huge pages: %s", host_memory.weights_in_huge_pages((weights, self._decode_weights, self._lm_head)))
 
     @classmethod
     def load(
