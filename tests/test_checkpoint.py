@@ -162,19 +162,21 @@ def test_unsupported_rope_type_and_activation_are_named(tmp_path):
         parse_config({k: v for k, v in raw.items() if k != "intermediate_size"})
 
 
-def test_tokenizer_size_reads_each_version_of_the_file_once(tmp_path):
-    """A load asks for the size several times (the memory plan, the weights, the service): the
-    file is parsed once, and an edited file (another size or time) is parsed again."""
-    from engine.model_store.checkpoint import _largest_id
+def test_tokenizer_json_is_read_once_per_version_of_the_file_for_the_size_and_the_eos_set(tmp_path, monkeypatch):
+    """A load asks for the size several times (the memory plan, the weights, the service) and for
+    the EOS token's id: the file is parsed once for all of them (each read of it counted as
+    model_files reads it), and an edited file (another size or time) is parsed again."""
+    from engine.model_store import model_files
 
+    reads, read_json = [], model_files.read_json
+    monkeypatch.setattr(model_files, "read_json", lambda path: (reads.append(path.name), read_json(path))[1])
     d = _copy("tiny-llama", tmp_path)
-    before = _largest_id.cache_info()
     assert [tokenizer_size(d, 512), tokenizer_size(d, 300), tokenizer_size(d, 512)] == [512, 300, 512]
-    after = _largest_id.cache_info()
-    assert (after.misses - before.misses, after.hits - before.hits) == (1, 2)
+    assert model_files.eos_token_ids(d) == {0, 2}  # tokenizer_config.json's eos_token, an added token: from the same parse
+    assert reads.count("tokenizer.json") == 1
     tokenizer = json.loads((d / "tokenizer.json").read_text())
     _edit_json(d / "tokenizer.json", added_tokens=[*tokenizer["added_tokens"], {"id": 700, "content": "<x>"}])
-    assert tokenizer_size(d, 1024) == 701 and _largest_id.cache_info().misses - before.misses == 2
+    assert tokenizer_size(d, 1024) == 701 and reads.count("tokenizer.json") == 2
 
 
 def test_tokenizer_size_is_one_past_the_largest_id_and_caps_the_head(tmp_path):

@@ -97,3 +97,28 @@ def test_the_weights_go_into_huge_pages_where_the_kernel_has_them_and_keep_their
     # the run's whole huge pages: all but the partial ones at its two ends
     assert line.startswith("on: ") and pages >= int(total) // (2 << 20) - 2, line
     assert int(after) - int(before) >= pages * 2048, (line, before, after)
+
+
+def test_what_goes_into_huge_pages_is_what_a_decode_step_reads_whole():
+    """JaxModel asks huge pages for the arrays a step of a few rows streams through
+    (weights.read_every_step): the panel copies of the projections and of the head where the
+    CPU kernels run, not the matrices they copy (read by prefill and by products of more rows)
+    nor the embedding table (a row an input); moving those too was seconds of a large model's
+    load for no step's gain."""
+    import jax
+
+    from engine.jax_backend.weights import read_every_step
+    from support import prerequisites, tiny_served
+
+    prerequisites.cpu_kernels()  # the panel copies are the kernels'
+    model = tiny_served.load("tiny-llama", weights="float32")
+    w = model._weights
+    read = {id(a) for a in jax.tree.leaves(read_every_step(model._decode_weights, model._lm_head, w.final_norm))}
+    assert id(w.embed) not in read and id(w.final_norm) in read
+    assert id(model._lm_head.panels) in read and id(model._lm_head.w) not in read
+    for layer in model._decode_weights:
+        assert {id(layer.panels.qkv), id(layer.panels.o), id(layer.panels.gate_up), id(layer.panels.down), id(layer.attn_norm)} <= read
+        assert not {id(layer.w_qkv), id(layer.w_o), id(layer.w_gate_up), id(layer.w_down)} & read
+    int8 = tiny_served.load("tiny-llama", weights="int8")  # no panel copies: the blocks are what a step reads
+    layers, head, _ = read_every_step(int8._decode_weights, int8._lm_head, int8._weights.final_norm)
+    assert layers == int8._decode_weights and head is int8._lm_head

@@ -29,6 +29,10 @@ already written when the model is built, so the kernel is asked to collapse them
 in place (Linux's MADV_COLLAPSE, 6.1 and later; it works whether transparent huge pages are
 "always" or "madvise", and not where they are "never"): no library does this for jaxlib's
 buffers, and glibc's own tunable (glibc.malloc.hugetlb) can only be set before a process starts.
+JaxModel asks it for what a step streams through whole (engine.jax_backend.weights.read_every_step):
+the collapse copies each page (about 2 ms a 2 MiB page here), so the embedding table and the
+matrices a panel copy stands in for stay as they are (a float32 Gemma 3 270M loaded in about
+half the time: docs/benchmarks.md, "Model loads").
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ from engine.jax_backend.slot_table import SlotTable, require
 from engine.jax_backend.slot_sampling import TOP_N, SlotSamplingState, chunk_arrays, mask_row
 from engine.jax_backend.steps import Pending, Steps, fetch
 from engine.jax_backend.verify import Verifying, guess_buckets, max_guesses, verify_rows
-from engine.jax_backend.weights import Weights, decode_weights
+from engine.jax_backend.weights import Weights, decode_weights, read_every_step
 from engine.model_store.checkpoint import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,9 @@ class JaxModel(DecodeLaunch, Verifying):
         if backend.host_scratch:  # each call's scratch reuses the last one's pages
             host_memory.keep_scratch_resident()
         self._steps = Steps(self.kernels, self.ragged, None if plan is None else self._head_size, jit_options)
-        if backend.host_scratch:  # every step reads every weight: in huge pages, a page walk per 2 MiB, not per 4 KiB
-            log.info("weights in huge pages: %s", host_memory.weights_in_huge_pages((weights, self._decode_weights, self._lm_head)))
+        if backend.host_scratch:  # what every step reads whole: in huge pages, a page walk per 2 MiB, not per 4 KiB
+            read = read_every_step(self._decode_weights, self._lm_head, weights.final_norm)
+            log.info("weights in huge pages: %s", host_memory.weights_in_huge_pages(read))
 
     @classmethod
     def load(

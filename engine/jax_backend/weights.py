@@ -78,7 +78,13 @@ def load_checkpoint(model_dir: str | Path, dtype: str | None = None) -> Checkpoi
     def place(array: np.ndarray) -> jax.Array:
         return jnp.asarray(array, target)
 
-    return checkpoint.load_checkpoint(model_dir, place)
+    def place_head(rows: np.ndarray) -> jax.Array:  # [V', E] -> [E, V'], transposed by XLA on the device
+        return _transposed(jnp.asarray(rows, target))  # (numpy's transpose of Gemma 3's 671 MB head: ~3 s)
+
+    return checkpoint.load_checkpoint(model_dir, place, place_head)
+
+
+_transposed = jax.jit(jnp.transpose)
 
 
 def load_int8(model_dir: str | Path) -> Checkpoint:
@@ -170,6 +176,20 @@ def with_panels(layer: LayerWeights) -> LayerWeights:
         jax.vmap(cpu_kernels.pack_panels)(w) for w in (experts.gate_up, experts.down)
     )  # for the grouped product's kernel (cpu_kernels.expert_panel_matmul)
     return replace(layer, panels=PanelWeights(pack(layer.w_qkv), pack(layer.w_o), pack(layer.w_gate_up), pack(layer.w_down), *packed_experts))
+
+
+def read_every_step(layers: tuple[LayerWeights, ...], head: jax.Array | PackedHead, final_norm: jax.Array) -> tuple:
+    """Of a model's decode layers and head (`decode_weights`'), the arrays a decode step of a few
+    rows streams through whole: where a projection has its panel copy, the copy and not the
+    matrix it copies (which products of more rows than cpu_kernels.PANEL_ROWS read), and the
+    head's panel copy likewise. The embedding table is not among them: a step reads one of its
+    rows an input. What JaxModel moves into huge pages (engine.jax_backend.host_memory)."""
+    def read(layer: LayerWeights) -> LayerWeights:
+        if layer.panels is None:
+            return layer
+        return replace(layer, w_qkv=None, w_o=None, w_gate_up=None, w_down=None)
+
+    return tuple(read(layer) for layer in layers), head.panels if isinstance(head, PackedHead) else head, final_norm
 
 
 def decode_weights(weights: Weights, panels: bool) -> tuple[tuple[LayerWeights, ...], jax.Array | PackedHead]:

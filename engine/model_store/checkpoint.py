@@ -30,7 +30,6 @@ dim, L layers.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 from safetensors import safe_open
 
-from engine.model_store.model_files import eos_token_ids
+from engine.model_store.model_files import eos_token_ids, tokenizer_ids
 
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
@@ -194,40 +193,23 @@ class Checkpoint:
     tokenizer_size: int  # V': ids the tokenizer can produce, <= config.vocab_size; the head's width
 
 
-def load_checkpoint(model_dir: str | Path, place: Place = np.asarray) -> Checkpoint:
-    """The directory's config, weights (each tensor handed to `place` as it is read), EOS ids and
-    tokenizer size."""
+def load_checkpoint(model_dir: str | Path, place: Place = np.asarray, place_head: Place | None = None) -> Checkpoint:
+    """The directory's config, weights (each tensor handed to `place` as it is read; the head as
+    `load_weights` says), EOS ids and tokenizer size."""
     model_dir = Path(model_dir)
     raw = _read_json(model_dir / "config.json", required=True)
     config = parse_config(raw)
     head_size = tokenizer_size(model_dir, config.vocab_size)
-    weights = load_weights(model_dir, config, place, head_size)
+    weights = load_weights(model_dir, config, place, head_size, place_head)
     return Checkpoint(config, weights, eos_token_ids(model_dir), head_size)
 
 
 def tokenizer_size(model_dir: Path, vocab_size: int) -> int:
     """Ids the tokenizer can produce: 1 + the largest id in tokenizer.json's model vocab and added
-    tokens, capped at `vocab_size`; `vocab_size` when there is no tokenizer.json."""
-    path = Path(model_dir) / "tokenizer.json"
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return vocab_size
-    largest = _largest_id(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    return vocab_size if largest is None else min(vocab_size, largest + 1)
-
-
-@functools.lru_cache(maxsize=8)
-def _largest_id(path: str, size: int, mtime_ns: int, ctime_ns: int) -> int | None:
-    """The largest id tokenizer.json at `path` names (None: none), read once per version of the
-    file (its size and times are part of the key): one load asks several times (the memory
-    plan, the weights, the service's vocabulary), and a large vocabulary's file is tens of MB of
-    JSON (Gemma 3's 262k pieces: 33 MB)."""
-    tokenizer = _read_json(Path(path), required=False)
-    vocab = tokenizer.get("model", {}).get("vocab") or {}
-    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]  # Unigram: a list
-    ids += [int(added["id"]) for added in tokenizer.get("added_tokens", [])]
-    return max(ids, default=None)
+    tokens, capped at `vocab_size`; `vocab_size` when there is no tokenizer.json (the file is read
+    once per version: model_files.tokenizer_ids)."""
+    ids = tokenizer_ids(model_dir)
+    return vocab_size if ids is None or ids.largest is None else min(vocab_size, ids.largest + 1)
 
 
 def parse_config(raw: dict[str, Any]) -> ModelConfig:
@@ -288,10 +270,16 @@ def yarn_attention_factor(rope: dict[str, Any]) -> float:
     return m(1.0)
 
 
-def load_weights(model_dir: Path, config: ModelConfig, place: Place = np.asarray, head_size: int | None = None) -> Weights:
+def load_weights(
+    model_dir: Path, config: ModelConfig, place: Place = np.asarray, head_size: int | None = None,
+    place_head: Place | None = None,
+) -> Weights:
     """Read, check shapes against `config`, transpose to [in, out], hand each tensor to `place`;
-    the head keeps the first `head_size` ids (default: all). Each family reads its layers by its
-    own tensor names (engine.model_store.families), through `TensorReader`."""
+    the head keeps the first `head_size` ids (default: all). `place_head`, where given, takes the
+    head's rows [V', E] and returns it placed as [E, V'] (the caller's transpose: a large
+    vocabulary's is seconds in numpy); else the rows are transposed here and handed to `place`.
+    Each family reads its layers by its own tensor names (engine.model_store.families), through
+    `TensorReader`."""
     from engine.model_store import families  # (its modules import this one)
 
     c = config
@@ -306,7 +294,7 @@ def load_weights(model_dir: Path, config: ModelConfig, place: Place = np.asarray
         embed=place(embed),
         layers=tuple(family.layer(read, f"model.layers.{i}.") for i in range(c.n_layers)),
         final_norm=place(read.tensor("model.norm.weight", (E,))),
-        lm_head=place(np.ascontiguousarray(head[: head_size or c.vocab_size].T)),
+        lm_head=(place_head or (lambda rows: place(np.ascontiguousarray(rows.T))))(head[: head_size or c.vocab_size]),
     )
 
 
@@ -323,7 +311,7 @@ class TensorReader:
             raise CheckpointError(
                 f"{self.config.architecture}: tensor {name} has shape {tuple(array.shape)}, expected {shape}"
             )
-        return array.astype(np.float32)
+        return array.astype(np.float32, copy=False)  # the reader's own array: a float32 one is not copied again
 
     def by_kv_head(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """q [H * D, ...], k/v [K * D, ...] -> [K * (G + 2) * D, ...]: per kv head, its G query

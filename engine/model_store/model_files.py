@@ -9,7 +9,9 @@ cannot disagree about a model, and the text service's start-up check compares li
 
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +47,46 @@ def _config_ids(value: object) -> set[int]:
     return set()
 
 
+@dataclass(frozen=True)
+class TokenizerIds:
+    """What a load asks of tokenizer.json besides the tokenizer itself."""
+
+    largest: int | None  # the largest id its model vocab and added tokens name (None: none)
+    added: dict[str, int]  # each added (special) token's id, the first entry for a repeated content
+
+
+def tokenizer_ids(model_dir: str | Path) -> TokenizerIds | None:
+    """tokenizer.json's `TokenizerIds` (None where there is no such file), read once per version
+    of the file: one load asks for them several times (the memory plan, the weights' head, the
+    EOS set), and a large vocabulary's file is tens of MB of JSON (Gemma 3's 262k pieces: 33 MB,
+    about a second a parse)."""
+    path = Path(model_dir) / "tokenizer.json"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return _tokenizer_ids(str(path.resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer_ids(path: str, size: int, mtime_ns: int, ctime_ns: int) -> TokenizerIds:
+    """(size and times: part of the cache's key, so a rewritten file is read again)"""
+    tokenizer = read_json(Path(path))
+    vocab = tokenizer.get("model", {}).get("vocab") or {}
+    ids = list(vocab.values()) if isinstance(vocab, dict) else [len(vocab) - 1]  # Unigram: a list
+    added: dict[str, int] = {}
+    for entry in tokenizer.get("added_tokens", []):
+        ids.append(int(entry["id"]))
+        added.setdefault(entry.get("content"), int(entry["id"]))
+    return TokenizerIds(max(ids, default=None), added)
+
+
 def _token_id(model_dir: Path, token: str) -> int:
     """The id of `token` in tokenizer.json: added (special) tokens first, then the model's vocab."""
-    tokenizer = read_json(model_dir / "tokenizer.json")
-    for added in tokenizer.get("added_tokens", []):
-        if added.get("content") == token:
-            return int(added["id"])
+    summary = tokenizer_ids(model_dir)
+    if summary is not None and token in summary.added:
+        return summary.added[token]
+    tokenizer = read_json(model_dir / "tokenizer.json")  # (an eos token in the model's vocab: rare, read whole)
     vocab = tokenizer.get("model", {}).get("vocab", {})
     if isinstance(vocab, dict) and token in vocab:
         return int(vocab[token])
