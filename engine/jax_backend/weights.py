@@ -107,7 +107,9 @@ def load_int8(model_dir: str | Path) -> Checkpoint:
                  ", ".join(f"{bits} bits: {held[bits]}" for bits in sorted(held)), weights.embed.bits,
                  quantize.weight_bytes(weights) / 2**20)
         return Checkpoint(cfg, weights, checkpoint.eos_token_ids(model_dir), head_size)
-    ckpt = checkpoint.load_checkpoint(model_dir, quantize.int8_place((cfg.vocab_size, cfg.hidden_size)))
+    ckpt = checkpoint.load_checkpoint(  # the head's rows [V', E] quantized as they are read, not transposed there and back
+        model_dir, quantize.int8_place((cfg.vocab_size, cfg.hidden_size)), lambda rows: quantize.pack(*quantize.quantize_rows(rows))
+    )
     w = ckpt.weights
     if cfg.tie_word_embeddings and w.lm_head.shape == w.embed.shape:
         # The head's integers once. A family whose embedding is its rows scaled (Gemma's sqrt(E))
