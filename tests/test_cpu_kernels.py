@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -480,7 +481,8 @@ def test_a_failed_build_gets_plain_jax_and_leaves_no_library(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="engine.jax_backend.cpu_kernels"):
         assert cpu_kernels.load(options) is None
     assert "CPU decode kernels off: no prebuilt library, and building one failed" in caplog.text
-    assert list((tmp_path / "kernels").iterdir()) == []  # the staged file was removed
+    # the staged file and the objects were removed: only the builders' lock file is left
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [".build.lock"]
     assert cpu_kernels.main(["--build", str(tmp_path / "out"), "--cxx", "false"]) == 1
     assert list((tmp_path / "out").iterdir()) == []
 
@@ -517,3 +519,27 @@ def test_the_library_is_found_once_and_reused(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_compile", compile_)
     again = cpu_kernels.load(cpu_kernels.BuildOptions(default_cache_dir()))
     assert again is not None and again.path == first.path and again.sha256 == first.sha256
+
+
+def test_processes_that_start_at_once_on_a_fresh_cache_build_the_library_once(tmp_path, loaded_kernels):
+    """Replicas (or a test run's workers) starting together on a fresh host: the first to find
+    no library builds it under the cache's lock, the others wait for it and load it from the
+    cache, so the sources are compiled once, not once a process. The compiler here logs each call
+    and writes this run's library to its output (a real g++ run proves nothing more, in tens of
+    seconds); it sleeps, so the processes overlap."""
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "logging-cxx"
+    compiler.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nsleep 0.5\nfor out; do :; done\ncp {loaded_kernels.path} "$out"\n')
+    compiler.chmod(0o755)
+    code = (
+        "import sys; from pathlib import Path; from engine.jax_backend import cpu_kernels as k; "
+        f"s = k.status(k.BuildOptions(Path(sys.argv[1]), compiler={str(compiler)!r}, prebuilt_dir=Path(sys.argv[1]) / 'none')); "
+        "print(s.kernels.origin if s.kernels else s.state)"
+    )
+    root = Path(__file__).resolve().parent.parent
+    processes = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "cache")], cwd=root,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for _ in range(3)]
+    origins = sorted(p.communicate(timeout=120)[0].strip() for p in processes)
+    assert origins == ["built", "cached", "cached"], origins
+    links = [line for line in calls.read_text().splitlines() if " -c " not in line]
+    assert len(links) == 1 and len(calls.read_text().splitlines()) == len(cpu_kernels.SOURCES) + 1
