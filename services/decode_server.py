@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -53,6 +54,7 @@ class DecodeServer:
     died: asyncio.Event = field(default_factory=asyncio.Event)  # set if loading or the engine loop failed
     load_failure: ModelLoadFailed | None = None  # why loading failed, once it has
     draining: bool = False
+    loading: asyncio.Task | None = None  # the load, a task of `running`'s (cancelled at stop)
 
     @property
     def port(self) -> int:
@@ -61,12 +63,17 @@ class DecodeServer:
     async def until_ready(self) -> None:
         """Wait until serving; raises ModelLoadFailed (or ModelRefused) with the reason if loading
         failed."""
-        done, _ = await asyncio.wait(
-            [asyncio.ensure_future(self.ready.wait()), asyncio.ensure_future(self.died.wait())],
-            return_when=asyncio.FIRST_COMPLETED,
-        )
+        waits = [asyncio.ensure_future(self.ready.wait()), asyncio.ensure_future(self.died.wait())]
+        try:
+            # the load task too: cancelled by a stop before its first step, it sets neither event
+            await asyncio.wait([*waits, *filter(None, [self.loading])], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
         if self.load_failure is not None:
             raise self.load_failure
+        if not self.ready.is_set():
+            raise ModelLoadFailed("the server stopped while the model was loading")
 
     async def _load(
         self, load_model: Callable[[], Model] | None, spawn_model: ModelFactory | None,
@@ -82,7 +89,7 @@ class DecodeServer:
         try:
             if spawn_model is not None:
                 engine = EngineProcess(spawn_model, engine_config, on_death, on_step, log_setup, proposer)
-                await asyncio.to_thread(engine.start)
+                await _start_or_stop(engine)
             else:
                 model = await asyncio.to_thread(load, load_model)
                 guesser = None if proposer is None else await asyncio.to_thread(proposer, model)
@@ -93,6 +100,10 @@ class DecodeServer:
         except Exception as error:  # starting the engine, not the model, failed
             log.exception("starting the engine failed")
             self.load_failure = ModelLoadFailed(f"{type(error).__name__}: {error}")
+        except BaseException:  # cancelled: the server stops while loading; whoever waits is told
+            self.load_failure = ModelLoadFailed("the server stopped while the model was loading")
+            self.died.set()
+            raise
         if self.load_failure is not None:
             self.died.set()
             return
@@ -164,6 +175,31 @@ class DecodeServer:
             await asyncio.to_thread(self.engine.stop)  # an engine process may take a moment to exit
 
 
+async def _start_or_stop(engine: EngineProcess) -> None:
+    """Start the engine process on a thread; if the caller is cancelled meanwhile (the server stops
+    while the child loads), the engine is stopped as soon as its start returns, not left running
+    with no one to stop it."""
+    lock, state = threading.Lock(), {"cancelled": False, "started": False}
+
+    def start() -> None:
+        engine.start()
+        with lock:
+            state["started"] = True
+            stop = state["cancelled"]
+        if stop:
+            engine.stop()
+
+    try:
+        await asyncio.to_thread(start)
+    except asyncio.CancelledError:
+        with lock:
+            state["cancelled"] = True
+            started = state["started"]
+        if started:  # it started just as the cancel came: stopped off the event loop (it waits for the child)
+            threading.Thread(target=engine.stop, name="tokenwire-engine-stop", daemon=True).start()
+        raise
+
+
 def exit_code(failure: ModelLoadFailed) -> int:
     """Log why the model did not load, as the process's last line, and the exit code that says
     whether a restart can help: 2 for ModelRefused (a configuration error: the same model and
@@ -208,10 +244,8 @@ async def start_decode_server(
         lambda server: decode_pb2_grpc.add_DecoderServicer_to_server(servicer, server), [DECODER_SERVICE], options, metrics
     )
     server = DecodeServer(running, servicer, admission, metrics, stall_timeout_s)
-    server.running.tasks += [
-        asyncio.create_task(server._load(load_model, spawn_model, engine_config, log_setup, proposer)),
-        asyncio.create_task(server._monitor(health_interval_s)),
-    ]
+    server.loading = asyncio.create_task(server._load(load_model, spawn_model, engine_config, log_setup, proposer))
+    server.running.tasks += [server.loading, asyncio.create_task(server._monitor(health_interval_s))]
     if wait_until_ready:
         await server.until_ready()
     return server

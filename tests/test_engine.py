@@ -171,6 +171,31 @@ def test_a_step_dispatched_after_the_stop_is_discarded_and_its_slot_reused():
         engine.stop()
 
 
+def test_a_stopped_engine_leaves_no_step_in_flight_and_no_slot_held_for_the_next_engine_on_its_model():
+    """Stopped mid-stream, the engine reads the step it had dispatched and frees its requests'
+    slots before its thread ends: a model outlives its engine (a restart on the same weights, a
+    test's module-scoped model), and a step left in flight would be read by the next engine as its
+    own first step (the old request's samples handed to the new one's rows), a slot left held
+    would refuse the next prompt put in it."""
+    model = ScriptedModel(vocab_size=100, max_batch_size=2, max_context_length=64, step_delay_s=0.002)
+    engine = Engine(model, EngineConfig(max_queue_size=8))
+    engine.start()
+    engine.submit(make_request([10], 50, ignore_eos=True), Recorder())
+    until_sync(lambda: model.decode_steps >= 3, "a few decode steps")
+    engine.stop()
+    assert not engine._thread.is_alive()
+    assert model.reads[-1][0] == model.decode_steps and model.slots_held == 0  # every step read, every slot free
+    again = Engine(model, EngineConfig(max_queue_size=8))
+    again.start()
+    try:
+        sink = Recorder()
+        again.submit(make_request([60, 61], 5, ignore_eos=True), sink)
+        assert sink.done.wait(5)
+        assert sink.tokens == [62, 63, 64, 65, 66]
+    finally:
+        again.stop()
+
+
 class DeviceClock:
     """`time` for the engine and the scripted model: perf_counter moves only when the model waits
     for its "device" (sleep), so a step's time is exactly the model's step_delay_s."""

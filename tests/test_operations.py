@@ -8,7 +8,9 @@ process (tests/support/scripted_decoder.py runs the same server and shutdown cod
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import multiprocessing
 import signal
 import threading
 from pathlib import Path
@@ -31,6 +33,7 @@ from services.server import ServerOptions
 from services.text_server import start_text_server
 from support.decoder_process import start_scripted_decoder
 from support.gated_steps import GatedSteps
+from support.slow_factory import slow_scripted
 from support.net import free_port
 from support.waiting import LIMIT_S, until
 from tokenizer_svc.tokenizer import TextTokenizer
@@ -101,6 +104,34 @@ async def test_decode_readiness_waits_for_the_model_while_liveness_serves():
     finally:
         release.set()
         await server.stop(None)
+
+
+async def test_a_stop_while_the_model_loads_tells_whoever_waits_and_leaves_no_engine_running():
+    """A SIGTERM (or a test's stop) before the model is ready: `until_ready` raises instead of
+    waiting for a readiness that can no longer come, in process and with the engine in a child
+    process, whose start, still under way as the server stopped, is stopped once it returns."""
+    release = threading.Event()
+
+    def slow_load():
+        release.wait(LIMIT_S)
+        return scripted()
+
+    server = await start_decode_server(load_model=slow_load, wait_until_ready=False, health_interval_s=0.05)
+    waiter = asyncio.ensure_future(server.until_ready())
+    await server.stop(None)
+    release.set()
+    with pytest.raises(ModelLoadFailed, match="the server stopped while the model was loading"):
+        await asyncio.wait_for(waiter, LIMIT_S)
+
+    children_before = set(multiprocessing.active_children())
+    server = await start_decode_server(spawn_model=functools.partial(slow_scripted, 1.0), wait_until_ready=False)
+    await until(lambda: set(multiprocessing.active_children()) - children_before, "the engine's child started")
+    (child,) = set(multiprocessing.active_children()) - children_before
+    await server.stop(None)
+    with pytest.raises(ModelLoadFailed, match="stopped while"):
+        await asyncio.wait_for(server.until_ready(), LIMIT_S)
+    await until(lambda: not child.is_alive(), "the engine's child, started after the stop, stopped")
+    assert server.engine is None
 
 
 def _past_max_positions():

@@ -374,8 +374,20 @@ class Engine(ConstrainedSteps, SpeculativeSteps):
             if self._on_death is not None:
                 self._on_death(error)
         finally:
+            if self._in_flight:  # a dispatched step is the model's until read: read it (and drop its
+                self._in_flight = []  # samples), so that the next engine on this model starts with none
+                try:
+                    self.model.collect()
+                except Exception:  # the model failed: the loop is done with it either way
+                    log.exception("reading the last dispatched step as the engine stopped")
+            running = list(self._active.values())
+            for live in running:  # their slots and pages freed in the model, which outlives the engine
+                try:
+                    self._release(live)
+                except Exception:
+                    log.exception("freeing slot %d as the engine stopped", live.slot)
             with self._cond:
-                stopped = list(self._active.values()) + list(self._waiting.values())
+                stopped = running + list(self._waiting.values())
                 self._active.clear()
                 self._waiting.clear()
             for live in stopped:

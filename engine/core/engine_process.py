@@ -179,8 +179,8 @@ class _Outbox:
                 self._unsent = data[sent:]
                 self._writing = False
                 self.direct_sends += not self._unsent
-                if self._unsent or self._ready:
-                    self._cond.notify()
+                if self._unsent or self._ready or self._closed:  # (closed while this wrote: the sender,
+                    self._cond.notify()  # which waited for this write to end, has its last look now)
 
     def open(self) -> None:
         """Once the child has sent "ready": from now on the outbox writes the pipe."""
