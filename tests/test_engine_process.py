@@ -617,6 +617,42 @@ def test_the_engine_thread_sends_a_step_itself_when_the_pipe_takes_it():
         assert outbox.direct_sends == 3
 
 
+def test_a_close_while_the_engine_thread_writes_still_ends_the_sender():
+    """The child's stop (or the engine's death) closes the outbox while the engine thread may be
+    sending a step itself: the sender, which waits for that write to end, must then see the close
+    and end, or the child waits for it forever. The close is made from inside the write (the
+    stats read as the message is built)."""
+    from engine.core.engine import EngineStats
+    from engine.core.engine_process import _Outbox
+
+    parent, child = multiprocessing.Pipe()
+    outbox = _Outbox(child)
+
+    def stats_then_close() -> EngineStats:
+        outbox.close()  # wakes the sender (its waiter leaves the condition's queue), which sees the
+        # write under way and waits again (a new waiter): only then does this write end
+        until_sync(lambda: len(outbox._cond._waiters) == 1, "the sender back to waiting for the write")
+        return EngineStats(0, 1, True, 0.0)
+
+    outbox.stats = stats_then_close
+    outbox.open()
+    sender = threading.Thread(target=outbox.run, daemon=True)
+    sender.start()
+    try:  # (the sender's innermost frame is Condition.wait once it waits for work)
+        until_sync(lambda: getattr(sys._current_frames().get(sender.ident), "f_code", None) is threading.Condition.wait.__code__,
+                   "the sender waiting")
+        outbox.step(0.01)
+        outbox.flush()  # sends it itself, closing the outbox on the way
+        assert parent.poll(LIMIT_S) and parent.recv()[0] == "batch"
+        sender.join(LIMIT_S)
+        assert not sender.is_alive(), "the sender missed the close"
+    finally:
+        outbox.close()
+        sender.join(LIMIT_S)
+        parent.close()
+        child.close()
+
+
 def test_a_parent_that_stops_reading_never_blocks_the_engine_thread_and_loses_nothing():
     """Steps of 4,000 tokens each (12-20 KB pickled), enough of them to hold four times what the
     pipe's two socket buffers take: every flush still returns at once (the watchdog), the rest
