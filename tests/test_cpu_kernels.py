@@ -481,8 +481,7 @@ def test_a_failed_build_gets_plain_jax_and_leaves_no_library(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="engine.jax_backend.cpu_kernels"):
         assert cpu_kernels.load(options) is None
     assert "CPU decode kernels off: no prebuilt library, and building one failed" in caplog.text
-    # the staged file and the objects were removed: only the builders' lock file is left
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [".build.lock"]
+    assert list((tmp_path / "kernels").iterdir()) == []  # the staged file and the objects were removed
     assert cpu_kernels.main(["--build", str(tmp_path / "out"), "--cxx", "false"]) == 1
     assert list((tmp_path / "out").iterdir()) == []
 

@@ -34,8 +34,8 @@ Loading, and what is trusted. `status()` (and `load()`, its library) looks in th
    directory (created 0700; if it cannot be made, or is not this user's alone, in a private
    temporary directory, for this process only), hashes it, renames it into place and writes its
    sha256 record. The sources are compiled side by side, one compiler process each, then linked;
-   the build holds the directory's `.build.lock`, so processes that start together on a fresh
-   host build it once (the others wait, then load it as in 2).
+   the build holds a lock on the directory, so processes that start together on a fresh host
+   build it once (the others wait, then load it as in 2).
 What is hashed is what is loaded: a file is opened once, checked (fstat, sha256) through that
 descriptor, and dlopened as /proc/self/fd/N, never again by name, so it cannot be swapped
 between the check and the load (the descriptor stays open, so N names one library for good).
@@ -447,13 +447,13 @@ def _building(cache: Path) -> Iterator[None]:
     """An exclusive lock on the cache's kernels directory while the library is built there, so
     that processes starting at once on a fresh host (replicas, a test run's workers) compile it
     once: the others wait, then load what the first built. Where the directory cannot be made, is
-    not this user's alone, or the lock file cannot be opened (a read-only home), no lock: each
-    builds its own, as before (and the build says why it does not cache)."""
+    not this user's alone, or cannot be opened, no lock: each builds its own, as before (and the
+    build says why it does not cache)."""
     fd = None
     try:
         cache.mkdir(parents=True, exist_ok=True, mode=0o700)
         _require_private(cache)  # else someone else could hold the lock
-        fd = os.open(cache / ".build.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # (flock on the directory: no file left)
     except (OSError, Untrusted):
         pass
     try:

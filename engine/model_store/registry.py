@@ -12,8 +12,8 @@ caller to draw (services.download_progress: a bar on a terminal, periodic lines 
 
 What holds: `<cache>/models/<name>` either does not exist, or is a finished conversion, or is
 an interrupted one without the marker that `pull` redoes. A second `pull` of a prepared model
-reads one small file and returns; pulls of one model at once (processes starting together) take
-turns on `<cache>/models/.<name>.lock`, so the first prepares it and the others find it prepared.
+reads one small file and returns; pulls at once (processes starting together) take turns on a lock
+of the models directory, so the first prepares a model and the others find it prepared.
 """
 
 from __future__ import annotations
@@ -165,12 +165,13 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: Path | None = None, log: Log = pr
 
 @contextlib.contextmanager
 def _one_pull_at_a_time(target: Path) -> Iterator[None]:
-    """An exclusive lock on `<target>.lock` beside the target, so that processes pulling the same
-    model at once (replicas starting on a fresh host, a test run's workers) download and convert
-    it once: the others wait, then find it prepared. Released when the process exits, whatever
-    happens; where the lock file cannot be made, no lock (each pulls, as before)."""
+    """An exclusive lock on the models directory (`target`'s parent; flock on the directory
+    itself, so no file is left behind), so that processes pulling at once (replicas starting on a
+    fresh host, a test run's workers) download and convert a model once: the others wait, then
+    find it prepared. Released when the process exits, whatever happens; where the directory
+    cannot be opened, no lock (each pulls, as before)."""
     try:
-        fd = os.open(target.parent / f".{target.name}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        fd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         fd = None
     try:
