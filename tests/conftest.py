@@ -1,6 +1,7 @@
 """Shared fixtures: real servers on loopback ports, driven by the scripted model; test certificates;
 the CPU kernels and the real model, each had once per run (support.prerequisites says when their
-absence fails instead of skipping); and the Hypothesis profiles.
+absence fails instead of skipping; a whole run begins both in the background as it starts,
+support.prefetch); and the Hypothesis profiles.
 
 Hypothesis profiles, chosen by HYPOTHESIS_PROFILE (Hypothesis's own convention; unset: "thorough"):
   * "thorough": every property test at its full count (`support.examples.examples(n)` gives n);
@@ -26,7 +27,7 @@ from engine.core.engine import EngineConfig
 from engine.core.scripted_model import ScriptedModel
 from protos.decode.v1 import decode_pb2_grpc
 from services.decode_server import start_decode_server
-from support import cpu_alone, file_order, prerequisites
+from support import cpu_alone, file_order, prefetch, prerequisites
 from support.backend import require_cpu
 from support.examples import FULL
 from support.xla_flags import TEST_XLA_FLAGS
@@ -157,6 +158,7 @@ def _real_model_marked(request) -> None:
 
 
 _RUN_DIR = "TOKENWIRE_TEST_RUN_DIR"
+_PREFETCH = pytest.StashKey[list]()
 
 
 def pytest_configure(config) -> None:
@@ -164,12 +166,14 @@ def pytest_configure(config) -> None:
     its pytest-xdist workers (they inherit the variable): JAX's compilation cache and the CPU lock."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ[_RUN_DIR] = tempfile.mkdtemp(prefix="tokenwire-test-run-")
+        config.stash[_PREFETCH] = prefetch.start(config)  # the real models and the kernels, while workers start
     cpu_alone.open_lock(Path(os.environ[_RUN_DIR]) / "cpu.lock")
     file_order.register(config)  # whole files longest first, for scripts/test's workers
 
 
 def pytest_unconfigure(config) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
+        prefetch.finish(config.stash.get(_PREFETCH, []))
         shutil.rmtree(os.environ.pop(_RUN_DIR, ""), ignore_errors=True)
 
 
