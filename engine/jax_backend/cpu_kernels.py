@@ -549,8 +549,9 @@ def _compile(compiler: str, directory: Path) -> Path:
     removed if the compile fails."""
     fd, staged = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=directory)
     os.close(fd)
-    objects = Path(tempfile.mkdtemp(prefix=".objects-", dir=directory))
+    objects = None
     try:
+        objects = Path(tempfile.mkdtemp(prefix=".objects-", dir=directory))
         compile_flags = [f for f in FLAGS if f != "-shared"]
         commands = [[compiler, *compile_flags, f"-I{jax.ffi.include_dir()}", "-c", str(_KERNEL_DIR / s),
                      "-o", str(objects / f"{Path(s).stem}.o")] for s in SOURCES]
@@ -564,7 +565,8 @@ def _compile(compiler: str, directory: Path) -> Path:
         os.unlink(staged)
         raise
     finally:
-        shutil.rmtree(objects, ignore_errors=True)
+        if objects is not None:
+            shutil.rmtree(objects, ignore_errors=True)
     return Path(staged)
 
 
