@@ -100,10 +100,6 @@ class DecodeServer:
         except Exception as error:  # starting the engine, not the model, failed
             log.exception("starting the engine failed")
             self.load_failure = ModelLoadFailed(f"{type(error).__name__}: {error}")
-        except BaseException:  # cancelled: the server stops while loading; whoever waits is told
-            self.load_failure = ModelLoadFailed("the server stopped while the model was loading")
-            self.died.set()
-            raise
         if self.load_failure is not None:
             self.died.set()
             return
