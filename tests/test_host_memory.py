@@ -94,8 +94,10 @@ def test_the_weights_go_into_huge_pages_where_the_kernel_has_them_and_keep_their
         assert line.startswith("off: "), line
         return
     pages = int(line.split()[1])  # "on: N pages of 2 MiB"
-    # the run's whole huge pages: all but the partial ones at its two ends
-    assert line.startswith("on: ") and pages >= int(total) // (2 << 20) - 2, line
+    # most of the run's whole huge pages (16 here, less the partial ones at its two ends): the
+    # kernel refuses a collapse while it has no free 2 MiB block, which other processes' memory
+    # use decides (a fresh-clone run of the suite once got 13), so not all of them is the claim
+    assert line.startswith("on: ") and pages >= int(total) // (2 << 20) // 2, line
     assert int(after) - int(before) >= pages * 2048, (line, before, after)
 
 
