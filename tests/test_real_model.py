@@ -40,6 +40,7 @@ pytestmark = pytest.mark.real_model
 
 # the int8 model's shapes (its fixture says why), and its float32 reference's
 ONE_CHUNK = {"min_bucket": 64, "max_chunk": 64, "fused_chunk_tokens": 0}
+GUESSES = 2  # the speculative test's tokens a step, and the model's max_guesses (its fixture says why)
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +51,17 @@ def model_dir(real_model) -> Path:
 @pytest.fixture(scope="module")
 def model(model_dir) -> JaxModel:
     """The file's one load of the 30-layer model in its served weights, in support.real_served's
-    configuration, with verify steps of up to 4 guesses (the speculative test's; a model's other
-    programs do not depend on them), which the server's warm-up compiles. Off the served
-    configuration only where it costs warm-up: one prompt chunk size, 64 (every prompt here is
-    read in one or two calls of it; test_prefill_chunked reads prompts in every size to 256 on
-    this model), and no chunk along with a decode step (each size of one is a decode step of every
-    layer to compile, and no prompt here arrives while another decodes: the requests run one at a
-    time; test_prefill_chunked runs chunks along on this model)."""
-    loaded = real_served.load(model_dir, **ONE_CHUNK, max_guesses=4)
+    configuration, with verify steps of up to 2 guesses (the speculative test's; a model's other
+    programs do not depend on them), which the server's warm-up compiles: guess buckets 1 and 2,
+    each a verify step of all 30 layers and the full sampler (about 3 s of CPU a compile; runs of
+    up to 4 guesses, across every guess and row bucket, are tests/test_verify.py's, on the tiny
+    checkpoints). Off the served configuration only where it costs warm-up: one prompt chunk
+    size, 64 (every prompt here is read in one or two calls of it; test_prefill_chunked reads
+    prompts in every size to 256 on this model), and no chunk along with a decode step (each size
+    of one is a decode step of every layer to compile, and no prompt here arrives while another
+    decodes: the requests run one at a time; test_prefill_chunked runs chunks along on this
+    model)."""
+    loaded = real_served.load(model_dir, **ONE_CHUNK, max_guesses=GUESSES)
     assert loaded.int8 and loaded.kernels and loaded.buckets == loaded.packed_prefill_sizes == (64,)
     return loaded
 
@@ -121,7 +125,7 @@ def _engine_greedy_ids(engine: Engine, prompts: list[list[int]]) -> list[list[in
 def test_ngram_speculation_keeps_greedy_ids_and_accepts_guesses(model, tokenizer):
     prompts = [tokenizer.encode_chat([ChatMessage("user", m)]) for m in SPECULATED]
     plain = _engine_greedy_ids(Engine(model, EngineConfig()), prompts)
-    speculative_engine = Engine(model, EngineConfig(speculation="ngram", speculative_tokens=4))
+    speculative_engine = Engine(model, EngineConfig(speculation="ngram", speculative_tokens=GUESSES))
     speculative = _engine_greedy_ids(speculative_engine, prompts)
     for i, (a, b) in enumerate(zip(plain, speculative)):
         first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
