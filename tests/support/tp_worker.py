@@ -10,7 +10,7 @@ calls (prefill, then decode; forced_devices.IDS_ONLY's families with the split s
 slots a seeded sampled run and, under a mesh, the same request again beside a second one (batch
 invariance), the prompt's next-token logits, compilations after warm-up (none at size 1, the
 reference, which is not warmed up: what warm-up covers on one device is the in-process tests'
-claim; none for IDS_ONLY's families, which are not warmed up either), and what each device holds
+claim; none at 4 devices nor for IDS_ONLY's families, which are not warmed up either), and what each device holds
 of the weights and of the KV cache.
 
 With `--split-sampler`, the two-slot tiny-llama model at size 2 is also compared with the same
@@ -120,8 +120,11 @@ def main() -> None:
             ids_only = Path(name).name in IDS_ONLY
             # IDS_ONLY families decode through the split sampler (the accelerators' default step; why: forced_devices)
             model = JaxModel.load(ASSETS / name, **options, **({"split_sampler": True} if ids_only else {}))
-            warmed = size > 1 and not ids_only  # one device is the reference only, and the IDS_ONLY
-            if warmed:  # families compare ids and shares: each compiles what it runs (forced_devices)
+            # warmed at 2 ways only: one device is the reference, the IDS_ONLY families compare ids
+            # and shares, and 4 ways (kv heads copied) ids, samples and shares: each compiles what
+            # it runs (forced_devices says why)
+            warmed = size == 2 and not ids_only
+            if warmed:
                 model.warm_up()
             warm = model.compilations()
             ids, logprobs = greedy(model, 0, prompt, STEPS)
