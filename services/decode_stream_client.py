@@ -38,6 +38,8 @@ What holds:
     the per-request RPC's deadline did; a resubmitted request keeps its one deadline.
   * A request refused by the decoder ends with that status (INVALID_ARGUMENT naming the field,
     RESOURCE_EXHAUSTED), UNAVAILABLE once resubmission is spent or the request had started.
+  * No request waits on a stream no replica answers: a stream without headers after
+    `_IDENTIFY_S` is closed, and its requests (none started) move to another one.
   * Bounded: a request's queue holds at most its remaining output, a mailbox at most what its
     replica sent since the loop last ran, the pool at most one stream per replica plus the ones
     being opened or retired.
@@ -70,7 +72,11 @@ _END = None  # ends a call's request iterator
 _DEADLINE = object()  # queued for a request when its deadline passes
 # Starts of one request: the first and up to two resubmissions (as the channel's retry policy).
 MAX_ATTEMPTS = 3
-_IDENTIFY_S = 5.0  # how long the pool waits for a new stream's headers before leaving it be
+# How long a new stream may go without headers. A decode server sends them as the call opens, so a
+# stream past this never reached one (a CI run saw one stay so for good after its replica's
+# restart, and the request on it waited with it): it is closed, and the requests on it, none
+# started, move to another stream (`_unanswered`).
+_IDENTIFY_S = 5.0
 
 
 # A batch of actions (invariant 17) takes no more once it holds this many bytes, so it stays well
@@ -214,7 +220,16 @@ class DecodeStreamClient:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the text service is stopping")
         stream = _Stream(self._stub, self._deliver)
         self._streams.append(stream)
+        stream.loop.call_later(_IDENTIFY_S, self._unanswered, stream)
         return stream
+
+    def _unanswered(self, stream: _Stream) -> None:
+        """`_IDENTIFY_S` after `stream` opened: close it if no headers came. Its reader then posts
+        its end (UNAVAILABLE), which resubmits its requests elsewhere (or fails them once their
+        attempts are spent) instead of leaving them on a call that may never answer."""
+        if stream.replica is None and not stream.ended:
+            log.warning("closing a decode stream that no replica answered within %.1f s", _IDENTIFY_S)
+            stream.close()
 
     def _pick(self) -> _Stream:
         """The least-loaded stream whose replica is known (ties in turn, so that requests one at

@@ -24,9 +24,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.core.engine import EngineConfig
 from engine.core.scripted_model import ScriptedModel
+from protos.decode.v1 import decode_pb2, decode_pb2_grpc
 from protos.text.v1 import text_pb2_grpc
+from services import decode_stream_client
 from services.client import AsyncTextClient, generate_request
 from services.decode_server import DecodeServer, start_decode_server
+from services.decode_stream_client import MAX_ATTEMPTS, DecodeStreamClient
+from services.errors import ServiceError
 from services.replicas import Address, channel_options, model_service_name, resolve, service_config
 from services.server import ServerOptions
 from services.service_names import DECODER_SERVICE, TEXT_GENERATION_SERVICE
@@ -444,3 +448,45 @@ async def test_a_replica_serving_another_model_gets_no_traffic_and_the_log_names
         assert len(named()) == 1, named()  # once over all the rounds since, not every round
     finally:
         await stop_all(text, late_other, other, *same)
+
+
+class _Unanswering(decode_pb2_grpc.DecoderServicer):
+    """A decoder whose DecodeStream calls arrive and are never answered: no headers, no message
+    (as a call that never reaches a replica looks to the client)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.never = asyncio.Event()
+
+    async def DecodeStream(self, request_iterator, context):
+        self.calls += 1
+        await self.never.wait()
+        yield decode_pb2.DecodeStreamResponse()  # (never reached)
+
+
+async def test_a_request_on_a_stream_no_replica_answers_moves_on_and_fails_instead_of_waiting(monkeypatch):
+    """A CI run hung here once: after a decoder's restart the pool's only stream never got its
+    headers, and the request sent on it waited for good. Such a stream is closed once
+    _IDENTIFY_S passes (0.3 s here), and its request, which nothing started, goes to a new
+    stream: each attempt a call of its own, then UNAVAILABLE once MAX_ATTEMPTS are spent."""
+    monkeypatch.setattr(decode_stream_client, "_IDENTIFY_S", 0.3)
+    fake = _Unanswering()
+    server = grpc.aio.server()
+    decode_pb2_grpc.add_DecoderServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    client = DecodeStreamClient(grpc.insecure_channel(f"127.0.0.1:{port}"))
+
+    async def drain() -> None:
+        async for _ in client.decode(decode_pb2.DecodeRequest(prompt_token_ids=[1, 2]), None):
+            pass
+
+    try:
+        with pytest.raises(ServiceError) as error:
+            await asyncio.wait_for(drain(), 10 * MAX_ATTEMPTS * 0.3)  # the bound only stops a hang
+        assert error.value.code == grpc.StatusCode.UNAVAILABLE
+        assert fake.calls == MAX_ATTEMPTS
+    finally:
+        fake.never.set()
+        await client.close()
+        await server.stop(None)
