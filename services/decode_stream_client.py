@@ -73,9 +73,9 @@ _DEADLINE = object()  # queued for a request when its deadline passes
 # Starts of one request: the first and up to two resubmissions (as the channel's retry policy).
 MAX_ATTEMPTS = 3
 # How long a new stream may go without headers. A decode server sends them as the call opens, so a
-# stream past this never reached one (a CI run saw one stay so for good after its replica's
-# restart, and the request on it waited with it): it is closed, and the requests on it, none
-# started, move to another stream (`_unanswered`).
+# stream past this never reached one (a fresh-clone test run saw one stay so for good after its
+# replica's restart, and the request on it waited with it): it is closed, and the requests on it,
+# none started, move to another stream (`_unanswered`).
 _IDENTIFY_S = 5.0
 
 
