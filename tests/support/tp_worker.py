@@ -10,8 +10,8 @@ calls (prefill, then decode; forced_devices.IDS_ONLY's families with the split s
 slots a seeded sampled run and, under a mesh, the same request again beside a second one (batch
 invariance), the prompt's next-token logits, compilations after warm-up (none at size 1, the
 reference, which is not warmed up: what warm-up covers on one device is the in-process tests'
-claim; none at 4 devices nor for IDS_ONLY's families, which are not warmed up either), and what each device holds
-of the weights and of the KV cache.
+claim; none at 4 devices nor for IDS_ONLY's families, which are not warmed up either), and what
+each device holds of the weights and of the KV cache.
 
 With `--split-sampler`, the two-slot tiny-llama model at size 2 is also compared with the same
 model split (tests/support/split_sampler_mesh.py; key "split-sampler"), in this one child: each
