@@ -85,6 +85,7 @@ from typing import Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from engine.core.request import MAX_TOP_LOGPROBS
 
@@ -358,31 +359,42 @@ def _exact_floor(keys: jax.Array, values: jax.Array | None, target: jax.Array, s
 
     A radix select, high bits first: a histogram of the next RADIX_BITS of the keys that share the
     bits chosen so far, and the last bin whose mass from the top still reaches the target. One
-    scatter-add pass over [B, V] per level, no sort; small bins keep the histograms small. With
-    skip (the CPU) it runs one row at a time (`lax.map`, a loop over B on the host thread): the
-    same arithmetic in the same order, with [V] instead of [B, V] scratch arrays, because XLA:CPU
-    allocates an executable's scratch per call and past glibc's 32 MiB mmap threshold every page
-    of it faults anew (docs/benchmarks.md, "Sampling")."""
+    scatter-add pass over [B, V] per level, no sort; small bins keep the histograms small. The
+    levels are one loop body (`fori_loop`), which XLA compiles once instead of once per level
+    (the sampler's compile is most of a small model's warm-up on the CPU): every level's histogram
+    has the widest level's bins, 2**max(RADIX_BITS); a narrower level's digit then takes in bits of
+    the prefix, the same for every key it counts, so its mass lands in the bins of that prefix
+    alone and the floors are those of the levels unrolled, bit for bit. With skip (the CPU) it runs one row at a
+    time (`lax.map`, a loop over B on the host thread): the same arithmetic in the same order, with
+    [V] instead of [B, V] scratch arrays, because XLA:CPU allocates an executable's scratch per
+    call and past glibc's 32 MiB mmap threshold every page of it faults anew (docs/benchmarks.md,
+    "Sampling")."""
     if skip:
         one_row = lambda row: _exact_floor(*(a if a is None else a[None] for a in row), skip=False)[0]  # noqa: E731
         return jax.lax.map(one_row, (keys, values, target))
     b, v = keys.shape
     values = jnp.ones((b, v), jnp.float32) if values is None else values
     offsets = jnp.arange(b, dtype=jnp.int32)[:, None]  # [B, 1]
-    floor = jnp.zeros((b,), jnp.uint32)  # [B], the bits chosen so far, in place
-    base = jnp.zeros((b,), jnp.float32)  # [B], the mass of the keys above the chosen prefix
-    shift = 32
-    for bits in RADIX_BITS:
-        high, shift, bins = shift, shift - bits, 1 << bits
-        same = values if high == 32 else jnp.where((keys >> high) == (floor >> high)[:, None], values, 0.0)
-        digit = ((keys >> shift) & (bins - 1)).astype(jnp.int32)  # [B, V]
+    bins = 1 << max(RADIX_BITS)
+    shifts = np.cumsum((0,) + RADIX_BITS[::-1])[::-1]  # each level's high and low bit: 32, 21, 10, 0
+    high = jnp.asarray(shifts[:-1], jnp.uint32)  # [levels]
+    low = jnp.asarray(shifts[1:], jnp.uint32)
+
+    def level(i: jax.Array, chosen: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        """One level: the bits from high[i] down to low[i] chosen. floor [B] (the bits chosen so
+        far, in place), base [B] (the mass of the keys above the chosen prefix)."""
+        floor, base = chosen
+        # (a shift by 32 gives 0 in XLA, so the first level keeps every id)
+        same = jnp.where((keys >> high[i]) == (floor >> high[i])[:, None], values, 0.0)  # [B, V]
+        digit = ((keys >> low[i]) & (bins - 1)).astype(jnp.int32)  # [B, V]
         hist = jnp.zeros((b * bins,), jnp.float32).at[(offsets * bins + digit).reshape(-1)].add(same.reshape(-1))
         from_top = base[:, None] + jnp.cumsum(hist.reshape(b, bins)[:, ::-1], axis=-1)[:, ::-1]  # [B, bins]
         j = jnp.maximum(jnp.sum(from_top >= target[:, None], axis=-1) - 1, 0)  # [B], the last bin reaching it
         after = jnp.concatenate([from_top[:, 1:], base[:, None]], axis=-1)  # [B, bins], mass of bins above each
-        base = jnp.take_along_axis(after, j[:, None], axis=-1)[:, 0]
-        floor = floor | (j.astype(jnp.uint32) << shift)
-    return floor
+        return floor | (j.astype(jnp.uint32) << low[i]), jnp.take_along_axis(after, j[:, None], axis=-1)[:, 0]
+
+    start = (jnp.zeros((b,), jnp.uint32), jnp.zeros((b,), jnp.float32))
+    return jax.lax.fori_loop(0, len(RADIX_BITS), level, start)[0]
 
 
 def _inverse_cdf(weights: jax.Array, u: jax.Array) -> jax.Array:
