@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from engine.jax_backend.jax_model import JaxModel
-from support import prerequisites
+from support import prerequisites, tiny_served
 
 LLAMA = Path(__file__).parent / "assets" / "tiny-llama"
 DEFAULTS = dict(max_batch_size=8, max_context_length=256, dtype="float32")
@@ -132,8 +132,8 @@ def test_the_plain_accelerator_shape_of_the_defaults_compiles_22_shapes(caplog):
 
 
 def test_speculative_decoding_adds_a_verify_step_per_row_and_guess_bucket(caplog):
-    # test_verify's float32 tiny-llama (the served options at 4 slots, a context of 64, pages of 4,
-    # max_guesses 4; off, 0, by default: no verify shape, as the counts above show), lowered: the
+    # test_verify's float32 tiny-llama (support.tiny_served's: the served options at 4 slots and a
+    # context of 64; with max_guesses 4; off, 0, by default: no verify shape, as the counts above show), lowered: the
     # same 52 programs that its warm-up compiles there for real (tests/test_verify.py counts them
     # in jit's caches and JAX's compile events, and shows that nothing compiles after), so the
     # lowered counts here are the compiled ones where both are taken. The verify steps are one per
@@ -143,8 +143,7 @@ def test_speculative_decoding_adds_a_verify_step_per_row_and_guess_bucket(caplog
     # samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a layer, the last positions
     # of 2 row buckets).
     prerequisites.cpu_kernels()
-    model = lower_only(JaxModel.load(LLAMA, max_batch_size=4, max_context_length=64, dtype="float32",
-                                     kv_page_size=4, max_guesses=4, min_rows=1))
+    model = lower_only(tiny_served.load(max_guesses=4))
     with caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
         model.warm_up()
     _check_progress(caplog, model.compilations())

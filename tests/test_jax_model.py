@@ -1,11 +1,14 @@
-"""JaxModel through the engine.core.model.Model interface, on tiny-llama (4 slots: row buckets 1, 2, 4;
-context 32: prompt and attend buckets 16 and 32): batch invariance across row buckets, seeds,
-masks, padding ids never sampled, no compilation after warm-up, and a cache that is updated in
-place rather than copied per step; each with decode attention in JAX and in the CPU kernel. The
-models run decode-server's configuration (engine.core.model_options.SERVED: a page pool of a
-whole context per slot, the served smallest chunk) but where a test says otherwise; the one such deviation is the module
-fixture's smallest prompt bucket, 16, so that a 32-position context has two prompt buckets and
-two attend buckets to cross.
+"""JaxModel through the engine.core.model.Model interface, on tiny-llama at 4 slots (row buckets 1, 2,
+4): batch invariance across row buckets, seeds, masks, padding ids never sampled, no compilation
+after warm-up, and a cache that is updated in place rather than copied per step; each with decode
+attention in JAX and in the CPU kernel. The models run decode-server's configuration
+(engine.core.model_options.SERVED: a page pool of a whole context per slot, the served smallest
+chunk) but where a test says otherwise. The module fixture's two models:
+- the CPU kernel's: support.tiny_served's configuration (a context of 64: prompt buckets 8 to 64,
+  one attend shape, the kernel reading each row's live keys), which other files warm up too, so
+  its warm-up is read back from the run's compilation cache wherever one of them ran first;
+- attention in JAX: a context of 32 with the smallest prompt bucket and attend length 16, so that
+  it has two prompt buckets and two attend buckets to cross.
 
 Batch invariance (greedy ids equal to transformers' goldens whatever the row bucket and the
 company) is a claim about XLA:CPU in float32: the models here are pinned to float32, and the module
@@ -34,7 +37,7 @@ from engine.jax_backend.weights import load_checkpoint
 from engine.jax_backend.jax_model import JaxModel, length_buckets, prompt_pieces
 from engine.core.model import DecodeInput, ModelUsageError, SlotSetup
 from engine.core.request import SamplingParams
-from support import prerequisites
+from support import prerequisites, tiny_served
 from support.compile_watch import compile_events
 from support.lowering import host_syncs
 from support.pages import own_pages
@@ -51,10 +54,10 @@ def model(request) -> JaxModel:
     """Every test below runs with decode attention in JAX and with the CPU kernel."""
     if request.param:
         prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
-    m = JaxModel.load(  # min_bucket 16 and min_attend 16: two buckets of each below the context (module docstring)
-        LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16, kernels=request.param,
-        dtype="float32",
-    )
+        m = tiny_served.load()
+    else:  # min_bucket 16 and min_attend 16: two buckets of each below the context (module docstring)
+        m = JaxModel.load(LLAMA, max_batch_size=4, max_context_length=32, min_bucket=16, min_attend=16, kernels=False,
+                          dtype="float32")
     assert m.kernels == request.param
     m.warm_up()
     return m
@@ -165,15 +168,19 @@ def test_prompt_pieces_cover_the_prompt_in_compiled_sizes_with_no_more_rows_than
 
 
 def test_bucket_ladders(model):
-    attend = (32,) if model.kernels else (16, 32)  # the kernel reads the live length itself
-    assert (model.buckets, model.attend_buckets, model.row_buckets) == ((16, 32), attend, (1, 2, 4))
+    smallest = backend_profile.profile().step_tokens  # the served smallest chunk (8 on the CPU)
+    if model.kernels:  # the served ladder up to the context; one attend shape: the kernel reads the live length itself
+        assert (model.buckets, model.attend_buckets, model.row_buckets) == (length_buckets(64, smallest), (64,), (1, 2, 4))
+    else:
+        assert (model.buckets, model.attend_buckets, model.row_buckets) == ((16, 32), (16, 32), (1, 2, 4))
     default = JaxModel(model.config, model._weights, model.info, jnp.float32, kernels=False)
-    assert (default.buckets, default.attend_buckets) == ((8, 16, 32), (32,))  # the served smallest chunk; attend from 128
+    context = model.info.max_context_length  # attend buckets from 128: the context alone, below it
+    assert (default.buckets, default.attend_buckets) == (length_buckets(context, smallest), (context,))
 
 
 def test_info_defaults(model):
     assert model.info.model_id == "tiny-llama"
-    assert (model.info.vocab_size, model.info.max_batch_size, model.info.max_context_length) == (512, 4, 32)
+    assert (model.info.vocab_size, model.info.max_batch_size, model.info.max_context_length) == (512, 4, 64 if model.kernels else 32)
     assert model.info.eos_token_ids == frozenset({0, 2})
     served = JaxModel.load(LLAMA, max_batch_size=1, model_id="x")
     assert served.info.max_context_length == 256  # config's 256
@@ -262,9 +269,9 @@ def test_nothing_compiles_after_warm_up(model):
     assert model.packed_prefill_rows == tuple(r for r in model.row_buckets if r >= 2)
     assert before == steps + samplers + prompt + small + len(packed) * (1 + len(model.packed_prefill_rows))
     with compile_events() as compiles:
-        drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32, decode 16 -> 32
+        drive(model, [Plan(0, _prompt(8, 20), 11), *_company(3, [1, 2, 3])])  # prefill bucket 32; attend 16 -> 32 in JAX
         drive(model, [Plan(3, _prompt(9, 1), 30, SamplingParams(temperature=0.7, top_k=3, seed=3))])  # rows 4
-        drive(model, [Plan(1, _prompt(9, 2), 20), Plan(0, _prompt(9, 3), 4)])  # rows 2, attend 16 -> 32
+        drive(model, [Plan(1, _prompt(9, 2), 20), Plan(0, _prompt(9, 3), 4)])  # rows 2; attend 16 -> 32 in JAX
     assert model.compilations() == before
     assert compiles == []
 

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.real_model
 
 # the int8 model's shapes (its fixture says why), and its float32 reference's
 ONE_CHUNK = {"min_bucket": 64, "max_chunk": 64, "fused_chunk_tokens": 0}
-GUESSES = 2  # the speculative test's tokens a step, and the model's max_guesses (its fixture says why)
+GUESSES = 1  # the speculative test's tokens a step, and the model's max_guesses (its fixture says why)
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +51,10 @@ def model_dir(real_model) -> Path:
 @pytest.fixture(scope="module")
 def model(model_dir) -> JaxModel:
     """The file's one load of the 30-layer model in its served weights, in support.real_served's
-    configuration, with verify steps of up to 2 guesses (the speculative test's; a model's other
-    programs do not depend on them), which the server's warm-up compiles: guess buckets 1 and 2,
-    each a verify step of all 30 layers and the full sampler (about 3 s of CPU a compile; runs of
-    up to 4 guesses, across every guess and row bucket, are tests/test_verify.py's, on the tiny
-    checkpoints). Off the served configuration only where it costs warm-up: one prompt chunk
+    configuration, with verify steps of one guess (the speculative test's; a model's other
+    programs do not depend on them): one guess bucket, a verify step of all 30 layers and the full
+    sampler (about 3 s of CPU to compile; runs of up to 4 guesses, across every guess and row
+    bucket, are tests/test_verify.py's, on the tiny checkpoints). Off the served configuration only where it costs warm-up: one prompt chunk
     size, 64 (every prompt here is read in one or two calls of it; test_prefill_chunked reads
     prompts in every size to 256 on this model), and no chunk along with a decode step (each size
     of one is a decode step of every layer to compile, and no prompt here arrives while another

@@ -4,7 +4,7 @@ requests keep the stream contract, a draft with no free slot just stops guessing
 configurations that cannot work are refused at the command line (exit 2, the reason last).
 
 Real parts: tiny-llama is the target in tests/support/tiny_served's configuration with a verify
-step (`max_guesses` 4) and pages of 4, as tests/test_verify warms it up, and drafts in
+step (`max_guesses` 4), as tests/test_verify warms it up, and drafts in
 tiny_served's own configuration, as every file loading tiny-llama does; tiny-mistral, a
 different checkpoint with the same tokenizer, is the draft whose guesses the target sometimes
 rejects. Nothing is warmed up (the decode service's load neither: `Unwarmed`): each model compiles
@@ -49,8 +49,8 @@ class Unwarmed(JaxModel):
 
 @pytest.fixture(scope="module")
 def target():
-    # test_verify's configuration (pages of 4), which that file warms up: read back in a run
-    return tiny_served.load(cls=Unwarmed, max_guesses=4, kv_page_size=4, min_rows=1)
+    # test_verify's configuration, which that file warms up: read back in a run
+    return tiny_served.load(cls=Unwarmed, max_guesses=4)
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,11 @@ logprob, alternatives) equals the plain run's at its position. A call is of one 
 (its first row has that many guesses, K but in the float32 case's calls of two rows, which walk
 the buckets); the float32 case also walks the row buckets (some slots a call), the int8 and
 Gemma 3 ones run every call at the batch's one row bucket (fewer compiles; the ladders are not
-theirs to test). The pages are a shuffled pool of 4 positions each, so every guessed span
-crosses a page boundary into a page elsewhere, and a decode after a verify reads the KV the
-verify wrote and overwrites the garbage of its rejected guesses. Sampled: the same seed gives
+theirs to test). The pages are shuffled, so a guessed span that crosses a page boundary goes on
+in a page elsewhere (pages of 4 positions for the int8 and Gemma 3 models, where most spans
+cross one; the served 16 for the float32 model, whose run counts the spans that cross and
+asserts some), and a decode after a verify reads the KV the verify wrote and overwrites the
+garbage of its rejected guesses. Sampled: the same seed gives
 the same ids as plain sampling (verify's draw is plain sampling's at each position), and over
 many seeds the first sample and the acceptance of a fixed guess follow the target distribution
 (chi-square, and the acceptance rate against the guess's probability).
@@ -20,7 +22,10 @@ many seeds the first sample and the acceptance of a fixed guess follow the targe
 The float32 tiny-llama is warmed up once for the module, and its warm-up is counted here: a verify
 step per verify row bucket and guess bucket, compiled for real, and nothing compiled after it
 (tests/test_compile_budget.py lowers the same configuration and counts the same programs without
-compiling them). The int8 and Gemma 3 models are not warmed up: each call compiles what it uses.
+compiling them). It is support.tiny_served's configuration with max_guesses 4, on which a
+model's other programs do not depend: those 43 are read back from the run's compilation cache
+wherever another file warmed that configuration first. The int8 and Gemma 3 models are not
+warmed up: each call compiles what it uses.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from scipy import stats
 from engine.core.model import DecodeInput, ModelUsageError, PromptInput, SlotSetup, VerifyInput
 from engine.core.request import SamplingParams
 from engine.jax_backend.jax_model import JaxModel
-from support import prerequisites
+from support import prerequisites, tiny_served
 from support.compile_watch import compile_events
 
 ASSETS = Path(__file__).parent / "assets"
@@ -70,10 +75,12 @@ class _Said(logging.Handler):
 
 @pytest.fixture(scope="module")
 def warmed() -> tuple[JaxModel, list[str], list[str], int]:
-    """tiny-llama in float32 at 4 slots, warmed up: -> the model, warm-up's log lines, the
+    """tiny-llama in support.tiny_served's configuration (float32, 4 slots, a context of 64, the
+    served pages of 16) with max_guesses 4, warmed up: -> the model, warm-up's log lines, the
     compile events of its warm-up and the executables it left in jit's caches. The tests below
     share the model (each releases what it takes)."""
-    model, said, log = _load("tiny-llama", "float32"), _Said(), logging.getLogger("engine.jax_backend.warm_up")
+    prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
+    model, said, log = tiny_served.load(max_guesses=K), _Said(), logging.getLogger("engine.jax_backend.warm_up")
     level = log.level
     log.setLevel(logging.INFO)
     log.addHandler(said)
@@ -118,15 +125,16 @@ def _plain(model: JaxModel, n: int) -> list[list]:
 
 def _speculated(
     model: JaxModel, plain: list[list], rng: np.random.Generator, some: bool
-) -> tuple[list[list], list[int], set[int]]:
+) -> tuple[list[list], list[int], set[int], int]:
     """The same prompts through verify calls with random guesses (module docstring), plain decode
     steps in between, `some` slots each time (else every one still short of STEPS); -> each
-    prompt's samples, each accepted run's guess count, and the calls' guess counts. A call's first
+    prompt's samples, each accepted run's guess count, the calls' guess counts, and how many rows
+    fed tokens on both sides of a page boundary. A call's first
     row has its call's count of guesses, the others a random count up to it: K, one guess bucket,
     except in a `some` run's calls of two rows, which take 1, 2 and K in turn, so the guess
     buckets' ladder is walked at one row bucket, not at each (fewer shapes)."""
     runs = [[model.prefill(slot, p, _setup(slot), False)] for slot, p in enumerate(PROMPTS)]
-    accepted, tops, ladder = [], set(), itertools.cycle((1, 2, K))
+    accepted, tops, ladder, crossed = [], set(), itertools.cycle((1, 2, K)), 0
     while min(len(r) for r in runs) < STEPS:
         short = [s for s in range(len(PROMPTS)) if len(runs[s]) < STEPS]
         slots = [s for s in short if not some or rng.random() < 0.7] or short[:1]
@@ -144,13 +152,14 @@ def _speculated(
             if guesses and rng.random() < 0.5:  # one wrong guess
                 guesses[int(rng.integers(len(guesses)))] = int(rng.integers(model.info.vocab_size))
             inputs.append(VerifyInput(s, at[s], tuple(guesses), False))
+            crossed += at[s] // model.kv.page_size != (at[s] + len(guesses)) // model.kv.page_size
         for i, run in zip(inputs, model.verify(inputs)):
             assert 1 <= len(run) <= len(i.guesses) + 1
             runs[i.slot].extend(run)
             accepted.append(len(run) - 1)
     for slot in range(len(PROMPTS)):
         model.release(slot)
-    return runs, accepted, tops
+    return runs, accepted, tops, crossed
 
 
 @pytest.mark.parametrize("name, weights", [("tiny-llama", "float32"), ("tiny-llama", "int8"), ("tiny-gemma3", "float32")])
@@ -163,7 +172,8 @@ def test_greedy_verify_runs_are_plain_greedy_decoding_sample_for_sample(name, we
     _shuffled_pages(model, rng)
     plain = _plain(model, STEPS + K + 1)
     _shuffled_pages(model, rng)  # other pages: what the plain run left in them does not matter
-    runs, accepted, tops = _speculated(model, plain, rng, some=first)
+    runs, accepted, tops, crossed = _speculated(model, plain, rng, some=first)
+    assert crossed >= 3, crossed  # verify rows whose KV writes go on in another (shuffled) page
     assert tops == ({1, 2, K} if first else {K})  # the guess buckets: all (1, 2, 4) in the thorough run
     for slot, (got, want) in enumerate(zip(runs, plain)):
         assert STEPS <= len(got) < len(want)
@@ -252,13 +262,15 @@ def test_verify_refuses_what_the_contract_does_not_allow(llama):
     model.prefill(1, (5,) * long, _setup(0), False)
     with pytest.raises(ModelUsageError, match="past the context"):
         model.verify([VerifyInput(1, long, (1, 2, 3), False)])
-    model.set_pages(0, model._slots.tables[0][:2].tolist())  # pages for positions 0..7 only
+    page = model.kv.page_size
+    model.prefill(2, (7,) * (page - 2), _setup(0), False)
+    model.set_pages(2, model._slots.tables[2][:1].tolist())  # a page for the first `page` positions only
     with pytest.raises(ModelUsageError, match="no page"):
-        model.verify([VerifyInput(0, n, (1, 2, 3), False)])
+        model.verify([VerifyInput(2, page - 2, (1, 2, 3), False)])  # its guesses reach position page + 1
     runs = model.verify([VerifyInput(1, long, (1, 2), False), VerifyInput(0, n, (1, 2), False)])  # still serving
     assert [1 <= len(r) <= 3 for r in runs] == [True, True]
-    model.release(0)
-    model.release(1)
+    for slot in range(3):
+        model.release(slot)
     off = JaxModel.load(ASSETS / "tiny-llama", max_batch_size=1, max_context_length=CONTEXT, dtype="float32")
     assert off.max_guesses == 0 and off.verify_rows == ()
     with pytest.raises(ModelUsageError, match="max_guesses 0"):
@@ -274,8 +286,8 @@ def test_warm_up_adds_a_verify_step_per_row_and_guess_bucket_and_nothing_compile
     to the 43 of this configuration without it (the served options at 4 slots, a context of 64:
     4 prompt buckets x 3, 3 rows x (the layers alone, the greedy step, the layers with the
     8-token chunk), 3 rows x 2 samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a
-    layer, the last positions of 2 row buckets); pages of 4 add no shape: the tables are inputs
-    of one shape). Counted in jit's caches, announced the same by warm-up's log, bounded in JAX's
+    layer, the last positions of 2 row buckets): support.tiny_served's 43, read back from the
+    run's compilation cache where another file warmed them first). Counted in jit's caches, announced the same by warm-up's log, bounded in JAX's
     compile events (at most a few of jnp's helpers beyond the 52), and after warm-up a verify of
     each row bucket compiles nothing. tests/test_compile_budget.py lowers this configuration
     without compiling it and counts the same 52 programs: what its lowered counts rely on."""
