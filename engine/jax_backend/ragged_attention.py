@@ -253,7 +253,25 @@ def decode_attention(
     kernel = functools.partial(
         _kernel, pages_per_block=bp, scale=1.0 / math.sqrt(d), precision=precision, window=window, softcap=softcap
     )
-    o, m, l = pl.pallas_call(
+    o, m, l = _split_partials(kernel, lengths, tables, qg, k_pages, v_pages, s, span_pages, interpret)
+    if sinks is not None:  # one more split per head: max = its sink, denominator exp(0) = 1, no value
+        sink = jnp.pad(sinks.astype(jnp.float32).reshape(kv, g), ((0, 0), (0, gp - g)))  # [K, Gp]
+        sink = jnp.broadcast_to(sink, (1, r, kv, gp))  # [1, R, K, Gp]
+        o = jnp.concatenate([o, jnp.zeros((1, r, kv, gp, d), jnp.float32)])
+        m, l = jnp.concatenate([m, sink]), jnp.concatenate([l, jnp.ones_like(sink)])
+    return _combine(o, m, l)[:, :, :g].reshape(r, h * d).astype(q.dtype)
+
+
+def _split_partials(
+    kernel, lengths: jax.Array, tables: jax.Array, qg: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+    s: int, span_pages: int, interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The kernel over the grid (row, kv head, split): lengths [R], tables [R, S x span], qg
+    [R, K, Gp, D], k/v pages [K, N, P, D] -> each split's partials o [S, R, K, Gp, D], running
+    max m and denominator l [S, R, K, Gp], float32 (`_combine` merges them)."""
+    r, kv, gp, d = qg.shape
+    n, page = k_pages.shape[1:3]
+    return pl.pallas_call(
         kernel,
         grid=(r, kv, s),
         in_specs=[
@@ -277,12 +295,6 @@ def decode_attention(
         interpret=interpret,
         name="tokenwire_paged_decode_attention",
     )(lengths, tables, qg, k_pages, v_pages)
-    if sinks is not None:  # one more split per head: max = its sink, denominator exp(0) = 1, no value
-        sink = jnp.pad(sinks.astype(jnp.float32).reshape(kv, g), ((0, 0), (0, gp - g)))  # [K, Gp]
-        sink = jnp.broadcast_to(sink, (1, r, kv, gp))  # [1, R, K, Gp]
-        o = jnp.concatenate([o, jnp.zeros((1, r, kv, gp, d), jnp.float32)])
-        m, l = jnp.concatenate([m, sink]), jnp.concatenate([l, jnp.ones_like(sink)])
-    return _combine(o, m, l)[:, :, :g].reshape(r, h * d).astype(q.dtype)
 
 
 def _combine(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
