@@ -269,9 +269,12 @@ def int8_matmul(x: jax.Array, packed: jax.Array, scale: jax.Array, n: int, offse
     return call(*operands).reshape(*x.shape[:-1], n)
 
 
+@jax.jit
 def pack_panels(w: jax.Array) -> jax.Array:
     """A weight [K, N] ([in, out]) as `panel_matmul` reads it: [ceil(N / PANEL), K, PANEL],
-    panel j holding outputs PANEL * j .. PANEL * j + PANEL - 1 (zeros past N)."""
+    panel j holding outputs PANEL * j .. PANEL * j + PANEL - 1 (zeros past N). Jitted: at load,
+    one program per weight shape that pads and moves the weight in one pass (op by op, each
+    of the three was a program and a pass of its own)."""
     k, n = w.shape
     panels = -(-n // PANEL)
     padded = jnp.pad(w, ((0, 0), (0, panels * PANEL - n)))
