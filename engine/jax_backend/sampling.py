@@ -364,11 +364,11 @@ def _exact_floor(keys: jax.Array, values: jax.Array | None, target: jax.Array, s
     (the sampler's compile is most of a small model's warm-up on the CPU): every level's histogram
     has the widest level's bins, 2**max(RADIX_BITS); a narrower level's digit then takes in bits of
     the prefix, the same for every key it counts, so its mass lands in the bins of that prefix
-    alone and the floors are those of the levels unrolled, bit for bit. With skip (the CPU) it runs one row at a
-    time (`lax.map`, a loop over B on the host thread): the same arithmetic in the same order, with
-    [V] instead of [B, V] scratch arrays, because XLA:CPU allocates an executable's scratch per
-    call and past glibc's 32 MiB mmap threshold every page of it faults anew (docs/benchmarks.md,
-    "Sampling")."""
+    alone and the floors are those of the levels unrolled, bit for bit. With skip (the CPU) it
+    runs one row at a time (`lax.map`, a loop over B on the host thread): the same arithmetic in
+    the same order, with [V] instead of [B, V] scratch arrays, because XLA:CPU allocates an
+    executable's scratch per call and past glibc's 32 MiB mmap threshold every page of it faults
+    anew (docs/benchmarks.md, "Sampling")."""
     if skip:
         one_row = lambda row: _exact_floor(*(a if a is None else a[None] for a in row), skip=False)[0]  # noqa: E731
         return jax.lax.map(one_row, (keys, values, target))
