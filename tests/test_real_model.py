@@ -54,12 +54,12 @@ def model(model_dir) -> JaxModel:
     configuration, with verify steps of one guess (the speculative test's; a model's other
     programs do not depend on them): one guess bucket, a verify step of all 30 layers and the full
     sampler (about 3 s of CPU to compile; runs of up to 4 guesses, across every guess and row
-    bucket, are tests/test_verify.py's, on the tiny checkpoints). Off the served configuration only where it costs warm-up: one prompt chunk
-    size, 64 (every prompt here is read in one or two calls of it; test_prefill_chunked reads
-    prompts in every size to 256 on this model), and no chunk along with a decode step (each size
-    of one is a decode step of every layer to compile, and no prompt here arrives while another
-    decodes: the requests run one at a time; test_prefill_chunked runs chunks along on this
-    model)."""
+    bucket, are tests/test_verify.py's, on the tiny checkpoints). Off the served configuration
+    only where it costs warm-up: one prompt chunk size, 64 (every prompt here is read in one or two
+    calls of it; test_prefill_chunked reads prompts in every size to 256 on this model), and no
+    chunk along with a decode step (each size of one is a decode step of every layer to compile,
+    and no prompt here arrives while another decodes: the requests run one at a time;
+    test_prefill_chunked runs chunks along on this model)."""
     loaded = real_served.load(model_dir, **ONE_CHUNK, max_guesses=GUESSES)
     assert loaded.int8 and loaded.kernels and loaded.buckets == loaded.packed_prefill_sizes == (64,)
     return loaded

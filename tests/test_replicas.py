@@ -467,9 +467,9 @@ class _Unanswering(decode_pb2_grpc.DecoderServicer):
 async def test_a_request_on_a_stream_no_replica_answers_moves_on_and_fails_instead_of_waiting(monkeypatch):
     """A fresh-clone run of the suite hung here (test_operations' chaos test): after a decoder's
     restart the pool's only stream never got its headers, and the request sent on it waited for
-    good. Such a stream is closed once
-    _IDENTIFY_S passes (0.3 s here), and its request, which nothing started, goes to a new
-    stream: each attempt a call of its own, then UNAVAILABLE once MAX_ATTEMPTS are spent."""
+    good. Such a stream is closed once _IDENTIFY_S passes (0.3 s here), and its request, which
+    nothing started, goes to a new stream: each attempt a call of its own, then UNAVAILABLE once
+    MAX_ATTEMPTS are spent."""
     monkeypatch.setattr(decode_stream_client, "_IDENTIFY_S", 0.3)
     fake = _Unanswering()
     server = grpc.aio.server()

@@ -34,9 +34,9 @@ RUNS["tiny-gpt-oss"] = (2,)  # issue 44: attention sinks split by head, expert b
 # by the configuration's buckets and the layers' shardings, not by a checkpoint's widths, so that
 # claim is checked where a sharding differs: the dense layer on tiny-llama (2 ways, kv heads split;
 # at 4, where each kv head is copied, the copies widen the cache, not the set of programs, so that
-# run compares ids, samples and shares unwarmed), the padded head and q/k/v biases on the odd tiny-qwen2 (2 ways), the experts
-# on tiny-qwen3-moe (mesh.py's expert specs, its dense and MoE layers side by side; tiny-mixtral
-# shares that sharding). tiny-qwen2 and tiny-qwen3 at 4 add widths (32-wide heads, q/k norms) and
+# run compares ids, samples and shares unwarmed), the padded head and q/k/v biases on the odd
+# tiny-qwen2 (2 ways), the experts on tiny-qwen3-moe (mesh.py's expert specs, its dense and MoE
+# layers side by side; tiny-mixtral shares that sharding). tiny-qwen2 and tiny-qwen3 at 4 add widths (32-wide heads, q/k norms) and
 # the other families add layer kinds (soft-caps, local and global windows, fused weights split at
 # load, gpt-oss's sinks) whose shapes the in-process tests check on one device; their ids here check
 # the splits (the sinks split by head with the heads, one number each: no shape of their own).
