@@ -157,6 +157,7 @@ def model_options(a: argparse.Namespace, max_batch_size: int) -> ModelOptions:
         memory_limit_bytes=a.memory_limit_bytes or None,
         max_step_tokens=getattr(a, "max_step_tokens", None),  # (generate --local has no such flag)
         max_guesses=speculative_tokens(a),
+        max_verify_rows=getattr(a, "speculation_max_batch", 0) if speculation(a) != "off" else 0,
     )
 
 

@@ -169,6 +169,8 @@ def _decode_server(commands):
              "run. At most 63: a row's guesses and its last sample are one product of the CPU kernels.",
              type=guesses, default=EngineConfig.speculative_tokens)
     add_flag(p, "--speculation-max-batch", help="no speculation in a step of more rows than this",
+             details="Also the verify step's row shapes the model compiles at warm-up: those up to the smallest that "
+             "holds this many rows (one at the default, 1).",
              type=positive, default=EngineConfig.speculation_max_batch)
     add_flag(p, "--coordinator", help="HOST:PORT of process 0 of a group of hosts serving one model",
              details="jax.distributed: process 0 listens there, serves gRPC and schedules; the others follow its steps "

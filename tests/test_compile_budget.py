@@ -133,19 +133,20 @@ def test_the_plain_accelerator_shape_of_the_defaults_compiles_22_shapes(caplog):
 
 def test_speculative_decoding_adds_a_verify_step_per_row_and_guess_bucket(caplog):
     # test_verify's float32 tiny-llama (support.tiny_served's: the served options at 4 slots and a
-    # context of 64; with max_guesses 4; off, 0, by default: no verify shape, as the counts above show), lowered: the
-    # same 52 programs that its warm-up compiles there for real (tests/test_verify.py counts them
-    # in jit's caches and JAX's compile events, and shows that nothing compiles after), so the
-    # lowered counts here are the compiled ones where both are taken. The verify steps are one per
-    # verify row bucket (R x 5 fed tokens within the CPU kernels' products of up to 64 rows: 1, 2
-    # and 4), guess bucket (1, 2, 4) and attend shape (1), on top of 43: 4 prompt buckets x 3,
+    # context of 64; with max_guesses 4, off, 0, by default: no verify shape, as the counts above
+    # show; and verify steps of at most 2 rows), lowered: the same 49 programs that its warm-up
+    # compiles there for real (tests/test_verify.py counts them in jit's caches and JAX's compile
+    # events, and shows that nothing compiles after), so the lowered counts here are the compiled
+    # ones where both are taken. The verify steps are one per verify row bucket (those up to the
+    # one that holds max_verify_rows 2, each of R x 5 fed tokens within the CPU kernels' products
+    # of up to 64 rows: 1 and 2), guess bucket (1, 2, 4) and attend shape (1), on top of 43: 4 prompt buckets x 3,
     # 3 rows x (the layers alone, the greedy step, the layers with the 8-token chunk), 3 rows x 2
     # samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a layer, the last positions
     # of 2 row buckets).
     prerequisites.cpu_kernels()
-    model = lower_only(tiny_served.load(max_guesses=4))
+    model = lower_only(tiny_served.load(max_guesses=4, max_verify_rows=2))
     with caplog.at_level(logging.INFO, logger="engine.jax_backend.warm_up"):
         model.warm_up()
     _check_progress(caplog, model.compilations())
-    assert model.verify_rows == (1, 2, 4) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
-    assert model.compilations() == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 3 * 3 == 52
+    assert model.verify_rows == (1, 2) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
+    assert model.compilations() == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 2 * 3 == 49

@@ -358,9 +358,22 @@ def test_the_flags_reach_the_engine_and_the_models_verify_shape():
 
     on = config("--speculation", "ngram", "--speculative-tokens", "6", "--speculation-max-batch", "2")
     assert (on.engine.speculation, on.engine.speculative_tokens, on.engine.speculation_max_batch) == ("ngram", 6, 2)
-    assert on.model_options.max_guesses == 6
+    assert (on.model_options.max_guesses, on.model_options.max_verify_rows) == (6, 2)
+    served = config("--speculation", "ngram")  # verify steps of one row: the engine speculates at one only
+    assert (served.model_options.max_guesses, served.model_options.max_verify_rows) == (4, 1)
     off = config("--speculative-tokens", "6")
     assert (off.engine.speculation, off.model_options.max_guesses) == ("off", 0)  # no verify shapes compiled
+
+
+def test_the_verify_row_buckets_stop_at_the_one_that_holds_max_verify_rows():
+    from engine.jax_backend.verify import verify_rows
+
+    shapes = (1, 2, 4, 8, 16)  # the decode step's row buckets
+    assert verify_rows(shapes, 4, kernels=True) == (1, 2, 4, 8)  # 16 x 5 tokens: past one product of 64 rows
+    assert verify_rows(shapes, 4, kernels=False) == (1, 2, 4, 8, 16)
+    assert [verify_rows(shapes, 4, False, most) for most in (1, 2, 3, 8, 9, 64)] == [
+        (1,), (1, 2), (1, 2, 4), (1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)]
+    assert verify_rows(shapes, 0, False, 2) == ()  # no guesses: no verify step
 
 
 @pytest.mark.parametrize("argv, reason", [

@@ -22,9 +22,11 @@ many seeds the first sample and the acceptance of a fixed guess follow the targe
 The float32 tiny-llama is warmed up once for the module, and its warm-up is counted here: a verify
 step per verify row bucket and guess bucket, compiled for real, and nothing compiled after it
 (tests/test_compile_budget.py lowers the same configuration and counts the same programs without
-compiling them). It is support.tiny_served's configuration with max_guesses 4, on which a
-model's other programs do not depend: those 43 are read back from the run's compilation cache
-wherever another file warmed that configuration first. The int8 and Gemma 3 models are not
+compiling them). It is support.tiny_served's configuration with max_guesses 4 and verify steps of
+at most 2 rows (`max_verify_rows`: decode-server's --speculation-max-batch, 1 by default; 2 walks
+two row buckets, and a call of 3 rows runs as two steps), on which a model's other programs do
+not depend: those 43 are read back from the run's compilation cache wherever another file warmed
+that configuration first. The int8 and Gemma 3 models are not
 warmed up: each call compiles what it uses.
 """
 
@@ -76,11 +78,11 @@ class _Said(logging.Handler):
 @pytest.fixture(scope="module")
 def warmed() -> tuple[JaxModel, list[str], list[str], int]:
     """tiny-llama in support.tiny_served's configuration (float32, 4 slots, a context of 64, the
-    served pages of 16) with max_guesses 4, warmed up: -> the model, warm-up's log lines, the
+    served pages of 16) with max_guesses 4 and max_verify_rows 2, warmed up: -> the model, warm-up's log lines, the
     compile events of its warm-up and the executables it left in jit's caches. The tests below
     share the model (each releases what it takes)."""
     prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
-    model, said, log = tiny_served.load(max_guesses=K), _Said(), logging.getLogger("engine.jax_backend.warm_up")
+    model, said, log = tiny_served.load(max_guesses=K, max_verify_rows=2), _Said(), logging.getLogger("engine.jax_backend.warm_up")
     level = log.level
     log.setLevel(logging.INFO)
     log.addHandler(said)
@@ -281,30 +283,31 @@ def test_verify_refuses_what_the_contract_does_not_allow(llama):
 
 def test_warm_up_adds_a_verify_step_per_row_and_guess_bucket_and_nothing_compiles_after(warmed):
     """The compile budget of speculative decoding (tests/test_compile_budget.py has the others):
-    max_guesses 4 adds one verify step per verify row bucket (R x 5 fed tokens within the CPU
-    kernels' products of up to 64 rows: 1, 2 and 4), guess bucket (1, 2, 4) and attend shape (1)
+    max_guesses 4 adds one verify step per verify row bucket (the row buckets up to the one that
+    holds max_verify_rows 2, each of R x 5 fed tokens within the CPU kernels' products of up to 64
+    rows: 1 and 2), guess bucket (1, 2, 4) and attend shape (1)
     to the 43 of this configuration without it (the served options at 4 slots, a context of 64:
     4 prompt buckets x 3, 3 rows x (the layers alone, the greedy step, the layers with the
     8-token chunk), 3 rows x 2 samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a
     layer, the last positions of 2 row buckets): support.tiny_served's 43, read back from the
     run's compilation cache where another file warmed them first). Counted in jit's caches, announced the same by warm-up's log, bounded in JAX's
-    compile events (at most a few of jnp's helpers beyond the 52), and after warm-up a verify of
-    each row bucket compiles nothing. tests/test_compile_budget.py lowers this configuration
-    without compiling it and counts the same 52 programs: what its lowered counts rely on."""
+    compile events (at most a few of jnp's helpers beyond the 49), and after warm-up a verify of
+    each row bucket, and one of 3 rows (two steps), compiles nothing. tests/test_compile_budget.py lowers this configuration
+    without compiling it and counts the same 49 programs: what its lowered counts rely on."""
     model, said, compiles, compiled = warmed
-    assert model.verify_rows == (1, 2, 4) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
-    assert compiled == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 3 * 3 == 52
-    assert said[0] == "warm-up: compiling 52 shapes", said
+    assert model.verify_rows == (1, 2) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
+    assert compiled == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 2 * 3 == 49
+    assert said[0] == "warm-up: compiling 49 shapes", said
     counts = [(int(m[1]), int(m[2])) for line in said[1:] if (m := re.match(r"warm-up: compiled (\d+) of (\d+) shapes", line))]
-    assert len(counts) == len(said) - 1 >= 4 and {n for _, n in counts} == {52} and counts[-1][0] == 52, said
-    assert len([c for c in compiles if "backend_compile" in c]) <= 52 + 4
+    assert len(counts) == len(said) - 1 >= 4 and {n for _, n in counts} == {49} and counts[-1][0] == 49, said
+    assert len([c for c in compiles if "backend_compile" in c]) <= 49 + 4
     _shuffled_pages(model, np.random.default_rng(3))
     for slot in range(3):
         model.prefill(slot, (1, 2, 3), _setup(0), False)
     before = model.compilations()  # (compiled, unless another test here compiled a shape warm-up left out)
     with compile_events() as after:
         at = [3, 3, 3]  # each slot's next position
-        # (slot, guesses) per call: rows 1, 2 and 4 (3 held), guesses 4, 2 and 1
+        # (slot, guesses) per call: rows 1, 2 and 3 (a step of 2, then of 1), guesses 4, 2 and 1
         for call in ([(0, (4, 5, 6, 7))], [(1, (9, 9)), (0, ())], [(2, (8,)), (1, ()), (0, ())]):
             runs = model.verify([VerifyInput(slot, at[slot], guesses, False) for slot, guesses in call])
             for (slot, _), run in zip(call, runs):

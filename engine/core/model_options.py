@@ -49,6 +49,11 @@ class ModelOptions:
     # the most guesses one row of a verify step takes (speculative decoding, issue 45): the shapes
     # warm-up compiles for `Model.verify`; 0: no verify step (speculation off); at most MOST_GUESSES
     max_guesses: int = 0
+    # the most rows (sequences) a verify step takes at once: warm-up compiles its row buckets up to
+    # the one that holds this many, and a call with more runs as several steps; 0: every row
+    # bucket. decode-server sets it to --speculation-max-batch, since the engine verifies no step
+    # of more rows than that (the default, 1: one row bucket instead of three or more)
+    max_verify_rows: int = 0
 
 
 # The most guesses a row may take: its guesses and its last sample, 64 tokens, are one product of

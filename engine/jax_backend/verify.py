@@ -11,8 +11,10 @@ decoding"), so a scheduler that guesses fewer pays for fewer; each bucket is a w
 row bucket. The row buckets are the decode step's, up to the largest whose R x (max_guesses + 1)
 fed tokens the CPU kernels take in one product (cpu_kernels.PANEL_ROWS; elsewhere all of them):
 there every row's products are the bits a decode step gives it, which is what makes a greedy
-verify equal to plain greedy decoding id for id. A call with more inputs than the largest row
-bucket runs as several steps of it, one after the other.
+verify equal to plain greedy decoding id for id. `max_verify_rows` (ModelOptions; decode-server's
+--speculation-max-batch, the most rows the engine verifies in one step) cuts them further, to the
+smallest bucket that holds that many. A call with more inputs than the largest row bucket runs as
+several steps of it, one after the other.
 
 The seed contract with speculation on. A row samples at each fed token exactly as plain decoding
 samples at that position (its parameters, its masked ids, the draw keyed by its seed and the
@@ -45,7 +47,7 @@ import numpy as np
 from engine.core import model_options
 from engine.core.model import DecodeInput, Sample, VerifyInput
 from engine.jax_backend import cpu_kernels
-from engine.jax_backend.shapes import Shapes, bucket, length_buckets
+from engine.jax_backend.shapes import bucket, length_buckets
 from engine.jax_backend.slot_sampling import TOP_N
 from engine.jax_backend.slot_table import require
 from engine.jax_backend.steps import alternatives
@@ -68,11 +70,16 @@ def guess_buckets(guesses: int) -> tuple[int, ...]:
     return length_buckets(guesses, 1) if guesses else ()
 
 
-def verify_rows(shapes: Shapes, guesses: int, kernels: bool) -> tuple[int, ...]:
-    """The row buckets a verify step compiles for (module docstring); () when it does not verify."""
+def verify_rows(decode_rows: tuple[int, ...], guesses: int, kernels: bool, most: int = 0) -> tuple[int, ...]:
+    """The row buckets a verify step compiles for (module docstring), of the decode step's
+    `decode_rows`: up to the smallest that holds `most` rows (0: every one); () when it does not
+    verify."""
     if not guesses:
         return ()
-    return tuple(r for r in shapes.rows if not kernels or r * (guesses + 1) <= cpu_kernels.PANEL_ROWS)
+    rows = [r for r in decode_rows if not kernels or r * (guesses + 1) <= cpu_kernels.PANEL_ROWS]
+    if most > 0:
+        rows = [r for r in rows if r < most] + [r for r in rows if r >= most][:1]
+    return tuple(rows)
 
 
 class Verifying:
