@@ -117,9 +117,15 @@ def test_the_host_picks_the_greedy_sampler_only_when_no_row_samples_or_wants_alt
 
 def test_under_a_mesh_of_two_devices_the_split_step_gives_what_the_one_executable_step_gives(tmp_path_factory):
     """In the child interpreter with forced CPU devices that tests/test_tensor_parallel.py reads
-    too (JAX fixes its device count when it starts): tiny-llama at tensor parallelism 2."""
-    result = forced_devices.runs(tmp_path_factory)["split-sampler"]
-    assert result["mesh"] == 2 and result["split_sampler"] and result["compiled_after_warm_up"] == 0
-    assert result["split"]["ids"] == result["one"]["ids"]
-    np.testing.assert_allclose(result["split"]["logprobs"], result["one"]["logprobs"], atol=1e-6)
-    assert result["calls"]["greedy"] and result["calls"]["full"]
+    too (JAX fixes its device count when it starts): tiny-llama at tensor parallelism 2 through
+    the split step, warmed up, against the one-executable step on one device (the reference run):
+    the same greedy ids, alone and beside another request, and the same seeded samples (top_k and
+    top_p), logprobs within the all-reduce's rounding (tests/test_tensor_parallel.py)."""
+    runs = forced_devices.runs(tmp_path_factory)
+    split, one = runs[forced_devices.SPLIT], runs[f"{forced_devices.TWO_SLOTS}/1"]
+    assert sorted(split["sharded_per_device"]) == ["0", "1"] and split["compiled_after_warm_up"] == 0
+    assert split["split_sampler"] and not one["split_sampler"]
+    assert split["greedy"] == one["greedy"] and split["beside"] == split["greedy"]
+    assert split["sampled"] == one["sampled"] and len(set(one["sampled"])) > 1
+    np.testing.assert_allclose(split["logprobs"], one["logprobs"], atol=1e-5)
+    assert split["sampler_calls"]["greedy"] and split["sampler_calls"]["full"]  # greedy steps, then sampled ones

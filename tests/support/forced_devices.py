@@ -29,8 +29,8 @@ RUNS["tiny-phi3"] = (2,)  # issue 44: Phi-3's fused weights split at load, a win
 RUNS["tiny-gpt-oss"] = (2,)  # issue 44: attention sinks split by head, expert biases split with their features
 # Checkpoints whose runs here compare ids, logits and each device's share only, with no warm-up
 # (so no "nothing compiles after warm-up" under the mesh), decoding through the split sampler's
-# greedy variant (tp_worker: the accelerators' step; it equals the CPU's one-executable greedy
-# step under the mesh, the "split-sampler" run's claim): which shapes a warm-up covers is decided
+# greedy variant (tp_worker: the accelerators' step; it gives the one-executable step's greedy ids
+# under the mesh, the SPLIT run's claim): which shapes a warm-up covers is decided
 # by the configuration's buckets and the layers' shardings, not by a checkpoint's widths, so that
 # claim is checked where a sharding differs: the dense layer on tiny-llama (2 ways, kv heads split;
 # at 4, where each kv head is copied, the copies widen the cache, not the set of programs, so that
@@ -42,6 +42,11 @@ RUNS["tiny-gpt-oss"] = (2,)  # issue 44: attention sinks split by head, expert b
 # the splits (the sinks split by head with the heads, one number each: no shape of their own).
 IDS_ONLY = frozenset({"tiny-qwen2", "tiny-qwen3", "tiny-mixtral", "tiny-gemma3", "tiny-gemma2", "tiny-phi3", "tiny-gpt-oss"})
 TWO_SLOTS = "tiny-llama"  # batch invariance, seeded sampling, the split sampler: one checkpoint (more slots, more compiles)
+# The run whose model decodes through the split sampler and is warmed up: the accelerators' step
+# under a mesh, whose ids, logprobs and seeded samples are compared with the one-device
+# reference's one-executable step (TWO_SLOTS at 1), and the programs warm-up leaves out counted
+# (none); at 4 ways TWO_SLOTS keeps the one-executable step, unwarmed.
+SPLIT = f"{TWO_SLOTS}/2"
 ODD = 509
 
 _done: dict = {}
@@ -61,7 +66,7 @@ def odd_vocabulary(folder: Path) -> Path:
 
 def runs(tmp_path_factory) -> dict:
     """The child's JSON (tp_worker's keys: "NAME/SIZE" per run, "tiny-qwen2/2" the odd
-    vocabulary's, "split-sampler"), run once per test run: the first caller, in whichever
+    vocabulary's), run once per test run: the first caller, in whichever
     pytest-xdist worker, runs the child under the run's lock and leaves its JSON in the run's
     directory (conftest, TOKENWIRE_TEST_RUN_DIR) for the other workers, which wait on the lock."""
     if not _done:
@@ -80,12 +85,11 @@ def _run_child(tmp_path_factory) -> dict:
     # pinned to the CPU platform (so float32) even on a GPU host: greedy ids equal to one
     # device's and batch invariance are float32 CPU claims (tests/support/backend.py)
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": str(DEVICES), "JAX_PLATFORMS": "cpu"}
-    if not os.environ.get("TOKENWIRE_TEST_NO_XLA_CACHE"):  # the run's compilation cache (conftest), as in-process:
-        # the split model's prefill is the size-2 model's, and is read back instead of compiled again
+    if not os.environ.get("TOKENWIRE_TEST_NO_XLA_CACHE"):  # the run's compilation cache (conftest), as in-process
         env |= {"JAX_COMPILATION_CACHE_DIR": str(Path(os.environ["TOKENWIRE_TEST_RUN_DIR"]) / "xla"),
                 "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0", "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
     done = subprocess.run(
-        [sys.executable, "-m", "tests.support.tp_worker", *specs, "--split-sampler"], cwd=ROOT, env=env,
+        [sys.executable, "-m", "tests.support.tp_worker", *specs], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=300,  # (~100 s of CPU; under the test's own bound)
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -13,9 +13,10 @@ reference, which is not warmed up: what warm-up covers on one device is the in-p
 claim; none at 4 devices nor for IDS_ONLY's families, which are not warmed up either), and what
 each device holds of the weights and of the KV cache.
 
-With `--split-sampler`, the two-slot tiny-llama model at size 2 is also compared with the same
-model split (tests/support/split_sampler_mesh.py; key "split-sampler"), in this one child: each
-forced-device child is an interpreter start, a JAX start and a model's compiles.
+The two-slot tiny-llama model at size 2 (forced_devices.SPLIT) runs with the split sampler, the
+accelerators' step, warmed up: its greedy and seeded ids equal the one-device reference's (the
+one-executable step), and it records which sampler variants its steps ran (tests/
+test_split_sampler.py reads that run too).
 """
 
 from __future__ import annotations
@@ -34,8 +35,7 @@ from engine.core.model import DecodeInput, SlotSetup  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.jax_backend import mesh, transformer  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
-from tests.support import split_sampler_mesh  # noqa: E402
-from tests.support.forced_devices import IDS_ONLY  # noqa: E402
+from tests.support.forced_devices import IDS_ONLY, SPLIT  # noqa: E402
 from tests.support.pages import own_pages_all  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -109,17 +109,17 @@ def held(model: JaxModel) -> dict:
 
 def main() -> None:
     out: dict = {"devices": jax.device_count()}
-    args = sys.argv[1:]
-    split_sampler = "--split-sampler" in args
-    for spec in (a for a in args if a != "--split-sampler"):
+    for spec in sys.argv[1:]:
         name, sizes, slots = (spec + ":1").split(":")[:3]
         case = json.loads((ASSETS / name / "golden.json").read_text())["cases"][0]
         prompt = case["prompt_ids"]
         for size in map(int, sizes.split(",")):
             options = dict(max_batch_size=int(slots), max_context_length=CONTEXT, max_chunk=16, tensor_parallel=size)
             ids_only = Path(name).name in IDS_ONLY
-            # IDS_ONLY families decode through the split sampler (the accelerators' default step; why: forced_devices)
-            model = JaxModel.load(ASSETS / name, **options, **({"split_sampler": True} if ids_only else {}))
+            # IDS_ONLY families and SPLIT decode through the split sampler (the accelerators' default step;
+            # why: forced_devices)
+            split = ids_only or (f"{name}/{size}" == SPLIT and int(slots) == 2)
+            model = JaxModel.load(ASSETS / name, **options, **({"split_sampler": True} if split else {}))
             # warmed at 2 ways only: one device is the reference, the IDS_ONLY families compare ids
             # and shares, and 4 ways (kv heads copied) ids, samples and shares: each compiles what
             # it runs (forced_devices says why)
@@ -140,12 +140,10 @@ def main() -> None:
                 "kernel_state": model.kernel_state,
                 "kv_heads": model.config.n_kv_heads,
                 "head_shape": list(model._weights.lm_head.shape),
+                "split_sampler": model.split_sampler,
+                "sampler_calls": dict(model.sampler_calls),  # split: the steps of each variant
                 **held(model),
             }
-            if split_sampler and name == "tiny-llama" and size == 2 and int(slots) == 2:
-                out["split-sampler"] = split_sampler_mesh.compare(
-                    model, lambda: JaxModel.load(ASSETS / name, **options, split_sampler=True)
-                )
             del model
     print(json.dumps(out))
 
