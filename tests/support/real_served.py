@@ -30,9 +30,9 @@ from engine.jax_backend.jax_model import JaxModel
 CONFIG = {"max_batch_size": 8, "max_context_length": 512, "max_chunk": 256, "min_rows": 8, "dtype": "float32"}
 
 
-def load(model_dir: Path, **changes) -> JaxModel:
-    """The real model (`model_dir`, the `real_model` fixture's directory) in CONFIG with `changes`
-    on top: `weights`, or a knob that only picks which shapes it compiles (`min_bucket`,
-    `fused_chunk_tokens`, `max_guesses`).
-    Not warmed up: the caller decides."""
-    return JaxModel.load(model_dir, **{**CONFIG, **changes})
+def load(model_dir: Path, *, cls: type[JaxModel] = JaxModel, **changes) -> JaxModel:
+    """The real model (`model_dir`, the `real_model` fixture's directory) in CONFIG, loaded by
+    `cls` (a JaxModel subclass compiles the same programs), with `changes` on top: `weights`, or a
+    knob that only picks which shapes it compiles (`min_bucket`, `fused_chunk_tokens`,
+    `max_guesses`). Not warmed up: the caller decides."""
+    return cls.load(model_dir, **{**CONFIG, **changes})
