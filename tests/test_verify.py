@@ -82,7 +82,8 @@ def warmed() -> tuple[JaxModel, list[str], list[str], int]:
     compile events of its warm-up and the executables it left in jit's caches. The tests below
     share the model (each releases what it takes)."""
     prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
-    model, said, log = tiny_served.load(max_guesses=K, max_verify_rows=2), _Said(), logging.getLogger("engine.jax_backend.warm_up")
+    model, said = tiny_served.load(max_guesses=K, max_verify_rows=2), _Said()
+    log = logging.getLogger("engine.jax_backend.warm_up")
     level = log.level
     log.setLevel(logging.INFO)
     log.addHandler(said)

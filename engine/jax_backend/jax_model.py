@@ -119,7 +119,8 @@ class JaxModel(DecodeLaunch, Verifying):
         self.fused_chunk_tokens = self.shapes.fused_chunk_tokens
         self.packed_prefill_tokens = self.shapes.packed_prefill_tokens
         self.max_guesses = max_guesses(options.max_guesses, plan is not None)  # speculative decoding (verify)
-        self.verify_rows = verify_rows(self.shapes.rows, self.max_guesses, self.kernels, options.max_verify_rows)  # its row buckets
+        # its row buckets, up to the one that holds max_verify_rows
+        self.verify_rows = verify_rows(self.shapes.rows, self.max_guesses, self.kernels, options.max_verify_rows)
         self.guess_buckets = guess_buckets(self.max_guesses)  # and its guess counts
         self.split_sampler = backend.split_sampler if split_sampler is None else split_sampler
         # dispatch(..., sample_later=True) (engine.core.model): split, every step; else a step of
