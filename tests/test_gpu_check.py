@@ -123,14 +123,16 @@ def test_device_tests_stopped_at_their_limit_are_counted_from_the_log_and_fail_t
 
 
 def test_the_gpu_profile_refuses_a_machine_without_an_accelerator(tmp_path):
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--profile", "gpu", "--out", str(tmp_path)],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--profile", "gpu", "--out", str(tmp_path),
+                          "--work", str(tmp_path / "work")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--profile rehearsal" in run.stderr
 
 
 def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
-    run = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--profile", "smoke", "--out", str(tmp_path)],
+    run = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--profile", "smoke", "--out", str(tmp_path),
+                          "--work", str(tmp_path / "work")],  # (pytest's tmp, not a new folder under /tmp each run)
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert run.returncode == 0, (summary["errors"], run.stdout[-3000:], run.stderr[-3000:])
@@ -199,7 +201,7 @@ def test_a_skipped_stack_writes_no_stack_model(tmp_path):
     phase is skipped as well: what runs when it is not skipped is the smoke test's above."""
     env = {**os.environ, "PYTHON": sys.executable}
     run = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--profile", "smoke", "--out", str(tmp_path),
-                          "--skip", "env,golden,real-model,speed-0,stack,pytest,weights"],
+                          "--work", str(tmp_path / "work"), "--skip", "env,golden,real-model,speed-0,stack,pytest,weights"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     summary = json.loads((tmp_path / "gpu-check.json").read_text())
     assert summary["phases"]["stack"] == {"skipped": "--skip"}, (run.stdout[-2000:], run.stderr[-2000:])
