@@ -151,7 +151,7 @@ def benchmark(args, model_dir: Path) -> None:
     print(f"machine: {describe('jax', 'jaxlib', 'numpy')}")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg())
     model = JaxModel.load(model_dir, max_batch_size=args.batch, max_context_length=1024, max_guesses=args.guesses,
-                          cpu_threads=args.cpu_threads or None)
+                          max_verify_rows=args.max_batch, cpu_threads=args.cpu_threads or None)  # as decode-server
     model.warm_up()
     bench = Bench(model, args.guesses, args.max_batch)
     print(f"model {model.info.model_id}: weights {'int8' if model.int8 else 'float'}, CPU kernels "
