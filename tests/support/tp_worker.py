@@ -15,8 +15,8 @@ each device holds of the weights and of the KV cache.
 
 The two-slot tiny-llama model at size 2 (forced_devices.SPLIT) runs with the split sampler, the
 accelerators' step, warmed up: its greedy and seeded ids equal the one-device reference's (the
-one-executable step), and it records which sampler variants its steps ran (tests/
-test_split_sampler.py reads that run too).
+one-executable step), and it records which sampler variants its steps ran
+(tests/test_split_sampler.py reads that run too).
 """
 
 from __future__ import annotations
