@@ -19,17 +19,19 @@ full sampler had been compiled into every program that samples, most of a small 
 warm-up): the CPU's decode steps that sample, or carry a chunk along, run their layers and then
 that sampler, a greedy step stays one executable, and each prompt's last positions are gathered
 per (prompt size, row bucket) by a small program of their own. More programs, far less compile
-time: 67 and 22. Speculative decoding's verify step, issue 45, adds one per verify row bucket and
+time: 67 and 22. Speculative decoding's verify step, issue 45, adds one per verify row bucket (up
+to the one that holds max_verify_rows, decode-server's --speculation-max-batch), guess bucket and
 attend shape, only where max_guesses > 0: none here, and the last test counts it.) Each count is
 written out, not computed from the model, so it reads as the budget it is.
 
 Every count here lowers warm-up's programs without compiling them (`lower_only`: JAX's trace and
 MLIR, about a tenth of the CPU time XLA's compile of 67 and 22 shapes takes; that compile is
 XLA's, and the shapes are what is budgeted). The last test lowers test_verify's float32 model
-(the served options at 4 slots, a context of 64, max_guesses 4), which tests/test_verify.py warms
-up for real: there its executables are counted in jit's caches and its compile events, and
-nothing compiles after warm-up; both files write out the same 52, so `lower_only` counts the
-programs that the compile made executables, which the two counts of the defaults rely on.
+(the served options at 4 slots, a context of 64, max_guesses 4, verify steps of at most 2 rows),
+which tests/test_verify.py warms up for real: there its executables are counted in jit's caches
+and its compile events, and nothing compiles after warm-up; both files write out the same 49, so
+`lower_only` counts the programs that the compile made executables, which the two counts of the
+defaults rely on.
 """
 
 from __future__ import annotations
