@@ -78,9 +78,9 @@ class _Said(logging.Handler):
 @pytest.fixture(scope="module")
 def warmed() -> tuple[JaxModel, list[str], list[str], int]:
     """tiny-llama in support.tiny_served's configuration (float32, 4 slots, a context of 64, the
-    served pages of 16) with max_guesses 4 and max_verify_rows 2, warmed up: -> the model, warm-up's log lines, the
-    compile events of its warm-up and the executables it left in jit's caches. The tests below
-    share the model (each releases what it takes)."""
+    served pages of 16) with max_guesses 4 and max_verify_rows 2, warmed up: -> the model, warm-up's
+    log lines, the compile events of its warm-up and the executables it left in jit's caches. The
+    tests below share the model (each releases what it takes)."""
     prerequisites.cpu_kernels()  # skips, or fails under TOKENWIRE_TEST_NO_SKIP, without them
     model, said = tiny_served.load(max_guesses=K, max_verify_rows=2), _Said()
     log = logging.getLogger("engine.jax_backend.warm_up")
@@ -286,15 +286,16 @@ def test_warm_up_adds_a_verify_step_per_row_and_guess_bucket_and_nothing_compile
     """The compile budget of speculative decoding (tests/test_compile_budget.py has the others):
     max_guesses 4 adds one verify step per verify row bucket (the row buckets up to the one that
     holds max_verify_rows 2, each of R x 5 fed tokens within the CPU kernels' products of up to 64
-    rows: 1 and 2), guess bucket (1, 2, 4) and attend shape (1)
-    to the 43 of this configuration without it (the served options at 4 slots, a context of 64:
-    4 prompt buckets x 3, 3 rows x (the layers alone, the greedy step, the layers with the
-    8-token chunk), 3 rows x 2 samplers, the mask, 3 constrained-row writes, 4 packed sizes x (a
-    layer, the last positions of 2 row buckets): support.tiny_served's 43, read back from the
-    run's compilation cache where another file warmed them first). Counted in jit's caches, announced the same by warm-up's log, bounded in JAX's
+    rows: 1 and 2), guess bucket (1, 2, 4) and attend shape (1) to the 43 of this configuration
+    without it (the served options at 4 slots, a context of 64: 4 prompt buckets x 3, 3 rows x (the
+    layers alone, the greedy step, the layers with the 8-token chunk), 3 rows x 2 samplers, the
+    mask, 3 constrained-row writes, 4 packed sizes x (a layer, the last positions of 2 row buckets):
+    support.tiny_served's 43, read back from the run's compilation cache where another file warmed
+    them first). Counted in jit's caches, announced the same by warm-up's log, bounded in JAX's
     compile events (at most a few of jnp's helpers beyond the 49), and after warm-up a verify of
-    each row bucket, and one of 3 rows (two steps), compiles nothing. tests/test_compile_budget.py lowers this configuration
-    without compiling it and counts the same 49 programs: what its lowered counts rely on."""
+    each row bucket, and one of 3 rows (two steps), compiles nothing. tests/test_compile_budget.py
+    lowers this configuration without compiling it and counts the same 49 programs: what its lowered
+    counts rely on."""
     model, said, compiles, compiled = warmed
     assert model.verify_rows == (1, 2) and model.guess_buckets == (1, 2, 4) and model.attend_buckets == (64,)
     assert compiled == 4 * 3 + 3 * 3 + 3 * 2 + 1 + 3 + 4 * 3 + 2 * 3 == 49
