@@ -17,7 +17,6 @@ import secrets
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -191,34 +190,19 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _compilation_cache() -> str | None:
+def _compilation_cache() -> None:
     """JAX's persistent compilation cache, on as decode-server serves it (ModelOptions'
     compilation_cache), in this run's directory, which its workers share (JAX's cache is made for
     several processes): a test that loads a model another test already compiled reads its
-    executables back instead of compiling them again. Counts of compilations
-    (`JaxModel.compilations`) are the jit caches' and do not change. -> the directory (None: off)."""
+    executables back instead of compiling them again. It stays the worker's when a test loads a
+    model as a server's process does (services.model_loading.load_model, which enables
+    ~/.cache/tokenwire/xla): engine.jax_backend.compilation_cache keeps a process's first
+    directory. Counts of compilations (`JaxModel.compilations`) are the jit caches' and do not
+    change."""
     if os.environ.get("TOKENWIRE_TEST_NO_XLA_CACHE"):
-        return None
+        return
     from engine.jax_backend import compilation_cache
 
     directory = Path(os.environ[_RUN_DIR]) / "xla"
     directory.mkdir(exist_ok=True)
     assert compilation_cache.enable(directory)
-    return str(directory)
-
-
-@pytest.fixture(autouse=True)
-def _compilation_cache_kept(_compilation_cache: str | None) -> Iterator[None]:
-    """The run's compilation cache stays the worker's after each test. A test that loads a model
-    as a server process does (services.model_loading.load_model, which test_cli calls in-process)
-    points JAX at ~/.cache/tokenwire/xla, as that process should; in a worker, JAX keeps reading and
-    writing the cache it opened first but keys every later executable on the new directory (its
-    path is in the compile options that the key hashes), so nothing that worker compiled after it
-    was read back by the others, nor theirs by it (seen in a whole run: the same tiny-llama steps
-    compiled under two keys)."""
-    yield
-    if _compilation_cache is not None:
-        import jax
-
-        if jax.config.jax_compilation_cache_dir != _compilation_cache:
-            jax.config.update("jax_compilation_cache_dir", _compilation_cache)

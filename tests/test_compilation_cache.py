@@ -71,3 +71,19 @@ def test_a_cache_directory_others_can_write_is_refused(tmp_path, caplog):
     file = tmp_path / "a-file"
     file.write_text("")
     assert not compilation_cache.enable(file / "xla")  # cannot be made: refused, logged, no exception
+
+
+def test_a_process_keeps_the_first_directory_it_enables(tmp_path):
+    """JAX keys every executable on the directory configured, while it goes on using the cache it
+    opened first: a second directory (a test worker loading a model as a server does) would key the
+    process's executables apart from every other process's. In a fresh interpreter (the cache is
+    process-wide): the second `enable` is on, and changes nothing."""
+    script = (
+        "import sys, jax; from pathlib import Path; from engine.jax_backend import compilation_cache as c\n"
+        "first, second = Path(sys.argv[1]), Path(sys.argv[2])\n"
+        "print(c.enable(first), c.enable(second), jax.config.jax_compilation_cache_dir)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path / "first"), str(tmp_path / "second")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True", "True", str(tmp_path / "first")]

@@ -11,7 +11,12 @@ A cached executable is code this process will run, like the CPU kernels' library
 own and writable by no one else, or the cache stays off (with a WARNING saying why) and every
 start compiles.
 
-Only `enable` touches JAX's global configuration, and it must run before the first compile.
+Only `enable` touches JAX's global configuration, and it must run before the first compile. The
+first directory a process enables is its cache for good: JAX goes on reading and writing the
+cache it opened first, but keys every later executable on the directory configured (the path is
+in the compile options the key hashes), so moving it would only key this process's executables
+apart from every other process's (a test worker that loads a model as a server does, seen as
+the same programs compiled under two keys in one run).
 """
 
 from __future__ import annotations
@@ -28,8 +33,9 @@ log = logging.getLogger(__name__)
 
 def enable(directory: Path) -> bool:
     """Use `directory` (created, mode 0700, if missing) as the persistent compilation cache for
-    every compile of this process, however short. -> whether it is on (False, logged, when the
-    directory cannot be made or is not private to this user)."""
+    every compile of this process, however short; where the process already has one, that one
+    stays (module docstring). -> whether it is on (False, logged, when the directory cannot be
+    made or is not private to this user)."""
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.stat(directory)
@@ -42,6 +48,10 @@ def enable(directory: Path) -> bool:
             "(mode %o, uid %d); every start compiles its shapes", directory, os.geteuid(), stat.S_IMODE(st.st_mode), st.st_uid,
         )
         return False
+    current = jax.config.jax_compilation_cache_dir
+    if current and Path(current) != directory:
+        log.info("XLA compilation cache: %s stays this process's (not %s)", current, directory)
+        return True
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # warm-up's many small compiles add up
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
