@@ -29,7 +29,6 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from engine.jax_backend.jax_model import JaxModel
 from engine.model_store import registry
 from engine.model_store.model_files import eos_token_ids
 from protos.decode.v1 import decode_pb2 as dpb
@@ -38,6 +37,7 @@ from protos.text.v1 import text_pb2_grpc
 from services.decode_server import start_decode_server
 from services.text_server import start_text_server
 from support import prerequisites
+from support.unwarmed import Unwarmed
 from tokenizer_svc.chat import ChatMessage
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -65,17 +65,6 @@ def tokenizer(gemma) -> TextTokenizer:
     return TextTokenizer.from_dir(gemma)
 
 
-class _Unwarmed(JaxModel):
-    """Gemma as served, but `warm_up` (which the decode service's load calls) compiles nothing:
-    the programs these greedy, unconstrained requests run compile as they come, the same ones, and
-    those they never run are not compiled at all (the full sampler at Gemma's 262k ids and the
-    decode layers apart from sampling, which sampled and constrained steps take: about 8.5 s of
-    CPU). That warm-up covers every shape is tests/test_gemma3.py's claim, on tiny-gemma3."""
-
-    def warm_up(self) -> None:
-        pass
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def stubs(gemma, tokenizer):
     """(Tokenizer, TextGeneration) stubs of a text service in front of a decode server on Gemma.
@@ -87,7 +76,10 @@ async def stubs(gemma, tokenizer):
     tests/test_gemma3.py checks chunks riding along against transformers on tiny-gemma3, and a
     prompt here read beside running streams is read in chunk calls instead, to the same ids)."""
     longest = max(len(case["prompt_ids"]) + len(case["output_ids"]) for case in GOLDENS["greedy"])
-    model = _Unwarmed.load(gemma, max_batch_size=8, max_context_length=-(-longest // 128) * 128, weights="float32",
+    # not warmed up (support.unwarmed): these greedy, unconstrained requests never run the full
+    # sampler at Gemma's 262k ids or the decode layers apart from sampling (about 8.5 s of CPU);
+    # warm-up's coverage is tests/test_gemma3.py's claim, on tiny-gemma3
+    model = Unwarmed.load(gemma, max_batch_size=8, max_context_length=-(-longest // 128) * 128, weights="float32",
                           max_prefill_chunk=128, min_bucket=128, min_rows=8, min_packed=128, fused_chunk_tokens=0)
     assert model.buckets == model.packed_prefill_sizes == (128,)
     decode = await start_decode_server(model)

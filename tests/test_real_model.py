@@ -33,6 +33,7 @@ from engine.model_store import gguf_convert
 from support import real_served
 from support.greedy import greedy_ids
 from support.recording_sink import Recorder
+from support.unwarmed import Unwarmed
 from tokenizer_svc.chat import ChatMessage
 from tokenizer_svc.tokenizer import TextTokenizer
 
@@ -48,30 +49,20 @@ def model_dir(real_model) -> Path:
     return real_model  # pulled once per run (conftest), as `tokenwire pull` does
 
 
-class _Unwarmed(JaxModel):
-    """The model as served, but `warm_up` (which the decode service's load calls) compiles
-    nothing: the greedy requests here compile the programs they run as they come, the same ones,
-    and never the full sampler or the decode layers apart from sampling (sampled and constrained
-    steps). That warm-up covers every shape is tests/test_jax_model.py's and
-    tests/test_verify.py's claim, on the tiny checkpoints."""
-
-    def warm_up(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def model(model_dir) -> JaxModel:
     """The file's one load of the 30-layer model in its served weights, in support.real_served's
     configuration, with verify steps of one guess (the speculative test's; a model's other
     programs do not depend on them): one guess bucket, a verify step of all 30 layers (about 3 s
     of CPU to compile; runs of up to 4 guesses, across every guess and row bucket, are
-    tests/test_verify.py's, on the tiny checkpoints). Not warmed up (`_Unwarmed`). Off the served
+    tests/test_verify.py's, on the tiny checkpoints). Not warmed up (support.unwarmed: the greedy
+    requests here never run the full sampler or the decode layers apart from sampling). Off the served
     configuration only where it costs compiles: one prompt chunk size, 64 (every prompt here is
     read in one or two calls of it; test_prefill_chunked reads prompts in every size to 256 on
     this model), and no chunk along with a decode step (each size of one is a decode step of every
     layer to compile, and no prompt here arrives while another decodes: the requests run one at a
     time; test_prefill_chunked runs chunks along on this model)."""
-    loaded = real_served.load(model_dir, **ONE_CHUNK, max_guesses=GUESSES, cls=_Unwarmed)
+    loaded = real_served.load(model_dir, **ONE_CHUNK, max_guesses=GUESSES, cls=Unwarmed)
     assert loaded.int8 and loaded.kernels and loaded.buckets == loaded.packed_prefill_sizes == (64,)
     return loaded
 

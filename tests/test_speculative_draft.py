@@ -4,11 +4,12 @@ requests keep the stream contract, a draft with no free slot just stops guessing
 configurations that cannot work are refused at the command line (exit 2, the reason last).
 
 Real parts: tiny-llama is the target in tests/support/tiny_served's configuration with a verify
-step (`max_guesses` 4), as tests/test_verify warms it up, and drafts in
-tiny_served's own configuration, as every file loading tiny-llama does; tiny-mistral, a
+step (`max_guesses` 4, verify steps of up to 2 rows), as tests/test_verify warms it up, and drafts
+in tiny_served's own configuration, as every file loading tiny-llama does; tiny-mistral, a
 different checkpoint with the same tokenizer, is the draft whose guesses the target sometimes
-rejects. Nothing is warmed up (the decode service's load neither: `Unwarmed`): each model compiles
-only the few shapes these prompts use (in a run, most are read back from other files' warm-ups).
+rejects. Nothing is warmed up (the decode service's load neither: support.unwarmed): each model
+compiles only the few shapes these prompts use (in a run, most are read back from other files'
+warm-ups).
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from engine.core.events import FinishReason
 from engine.core.model import ModelUsageError
 from engine.core.request import Request, SamplingParams, StoppingCriteria
 from engine.core.speculation.draft import DraftProposer
-from engine.jax_backend.jax_model import JaxModel
 from support import tiny_served
 from support.recording_sink import Recorder
+from support.unwarmed import Unwarmed
 from support.waiting import until_sync
 from test_cli import in_process
 
@@ -39,18 +40,10 @@ PROMPTS = [  # ids below the tokenizer's 512; all in the 8-token prompt bucket
 TOKENS = 24
 
 
-class Unwarmed(JaxModel):
-    """tiny-llama as served, but `warm_up` (which the decode service's load calls) compiles
-    nothing: the steps these few prompts use compile as they come, a fraction of every shape."""
-
-    def warm_up(self) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def target():
     # test_verify's configuration, which that file warms up: read back in a run
-    return tiny_served.load(cls=Unwarmed, max_guesses=4)
+    return tiny_served.load(cls=Unwarmed, max_guesses=4, max_verify_rows=2)
 
 
 @pytest.fixture(scope="module")
