@@ -38,7 +38,7 @@ def _int8(w: np.ndarray) -> quantize.Int8Matrix:  # w [in, out], as x @ w
 
 
 def _activations_quantized(x: np.ndarray, m: quantize.Int8Matrix) -> np.ndarray:
-    """What the VNNI path computes, in float64: each row of x as int16 blocks of 32 (scale max |x|
+    """What the kernel computes on either path, in float64: each row of x as int16 blocks of 32 (scale max |x|
     / 32767, round half to even in float32, as the kernel does), integer dots with q's blocks,
     times both scales; plus, with offsets, each offset times the sum of its block's quantized
     inputs (times their scale)."""
@@ -58,7 +58,7 @@ def _activations_quantized(x: np.ndarray, m: quantize.Int8Matrix) -> np.ndarray:
 
 @pytest.fixture(params=["avx512vnni", "avx2"])
 def int8_isa(request):
-    """Each path of the int8 kernel in turn (the AVX2 float path everywhere; VNNI where the CPU has it)."""
+    """Each path of the int8 kernel in turn (AVX2 everywhere; VNNI where the CPU has it)."""
     kernels = cpu_kernels.load()
     if cpu_kernels.int8_matmul_isa(kernels, request.param == "avx512vnni") != request.param:
         cpu_kernels.int8_matmul_isa(kernels, True)
@@ -73,16 +73,16 @@ def test_an_int8_product_is_within_2e_2_of_float32(rows, int8_isa):
     """Every path (panels of 16 outputs with a tail of 11 outputs, one row, a few and rows past
     the 12-row passes, the kernel in slices of DIRECT_ROWS rows with a short last one, and the
     many-row dequantize + GEMM) is its exact product to float rounding: the dequantized weights
-    times x (the AVX2 path and the GEMM), or times x quantized to int16 blocks (VNNI, up to
-    SLICED_ROWS rows; within 1e-4 of the former too); and within the issue's 2e-2 relative error
-    of the float32 product."""
+    times x quantized to int16 blocks (either path of the kernel, up to SLICED_ROWS rows; within
+    1e-4 of x itself too), or times x (the GEMM); and within the issue's 2e-2 relative error of
+    the float32 product."""
     rng = np.random.default_rng(rows)
     w = rng.standard_normal((96, 203)).astype(np.float32) * 0.05  # 203 outputs: a part-filled last panel
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     x[0, :32] = 0.0  # an all-zero block: scale 0, no division by it
     m = _int8(w)
     got = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), m))
-    if int8_isa == "avx512vnni" and rows <= quantize.SLICED_ROWS:
+    if rows <= quantize.SLICED_ROWS:
         exact = _activations_quantized(x, m)
     else:
         exact = x @ np.asarray(quantize.dequantize(m)).T
@@ -112,7 +112,7 @@ def test_blocks_with_offsets_give_their_exact_product(rows, bits, int8_isa):
     np.testing.assert_array_equal(values, want.reshape(n, k))
     x = rng.standard_normal((rows, k)).astype(np.float32)
     got = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), m))
-    exact = _activations_quantized(x, m) if int8_isa == "avx512vnni" and rows <= quantize.SLICED_ROWS else x @ values.T
+    exact = _activations_quantized(x, m) if rows <= quantize.SLICED_ROWS else x @ values.T
     np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, x @ values.T, rtol=1e-4, atol=1e-4)
     without = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), quantize.pack(q, scale)))
@@ -187,18 +187,45 @@ def test_embedding_rows_are_the_blocks_values(bits):
     np.testing.assert_array_equal(got, np.asarray(quantize.dequantize(m))[np.asarray(tokens)])
 
 
-def test_the_vnni_path_reads_weights_of_minus_128():
+def test_weights_of_minus_128_are_read_on_each_path(int8_isa):
     """A Q8_0 file may hold -128 (our quantizer never writes it): widened to int16 it multiplies
     like any other weight, and a block of x at its largest values saturates nothing."""
-    kernels = cpu_kernels.load()
-    if cpu_kernels.int8_matmul_isa(kernels, True) != "avx512vnni":
-        pytest.skip("this CPU has no avx512vnni")
     q = np.full((8, 64), -128, np.int8)
     q[:, 1::2] = 127
     m = quantize.pack(q, np.full((8, 2), 0.5, np.float32))
     x = np.linspace(-1.0, 1.0, 2 * 64, dtype=np.float32).reshape(2, 64)
     got = np.asarray(jax.jit(quantize.matmul)(jnp.asarray(x), m))
     np.testing.assert_allclose(got, _activations_quantized(x, m), rtol=1e-5, atol=1e-5)
+
+
+def test_the_avx2_path_gives_the_vnni_paths_bits():
+    """The AVX2 path is the VNNI path's arithmetic in narrower vectors: the same products, bit for
+    bit, for int8, 4- and 5-bit blocks with and without offsets, 1..13 rows (each tile's row count
+    on both paths, and a pass of several) and a part-filled last panel, so a CPU's instruction set
+    never changes an id. (Needs a CPU with both; elsewhere the products' tests above check the
+    AVX2 path against the integers' own arithmetic.)"""
+    kernels = cpu_kernels.load()
+    if cpu_kernels.int8_matmul_isa(kernels, True) != "avx512vnni":
+        pytest.skip("this CPU has no avx512vnni")
+    rng = np.random.default_rng(7)
+    n, k = 75, 160
+    for bits, signed in ((8, True), (8, False), (4, False), (5, True), (5, False)):
+        q = rng.integers(-16, 16, (n, k)) if signed else rng.integers(0, 16 if bits == 4 else 32, (n, k))
+        if bits == 8 and signed:
+            q = rng.integers(-128, 128, (n, k))
+        scale = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float16)
+        offset = None if signed else (-rng.random((n, k // 32)) * 0.08).astype(np.float16)
+        m = quantize.pack(q.astype(np.int8), scale, offset, bits)
+        for rows in range(1, 14):
+            x = jnp.asarray(rng.standard_normal((rows, k)).astype(np.float32) * rng.random((rows, 1)).astype(np.float32))
+            got = {}
+            try:
+                for isa in ("avx2", "avx512vnni"):
+                    assert cpu_kernels.int8_matmul_isa(kernels, isa == "avx512vnni") == isa
+                    got[isa] = np.asarray(cpu_kernels.int8_matmul(x, m.packed, m.scale, n, m.offset, m.high))
+            finally:
+                cpu_kernels.int8_matmul_isa(kernels, True)
+            np.testing.assert_array_equal(got["avx2"], got["avx512vnni"], err_msg=f"{bits} bits, {rows} rows")
 
 
 def test_the_thread_count_is_respected():

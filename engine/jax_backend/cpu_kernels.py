@@ -87,7 +87,8 @@ from engine.model_store.registry import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCES = ("decode_attention.cc", "chunk_attention.cc", "int8_matmul.cc", "panel_matmul.cc")
-HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h", "int8_vnni.h")  # included by the sources; hashed into the library name with them
+HEADERS = ("pool.h", "vec.h", "chunk_attention_unit.h", "decode_attention_unit.h", "int8_vnni.h",
+           "int8_avx2.h")  # included by the sources; hashed into the library name with them
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp-simd", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC", "-pthread")
 ATTENTION_TARGET = "tokenwire_decode_attention"
 CHUNK_TARGET = "tokenwire_chunk_attention"
@@ -312,9 +313,9 @@ def panel_matmul_isa(kernels: Kernels, avx512: bool = True) -> str:
 
 
 def int8_matmul_isa(kernels: Kernels, vnni: bool = True) -> str:
-    """Let `int8_matmul` use AVX-512 VNNI where the CPU has it (the default: activations quantized
-    to int16 blocks, integer dots), or keep it on the AVX2 float path; -> the path it now uses
-    (process-wide; tests run both)."""
+    """Let `int8_matmul` use AVX-512 VNNI where the CPU has it (the default), or keep it on the
+    AVX2 path; both quantize the activations to int16 blocks and give the same bits; -> the path
+    it now uses (process-wide; tests run both)."""
     return "avx512vnni" if kernels.library.TokenwireInt8MatmulIsa(int(vnni)) else "avx2"
 
 

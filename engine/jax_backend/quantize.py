@@ -1,8 +1,8 @@
 """Weight-only int8 (`--weights int8`): every projection, the embedding and the LM head held as
 int8 blocks with float16 scales (and, for blocks read from a GGUF's Q4_0, Q4_1, Q5_1 or Q4_K, a
 float16 offset each; a GGUF's 4- and 5-bit blocks stay 4- and 5-bit); activations and the KV cache stay float32 (the
-kernel's AVX-512 VNNI path takes each product's input as 16-bit blocks, to float rounding of the
-float path).
+kernel takes each product's input as 16-bit blocks, within float rounding of the dequantized
+weights' float product, on either of its paths: AVX-512 VNNI, or AVX2 with the same bits).
 
 Blocks: a matrix used as x @ W ([in, out] in engine.model_store.checkpoint) is quantized
 transposed, [out, in]: q [N, K] int8 and scale [N, K / 32] float16, W.T[n, j] =
@@ -48,7 +48,7 @@ with one load per pair (or two pairs) of inputs of 16 outputs (kernels/int8_matm
 
 Products: `matmul` sends up to DIRECT_ROWS rows (decode steps, short prompt chunks) to the C++
 kernel (engine.jax_backend.cpu_kernels.int8_matmul), which works on the bytes as they stream
-in (integer dots with AVX-512 VNNI, else a convert to float in registers); up to SLICED_ROWS
+in (integer dots on 16-bit activation blocks, with AVX-512 VNNI or, the same bits, AVX2); up to SLICED_ROWS
 rows (a packed prefill of a burst of prompts, prompt chunks, decode above 64 rows) go to it in
 slices of DIRECT_ROWS rows, each slice reading the weights again, which costs little beside
 its arithmetic; more rows (long prompt chunks) dequantize the matrix in XLA and run its float32

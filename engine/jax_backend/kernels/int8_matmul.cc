@@ -59,13 +59,14 @@
 //   float32 scale (max |x| / 32767), so a block's dot is exact in int32 (|sum| <= 32 * 32767 * 128
 //   < 2^31). Activations in 16 bits, not 8 as llama.cpp's Q8_0 dot has them: 8 bits flipped
 //   near-tie greedy picks of the default model (its answer to "What is the capital of France?"
-//   among them); 16 bits give the float path's products to float rounding. Up to 12 rows a pass
+//   among them); 16 bits give the dequantized weights' float products to float rounding. Up to 12 rows a pass
 //   over a panel; with fewer than 4 rows each row keeps several independent int32 sums, so that the
 //   multiply-add chains overlap.
-// * AVX2/FMA/F16C elsewhere (and when tests cap the ISA): the same panels converted to float, in
-//   registers for one row, for several once per panel into a buffer that every row then reads.
+// * AVX2/FMA/F16C elsewhere (and when tests cap the ISA; int8_avx2.h): the same numbers, bit for
+//   bit, in 256-bit vectors: the same int16 rows, the same exact int32 block dots (vpmaddwd, then
+//   vpaddd), the same float work after them. So a CPU's instruction set never changes an id. Up
+//   to 6 rows a pass over a panel.
 // Either way the weights are read once per call, and the panels are split over pool.h's threads.
-// The AVX2 path takes 4- and 5-bit panels unpacked to the int8 layout, a panel at a time, into a buffer.
 
 #include <immintrin.h>
 
@@ -87,128 +88,22 @@ constexpr int64_t kPairBytes = 2 * kPanel;    // one pair of inputs of the 16 ou
 constexpr int64_t kBlockPairs = kBlock / 2;   // pairs per block
 constexpr int64_t kBlockQuads = kBlock / 4;   // 4-bit: groups of two pairs (32 bytes) per block
 
+// How far ahead of the pair being read (in bytes of the panel stream, about one panel of K = 576)
+// the tiles prefetch, a line every two pairs. The panels of a thread's range are one contiguous
+// stream, but the hardware prefetcher alone kept too few lines in flight: a batch-1 step's 121
+// products read from memory (151 MB) took 6.0-6.6 ms without, 4.7-5.0 ms with 8 KiB (4 KiB: 5.6-5.9,
+// 16 KiB: 6.4; AMD Zen 5, 2 threads). Prefetches past the array's end are harmless (they never fault).
+constexpr int64_t kAheadBytes = 8192;
+
 namespace vnni {
 #include "int8_vnni.h"  // QuantizeRow, the tiles, Panels
 }  // namespace vnni
 
-// The AVX2 path: pair j of a panel (32 bytes) as four vectors of 8 floats, lanes (output 4v + l / 2,
-// input 2j + l % 2) for vector v; x's two inputs broadcast as [x0, x1] x 4. The lanes of an output's
-// two inputs are added at the end.
-inline __m256 PairWeights(const int8_t* pair, int v) {  // vector v of a pair's 32 weights, as floats
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(pair + 8 * v))));
-}
+namespace avx2 {
+#include "int8_avx2.h"  // the same, in 256-bit vectors and the same numbers
+}  // namespace avx2
 
-inline __m256 PairInputs(const float* x, int64_t p) {  // inputs 2p and 2p + 1 of x, as [x0, x1] x 4
-  double both;
-  __builtin_memcpy(&both, x + 2 * p, sizeof(both));
-  return _mm256_castpd_ps(_mm256_set1_pd(both));
-}
-
-inline __m256 BlockScales(const uint16_t* scale, int64_t b, int v) {  // block b's scales of vector v's 4 outputs, per lane
-  const __m128 four = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + b * kPanel + 4 * v)));
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(four), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
-}
-
-inline __m256 BlockOffsets(const uint16_t* offset, int64_t b, int v) {  // block b's offsets of vector v's 4 outputs, per lane
-  return BlockScales(offset, b, v);
-}
-
-inline void StoreOutputs(const __m256* acc, int64_t count, float* y) {  // y[i] = the sum of output i's two lanes
-  alignas(32) float lanes[2 * kPanel];
-  for (int v = 0; v < 4; ++v) _mm256_store_ps(lanes + 8 * v, acc[v]);
-  for (int64_t i = 0; i < count; ++i) y[i] = lanes[2 * i] + lanes[2 * i + 1];
-}
-
-// One row: the weights converted in registers, each block's products scaled once. An offset adds
-// offset * (the block's inputs summed) to the even lane of each output (its two lanes are added at
-// the end).
-void PanelRowAvx2(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, int64_t count, const float* x,
-                  int64_t k, float* y) {
-  __m256 acc[4];
-  for (int v = 0; v < 4; ++v) acc[v] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 part[4];
-    for (int v = 0; v < 4; ++v) part[v] = _mm256_setzero_ps();
-    for (int64_t p = b * kBlockPairs; p < (b + 1) * kBlockPairs; ++p) {
-      const __m256 xv = PairInputs(x, p);
-      for (int v = 0; v < 4; ++v) part[v] = _mm256_fmadd_ps(PairWeights(pairs + p * kPairBytes, v), xv, part[v]);
-    }
-    for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(part[v], BlockScales(scale, b, v), acc[v]);
-    if (offset != nullptr) {
-      float sum = 0.0f;
-      for (int64_t j = b * kBlock; j < (b + 1) * kBlock; ++j) sum += x[j];
-      const __m256 even = _mm256_setr_ps(sum, 0.0f, sum, 0.0f, sum, 0.0f, sum, 0.0f);
-      for (int v = 0; v < 4; ++v) acc[v] = _mm256_fmadd_ps(BlockOffsets(offset, b, v), even, acc[v]);
-    }
-  }
-  StoreOutputs(acc, count, y);
-}
-
-// Several rows: the panel dequantized once (scales and offsets applied) into `w` [K / 2][32] floats
-// in the same lanes, then two rows at a time against it, the panel's floats read from L1/L2.
-void DequantizePanel(const int8_t* pairs, const uint16_t* scale, const uint16_t* offset, int64_t k, float* w) {
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    __m256 s[4], m[4];
-    for (int v = 0; v < 4; ++v) {
-      s[v] = BlockScales(scale, b, v);
-      m[v] = offset != nullptr ? BlockOffsets(offset, b, v) : _mm256_setzero_ps();
-    }
-    for (int64_t p = b * kBlockPairs; p < (b + 1) * kBlockPairs; ++p) {
-      for (int v = 0; v < 4; ++v)
-        _mm256_storeu_ps(w + p * kPairBytes + 8 * v, _mm256_fmadd_ps(PairWeights(pairs + p * kPairBytes, v), s[v], m[v]));
-    }
-  }
-}
-
-// The 32 bits of m as 32 bytes, 0xFF where the bit is set (byte i for bit i).
-inline __m256i MaskBytes(uint32_t m) {
-  const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of m (both lanes hold all four)
-      _mm256_set1_epi32(static_cast<int32_t>(m)),
-      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i select = _mm256_set1_epi64x(0x8040201008040201);  // byte i <- bit i % 8
-  return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-}
-
-// 32 nibbles with their fifth bits (module comment): unsigned q = nibble + 16 where the bit is
-// set; signed q = nibble - 16 (0xF0 | nibble) where it is clear.
-inline __m256i WithFifth(__m256i nibbles, uint32_t m, bool is_signed) {
-  const __m256i set = MaskBytes(m);
-  return is_signed ? _mm256_or_si256(nibbles, _mm256_andnot_si256(set, _mm256_set1_epi8(static_cast<char>(0xF0))))
-                   : _mm256_or_si256(nibbles, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
-}
-
-// A 4- or 5-bit panel (K / 4 groups of 32 bytes; `high` its fifth bits, or null for 4 bits) as
-// the int8 layout (K / 2 pairs of 32 bytes): group g's low nibbles are pair 2 g, its high
-// nibbles pair 2 g + 1 (module comment).
-void UnpackPanel(const uint8_t* quads, const uint32_t* high, bool is_signed, int64_t k, int8_t* pairs) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  for (int64_t g = 0; g < k / 4; ++g) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quads + g * kPairBytes));
-    __m256i b0 = _mm256_and_si256(v, low), b1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-    if (high != nullptr) {
-      b0 = WithFifth(b0, high[2 * g], is_signed);
-      b1 = WithFifth(b1, high[2 * g + 1], is_signed);
-    }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 2 * g * kPairBytes), b0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + (2 * g + 1) * kPairBytes), b1);
-  }
-}
-
-template <int MR>
-void PanelRowsAvx2(const float* w, int64_t count, const float* x, int64_t k, float* y, int64_t n) {
-  __m256 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t p = 0; p < k / 2; ++p) {
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xv = PairInputs(x + r * k, p);
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(w + p * kPairBytes + 8 * v), xv, acc[r][v]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) StoreOutputs(acc[r], count, y + r * n);
-}
-
-std::atomic<int> isa_cap{1};  // 1: VNNI where the CPU has it; 0: the AVX2 float path only (tests run both)
+std::atomic<int> isa_cap{1};  // 1: VNNI where the CPU has it; 0: the AVX2 path only (tests run both)
 bool UseVnni() {
   return isa_cap.load() >= 1 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512bw");
@@ -235,18 +130,21 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const 
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.typed_data());  // IEEE half bits
   float* yp = y->typed_data();
   const int64_t blocks = k / kBlock;
-  // Pool::Run cuts its range into multiples of 8: a panel is a step of 8.
-  if (UseVnni()) {
-    // x quantized once, on the calling thread, before the panels are split
-    thread_local std::vector<int16_t> x16;
-    thread_local std::vector<float> sx, xsum;
-    x16.resize(rows * k);
-    sx.resize(rows * blocks);
-    xsum.resize(rows * blocks);
-    for (int64_t r = 0; r < rows; ++r)
-      vnni::QuantizeRow(xp + r * k, k, x16.data() + r * k, sx.data() + r * blocks, xsum.data() + r * blocks);
-    const int16_t* xq = x16.data();
-    const float *xs = sx.data(), *xm = xsum.data();
+  // x quantized once, on the calling thread, before the panels are split; the panels are a step
+  // of 8 each (Pool::Run cuts its range into multiples of 8)
+  const bool vnni = UseVnni();
+  thread_local std::vector<int16_t> x16;
+  thread_local std::vector<float> sx, xsum;
+  x16.resize(rows * k);
+  sx.resize(rows * blocks);
+  xsum.resize(rows * blocks);
+  for (int64_t r = 0; r < rows; ++r) {
+    (vnni ? vnni::QuantizeRow : avx2::QuantizeRow)(xp + r * k, k, x16.data() + r * k, sx.data() + r * blocks,
+                                                   xsum.data() + r * blocks);
+  }
+  const int16_t* xq = x16.data();
+  const float *xs = sx.data(), *xm = xsum.data();
+  if (vnni) {
     tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
       using vnni::Fifth, vnni::NibbleTiles, vnni::Panels;
       if (bits == 5 && offset != nullptr) {
@@ -264,28 +162,17 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const 
     return ffi::Error::Success();
   }
   tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> w;
-    thread_local std::vector<int8_t> unpacked;
-    for (int64_t p = begin / 8; p < end / 8; ++p) {
-      const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
-      const int8_t* pp = qp + p * k * kPanel;
-      if (bits != 8) {
-        unpacked.resize(k * kPanel);
-        UnpackPanel(quads + p * k * kPanel / 2, bits == 5 ? high + p * (k / 4) * 2 : nullptr, offset == nullptr, k,
-                    unpacked.data());
-        pp = unpacked.data();
-      }
-      const uint16_t* ps = sp + p * blocks * kPanel;
-      const uint16_t* pm = offset != nullptr ? offset + p * blocks * kPanel : nullptr;
-      if (rows == 1) {
-        PanelRowAvx2(pp, ps, pm, count, xp, k, yp + o);
-        continue;
-      }
-      w.resize(k * kPanel);
-      DequantizePanel(pp, ps, pm, k, w.data());
-      int64_t r = 0;
-      for (; r + 2 <= rows; r += 2) PanelRowsAvx2<2>(w.data(), count, xp + r * k, k, yp + r * n + o, n);
-      if (r < rows) PanelRowsAvx2<1>(w.data(), count, xp + r * k, k, yp + r * n + o, n);
+    using avx2::Fifth, avx2::NibbleTiles, avx2::Panels;
+    if (bits == 5 && offset != nullptr) {
+      Panels<NibbleTiles<Fifth::kUnsigned>>(quads, high, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+    } else if (bits == 5) {
+      Panels<NibbleTiles<Fifth::kSigned>>(quads, high, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+    } else if (bits == 4) {
+      Panels<NibbleTiles<Fifth::kNone>>(quads, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+    } else if (offset != nullptr) {
+      Panels<avx2::Int8Tiles<true>>(qp, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
+    } else {
+      Panels<avx2::Int8Tiles<false>>(qp, nullptr, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
     }
   });
   return ffi::Error::Success();
@@ -384,7 +271,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwireInt5MatmulOffset, Int5MatmulOffset,
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Caps the ISA the kernel may use (0: the AVX2 float path; 1: AVX-512 VNNI where the CPU has it)
+// Caps the ISA the kernel may use (0: the AVX2 path; 1: AVX-512 VNNI where the CPU has it)
 // and returns the one it now uses (1: VNNI).
 extern "C" int TokenwireInt8MatmulIsa(int cap) {
   isa_cap.store(cap);

@@ -5,12 +5,6 @@
 // Deliberately no include guard (as chunk_attention_unit.h).
 
 #define TW_TARGET __attribute__((target("avx512vnni,avx512vl,avx512bw,avx512f,avx2,fma,f16c")))
-// How far ahead of the pair being read (in bytes of the panel stream, about one panel of K = 576)
-// the tile prefetches, a line every two pairs. The panels of a thread's range are one contiguous
-// stream, but the hardware prefetcher alone kept too few lines in flight: a batch-1 step's 121
-// products read from memory (151 MB) took 6.0-6.6 ms without, 4.7-5.0 ms with 8 KiB (4 KiB: 5.6-5.9,
-// 16 KiB: 6.4; AMD Zen 5, 2 threads). Prefetches past the array's end are harmless (they never fault).
-constexpr int64_t kAheadBytes = 8192;
 constexpr int kRows = 12;  // rows per pass: 12 int32 + 12 float accumulators, a weight vector, a broadcast
 
 // One row of K floats -> K int16, K / 32 scales and K / 32 sums: xq = round(x / scale), scale =
