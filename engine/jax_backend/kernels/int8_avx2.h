@@ -105,10 +105,6 @@ void PanelTile(const int8_t* pairs, const uint16_t* scale, const uint16_t* offse
   Store<MR>(acc, count, y, n);
 }
 
-// How a nibble tile's bytes become integers, as in int8_vnni.h: 4 bits, or 5 with the fifth bit
-// from `high`, unsigned (with offsets) or signed (without).
-enum class Fifth { kNone, kUnsigned, kSigned };
-
 // The 32 bits of m as 32 bytes, 0xFF where the bit is set (byte i for bit i).
 inline __m256i MaskBytes(uint32_t m) {
   const __m256i spread = _mm256_shuffle_epi8(  // byte i <- byte i / 8 of m (both lanes hold all four)

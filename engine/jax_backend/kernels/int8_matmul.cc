@@ -95,6 +95,10 @@ constexpr int64_t kBlockQuads = kBlock / 4;   // 4-bit: groups of two pairs (32 
 // 16 KiB: 6.4; AMD Zen 5, 2 threads). Prefetches past the array's end are harmless (they never fault).
 constexpr int64_t kAheadBytes = 8192;
 
+// How a nibble tile's bytes become integers: 4 bits (q = the nibble), or 5 with the fifth bit
+// from `high` (the header above), unsigned (Q5_1, with offsets) or signed (Q5_0, without).
+enum class Fifth { kNone, kUnsigned, kSigned };
+
 namespace vnni {
 #include "int8_vnni.h"  // QuantizeRow, the tiles, Panels
 }  // namespace vnni
@@ -102,6 +106,47 @@ namespace vnni {
 namespace avx2 {
 #include "int8_avx2.h"  // the same, in 256-bit vectors and the same numbers
 }  // namespace avx2
+
+// Each instruction set's tiles under the same names, for ProductPanels.
+struct VnniTiles {
+  template <bool kOffset>
+  using Int8 = vnni::Int8Tiles<kOffset>;
+  template <Fifth F>
+  using Nibbles = vnni::NibbleTiles<F>;
+  template <class T, class... Args>
+  static void Panels(Args... args) { vnni::Panels<T>(args...); }
+};
+
+struct Avx2Tiles {
+  template <bool kOffset>
+  using Int8 = avx2::Int8Tiles<kOffset>;
+  template <Fifth F>
+  using Nibbles = avx2::NibbleTiles<F>;
+  template <class T, class... Args>
+  static void Panels(Args... args) { avx2::Panels<T>(args...); }
+};
+
+// Panels [begin, end) of one product for every row through one instruction set's tiles, by the
+// weights' bits and whether their blocks carry offsets (Product's comment).
+template <class Isa>
+void ProductPanels(int bits, const void* packed, const uint32_t* high, const uint16_t* sp, const uint16_t* offset,
+                   const int16_t* xq, const float* xs, const float* xm, int64_t rows, int64_t k, int64_t begin,
+                   int64_t end, float* y, int64_t n) {
+  const auto* quads = static_cast<const uint8_t*>(packed);
+  const auto* pairs = static_cast<const int8_t*>(packed);
+  const uint32_t* none = nullptr;
+  if (bits == 5 && offset != nullptr) {
+    Isa::template Panels<typename Isa::template Nibbles<Fifth::kUnsigned>>(quads, high, sp, offset, xq, xs, xm, rows, k, begin, end, y, n);
+  } else if (bits == 5) {
+    Isa::template Panels<typename Isa::template Nibbles<Fifth::kSigned>>(quads, high, sp, offset, xq, xs, xm, rows, k, begin, end, y, n);
+  } else if (bits == 4) {
+    Isa::template Panels<typename Isa::template Nibbles<Fifth::kNone>>(quads, none, sp, offset, xq, xs, xm, rows, k, begin, end, y, n);
+  } else if (offset != nullptr) {
+    Isa::template Panels<typename Isa::template Int8<true>>(pairs, none, sp, offset, xq, xs, xm, rows, k, begin, end, y, n);
+  } else {
+    Isa::template Panels<typename Isa::template Int8<false>>(pairs, none, sp, offset, xq, xs, xm, rows, k, begin, end, y, n);
+  }
+}
 
 std::atomic<int> isa_cap{1};  // 1: VNNI where the CPU has it; 0: the AVX2 path only (tests run both)
 bool UseVnni() {
@@ -125,8 +170,6 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const 
   }
   const int64_t rows = xd[0], k = xd[1], n = yd[1], panels = pd[0];
   const float* xp = x.typed_data();
-  const int8_t* qp = static_cast<const int8_t*>(packed);
-  const uint8_t* quads = static_cast<const uint8_t*>(packed);
   const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.typed_data());  // IEEE half bits
   float* yp = y->typed_data();
   const int64_t blocks = k / kBlock;
@@ -144,36 +187,9 @@ ffi::Error Product(ffi::Buffer<ffi::F32> x, const void* packed, ffi::Span<const 
   }
   const int16_t* xq = x16.data();
   const float *xs = sx.data(), *xm = xsum.data();
-  if (vnni) {
-    tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
-      using vnni::Fifth, vnni::NibbleTiles, vnni::Panels;
-      if (bits == 5 && offset != nullptr) {
-        Panels<NibbleTiles<Fifth::kUnsigned>>(quads, high, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-      } else if (bits == 5) {
-        Panels<NibbleTiles<Fifth::kSigned>>(quads, high, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-      } else if (bits == 4) {
-        Panels<NibbleTiles<Fifth::kNone>>(quads, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-      } else if (offset != nullptr) {
-        Panels<vnni::Int8Tiles<true>>(qp, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-      } else {
-        Panels<vnni::Int8Tiles<false>>(qp, nullptr, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-      }
-    });
-    return ffi::Error::Success();
-  }
   tokenwire::Pool::Get().Run(panels * 8, 8, [&](int64_t begin, int64_t end) {
-    using avx2::Fifth, avx2::NibbleTiles, avx2::Panels;
-    if (bits == 5 && offset != nullptr) {
-      Panels<NibbleTiles<Fifth::kUnsigned>>(quads, high, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-    } else if (bits == 5) {
-      Panels<NibbleTiles<Fifth::kSigned>>(quads, high, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-    } else if (bits == 4) {
-      Panels<NibbleTiles<Fifth::kNone>>(quads, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-    } else if (offset != nullptr) {
-      Panels<avx2::Int8Tiles<true>>(qp, nullptr, sp, offset, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-    } else {
-      Panels<avx2::Int8Tiles<false>>(qp, nullptr, sp, nullptr, xq, xs, xm, rows, k, begin / 8, end / 8, yp, n);
-    }
+    (vnni ? ProductPanels<VnniTiles> : ProductPanels<Avx2Tiles>)(bits, packed, high, sp, offset, xq, xs, xm, rows, k,
+                                                                 begin / 8, end / 8, yp, n);
   });
   return ffi::Error::Success();
 }

@@ -76,10 +76,6 @@ TW_TARGET void PanelTile(const int8_t* pairs, const uint16_t* scale, const uint1
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
 }
 
-// How a nibble tile's bytes become integers: 4 bits (q = the nibble), or 5 with the fifth bit
-// from `high` (module comment), unsigned (Q5_1, with offsets) or signed (Q5_0, without).
-enum class Fifth { kNone, kUnsigned, kSigned };
-
 // The nibble tile: PanelTile's sums over groups of two pairs, each group's 32 bytes (and, for 5
 // bits, its two 32-bit masks) unpacked once for the MR rows; offsets for all but signed 5-bit
 // blocks (module comment). The prefetch runs the same time ahead as the int8 tile's.
