@@ -38,8 +38,8 @@ def _int8(w: np.ndarray) -> quantize.Int8Matrix:  # w [in, out], as x @ w
 
 
 def _activations_quantized(x: np.ndarray, m: quantize.Int8Matrix) -> np.ndarray:
-    """What the kernel computes on either path, in float64: each row of x as int16 blocks of 32 (scale max |x|
-    / 32767, round half to even in float32, as the kernel does), integer dots with q's blocks,
+    """What the kernel computes on either path, in float64: each row of x as int16 blocks of 32
+    (scale max |x| / 32767, round half to even in float32, as the kernel does), integer dots with q's blocks,
     times both scales; plus, with offsets, each offset times the sum of its block's quantized
     inputs (times their scale)."""
     rows, k = x.shape
