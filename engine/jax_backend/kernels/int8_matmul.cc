@@ -59,9 +59,9 @@
 //   float32 scale (max |x| / 32767), so a block's dot is exact in int32 (|sum| <= 32 * 32767 * 128
 //   < 2^31). Activations in 16 bits, not 8 as llama.cpp's Q8_0 dot has them: 8 bits flipped
 //   near-tie greedy picks of the default model (its answer to "What is the capital of France?"
-//   among them); 16 bits give the dequantized weights' float products to float rounding. Up to 12 rows a pass
-//   over a panel; with fewer than 4 rows each row keeps several independent int32 sums, so that the
-//   multiply-add chains overlap.
+//   among them); 16 bits give the dequantized weights' float products to float rounding. Up to
+//   12 rows a pass over a panel; with fewer than 4 rows each row keeps several independent int32
+//   sums, so that the multiply-add chains overlap.
 // * AVX2/FMA/F16C elsewhere (and when tests cap the ISA; int8_avx2.h): the same numbers, bit for
 //   bit, in 256-bit vectors: the same int16 rows, the same exact int32 block dots (vpmaddwd, then
 //   vpaddd), the same float work after them. So a CPU's instruction set never changes an id. Up
