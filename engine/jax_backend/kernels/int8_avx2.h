@@ -150,29 +150,21 @@ void PanelTileNibbles(const uint8_t* quads, const uint32_t* high, const uint16_t
   Store<MR>(acc, count, y, n);
 }
 
-// The tiles behind one row dispatch (Panels), as int8_vnni.h's: the weights' type, a panel's
-// bytes per input, whether blocks carry offsets and fifth bits, and the tile for MR rows.
+// The tiles behind one row dispatch (Panels), as int8_vnni.h's: a layout (int8_matmul.cc) and
+// its tile for MR rows.
 template <bool kOffsets>
-struct Int8Tiles {
-  using Weights = int8_t;
-  static constexpr int64_t kBytesPerInput = kPanel;
-  static constexpr bool kOffset = kOffsets;
-  static constexpr bool kHigh = false;
+struct Int8Tiles : Int8Layout<kOffsets> {
   template <int MR>
-  static void Tile(const Weights* w, const uint32_t*, const uint16_t* scale, const uint16_t* offset, int64_t count,
+  static void Tile(const int8_t* w, const uint32_t*, const uint16_t* scale, const uint16_t* offset, int64_t count,
                    const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
     PanelTile<MR, kOffsets>(w, scale, offset, count, xq, sx, xsum, k, y, n);
   }
 };
 
 template <Fifth F>
-struct NibbleTiles {
-  using Weights = uint8_t;
-  static constexpr int64_t kBytesPerInput = kPanel / 2;
-  static constexpr bool kOffset = F != Fifth::kSigned;
-  static constexpr bool kHigh = F != Fifth::kNone;
+struct NibbleTiles : NibbleLayout<F> {
   template <int MR>
-  static void Tile(const Weights* w, const uint32_t* high, const uint16_t* scale, const uint16_t* offset, int64_t count,
+  static void Tile(const uint8_t* w, const uint32_t* high, const uint16_t* scale, const uint16_t* offset, int64_t count,
                    const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
     PanelTileNibbles<MR, F>(w, high, scale, offset, count, xq, sx, xsum, k, y, n);
   }
@@ -190,25 +182,21 @@ void Panels(const typename T::Weights* weights, const uint32_t* high, const uint
             float* y, int64_t n) {
   const int64_t blocks = k / kBlock;
   for (int64_t p = begin; p < end; ++p) {
-    const typename T::Weights* pw = weights + p * k * T::kBytesPerInput;
-    const uint32_t* ph = T::kHigh ? high + p * (k / 4) * 2 : nullptr;  // two masks per group of 4 inputs
-    const uint16_t* ps = scale + p * blocks * kPanel;
-    const uint16_t* pm = T::kOffset ? offset + p * blocks * kPanel : nullptr;
-    const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
+    const PanelAt<T> at(weights, high, scale, offset, k, n, p);
     int64_t r = 0;
     for (; r + kRows <= rows; r += kRows)
-      T::template Tile<kRows>(pw, ph, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
+      T::template Tile<kRows>(at.w, at.high, at.scale, at.offset, at.count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + at.o, n);
     const int16_t* xr = xq + r * k;
     const float* sr = sx + r * blocks;
     const float* mr = xsum + r * blocks;
-    float* yr = y + r * n + o;
+    float* yr = y + r * n + at.o;
     switch (rows - r) {
       case 0: break;
-      case 1: T::template Tile<1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 2: T::template Tile<2>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 3: T::template Tile<3>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 4: T::template Tile<4>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      default: T::template Tile<5>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 1: T::template Tile<1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 2: T::template Tile<2>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 3: T::template Tile<3>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 4: T::template Tile<4>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      default: T::template Tile<5>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
     }
   }
 }

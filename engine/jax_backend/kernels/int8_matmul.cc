@@ -99,6 +99,45 @@ constexpr int64_t kAheadBytes = 8192;
 // from `high` (the header above), unsigned (Q5_1, with offsets) or signed (Q5_0, without).
 enum class Fifth { kNone, kUnsigned, kSigned };
 
+// A panel's layout by the weights' kind (the header above): their type, a panel's bytes per
+// input, whether blocks carry offsets and fifth bits. Each instruction set's tiles (Int8Tiles,
+// NibbleTiles in int8_vnni.h and int8_avx2.h) are these with their Tile added.
+template <bool kOffsets>
+struct Int8Layout {
+  using Weights = int8_t;
+  static constexpr int64_t kBytesPerInput = kPanel;
+  static constexpr bool kOffset = kOffsets;
+  static constexpr bool kHigh = false;
+};
+
+template <Fifth F>  // kNone: 4 bits, always with offsets; kUnsigned / kSigned: 5 bits
+struct NibbleLayout {
+  using Weights = uint8_t;
+  static constexpr int64_t kBytesPerInput = kPanel / 2;
+  static constexpr bool kOffset = F != Fifth::kSigned;
+  static constexpr bool kHigh = F != Fifth::kNone;
+};
+
+// Panel p of a product in layout L: where its weights, fifth bits (two masks per group of 4
+// inputs), scales and offsets start, its first output, and how many of its outputs lie inside
+// the matrix of n.
+template <class L>
+struct PanelAt {
+  PanelAt(const typename L::Weights* weights, const uint32_t* fifths, const uint16_t* scales, const uint16_t* offsets,
+          int64_t k, int64_t n, int64_t p)
+      : w(weights + p * k * L::kBytesPerInput),
+        high(L::kHigh ? fifths + p * (k / 4) * 2 : nullptr),
+        scale(scales + p * (k / kBlock) * kPanel),
+        offset(L::kOffset ? offsets + p * (k / kBlock) * kPanel : nullptr),
+        o(p * kPanel),
+        count(std::min<int64_t>(kPanel, n - p * kPanel)) {}
+  const typename L::Weights* w;
+  const uint32_t* high;
+  const uint16_t* scale;
+  const uint16_t* offset;
+  int64_t o, count;
+};
+
 namespace vnni {
 #include "int8_vnni.h"  // QuantizeRow, the tiles, Panels
 }  // namespace vnni

@@ -128,30 +128,21 @@ TW_TARGET void PanelTileNibbles(const uint8_t* quads, const uint32_t* high, cons
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * n, outputs, acc[r]);
 }
 
-// The tiles behind one row dispatch (Panels): the weights' type, a panel's bytes per input,
-// whether blocks carry offsets, and the tile for MR rows with S sums each. `high` is the panel's
-// fifth bits (5-bit tiles only; null otherwise).
+// The tiles behind one row dispatch (Panels): a layout (int8_matmul.cc) and its tile for MR rows
+// with S sums each. `high` is the panel's fifth bits (5-bit tiles only; null otherwise).
 template <bool kOffsets>
-struct Int8Tiles {
-  using Weights = int8_t;
-  static constexpr int64_t kBytesPerInput = kPanel;
-  static constexpr bool kOffset = kOffsets;
-  static constexpr bool kHigh = false;
+struct Int8Tiles : Int8Layout<kOffsets> {
   template <int MR, int S>
-  TW_TARGET static void Tile(const Weights* w, const uint32_t*, const uint16_t* scale, const uint16_t* offset, int64_t count,
+  TW_TARGET static void Tile(const int8_t* w, const uint32_t*, const uint16_t* scale, const uint16_t* offset, int64_t count,
                              const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y, int64_t n) {
     PanelTile<MR, S, kOffsets>(w, scale, offset, count, xq, sx, xsum, k, y, n);
   }
 };
 
-template <Fifth F>  // kNone: 4 bits, always with offsets; kUnsigned / kSigned: 5 bits (module comment)
-struct NibbleTiles {
-  using Weights = uint8_t;
-  static constexpr int64_t kBytesPerInput = kPanel / 2;
-  static constexpr bool kOffset = F != Fifth::kSigned;
-  static constexpr bool kHigh = F != Fifth::kNone;
+template <Fifth F>
+struct NibbleTiles : NibbleLayout<F> {
   template <int MR, int S>
-  TW_TARGET static void Tile(const Weights* w, const uint32_t* high, const uint16_t* scale, const uint16_t* offset,
+  TW_TARGET static void Tile(const uint8_t* w, const uint32_t* high, const uint16_t* scale, const uint16_t* offset,
                              int64_t count, const int16_t* xq, const float* sx, const float* xsum, int64_t k, float* y,
                              int64_t n) {
     PanelTileNibbles<MR, S, F>(w, high, scale, offset, count, xq, sx, xsum, k, y, n);
@@ -166,31 +157,27 @@ TW_TARGET void Panels(const typename T::Weights* weights, const uint32_t* high, 
                       int64_t end, float* y, int64_t n) {
   const int64_t blocks = k / kBlock;
   for (int64_t p = begin; p < end; ++p) {
-    const typename T::Weights* pw = weights + p * k * T::kBytesPerInput;
-    const uint32_t* ph = T::kHigh ? high + p * (k / 4) * 2 : nullptr;  // two masks per group of 4 inputs
-    const uint16_t* ps = scale + p * blocks * kPanel;
-    const uint16_t* pm = T::kOffset ? offset + p * blocks * kPanel : nullptr;
-    const int64_t o = p * kPanel, count = std::min<int64_t>(kPanel, n - o);
+    const PanelAt<T> at(weights, high, scale, offset, k, n, p);
     int64_t r = 0;
     for (; r + kRows <= rows; r += kRows)
-      T::template Tile<kRows, 1>(pw, ph, ps, pm, count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + o, n);
+      T::template Tile<kRows, 1>(at.w, at.high, at.scale, at.offset, at.count, xq + r * k, sx + r * blocks, xsum + r * blocks, k, y + r * n + at.o, n);
     const int16_t* xr = xq + r * k;
     const float* sr = sx + r * blocks;
     const float* mr = xsum + r * blocks;
-    float* yr = y + r * n + o;
+    float* yr = y + r * n + at.o;
     switch (rows - r) {
       case 0: break;
-      case 1: T::template Tile<1, 4>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 2: T::template Tile<2, 2>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 3: T::template Tile<3, 2>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 4: T::template Tile<4, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 5: T::template Tile<5, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 6: T::template Tile<6, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 7: T::template Tile<7, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 8: T::template Tile<8, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 9: T::template Tile<9, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      case 10: T::template Tile<10, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
-      default: T::template Tile<11, 1>(pw, ph, ps, pm, count, xr, sr, mr, k, yr, n); break;
+      case 1: T::template Tile<1, 4>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 2: T::template Tile<2, 2>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 3: T::template Tile<3, 2>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 4: T::template Tile<4, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 5: T::template Tile<5, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 6: T::template Tile<6, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 7: T::template Tile<7, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 8: T::template Tile<8, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 9: T::template Tile<9, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      case 10: T::template Tile<10, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
+      default: T::template Tile<11, 1>(at.w, at.high, at.scale, at.offset, at.count, xr, sr, mr, k, yr, n); break;
     }
   }
 }
