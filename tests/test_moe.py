@@ -90,6 +90,26 @@ def test_the_grouped_products_forms_multiply_each_row_by_its_own_expert(rows):
     assert moe.copied_experts(rows, 8) == (rows if rows <= 8 else -(-rows // moe.block_rows(rows, 8)) + 8)
 
 
+def test_the_moe_benchmark_times_the_kernels_on_a_served_models_threads(tmp_path):
+    """benchmarks/moe.py at a toy size: the kernels on the threads a served model's load gives
+    them (it once left them on one thread against XLA's GEMM on all), each block's calls over its
+    weight sets, and the experts each call reads counted from the routing."""
+    from benchmarks import moe as bench
+
+    kernels = prerequisites.cpu_kernels()
+    cpu_kernels.set_threads(kernels, 1 if cpu_kernels.available_cpus() > 1 else 2)  # not what the benchmark must set
+    out = tmp_path / "moe.json"
+    args = ["--hidden", "64", "--experts", "4", "--expert-ffn", "32", "--tokens", "1,8", "--rounds", "1", "--calls", "1",
+            "--sets", "2", "--json", str(out)]
+    assert bench.main(args) == 0
+    result = json.loads(out.read_text())
+    assert cpu_kernels.threads(kernels) == result["threads"] == cpu_kernels.available_cpus()
+    one, eight = result["rows"]
+    assert one["experts_read"] == 2 and 2 <= eight["experts_read"] <= 4
+    assert all(r["moe_ms"] > 0 and r["dense_ms"] > 0 for r in result["rows"])
+    assert eight["per_weight_read"] == pytest.approx(eight["ratio"] * 2 / eight["experts_read"])
+
+
 def test_the_configs_say_which_layers_are_moe_and_how_they_route():
     qwen, mixtral = parse_config(RAW[QWEN3_MOE]), parse_config(RAW[MIXTRAL])
     assert (qwen.moe_layers, qwen.routing, qwen.n_experts, qwen.experts_per_token, qwen.expert_ffn_size) == (

@@ -337,6 +337,11 @@ def decode_attention_isa(kernels: Kernels, avx512: bool = True) -> str:
     return "avx512" if kernels.library.TokenwireDecodeAttentionIsa(int(avx512)) else "avx2"
 
 
+def threads(kernels: Kernels) -> int:
+    """The threads each kernel call may use, as `set_threads` left them."""
+    return int(kernels.library.TokenwireThreads())
+
+
 def last_threads(kernels: Kernels) -> int:
     """How many threads took part in the pool's last job: a weight product or an attention (for tests)."""
     return int(kernels.library.TokenwireLastThreads())
@@ -691,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
             "TokenwireDecodeAttentionSinks", "TokenwireChunkAttentionSinks",
             "TokenwireChunkAttentionIsa",
             "TokenwireInt8Matmul", "TokenwireInt8MatmulOffset", "TokenwireInt4Matmul", "TokenwireInt8MatmulIsa", "TokenwirePanelMatmul", "TokenwirePanelMatmulIsa",
-            "TokenwireExpertPanelMatmul", "TokenwireSetThreads",
+            "TokenwireExpertPanelMatmul", "TokenwireSetThreads", "TokenwireThreads",
         )
         for symbol in symbols:
             getattr(library, symbol)

@@ -256,6 +256,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TokenwirePanelMatmul, PanelMatmul,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" void TokenwireSetThreads(int n) { tokenwire::Pool::Get().SetThreads(n); }
+extern "C" int TokenwireThreads() { return tokenwire::Pool::Get().Threads(); }
 extern "C" int TokenwireLastThreads() { return tokenwire::Pool::Get().LastThreads(); }
 
 // Caps the ISA the kernel may use (0: AVX2 only; 1: AVX-512 where the CPU has it) and returns the
