@@ -10,8 +10,8 @@
 // variable (between steps, or when idle), and a caller that works as thread 0 and then waits.
 //
 // TokenwireSetThreads(n) sets how many threads a product uses (the caller included); the engine
-// sets it from the CPUs the process may use or from configuration. TokenwireLastThreads() says how
-// many threads took a chunk of the last product (for tests).
+// sets it from the CPUs the process may use or from configuration; TokenwireThreads() reads it back.
+// TokenwireLastThreads() says how many threads took a chunk of the last product (for tests).
 
 #pragma once
 
