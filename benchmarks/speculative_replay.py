@@ -4,18 +4,21 @@ the proposer and policy code as they are, under a cost per step, so that a propo
 change can be judged in a second instead of a benchmark run.
 
     python benchmarks/speculative_replay.py --record   # the answers (plain decoding), once
-    python benchmarks/speculative_replay.py [--verify-cost 1.85] [--break-cost 0.15]
+    python benchmarks/speculative_replay.py [--verify-cost 1.85] [--break-cost 0.15] [--shortest N]
 
 Why it is exact about acceptance: greedy speculation emits plain decoding's ids, so the
 accepted run of a guess is its longest prefix equal to the recorded answer from there. What it
-models: the engine's batch-1 loop (engine.core.speculative_step): before the step in flight is
-read, a row not resting asks `expects`; if so the step is read, the proposer guesses (at most
-`policy.guesses_of` ids, and the room left under the cap), and a verify step of the smallest
-guess bucket that holds them runs; otherwise a plain pipelined step. Cost, in plain steps: a
-plain step 1, a verify step of K guesses `--verify-cost` scaled from K = 4 (K = 1, 2 as
-measured beside it: docs/benchmarks.md, "Speculative decoding's verify step") plus
-`--break-cost`, the host's synchronous part. Printed: the replayed on / off tok/s ratio per
-workload, and the counts the engine's metrics would show.
+models: the engine's batch-1 loop (engine.core.speculative_step) for the n-gram proposer, which
+guesses ahead: a row not resting asks for guesses at every step (at most `policy.guesses_of` ids,
+and the room left under the cap); with a step in flight the proposer guesses one more from the
+ids known, the first standing for the one in flight, and a verify step of the smallest guess
+bucket that holds the rest runs behind that step; with none in flight (after a verify) it guesses
+from all the ids, where `expects` says it has some; no guess is a plain pipelined step. Cost, in plain steps: a plain step 1, a
+verify step of K guesses `--verify-cost` scaled from K = 4 (K = 1, 2 as measured beside it:
+docs/benchmarks.md, "Speculative decoding's verify step") plus `--break-cost`, the pipeline's
+restart after it (benchmarks/verify_ahead.py measures both together). `--shortest`: the fewest
+ids the proposer looks a source up from. Printed: the replayed on / off tok/s ratio per workload,
+and the counts the engine's metrics would show.
 """
 
 from __future__ import annotations
@@ -56,10 +59,10 @@ def record(tokens: int) -> None:
 
 
 def replay(prompt: list[int], output: list[int], cap: int, policy: SpeculationPolicy | None,
-           cost: dict[int, float], brk: float) -> tuple[float, dict]:
+           cost: dict[int, float], brk: float, proposer: NgramProposer | None = None) -> tuple[float, dict]:
     """One request's decode phase (its first id from prefill) -> (its time in plain steps, counts)."""
     full = output + ([EOS] if len(output) < cap else [])  # what the model samples, finish included
-    proposer, counts = NgramProposer(), {"verify": 0, "proposed": 0, "accepted": 0, "plain": 0}
+    proposer, counts = proposer or NgramProposer(), {"verify": 0, "proposed": 0, "accepted": 0, "plain": 0}
     known, in_flight, time, history, row = 1, False, 0.0, None, None
     while known < len(output) or in_flight:
         if known + in_flight >= len(full):  # the last sample is in flight: read it
@@ -71,31 +74,32 @@ def replay(prompt: list[int], output: list[int], cap: int, policy: SpeculationPo
                 row, seen = policy.row(history, known), known
             history.extend(output[seen:known])
             seen = known
-            if not policy.rest(row) and proposer.expects(history):
-                if in_flight:  # the step in flight is read first
-                    known, in_flight = known + 1, False
-                    if known >= len(output):
-                        break
-                    history.extend(output[seen:known])
-                    seen = known
-                n = min(policy.guesses_of(row, policy.guesses), cap - known - 1)
-                guess = proposer.propose([(history, n)])[0][:n] if n > 0 else ()
-                if n > 0 and not guess:
+            ahead = int(in_flight)  # guesses past the id in flight, whose stand-in is dropped
+            if not policy.rest(row) and (ahead or proposer.expects(history)):
+                n = min(policy.guesses_of(row, policy.guesses), cap - known - ahead - 1)
+                guess = proposer.propose([(history, n + ahead)])[0][ahead : ahead + n] if n > 0 else ()
+                if n > 0 and not guess and not ahead:
                     policy.observe(row, n, 0)
                 if guess:
-                    m = next((i for i, t in enumerate(guess) if i >= len(full) - known - 1 or t != full[known + i]),
+                    at = known + ahead  # the position of the verify's first sample in `full`
+                    m = next((i for i, t in enumerate(guess) if i >= len(full) - at - 1 or t != full[at + i]),
                              len(guess))
-                    time += cost[min(k for k in cost if k >= len(guess))] + brk
+                    time += policy_cost(cost, len(guess)) + brk
                     policy.observe(row, len(guess), m)
                     counts["verify"] += 1
                     counts["proposed"] += len(guess)
                     counts["accepted"] += m
-                    known += m + 1
+                    known, in_flight = at + m + 1, False
                     continue
         time += 1.0  # a plain pipelined step: dispatch the next, read the one in flight
         counts["plain"] += 1
         known, in_flight = known + in_flight, True
     return time, counts
+
+
+def policy_cost(cost: dict[int, float], guesses: int) -> float:
+    """A verify step of `guesses` guesses, in plain steps: its guess bucket's."""
+    return cost[min(k for k in cost if k >= guesses)]
 
 
 def main() -> None:
@@ -104,6 +108,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=192, help="max output tokens a request (with --record)")
     parser.add_argument("--verify-cost", type=float, default=1.85, help="a verify of 4 guesses, in plain steps")
     parser.add_argument("--break-cost", type=float, default=0.15, help="a verify step's synchronous host part")
+    parser.add_argument("--shortest", type=int, default=NgramProposer().shortest,
+                        help="the fewest ids a copy's source is looked up from (the proposer's default)")
     a = parser.parse_args()
     if a.record:
         record(a.tokens)
@@ -115,7 +121,8 @@ def main() -> None:
         total = {"verify": 0, "proposed": 0, "accepted": 0, "plain": 0}
         for answer in answers:
             prompt, output = answer["prompt"], answer["output"]
-            on_time, counts = replay(prompt, output, data["tokens"], SpeculationPolicy(4, 1), cost, a.break_cost)
+            on_time, counts = replay(prompt, output, data["tokens"], SpeculationPolicy(4, 1), cost, a.break_cost,
+                                     NgramProposer(shortest=a.shortest))
             plain += replay(prompt, output, data["tokens"], None, cost, a.break_cost)[0]
             on += on_time
             total = {k: total[k] + counts[k] for k in total}

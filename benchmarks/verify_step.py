@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.interleaved import ratio_lines, run_rounds  # noqa: E402
 from engine.core.model import DecodeInput, SlotSetup, VerifyInput  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
@@ -69,17 +69,9 @@ def main() -> None:
     cases = {"decode": decode, **{f"verify K={k}": (lambda k=k: verify(k)) for k in model.guess_buckets}}
     for case in cases.values():  # compile each
         case()
-    times: dict[str, list[float]] = {name: [] for name in cases}
-    names = list(cases)
-    for r in range(a.rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
-            times[name].append(cases[name]())
+    times = run_rounds(cases, a.rounds)
     print(f"batch {a.batch}, {a.rounds} rounds, context {at[0]} at the end, load average {os.getloadavg()[0]:.1f}")
-    for name, values in times.items():
-        ratios = [t / d for t, d in zip(values, times["decode"])]
-        print(f"{name}: median {1e3 * statistics.median(values):.2f} ms, / decode: median {statistics.median(ratios):.2f}"
-              f" (range {min(ratios):.2f}-{max(ratios):.2f})")
-
+    print("\n".join(ratio_lines(times, "decode", "ms")))
 
 if __name__ == "__main__":
     main()

@@ -90,7 +90,7 @@ def finish(sink: Recorder) -> Finished:
 
 
 def test_copy_heavy_text_gets_long_guesses_and_no_match_gets_none():
-    proposer = NgramProposer()
+    proposer = NgramProposer(shortest=1)
     copied = proposer.open([5, 6, 7, 8, 9, 10, 11, 12, 1, 5, 6])  # "5 6" was followed by 7 8 9 ...
     fresh = proposer.open([5, 6, 7, 8, 9, 10, 11, 12])  # its last id never came before
     assert proposer.propose([(copied, 4), (fresh, 4), (copied, 0)]) == [(7, 8, 9, 10), (), ()]
@@ -98,23 +98,34 @@ def test_copy_heavy_text_gets_long_guesses_and_no_match_gets_none():
     assert copied.guess(8) == (1, 5, 6, 7, 8, 9, 10, 11)
 
 
+def test_by_default_a_copy_starts_from_three_ids_and_is_followed_id_by_id():
+    """A source is looked up from the last 3 or 4 ids (one or two ids match everywhere in prose,
+    docs/speculative.md); once followed, a copy goes on one id at a time."""
+    history = NgramProposer().open([4, 6, 7, 5, 6, 7])
+    assert history.guess(2) == ()  # "6 7" occurred, but no 3 ids did
+    history.extend([5, 6])  # ... 5 6 7 5 6: "7 5 6" occurred, followed by 7
+    assert history.guess(3) == (7, 5, 6) and history.following()
+    history.extend([7, 5])
+    assert history.guess(1) == (6,)
+
+
 def test_the_longest_suffix_wins_then_the_latest_occurrence_then_one_id():
-    history = NgramProposer().open([1, 2, 3, 9, 2, 3, 7, 4, 2, 3, 8, 1, 2, 3])
+    history = NgramProposer(shortest=1).open([1, 2, 3, 9, 2, 3, 7, 4, 2, 3, 8, 1, 2, 3])
     assert history.guess(2) == (9, 2)  # "1 2 3" (3 ids) beats the later "2 3"s
-    history = NgramProposer().open([2, 3, 7, 4, 2, 3, 8, 5, 2, 3])
+    history = NgramProposer(shortest=1).open([2, 3, 7, 4, 2, 3, 8, 5, 2, 3])
     assert history.guess(1) == (8,)  # of the "2 3"s, the latest
-    history = NgramProposer().open([4, 6, 7, 5, 6])
+    history = NgramProposer(shortest=1).open([4, 6, 7, 5, 6])
     assert history.guess(2) == (7, 5)  # no 2-gram: the one id 6, followed by 7
     assert NgramProposer(shortest=2).open([4, 6, 7, 5, 6]).guess(2) == ()
 
 
 def test_a_copy_is_followed_while_it_holds_even_where_a_later_occurrence_differs():
     # the passage 9 1 2 3 4 5, then 8 1 2 3 4 7; the sequence starts copying the first from its 9
-    history = NgramProposer().open([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4, 7, 0, 9])
+    history = NgramProposer(shortest=1).open([9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 4, 7, 0, 9])
     assert history.guess(2) == (1, 2)  # only the one id 9 occurred before
     history.extend([1, 2, 3, 4])
     assert history.following() and history.guess(2) == (5, 8)  # the passage it follows goes on 5
-    assert NgramProposer().open(history.ids).guess(2) == (7, 0)  # where the latest "1 2 3 4" went on
+    assert NgramProposer(shortest=1).open(history.ids).guess(2) == (7, 0)  # where the latest "1 2 3 4" went on
     history.extend([6])  # not the 5 of its source: the copy is dropped, and 6 occurred nowhere
     assert not history.following() and history.guess(1) == ()
     history.extend([8])
@@ -134,11 +145,11 @@ def _rescan(ids: list[int], k: int, shortest: int = 1, longest: int = 4) -> tupl
 @settings(max_examples=examples(200), deadline=None)
 @given(ids=st.lists(st.integers(0, 4), max_size=40), cuts=st.lists(st.integers(0, 40), max_size=5), k=st.integers(1, 6))
 def test_the_incremental_index_answers_as_a_rescan_would(ids, cuts, k):
-    history = NgramProposer().open(ids[: min(cuts, default=0)])
+    history = NgramProposer(shortest=1).open(ids[: min(cuts, default=0)])
     for end in sorted(cuts) + [len(ids)]:
         history.extend(ids[len(history.ids) : max(end, len(history.ids))])
-        assert NgramProposer().open(history.ids).guess(k) == _rescan(history.ids, k)
-        assert history.lookup() == NgramProposer().open(history.ids).lookup()
+        assert NgramProposer(shortest=1).open(history.ids).guess(k) == _rescan(history.ids, k)
+        assert history.lookup() == NgramProposer(shortest=1).open(history.ids).lookup()
 
 
 @settings(max_examples=examples(200), deadline=None)
@@ -146,7 +157,7 @@ def test_the_incremental_index_answers_as_a_rescan_would(ids, cuts, k):
 def test_a_followed_copy_still_guesses_what_came_after_an_earlier_occurrence(ids, k):
     """Guessing at every id: each guess is what followed some earlier occurrence of the last id,
     as long as k allows or the sequence goes, and there is one wherever a fresh lookup finds one."""
-    history = NgramProposer().open(ids[:1])
+    history = NgramProposer(shortest=1).open(ids[:1])
     for token in ids[1:] + [None]:
         guess, known = history.guess(k), history.ids
         assert any(known[s - 1] == known[-1] and tuple(known[s : s + k]) == guess for s in range(1, len(known))) \
@@ -279,6 +290,98 @@ def test_a_row_whose_guesses_all_fail_rests_then_tries_again():
     assert sink.tokens == list(range(11, 71))
     kinds = "".join(call[0][0] for call in engine.model.calls[1:])  # v: verify, d: plain decode
     assert kinds.startswith("vv" + "d" * 4 + "vv" + "d" * 8 + "vv" + "d" * 16), kinds  # rests of 4, 8, then 16 steps
+
+
+class AheadScript(Script):
+    """`Script` as a proposer that guesses ahead (`Proposer.guesses_ahead`): asked for k + 1 from a
+    history one id short, its first guess stands for the id in flight. `shift` moves every guess
+    on by that much (1: the stand-in is wrong, and so is all that follows it)."""
+
+    guesses_ahead = True
+
+    def __init__(self, wrong_at: int | None = None, shift: int = 0) -> None:
+        super().__init__(wrong_at)
+        self.shift = shift
+
+    def propose(self, rows):
+        return [tuple((g + self.shift) % VOCAB for g in guesses) for guesses in super().propose(rows)]
+
+
+class StepsInFlight(ScriptedModel):
+    """The scripted model, recording at each verify how many dispatched steps were not yet collected."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.in_flight = 0
+        self.at_verify: list[int] = []
+
+    def dispatch(self, *args, **kw) -> None:
+        super().dispatch(*args, **kw)
+        self.in_flight += 1
+
+    def collect(self):
+        self.in_flight -= 1
+        return super().collect()
+
+    def verify(self, inputs):
+        self.at_verify.append(self.in_flight)
+        return super().verify(inputs)
+
+
+def in_flight_model() -> StepsInFlight:
+    return StepsInFlight(vocab_size=VOCAB, max_batch_size=2, max_context_length=64, max_guesses=4, page_size=4)
+
+
+def test_an_ahead_guess_is_verified_behind_the_step_in_flight_and_the_output_is_plain_decodings():
+    """Every first guess wrong: the verifies after a read fail and the row rests; its retry comes
+    with a step in flight, and ahead the wrong first guess is the dropped stand-in, so the ids
+    fed after the one in flight are right and accepted, with nothing read before that verify."""
+    model = in_flight_model()
+    (sink,), engine = run([request([10], 40)], proposer=AheadScript(wrong_at=0), model=model)
+    assert sink.tokens == list(range(11, 51))
+    assert model.at_verify[:2] == [0, 0] and 1 in model.at_verify, model.at_verify
+    # after a read every guess is wrong: what was accepted, in runs of several tokens, was ahead
+    assert max(sum(isinstance(e, Token) for e in b) for b in sink.batches) > 1
+    assert engine.stats().speculation.accepted > 0
+
+
+def test_a_wrong_stand_in_costs_its_guesses_and_nothing_else():
+    """A proposer one id off: ahead, its stand-in for the id in flight is wrong and so are the ids
+    fed after it; the model rejects them, and the output is plain decoding's."""
+    model = in_flight_model()
+    (sink,), engine = run([request([10], 40, stop_token_ids=(45,))], proposer=AheadScript(shift=1), model=model)
+    plain, _ = run([request([10], 40, stop_token_ids=(45,))], speculation="off")
+    assert [e for b in sink.batches for e in b] == [e for b in plain[0].batches for e in b]
+    assert 1 in model.at_verify and engine.stats().speculation.accepted == 0
+
+
+class GuessesAfter(AheadScript):
+    """Guesses ahead only once its history ends in `trigger` (the step in flight then samples
+    trigger + 1); nothing before, so the steps up to there are plain and pipelined."""
+
+    def __init__(self, trigger: int) -> None:
+        super().__init__()
+        self.trigger = trigger
+
+    def propose(self, rows):
+        return [g if history[-1] == self.trigger else () for g, (history, _) in zip(super().propose(rows), rows)]
+
+
+@pytest.mark.parametrize("prompt, stopping, tokens", [
+    ([10], {"stop_token_ids": (29,)}, list(range(11, 29))),  # the step in flight samples the stop id 29
+    ([90], {}, list(range(91, 100)) + [0, 1]),  # ... EOS (2)
+])
+def test_a_row_the_step_in_flight_finishes_drops_the_run_verified_behind_it(prompt, stopping, tokens):
+    """The verify enqueued behind a step in flight that finishes the row ran for nothing: its
+    run (right guesses, accepted) is dropped, nothing follows the finish, and the slot is freed."""
+    model = in_flight_model()
+    (sink,), engine = run([request(prompt, 40, **stopping)], proposer=GuessesAfter(tokens[-1]), model=model)
+    assert model.at_verify == [1]  # the one verify, behind the step that finished the row
+    assert sink.tokens == tokens
+    end = finish(sink)
+    assert (end.reason, end.usage.completion_tokens) == (FinishReason.STOP, len(tokens))
+    assert sink.batches[-1] == [end]  # the finish alone: the dropped run sent nothing
+    assert engine.stats().speculation.steps == 1
 
 
 def test_a_batch_shares_its_guesses_and_above_the_limit_does_not_speculate():

@@ -123,14 +123,17 @@ async def test_runs_arrive_as_one_response_each_and_the_metrics_count_them(stack
     before = stack.decode.engine.stats().speculation
     responses = [r async for r in stack.decoder.Decode(request)]
     assert [e.token.id for r in responses for e in r.events if e.HasField("token")] == list(range(101, 111))
-    # The first token (prefill), then a run of 4 + 1 (the one id 101 occurred at the prompt's
-    # start, so the copy is found at once), then one of 3 + 1 (the cap leaves room for 3 guesses)
-    # and Finished: a response ends only where a run ends (a client that lags gets several steps
-    # in one response, never part of a run).
+    # The first token (prefill), then 102 and 103 from plain steps (a source is looked up from
+    # the last 3 ids, and "101 102 103" is the first 3 the prompt holds), with 104 in flight:
+    # the proposer guesses 104-108 from the ids it has, 104 standing for the one in flight, and
+    # the verify behind that step accepts 105-108 and samples 109; then 104 is read, then the
+    # run goes out; the cap leaves 110 to a plain step, then Finished. A response ends only
+    # where a step or a run ends (a client that lags gets several in one response, never part
+    # of a run).
     ends = list(itertools.accumulate(len(r.events) for r in responses))
-    assert set(ends) <= {1, 6, 11} and ends[-1] == 11, ends
+    assert set(ends) <= {1, 2, 3, 4, 9, 11} and ends[-1] == 11, ends
     after = stack.decode.engine.stats().speculation
-    assert (after.proposed - before.proposed, after.accepted - before.accepted) == (4 + 3, 4 + 3)
+    assert (after.proposed - before.proposed, after.accepted - before.accepted) == (4, 4)
     exposition = stack.decode.metrics.exposition().decode()
     assert f'tokenwire_speculative_accepted_tokens_total{{proposer="ngram"}} {float(after.accepted)}' in exposition
     assert f'tokenwire_speculative_proposed_tokens_total{{proposer="ngram"}} {float(after.proposed)}' in exposition

@@ -5,7 +5,8 @@ Greedy, on tiny-llama in float32 and int8 (the CPU kernels' paths) and tiny-gemm
 windows of 8, so a guessed span crosses a window edge): three sequences of different prompt
 lengths decode once plainly, then again through verify calls with random guesses, some the plain
 run's next ids and some corrupted, a random number of them per row (none included), rows in a
-shuffled order and some slots left out, with plain decode steps in between; every sample (id,
+shuffled order and some slots left out, with plain decode steps in between, and a third of the
+calls enqueued behind a plain step not yet collected; every sample (id,
 logprob, alternatives) equals the plain run's at its position. A call is of one guess bucket
 (its first row has that many guesses, K but in the float32 case's calls of two rows, which walk
 the buckets); the float32 case also walks the row buckets (some slots a call), the int8 and
@@ -129,15 +130,15 @@ def _plain(model: JaxModel, n: int) -> list[list]:
 def _speculated(
     model: JaxModel, plain: list[list], rng: np.random.Generator, some: bool
 ) -> tuple[list[list], list[int], set[int], int]:
-    """The same prompts through verify calls with random guesses (module docstring), plain decode
-    steps in between, `some` slots each time (else every one still short of STEPS); -> each
+    """The same prompts through verify calls with random guesses (module docstring), some behind a
+    plain step still in flight, plain decode steps in between, `some` slots each time (else every one still short of STEPS); -> each
     prompt's samples, each accepted run's guess count, the calls' guess counts, and how many rows
     fed tokens on both sides of a page boundary. A call's first
     row has its call's count of guesses, the others a random count up to it: K, one guess bucket,
     except in a `some` run's calls of two rows, which take 1, 2 and K in turn, so the guess
     buckets' ladder is walked at one row bucket, not at each (fewer shapes)."""
     runs = [[model.prefill(slot, p, _setup(slot), False)] for slot, p in enumerate(PROMPTS)]
-    accepted, tops, ladder, crossed = [], set(), itertools.cycle((1, 2, K)), 0
+    accepted, tops, ladder, crossed, behind = [], set(), itertools.cycle((1, 2, K)), 0, 0
     while min(len(r) for r in runs) < STEPS:
         short = [s for s in range(len(PROMPTS)) if len(runs[s]) < STEPS]
         slots = [s for s in short if not some or rng.random() < 0.7] or short[:1]
@@ -147,21 +148,32 @@ def _speculated(
             for s, sample in zip(slots, outs):
                 runs[s].append(sample)
             continue
+        # a third of the calls go behind a plain step of their slots still in flight (the
+        # scheduler's ahead guesses): fed that step's sample, one position on
+        ahead = int(rng.random() < 0.3)
+        if ahead:
+            model.dispatch([DecodeInput(s, None, at[s], False) for s in slots])
         inputs, top = [], next(ladder) if some and len(slots) == 2 else K  # the call's guess count
         tops.add(top)
         for row, s in enumerate(rng.permutation(slots).tolist()):
-            n, count = len(runs[s]), int(rng.integers(0, top + 1)) if row else top
+            n, count = len(runs[s]) + ahead, int(rng.integers(0, top + 1)) if row else top
             guesses = [x.token_id for x in plain[s][n : n + count]]
             if guesses and rng.random() < 0.5:  # one wrong guess
                 guesses[int(rng.integers(len(guesses)))] = int(rng.integers(model.info.vocab_size))
-            inputs.append(VerifyInput(s, at[s], tuple(guesses), False))
-            crossed += at[s] // model.kv.page_size != (at[s] + len(guesses)) // model.kv.page_size
-        for i, run in zip(inputs, model.verify(inputs)):
+            inputs.append(VerifyInput(s, at[s] + ahead, tuple(guesses), False))
+            crossed += (at[s] + ahead) // model.kv.page_size != (at[s] + ahead + len(guesses)) // model.kv.page_size
+        verified = model.verify(inputs)
+        if ahead:
+            behind += 1
+            for s, sample in zip(slots, model.collect()):
+                runs[s].append(sample)
+        for i, run in zip(inputs, verified):
             assert 1 <= len(run) <= len(i.guesses) + 1
             runs[i.slot].extend(run)
             accepted.append(len(run) - 1)
     for slot in range(len(PROMPTS)):
         model.release(slot)
+    assert behind >= 3, behind  # verify calls behind a step in flight
     return runs, accepted, tops, crossed
 
 
@@ -173,7 +185,7 @@ def test_greedy_verify_runs_are_plain_greedy_decoding_sample_for_sample(name, we
     model = request.getfixturevalue("llama") if first else _load(name, weights, rows=4)
     rng = np.random.default_rng(45)
     _shuffled_pages(model, rng)
-    plain = _plain(model, STEPS + K + 1)
+    plain = _plain(model, STEPS + K + 2)
     _shuffled_pages(model, rng)  # other pages: what the plain run left in them does not matter
     runs, accepted, tops, crossed = _speculated(model, plain, rng, some=first)
     assert crossed >= 3, crossed  # verify rows whose KV writes go on in another (shuffled) page

@@ -84,9 +84,10 @@ row; a slow one is bounded by the grammar library's per-step limits, past which 
 fails alone (docs/constraints.md, "A late row"). A row that allows no token fails
 its request with InvalidArgument, not the engine.
 Speculative decoding (issue 45; engine.core.speculative_step), when the config turns it on and
-the model verifies: a step of few unconstrained rows whose guesses are worth checking reads the
-step in flight, asks the proposer for each row's guesses, takes pages for their positions and
-runs `model.verify` (synchronous); each row's run of samples goes through `decide` one by one
+the model verifies: a step of few unconstrained rows whose guesses are worth checking asks the
+proposer for each row's guesses (the n-gram proposer past the step in flight, which stays in
+flight; another proposer after that step is read), takes pages for their positions and runs
+`model.verify` (synchronous); each row's run of samples goes through `decide` one by one
 (`_advance_run`: what follows a finish is dropped) and its tokens go to the sink as one list.
 Otherwise the step is a plain one, as above.
 After each completed prefill and each step (and after aborts freed slots), the `after_delivery` callbacks

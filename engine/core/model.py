@@ -20,10 +20,11 @@ token is the slot's last sample, which the model keeps (on the device for the JA
 may thus run for a request that the previous step finished; the scheduler discards that sample.
 Several whole prompts that are read in the same iteration may go in one call (`prefill_packed`).
 With speculative decoding on (issue 45; engine.core.speculation), a model whose `max_guesses`
-is above 0 may be asked instead to `verify` guessed ids for several slots: a synchronous step,
-with nothing in flight, that feeds each slot's last sample and its guesses in one pass and
-returns the run of samples that plain decoding would have produced up to the first guess it
-rejects.
+is above 0 may be asked instead to `verify` guessed ids for several slots: a synchronous step
+that feeds each slot's last sample and its guesses in one pass and returns the run of samples
+that plain decoding would have produced up to the first guess it rejects. A decode step may be
+in flight when it is called: the verify runs after it (its samples are the slots' last samples
+then), and it is still read by `collect` afterwards.
 A model samples on its own (on the device for the JAX model); it never decides
 whether a token is emitted: that is `engine.core.stopping.decide`.
 A constrained request (issue 43) samples every token under a row of banned ids that depends on
@@ -200,9 +201,8 @@ class Model(Protocol):
         `dispatch` then `collect`, with no other step in flight."""
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[tuple[Sample, ...]]:
-        """One pass over the weights for the given slots (no step in flight before or after it:
-        it returns its samples): each slot's last sample is fed at `position` and its guesses at
-        the positions after it, and the model samples at each fed position as `decode` would have
+        """One pass over the weights for the given slots, which returns its samples: each slot's
+        last sample is fed at `position` and its guesses at the positions after it, and the model samples at each fed position as `decode` would have
         there. It returns each input's accepted run, in input order: samples s_0..s_m, where
         s_j.token_id == guesses[j] for every j < m, and s_m is the first sample that differs from
         its guess, or the one after the last guess (m <= len(guesses)). Greedy rows take the
@@ -211,7 +211,10 @@ class Model(Protocol):
         sampling for a one-hot proposal: plain sampling's distribution exactly). Afterwards the
         slot's count is position+m+1 and s_m is its last sample (fed by its next step); KV written
         past position+m is garbage the slot overwrites later. The scheduler names pages for every
-        position up to position+len(guesses) (set_pages) before the call."""
+        position up to position+len(guesses) (set_pages) before the call. Steps dispatched and
+        not yet collected (not one whose sampling waits) run first: a slot's last sample is then
+        the one its latest such step draws, `position` counts that step, and those steps are
+        collected after the call as ever (it does not read them)."""
 
     def dispatch(self, inputs: Sequence[DecodeInput], chunk: ChunkInput | None = None, sample_later: bool = False) -> None:
         """Start one step for the given slots (not empty) and return without waiting for its

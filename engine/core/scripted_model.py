@@ -35,6 +35,8 @@ one past the last guess. The guesses past the run are written into the slot's pa
 model writes them, and then forgotten: the slot holds position + len(run) positions, and a step
 that later reads one of those garbage positions as its own reads what it wrote there itself.
 `verify_steps` counts the calls, and `calls` records each as ("verify", ((slot, guesses), ...)).
+A verify may follow a dispatched step not yet collected: it feeds that step's samples, and is
+due a step's time after it.
 
 **Its KV pages make the scheduler's mistakes loud.** The pool (`kv`: `kv_cache_tokens`
 positions in pages of `page_size`; 0: max_batch_size x max_context_length) stores, per page and
@@ -298,8 +300,8 @@ class ScriptedModel:
         self._pending.append((self.decode_steps, self._next_free, samples))
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[tuple[Sample, ...]]:
-        if self._pending or self._held is not None:
-            raise ModelUsageError("verify with a decode step in flight")
+        if self._held is not None:
+            raise ModelUsageError("verify while a decode step's sampling waits")
         if not inputs or len({i.slot for i in inputs}) < len(inputs):
             raise ModelUsageError(f"a verify step of {len(inputs)} rows, each slot at most once")
         self.verify_steps += 1

@@ -6,12 +6,25 @@ Data flow, in an iteration where `_decode_step` runs and speculation is on:
      constrained (a constrained row's banned ids depend on every token before it, so a guess
      would need the matcher run ahead and undone: those batches simply decode), that takes no
      prompt chunk along (`Model.fused_chunk_tokens`: the chunk and the step share a pass), and
-     of those rows the ones not resting (engine.core.speculation.policy) whose proposer expects
-     a guess from the ids known so far (`Proposer.expects`). None: a plain pipelined step.
-  2. The step in flight is read first: a guess continues the row's last sample, so the host
-     must know it, and `verify` runs with nothing in flight. (This is what a guess costs even
-     when it is right: the host no longer runs a step ahead of the device, hence step 1's
-     `expects`, asked before the read.)
+     of those rows the ones not resting (engine.core.speculation.policy). None: a plain
+     pipelined step.
+  2. A guess continues the row's last sample, which the host does not know yet while the step
+     that samples it is in flight. Two ways:
+     * Ahead (a proposer with `guesses_ahead`: the n-gram one). The proposer guesses one id more
+       from the history it has; the first guess stands for the id in flight and is dropped, and
+       the rest are fed after that id, which the model still holds: `verify` is enqueued behind
+       the step in flight, and that step is read when the verify returns (a row it finished
+       drops its run). A guess made one id early is as exact as any: the model checks every
+       guessed id against its own sample after the real ids before it, so a wrong stand-in only
+       costs its guesses. What it saves: asked before a read, a proposer cannot tell whether
+       it will have a guess once it has the id in flight, and a wrong "yes" was a read of the
+       step in flight for nothing, which breaks the pipelined loop (on the CPU the step after
+       it waits for the host's own part of the next call: benchmarks/verify_ahead.py); ahead,
+       no guess means a plain pipelined step with nothing read. A verify step itself breaks
+       the loop either way (the next step waits for its samples).
+     * After a read (a draft model, which decodes its guesses from the real last id): rows
+       whose proposer expects a guess from the ids known so far (`Proposer.expects`) have the
+       step in flight read first; then `verify` runs with nothing in flight.
   3. Each speculating row's proposer history takes the ids it emitted since, and the proposer
      guesses for all rows at once, k each (the policy's share for this batch, and never past
      what the row may still emit: its length cap, or the end of its `min_output_tokens` mask,
@@ -60,6 +73,9 @@ class SpeculativeSteps:
             return
         # (a proposer without `expects` is asked at every step)
         self._expects = getattr(self._proposer, "expects", lambda history: True)
+        # whether it guesses past an id its history lacks yet (`Proposer.guesses_ahead`)
+        self._ahead = getattr(self._proposer, "guesses_ahead", False)
+        self._verify_started = 0.0
         guesses = min(config.speculative_tokens, getattr(self.model, "max_guesses", 0))
         if guesses < 1:
             log.warning("speculation %s is off: the model takes no guesses (max_guesses 0)", self._proposer.name)
@@ -83,33 +99,62 @@ class SpeculativeSteps:
             return False, None  # (a prompt chunk rides along with a plain step: one pass for both)
         if any(live.matcher is not None for live in lives):
             return False, None
-        asking = {
-            live.ticket for live in lives
-            if (live.speculation is None or not self._policy.rest(live.speculation))
-            and self._expects(self._history(live))
-        }
+        asking = [live for live in lives if live.speculation is None or not self._policy.rest(live.speculation)]
+        if not asking:
+            return False, None
+        if self._in_flight and self._ahead:  # guesses past the step in flight, which stays in flight
+            return self._verify_ahead(lives, asking)
+        asking = [live for live in asking if self._expects(self._history(live))]
         if not asking:
             return False, None
         seconds = None
         if self._in_flight:
             seconds = self._read(*self._take_in_flight())
-            lives = self._decoding()
-        k = self._policy.guesses_for(len(lives))
-        guesses = self._guesses([live for live in lives if live.ticket in asking], k)
+            lives, asked = self._decoding(), {live.ticket for live in asking}
+            asking = [live for live in lives if live.ticket in asked]
+        guesses = self._guesses(asking, self._policy.guesses_for(len(lives)), unseen=())
         if not any(guesses.values()) or not self._grow(lives):
             return False, seconds  # nothing to check, or no page for a row: a plain step
+        self._accept(self._run_verify(lives, guesses))
+        return True, self._read_at - self._verify_started
+
+    def _verify_ahead(self, lives: list[_Live], asking: list[_Live]) -> tuple[bool, float | None]:
+        """The verify step with the step in flight unread (module docstring, step 2): each row in
+        flight is guessed past the id that step is sampling (its proposer's first guess stands for
+        that id, and is not fed), the verify is enqueued behind it, and the step in flight is
+        read once the verify returns. No guess at all: a plain pipelined step, nothing read."""
+        unseen = {live.ticket for live in self._in_flight}
+        guesses = self._guesses(asking, self._policy.guesses_for(len(lives)), unseen)
+        if not any(guesses.values()) or not self._grow(lives):
+            return False, None
+        runs = self._run_verify(lives, guesses)
+        took = self._read_at - self._verify_started
+        self._read(*self._take_in_flight())  # (done: the verify ran after it) may finish rows
+        self._accept(runs)
+        return True, took
+
+    def _run_verify(self, lives: list[_Live], guesses: dict[int, tuple[int, ...]]) -> list:
+        """`model.verify` for `lives` (module docstring, steps 4-5): -> [(live, its guesses, its run)]."""
         rows = [(live, self._pages_for_guesses(live, guesses.get(live.ticket, ()))) for live in lives]
-        started = time.perf_counter()
+        self._verify_started = time.perf_counter()
         runs = self.model.verify([
-            VerifyInput(live.slot, len(live.prompt) + live.steps, row_guesses, live.rule.masks_control_tokens(live.emitted))
+            VerifyInput(live.slot, len(live.prompt) + live.steps, row_guesses,
+                        live.rule.masks_control_tokens(live.resumed + 1 + live.steps))
             for live, row_guesses in rows
         ])
         self._read_at = time.perf_counter()
+        return [(live, row_guesses, run) for (live, row_guesses), run in zip(rows, runs, strict=True)]
+
+    def _accept(self, runs: list) -> None:
+        """Each row's run, decided one sample at a time (module docstring, step 6); a row finished
+        or cancelled meanwhile (by the step in flight, read after an ahead verify) drops its run."""
         with self._cond:  # requests aborted during the step are freed now, with no more events
-            aborted = {live.ticket for live, _ in rows} & self._aborts
+            aborted = {live.ticket for live, _, _ in runs} & self._aborts
             self._aborts -= aborted
         proposed = accepted = 0
-        for (live, row_guesses), run in zip(rows, runs, strict=True):
+        for live, row_guesses, run in runs:
+            if self._active.get(live.slot) is not live:
+                continue  # finished by the step in flight, or cancelled: the run is discarded
             live.steps += len(run)
             if row_guesses:
                 proposed, accepted = proposed + len(row_guesses), accepted + len(run) - 1
@@ -120,31 +165,33 @@ class SpeculativeSteps:
                 self._advance_run(live, run)
         s = self._speculation_stats
         self._speculation_stats = SpeculationStats(s.proposer, s.proposed + proposed, s.accepted + accepted, s.steps + 1)
-        return True, self._read_at - started
 
-    def _guesses(self, lives: list[_Live], k: int) -> dict[int, tuple[int, ...]]:
+    def _guesses(self, lives: list[_Live], k: int, unseen) -> dict[int, tuple[int, ...]]:
         """Each row's guesses (by ticket), at most k, at most what its recent runs earn it
         (`SpeculationPolicy.guesses_of`) and at most what it may still emit; its
-        history first takes the ids it emitted since its last step. A row offered guesses that
-        got none is counted as a miss at once (its policy rests it when that goes on)."""
-        asks: list[tuple[_Live, int]] = []
+        history first takes the ids it emitted since its last step. A row in `unseen` (tickets)
+        has a step in flight whose id its history lacks: the proposer guesses one more, and the
+        first, which stands for that id, is dropped. A row that asked with nothing in flight and
+        got no guess is counted as a miss at once (the read it cost is lost; its policy rests it
+        when that goes on); an ahead row's empty guess cost nothing."""
+        asks: list[tuple[_Live, int, int]] = []
         for live in lives:
             self._history(live)
-            limit = live.rule.max_output_tokens - live.emitted - 1  # a run has room for its k + 1 samples
-            if live.rule.masks_control_tokens(live.emitted):  # one `masked` for the whole run
-                limit = min(limit, live.rule.min_output_tokens - live.emitted - 1)
+            at = live.resumed + 1 + live.steps  # the output index of the step's first sample
+            limit = live.rule.max_output_tokens - at - 1  # a run has room for its k + 1 samples
+            if live.rule.masks_control_tokens(at):  # one `masked` for the whole run
+                limit = min(limit, live.rule.min_output_tokens - at - 1)
             n = min(self._policy.guesses_of(live.speculation, k), limit)
             if n > 0:
-                asks.append((live, n))
-        histories = [live.speculation.history for live, _ in asks]
-        proposals = self._proposer.propose([(history, n) for history, (_, n) in zip(histories, asks)])
+                asks.append((live, n, int(live.ticket in unseen)))
+        proposals = self._proposer.propose([(live.speculation.history, n + ahead) for live, n, ahead in asks])
         vocab = self.model.info.vocab_size
         guesses = {}
-        for (live, n), proposal in zip(asks, proposals, strict=True):
-            proposal = tuple(proposal[:n])
+        for (live, n, ahead), proposal in zip(asks, proposals, strict=True):
+            proposal = tuple(proposal[ahead : ahead + n])
             bad = next((i for i, token in enumerate(proposal) if not 0 <= token < vocab), None)
             guesses[live.ticket] = proposal if bad is None else proposal[:bad]  # (a proposer's bug costs its guesses)
-            if not guesses[live.ticket]:
+            if not guesses[live.ticket] and not ahead:
                 self._policy.observe(live.speculation, n, 0)
         return guesses
 

@@ -87,7 +87,7 @@ class Verifying:
 
     def verify(self, inputs: Sequence[VerifyInput]) -> list[tuple[Sample, ...]]:
         require(self.max_guesses > 0, "verify on a model with max_guesses 0")
-        require(not self._pending and self._held is None, "verify with a dispatched step not yet collected")
+        require(self._held is None, "verify while a dispatched step's sampling waits")
         self._check_verify(inputs)
         top = self.verify_rows[-1]
         return [run for lo in range(0, len(inputs), top) for run in self._verify_once(inputs[lo : lo + top])]

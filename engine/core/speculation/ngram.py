@@ -2,7 +2,7 @@
 occurrence of its last few ids (prompt lookup / suffix matching over the request's own ids), and
 keep following that occurrence while the sequence keeps copying it.
 
-Finding a source: for each n from `longest` down to `shortest` (4 down to 1 by default), the last
+Finding a source: for each n from `longest` down to `shortest` (4 down to 3 by default), the last
 n ids are looked up among the n-grams seen earlier; the first found (longest n wins, and among
 equal n the most recent occurrence, since a later one overwrites an earlier one in the index)
 is where the copy is taken from, and the ids that followed it are the guess.
@@ -15,10 +15,16 @@ sentence) repeats short n-grams that also occur elsewhere ("    return", '": "')
 occurrence of the last few ids is then often another place, whose continuation is wrong, while the
 passage being copied goes on being right.
 
-Why down to one id: where the answer copies its input under another tokenization (a name after a
-quote, `"Riverside` against ` Riverside`), the first ids of the copy match no 2-gram, but the
-first whole word does; a wrong one-id guess costs one verify position and the scheduler's policy
-(engine.core.speculation.policy) stops asking a row that gains nothing.
+Why not from fewer than three ids: one or two ids (" the", '": "') occur everywhere in prose, so
+a lookup from them finds a "source" at almost every step of ordinary chat, whose guesses mostly
+fail, and each verify step that checks them costs more than a plain step where the weights'
+products are bound by arithmetic (a CPU). Down to one id, a copy whose first ids are tokenized
+otherwise than its source (`"Riverside` against ` Riverside`) starts a word earlier; the
+scheduler's replay of the recorded answers (benchmarks/speculative_replay.py, docs/speculative.md)
+puts that at 5% of the copy-heavy gain where a verify step of 4 guesses is cheap (1.3x a plain
+step), against 4-6% lost on ordinary chat at every cost from 1.3x to 3x, and 6-8% on copy-heavy
+text too where it costs 2.5-3x, as on a 2-vCPU AVX2 host. (`shortest=1` is still a constructor
+argument.)
 
 Cost: the index maps each n-gram to where its latest occurrence ended, and an id appended
 registers the `longest - shortest + 1` n-grams that end just before it (one id later, so that an
@@ -80,8 +86,9 @@ class NgramProposer:
     """`Proposer` over each request's own prompt and output (engine.core.speculation.proposer)."""
 
     name = "ngram"
+    guesses_ahead = True  # a guess of k + 1 ids from a history one id short: its first stands for that id
 
-    def __init__(self, shortest: int = 1, longest: int = 4) -> None:
+    def __init__(self, shortest: int = 3, longest: int = 4) -> None:
         if not 1 <= shortest <= longest:
             raise ValueError(f"n-gram lengths must satisfy 1 <= shortest <= longest, got {shortest}, {longest}")
         self.shortest, self.longest = shortest, longest

@@ -3,10 +3,10 @@ losing.
 
 A verify step is synchronous (the host waits for its samples before the next step, instead of
 running one step behind the device) and feeds k + 1 tokens a row, so a guess that is rejected
-costs time. Four rules bound that cost (with a fifth in the scheduler: a row whose proposer
-expects no guess does not break the pipelined step, engine.core.speculative_step):
+costs time. Four rules bound that cost (with a fifth in the scheduler: a row that gets no guess
+does not break the pipelined step, engine.core.speculative_step):
   * Per row, a moving average of the share of its offered guesses that were accepted (a step
-    where the proposer, expecting one, had nothing counts as none accepted). Below `threshold`
+    read early for a guess the proposer then did not have counts as none accepted). Below `threshold`
     the row rests:
     it sits out the next `rest_steps` steps (twice as many after each rest that ends in another
     failure, up to `max_rest_steps`), riding in the step without guesses, and then tries again.

@@ -30,6 +30,11 @@ class History(Protocol):
 
 class Proposer(Protocol):
     name: str  # the metrics' label and the `--speculation` value that picks it
+    # Optional (False when absent): whether a guess of k + 1 ids from a history that lacks the
+    # id of the step in flight is worth as much as a guess of k from the whole history, its
+    # first id standing for the one in flight. The scheduler then guesses without reading that
+    # step first (engine.core.speculative_step, "Ahead"), and never calls `expects`.
+    guesses_ahead: bool
 
     def open(self, ids: Sequence[int]) -> History:
         """Start following a request whose ids so far (prompt, then output) are `ids`."""
