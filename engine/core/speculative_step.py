@@ -89,7 +89,8 @@ class SpeculativeSteps:
     def _verify_step(self) -> tuple[bool, float | None]:
         """Run this iteration's step as a verify step when it should (the module docstring).
         -> (whether it did, the time of the step it read: that of the step in flight, read
-        first, or the verify step's own)."""
+        first, or the verify step's own, which ahead includes what was left of the step in
+        flight behind which it ran)."""
         with self._cond:
             unfollowed, self._unfollowed = self._unfollowed, []
         for live in unfollowed:  # (a draft's slot, held by the history until then)
