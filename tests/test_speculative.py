@@ -384,6 +384,20 @@ def test_a_row_the_step_in_flight_finishes_drops_the_run_verified_behind_it(prom
     assert engine.stats().speculation.steps == 1
 
 
+def test_an_ahead_verify_masks_control_ids_from_the_output_index_after_the_step_in_flight():
+    """min_output_tokens 11: EOS (2) is masked for the first 11 tokens and allowed at index 11. The
+    verify behind the step in flight (which samples index 10, id 1) samples index 11 first, so it
+    must not mask: EOS ends the output there, as in plain decoding (a mask counted from the ids
+    the host has read would skip it to 3)."""
+    model = in_flight_model()
+    req = request([90], 30, min_output_tokens=11)
+    (sink,), _ = run([req], proposer=GuessesAfter(0), model=model)
+    plain, _ = run([req], speculation="off")
+    assert model.at_verify == [1]
+    assert sink.tokens == plain[0].tokens == list(range(91, 100)) + [0, 1]
+    assert finish(sink) == finish(plain[0]) and finish(sink).reason == FinishReason.STOP
+
+
 def test_a_batch_shares_its_guesses_and_above_the_limit_does_not_speculate():
     model = ScriptedModel(vocab_size=VOCAB, max_batch_size=4, max_context_length=64, max_guesses=4, page_size=4)
     caps = [6, 12, 24, 40]  # four rows, then three, two, one as they end
