@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from engine.core.model import VerifyInput
@@ -55,6 +56,9 @@ from engine.core.speculation.proposer import Proposer, proposer_named
 
 if TYPE_CHECKING:
     from engine.core.engine import EngineConfig, _Live
+    from engine.core.model import Sample
+
+    Run = tuple[_Live, tuple[int, ...], tuple[Sample, ...]]  # a verified row, its guesses, its run of samples
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,6 @@ class SpeculativeSteps:
         self._expects = getattr(self._proposer, "expects", lambda history: True)
         # whether it guesses past an id its history lacks yet (`Proposer.guesses_ahead`)
         self._ahead = getattr(self._proposer, "guesses_ahead", False)
-        self._verify_started = 0.0
         guesses = min(config.speculative_tokens, getattr(self.model, "max_guesses", 0))
         if guesses < 1:
             log.warning("speculation %s is off: the model takes no guesses (max_guesses 0)", self._proposer.name)
@@ -116,8 +119,9 @@ class SpeculativeSteps:
         guesses = self._guesses(asking, self._policy.guesses_for(len(lives)), unseen=())
         if not any(guesses.values()) or not self._grow(lives):
             return False, seconds  # nothing to check, or no page for a row: a plain step
-        self._accept(self._run_verify(lives, guesses))
-        return True, self._read_at - self._verify_started
+        runs, took = self._run_verify(lives, guesses)
+        self._accept(runs)
+        return True, took
 
     def _verify_ahead(self, lives: list[_Live], asking: list[_Live]) -> tuple[bool, float | None]:
         """The verify step with the step in flight unread (module docstring, step 2): each row in
@@ -128,25 +132,25 @@ class SpeculativeSteps:
         guesses = self._guesses(asking, self._policy.guesses_for(len(lives)), unseen)
         if not any(guesses.values()) or not self._grow(lives):
             return False, None
-        runs = self._run_verify(lives, guesses)
-        took = self._read_at - self._verify_started
+        runs, took = self._run_verify(lives, guesses)
         self._read(*self._take_in_flight())  # (done: the verify ran after it) may finish rows
         self._accept(runs)
         return True, took
 
-    def _run_verify(self, lives: list[_Live], guesses: dict[int, tuple[int, ...]]) -> list:
-        """`model.verify` for `lives` (module docstring, steps 4-5): -> [(live, its guesses, its run)]."""
+    def _run_verify(self, lives: list[_Live], guesses: dict[int, tuple[int, ...]]) -> tuple[list[Run], float]:
+        """`model.verify` for `lives` (module docstring, steps 4-5): -> ([(live, its guesses, its
+        run)], the call's seconds)."""
         rows = [(live, self._pages_for_guesses(live, guesses.get(live.ticket, ()))) for live in lives]
-        self._verify_started = time.perf_counter()
+        started = time.perf_counter()
         runs = self.model.verify([
             VerifyInput(live.slot, len(live.prompt) + live.steps, row_guesses,
                         live.rule.masks_control_tokens(live.resumed + 1 + live.steps))
             for live, row_guesses in rows
         ])
         self._read_at = time.perf_counter()
-        return [(live, row_guesses, run) for (live, row_guesses), run in zip(rows, runs, strict=True)]
+        return [(live, row_guesses, run) for (live, row_guesses), run in zip(rows, runs, strict=True)], self._read_at - started
 
-    def _accept(self, runs: list) -> None:
+    def _accept(self, runs: list[Run]) -> None:
         """Each row's run, decided one sample at a time (module docstring, step 6); a row finished
         or cancelled meanwhile (by the step in flight, read after an ahead verify) drops its run."""
         with self._cond:  # requests aborted during the step are freed now, with no more events
@@ -167,7 +171,7 @@ class SpeculativeSteps:
         s = self._speculation_stats
         self._speculation_stats = SpeculationStats(s.proposer, s.proposed + proposed, s.accepted + accepted, s.steps + 1)
 
-    def _guesses(self, lives: list[_Live], k: int, unseen) -> dict[int, tuple[int, ...]]:
+    def _guesses(self, lives: list[_Live], k: int, unseen: Collection[int]) -> dict[int, tuple[int, ...]]:
         """Each row's guesses (by ticket), at most k, at most what its recent runs earn it
         (`SpeculationPolicy.guesses_of`) and at most what it may still emit; its
         history first takes the ids it emitted since its last step. A row in `unseen` (tickets)

@@ -266,9 +266,6 @@ ffi::Error ExpertPanelMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> p, f
     for (int64_t u = begin / 8; u < end / 8; ++u) {
       const int64_t e = u / panels, j = u % panels, m = start[e + 1] - start[e];
       if (m == 0) continue;
-      int64_t v = u + 1;  // the next unit this thread does with rows: its panel is fetched ahead
-      while (v < end / 8 && start[v / panels + 1] == start[v / panels]) ++v;
-      const float* next = v < end / 8 ? pp + v * k * kPanel : nullptr;
       const float* panel = pp + (e * panels + j) * k * kPanel;
       const int64_t cols = std::min<int64_t>(kPanel, n - j * kPanel);
       const float* xs = xp + start[e] * k;
@@ -276,6 +273,9 @@ ffi::Error ExpertPanelMatmul(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> p, f
       if (wide) {
         Panel<avx512::kMaxRows, Avx512Tiles>(panel, xs, m, k, ys, n, cols, nullptr);
       } else {
+        int64_t v = u + 1;  // the next unit this thread does with rows: its panel is fetched ahead
+        while (v < end / 8 && start[v / panels + 1] == start[v / panels]) ++v;
+        const float* next = v < end / 8 ? pp + v * k * kPanel : nullptr;
         Avx2Panel<avx2::kMaxRows, Avx2Tiles<avx2::kMaxRows>>(panel, xs, m, k, ys, n, cols, next);
       }
     }
