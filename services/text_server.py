@@ -98,7 +98,9 @@ class TextServer:
                 await self._take_census()
             except Exception:  # the census informs; it must never stop readiness from being kept
                 log.exception("the decode replica census failed")
-            serving = await self._decoder_serving(interval_s)
+            # within the census's time for a replica to answer (two intervals, 0.5-2 s), not one
+            # interval: a healthy decoder slowed past 0.5 s by a busy host is not "unavailable"
+            serving = await self._decoder_serving(self.census.timeout_s)
             if serving != was_serving:
                 log.warning("decoder %s", "is back" if serving else "is unavailable: no replica is ready")
             was_serving = serving

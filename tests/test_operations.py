@@ -209,6 +209,36 @@ async def test_text_readiness_follows_the_decoder():
         await text.stop(None)
 
 
+async def test_a_decoder_slowed_for_a_moment_stays_ready_and_a_frozen_one_does_not():
+    """The text service asks for the decoder's health every interval (50 ms here) and gives it the
+    census's time to answer (two intervals, at least 0.5 s): a decoder stopped for 0.15 s, as a
+    busy host can stall one, is never reported unavailable; one stopped for 2 s is, and is back
+    when it resumes."""
+    port = free_port()
+    proc = start_scripted_decoder(port)
+    text = await start_text_server(TextTokenizer.from_dir(TINY), f"127.0.0.1:{port}", health_interval_s=0.05)
+    try:
+        await eventually(lambda: _text_is(text.port, SERVING))
+        seen = set()
+        for _ in range(3):
+            proc.send_signal(signal.SIGSTOP)
+            for _ in range(6):  # 0.15 s stopped (3 intervals), its readiness read throughout
+                await asyncio.sleep(0.025)
+                seen.add(await health(text.port, TEXT_GENERATION_SERVICE))
+            proc.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.2)
+            seen.add(await health(text.port, TEXT_GENERATION_SERVICE))
+        assert seen == {SERVING}, seen
+        proc.send_signal(signal.SIGSTOP)
+        await eventually(lambda: _text_is(text.port, NOT_SERVING), "a decoder stopped for long reported unavailable")
+        proc.send_signal(signal.SIGCONT)
+        await eventually(lambda: _text_is(text.port, SERVING), "the resumed decoder ready again")
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        await text.stop(None)
+        proc.kill()
+
+
 async def _text_is(port: int, status: int) -> bool:
     return await health(port, TEXT_GENERATION_SERVICE) == status
 
