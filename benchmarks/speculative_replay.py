@@ -4,7 +4,7 @@ the proposer and policy code as they are, under a cost per step, so that a propo
 change can be judged in a second instead of a benchmark run.
 
     python benchmarks/speculative_replay.py --record   # the answers (plain decoding), once
-    python benchmarks/speculative_replay.py [--verify-cost 1.85] [--break-cost 0.15] [--shortest N]
+    python benchmarks/speculative_replay.py [--verify-cost 1.85] [--break-cost 0.15] [--shortest N] [--oracle]
 
 Why it is exact about acceptance: greedy speculation emits plain decoding's ids, so the
 accepted run of a guess is its longest prefix equal to the recorded answer from there. What it
@@ -17,7 +17,10 @@ from all the ids, where `expects` says it has some; no guess is a plain pipeline
 verify step of K guesses `--verify-cost` scaled from K = 4 (K = 1, 2 as measured beside it:
 docs/benchmarks.md, "Speculative decoding's verify step") plus `--break-cost`, the pipeline's
 restart after it (benchmarks/verify_ahead.py measures both together). `--shortest`: the fewest
-ids the proposer looks a source up from. Printed: the replayed on / off tok/s ratio per workload,
+ids the proposer looks a source up from. `--oracle`: the answers replayed again, under the same policy and
+costs, with a proposer that guesses the recorded ids, at every step (the most any proposer could
+give at these costs) and only where they continue an earlier copy of `--shortest` ids (the most
+a lookup proposer could). Printed: the replayed on / off tok/s ratio per workload,
 and the counts the engine's metrics would show.
 """
 
@@ -56,6 +59,38 @@ def record(tokens: int) -> None:
         runner.engine.stop()
     ANSWERS.write_text(json.dumps({"tokens": tokens, "answers": answers}) + "\n")
     print(f"wrote {ANSWERS}")
+
+
+class _Oracle:
+    """A proposer that knows each answer (`--oracle`): its guesses are the recorded ids that
+    follow. With `lookup` n, only as far as each of them follows its own last n ids somewhere
+    before it (prompt or output): the most a proposer that looks copies up from n ids could guess."""
+
+    guesses_ahead = True
+
+    def __init__(self, prompt: list[int], full: list[int], lookup: int = 0) -> None:
+        self.ids = prompt + full
+        self.reachable = [not lookup or _follows(self.ids, i, lookup) for i in range(len(self.ids))]
+
+    def open(self, ids):
+        return list(ids)
+
+    def propose(self, rows):
+        guesses = []
+        for history, n in rows:
+            at = len(history)
+            end = next((i for i in range(at, min(at + n, len(self.ids))) if not self.reachable[i]), min(at + n, len(self.ids)))
+            guesses.append(tuple(self.ids[at:end]))
+        return guesses
+
+    def expects(self, history) -> bool:
+        return len(history) < len(self.ids) and self.reachable[len(history)]
+
+
+def _follows(ids: list[int], i: int, n: int) -> bool:
+    """Whether ids[i] follows ids[i - n : i] somewhere before i."""
+    key = ids[i - n : i + 1]
+    return i >= n and any(ids[j : j + n + 1] == key for j in range(i - n))
 
 
 def replay(prompt: list[int], output: list[int], cap: int, policy: SpeculationPolicy | None,
@@ -108,6 +143,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=192, help="max output tokens a request (with --record)")
     parser.add_argument("--verify-cost", type=float, default=1.85, help="a verify of 4 guesses, in plain steps")
     parser.add_argument("--break-cost", type=float, default=0.15, help="a verify step's synchronous host part")
+    parser.add_argument("--oracle", action="store_true", help="also replay a proposer whose guesses are always right")
     parser.add_argument("--shortest", type=int, default=NgramProposer().shortest,
                         help="the fewest ids a copy's source is looked up from (the proposer's default)")
     a = parser.parse_args()
@@ -128,6 +164,11 @@ def main() -> None:
             total = {k: total[k] + counts[k] for k in total}
         print(f"{name}: on / off {plain / on:.2f}; {total['verify']} verify steps, accepted {total['accepted']} of "
               f"{total['proposed']} guesses, {total['plain']} plain steps")
+        if a.oracle:
+            for lookup, what in ((0, "every guess right"), (a.shortest, f"every copy of {a.shortest} ids or more found")):
+                best = sum(replay(x["prompt"], x["output"], data["tokens"], SpeculationPolicy(4, 1), cost, a.break_cost,
+                                  _Oracle(x["prompt"], x["output"] + [EOS], lookup))[0] for x in answers)
+                print(f"{name}, {what}: on / off {plain / best:.2f}")
 
 
 if __name__ == "__main__":
