@@ -137,6 +137,32 @@ def policy_cost(cost: dict[int, float], guesses: int) -> float:
     return cost[min(k for k in cost if k >= guesses)]
 
 
+def project(cost: dict[int, float], brk: float, shortest: int = NgramProposer().shortest,
+            oracle: bool = False) -> dict[str, dict]:
+    """The recorded answers replayed under `cost` (a verify step of each guess bucket, in plain
+    pipelined steps) and `brk`: per workload ("copy", "chat") the on / off ratio and the counts,
+    and with `oracle` the two oracles' ratios ("every guess right", "every copy found"). A row
+    guesses up to the largest bucket `cost` has."""
+    data = json.loads(ANSWERS.read_text())
+    cap, results, most = data["tokens"], {}, max(cost)
+    for name, answers in data["answers"].items():
+        plain = on = 0.0
+        total = {"verify": 0, "proposed": 0, "accepted": 0, "plain": 0}
+        for x in answers:
+            on_time, counts = replay(x["prompt"], x["output"], cap, SpeculationPolicy(most, 1), cost, brk,
+                                     NgramProposer(shortest=shortest))
+            plain += replay(x["prompt"], x["output"], cap, None, cost, brk)[0]
+            on += on_time
+            total = {k: total[k] + counts[k] for k in total}
+        results[name] = {"on_off": plain / on, **total}
+        if oracle:
+            for lookup, key in ((0, "every guess right"), (shortest, "every copy found")):
+                best = sum(replay(x["prompt"], x["output"], cap, SpeculationPolicy(most, 1), cost, brk,
+                                  _Oracle(x["prompt"], x["output"] + [EOS], lookup))[0] for x in answers)
+                results[name][key] = plain / best
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", action="store_true", help="record the answers first (plain decoding)")
@@ -149,26 +175,14 @@ def main() -> None:
     a = parser.parse_args()
     if a.record:
         record(a.tokens)
-    data = json.loads(ANSWERS.read_text())
     scale = (a.verify_cost - 1.0) / 0.85  # K = 1, 2 as measured beside a K = 4 of 1.85
     cost = {1: 1.0 + 0.14 * scale, 2: 1.0 + 0.41 * scale, 4: a.verify_cost}
-    for name, answers in data["answers"].items():
-        plain = on = 0.0
-        total = {"verify": 0, "proposed": 0, "accepted": 0, "plain": 0}
-        for answer in answers:
-            prompt, output = answer["prompt"], answer["output"]
-            on_time, counts = replay(prompt, output, data["tokens"], SpeculationPolicy(4, 1), cost, a.break_cost,
-                                     NgramProposer(shortest=a.shortest))
-            plain += replay(prompt, output, data["tokens"], None, cost, a.break_cost)[0]
-            on += on_time
-            total = {k: total[k] + counts[k] for k in total}
-        print(f"{name}: on / off {plain / on:.2f}; {total['verify']} verify steps, accepted {total['accepted']} of "
-              f"{total['proposed']} guesses, {total['plain']} plain steps")
+    for name, r in project(cost, a.break_cost, a.shortest, a.oracle).items():
+        print(f"{name}: on / off {r['on_off']:.2f}; {r['verify']} verify steps, accepted {r['accepted']} of "
+              f"{r['proposed']} guesses, {r['plain']} plain steps")
         if a.oracle:
-            for lookup, what in ((0, "every guess right"), (a.shortest, f"every copy of {a.shortest} ids or more found")):
-                best = sum(replay(x["prompt"], x["output"], data["tokens"], SpeculationPolicy(4, 1), cost, a.break_cost,
-                                  _Oracle(x["prompt"], x["output"] + [EOS], lookup))[0] for x in answers)
-                print(f"{name}, {what}: on / off {plain / best:.2f}")
+            print(f"{name}, every guess right: on / off {r['every guess right']:.2f}")
+            print(f"{name}, every copy of {a.shortest} ids or more found: on / off {r['every copy found']:.2f}")
 
 
 if __name__ == "__main__":

@@ -171,6 +171,16 @@ def test_the_smoke_profile_runs_every_phase_and_writes_the_report(tmp_path):
     assert "| piece | batch 1 | batch 2 |" in table and "| sampling.greedy (the split step's greedy variant) |" in table
     assert "| weights | batch | tok/s | TPOT ms | HBM floor ms | MBU | weight GB | x float32 tok/s |" in table
     assert "| int8 / fp8 weights | timed on this cpu: fp8" in table and "| tensor parallelism |" in table and "| pytest | skipped: not in this profile |" in table
+    # speculative decoding's verify step (issue 45), on the one smoke shape: its one guess bucket
+    # against a plain step and the pipelined loop, and batch 1's projection from the recorded answers
+    sp = phases["speculative"]
+    assert sp["shape"] == phases["speed-0"]["shape"] and [b["batch"] for b in sp["batches"]] == [1]
+    cases = sp["batches"][0]["cases"]
+    assert set(cases) == {"decode", "pipelined", "verify K=1"} and all(c["median_ms"] > 0 for c in cases.values())
+    projected = sp["batches"][0]["projected"]
+    assert set(projected) == {"copy", "chat"} and all(r["on_off"] > 0 and r["verify"] > 0 for r in projected.values())
+    assert "| batch | plain step ms | pipelined ms a token | verify ms (K=1) | verify K=1 / plain step |" in table
+    assert "Projected at batch 1, copy (the default model's recorded answers" in table
 
 
 def test_the_paged_attention_benchmark_runs_its_smoke_shape_and_the_kernels_agree(tmp_path):

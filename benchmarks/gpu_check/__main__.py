@@ -7,9 +7,10 @@ process under the run's deadline, and write the report (see the package docstrin
 
 Order: env; then the device tests (pytest) in the background beside golden and real-model
 (correctness only: nothing is timed while two processes share the device); then, alone on the
-device, speed-0 (the 8B shape), stack, speed-1, then weights (the 8B shape in fp8 and int8). A
-phase gets its own limit, cut to what is left
-of the deadline; one that would start after the deadline is skipped.
+device, speed-0 (the 8B shape), stack, speed-1, then speculative (the 1B shape's verify step
+against a plain step) and weights (the 8B shape in fp8 and int8), each only when its whole limit
+is left. A phase gets its own limit, cut to what is left of the deadline; one that would start
+after the deadline is skipped.
 
 --out receives three files: gpu-check.json, gpu-check.md and gpu-check-logs.tar.gz (each
 phase's log and result); the scratch (the stack's model) stays in --work
@@ -198,19 +199,20 @@ def finish_pytest(runner: Runner, handle: tuple | None) -> None:
         runner.results["pytest"] = report.junit_summary(runner.work / "pytest.xml", code, log)
 
 
-def weights_phase(runner: Runner) -> None:
-    """The quantized formats, last: run only when its whole limit is left before the deadline (a
-    phase cut short would fail the run for a measurement the default plan cannot always afford)."""
-    plan = runner.plan
+def last_phase(runner: Runner, name: str, wanted: bool, alone: str) -> None:
+    """A phase that runs after the others (the quantized formats, speculative decoding's verify
+    step): only when its whole limit is left before the deadline (a phase cut short would fail the
+    run for a measurement the default plan cannot always afford); `alone`: the --skip that makes
+    room for it."""
     left = runner.deadline - time.monotonic()
-    need = plan.phase_limits_s.get("weights")
-    if not plan.weights:
-        runner.results["weights"] = {"skipped": "not in this profile"}
-    elif need is not None and left < need and "weights" not in runner.skip:
-        runner.results["weights"] = {"skipped": f"out of time: {left:.0f} s left of the {need:.0f} s it may take "
-                                                "(run it alone: --skip pytest,real-model,stack,speed-1)"}
+    need = runner.plan.phase_limits_s.get(name)
+    if not wanted:
+        runner.results[name] = {"skipped": "not in this profile"}
+    elif need is not None and left < need and name not in runner.skip:
+        runner.results[name] = {"skipped": f"out of time: {left:.0f} s left of the {need:.0f} s it may take "
+                                           f"(run it alone: --skip {alone})"}
     else:
-        runner.phase("weights", "weights")
+        runner.phase(name, name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", action="append", default=[], metavar="PHASE=SECONDS",
                         help="a phase's own time limit instead of the profile's (repeatable), e.g. stack=300")
     parser.add_argument("--skip", default="", help="phases to leave out, comma-separated (env, golden, real-model, "
-                        "speed-0, speed-1, stack, weights, pytest)")
+                        "speed-0, speed-1, stack, speculative, weights, pytest)")
     args = parser.parse_args(argv)
     plan = PROFILES[args.profile]
     try:
@@ -259,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     stack(runner)
     for i in range(1, len(plan.speed_shapes)):
         runner.phase(f"speed-{i}", f"speed-{i}")
-    weights_phase(runner)
+    last_phase(runner, "speculative", bool(plan.speculative_batches), "pytest,real-model,stack,weights")
+    last_phase(runner, "weights", bool(plan.weights), "pytest,real-model,stack,speed-1,speculative")
     summary = report.build(plan, runner.results, time.monotonic() - runner.started)
     summary["work"] = str(work)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@
     python -m benchmarks.gpu_check.phases PHASE PLAN.json RESULT.json [ARG]
 
 PHASE is env, golden, real-model (ARG: the model directory), speed-<i> (the plan's i-th speed
-shape), weights (the first speed shape in the plan's quantized formats) or stack-model (ARG:
-where to write it). Each writes one JSON object to RESULT.json; an
+shape), weights (the first speed shape in the plan's quantized formats), speculative (the last
+speed shape's verify step) or stack-model (ARG: where to write it). Each writes one JSON object to RESULT.json; an
 exception is written there as {"error": ...} and exits 1. The orchestrator (__main__) runs them.
 """
 
@@ -396,6 +396,29 @@ def weights_speed(plan: Plan) -> dict:
     return {"shape": shape.name, "dtype": plan.dtype, "batches": list(timed.batches), "formats": formats}
 
 
+# -- speculative decoding's verify step (issue 45) ---------------------------------------------------
+
+SPECULATIVE_LOOP = 8  # plain steps in each round's pipelined loop
+
+
+def speculative(plan: Plan) -> dict:
+    """benchmarks/verify_step.py on random weights of the last speed shape (the issue's 1B shape
+    on the GPU) in the plan's dtype, at each of `speculative_batches`: a plain step, a pipelined
+    loop's time a token and a verify step of each guess bucket, interleaved; at batch 1 the
+    default model's recorded answers replayed at these costs."""
+    from benchmarks.verify_step import context_for, measure, random_shape_model
+
+    shape, batches = plan.speed_shapes[-1], plan.speculative_batches
+    context = context_for(plan.speculative_rounds, SPECULATIVE_LOOP, plan.speculative_guesses)
+    model = random_shape_model(shape, plan.dtype, max(batches), context, plan.speculative_guesses)
+    rows = []
+    for batch in batches:
+        row = measure(model, batch, plan.speculative_rounds, SPECULATIVE_LOOP, project=batch == 1)
+        del row["times"]
+        rows.append(row)
+    return {"shape": shape.name, "dtype": plan.dtype, "context": context, "guesses": plan.speculative_guesses, "batches": rows}
+
+
 # -- the served model of the stack measurement --------------------------------------------------
 
 
@@ -410,7 +433,8 @@ def stack_model(plan: Plan, directory: str) -> dict:
             "bytes": (Path(path) / "model.safetensors").stat().st_size}
 
 
-PHASES = {"env": env, "golden": golden, "real-model": real_model, "weights": weights_speed, "stack-model": stack_model}
+PHASES = {"env": env, "golden": golden, "real-model": real_model, "weights": weights_speed, "speculative": speculative,
+          "stack-model": stack_model}
 
 
 def main(argv: list[str]) -> int:

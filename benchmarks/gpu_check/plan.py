@@ -91,6 +91,12 @@ class Plan:
     # and the largest batch, against the dtype's own (speed-0); () = skip
     weights: tuple[str, ...] = ()
     weights_batches: tuple[int, ...] = ()  # the batches it times; () = 1 and the largest of `batches`
+    # speculative decoding's verify step (issue 45; benchmarks/verify_step.py) on the last speed
+    # shape: its cost against a plain step at these batches, and at batch 1 the default model's
+    # recorded answers replayed at it (the n-gram proposer's projected gain); () = skip
+    speculative_batches: tuple[int, ...] = ()
+    speculative_rounds: int = 10
+    speculative_guesses: int = 4  # the served default (--speculation-guesses): verify steps of 1, 2 and 4
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
@@ -101,7 +107,8 @@ class Plan:
         shapes = lambda items: tuple(Shape(**s) for s in items)  # noqa: E731
         raw["speed_shapes"] = shapes(raw["speed_shapes"])
         raw["stack_shape"] = Shape(**raw["stack_shape"])
-        for key in ("batches", "prefill_lengths", "stack_streams", "goldens", "pytest_files", "weights", "weights_batches"):
+        for key in ("batches", "prefill_lengths", "stack_streams", "goldens", "pytest_files", "weights", "weights_batches",
+                    "speculative_batches"):
             raw[key] = tuple(raw[key])
         return cls(**raw)
 
@@ -130,8 +137,12 @@ GPU = Plan(
     # estimate, never yet measured on a GPU.
     goldens=GOLDENS, pytest_files=DEVICE_TESTS, real_model=True, deadline_s=510.0,
     phase_limits_s={"env": 60, "pytest": 200, "golden": 60, "real-model": 90, "speed-0": 190, "stack": 230, "speed-1": 110,
-                    "weights": 150},
+                    "weights": 150, "speculative": 120},
     weights=("fp8", "int8"),
+    # Issue 45's GPU figure: the 1B shape at batch 1 and 64. Like the weights phase it runs only
+    # when its whole limit is left (an estimate: 2 decode and 6 verify shapes compiled, 10 rounds
+    # at each batch); alone: --skip pytest,real-model,stack,weights.
+    speculative_batches=(1, 64),
 )
 
 
@@ -150,6 +161,7 @@ PROFILES: dict[str, Plan] = {
         GPU, 32, profile="cpu", dtype="float32", batches=(1, 8), prompt_len=32, rounds=2, steps=4,
         prefill_lengths=(64, 256), prefill_repeats=1, bandwidth_gib=0.25, stack_streams=(8, 16), stack_tokens=32,
         stack_rounds=1, client_procs=2, pytest_files=(), real_model=False, deadline_s=900.0, phase_limits_s={},
+        speculative_rounds=3,
     ),
     # The least that still runs every phase: tests/test_gpu_check.py.
     "smoke": _scaled(
@@ -157,5 +169,6 @@ PROFILES: dict[str, Plan] = {
         prefill_lengths=(32,), prefill_repeats=1, bandwidth_gib=0.0625, stack_streams=(2,), stack_tokens=6,
         stack_rounds=1, client_procs=1, goldens=("tiny-llama",), pytest_files=(), real_model=False,
         deadline_s=300.0, phase_limits_s={}, weights=("fp8",), weights_batches=(1,),  # (one decode compile: ~5 s here)
+        speculative_batches=(1,), speculative_rounds=1, speculative_guesses=1,  # (one verify shape)
     ),
 }

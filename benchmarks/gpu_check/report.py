@@ -275,6 +275,7 @@ def markdown(summary: dict) -> str:
             out.append(f"| {shape} | {d['warm_up_s']:.1f} ({d['compilations_at_warm_up']}; rows {d['row_buckets']}) | "
                        f"{p['warm_up_s']:.1f} ({p['compilations_at_warm_up']}) | {r['weights_build_s']:.1f} |")
     out += weights_lines(phases)
+    out += speculative_lines(phases)
     rows = stack_rows(phases.get("stack", {}))
     if rows:
         model = phases["stack"].get("model", {})
@@ -312,6 +313,33 @@ def weights_lines(phases: dict) -> list[str]:
             out.append(f"| {fmt} | {b['batch']} | {b['tok_s']:.0f} | {_ms(b['tpot_s'])} | {_ms(b['floor_s'])} | {b['mbu']:.2f} | "
                        f"{r['decode']['weight_bytes'] / 1e9:.2f} | {vs} |")
     return out
+
+
+def speculative_lines(phases: dict) -> list[str]:
+    """The speculative phase's table (issue 45): a verify step of K guesses against a plain step
+    and the pipelined loop's time a token, per batch; at batch 1 the projected gain."""
+    sp = phases.get("speculative", {})
+    if "batches" not in sp:
+        return []
+    out = ["", f"Speculative decoding's verify step ({sp['shape']}, {sp['dtype']}, random weights; "
+               "benchmarks/verify_step.py):", "",
+           f"| batch | plain step ms | pipelined ms a token | verify ms ({', '.join(f'K={k}' for k in _guess_buckets(sp))}) | "
+           f"verify K={sp['guesses']} / plain step |", "|---|---|---|---|---|"]
+    for b in sp["batches"]:
+        c = b["cases"]
+        verify = ", ".join(f"{v['median_ms']:.2f}" for name, v in c.items() if name.startswith("verify"))
+        ratio = c.get(f"verify K={sp['guesses']}", {}).get("over_decode", math.nan)
+        out.append(f"| {b['batch']} | {c['decode']['median_ms']:.2f} | {c['pipelined']['median_ms']:.2f} | {verify} | {ratio:.2f} |")
+    for b in sp["batches"]:
+        for name, r in b.get("projected", {}).items():
+            out.append(f"\nProjected at batch {b['batch']}, {name} (the default model's recorded answers replayed at these "
+                       f"costs): on / off {r['on_off']:.2f}; a flawless lookup {r['every copy found']:.2f}, "
+                       f"every guess right {r['every guess right']:.2f}")
+    return out
+
+
+def _guess_buckets(sp: dict) -> list[str]:
+    return [name.removeprefix("verify K=") for name in sp["batches"][0]["cases"] if name.startswith("verify K=")]
 
 
 def _weights_line(phases: dict) -> str:
