@@ -19,12 +19,18 @@ def run_rounds(cases: dict[str, Callable[[], float]], rounds: int) -> dict[str, 
     return results
 
 
+def within_rounds(results: dict[str, list[float]], base: str) -> dict[str, list[float]]:
+    """Each case's ratio to `base`, round by round."""
+    return {name: [t / b for t, b in zip(values, results[base])] for name, values in results.items()}
+
+
 def ratio_lines(results: dict[str, list[float]], base: str, unit: str, digits: int = 2) -> list[str]:
     """A line per case: its median in milliseconds (`unit` names it), and its ratio to `base`
     within each round: median (range)."""
     lines = []
+    over = within_rounds(results, base)
     for name, values in results.items():
-        ratios = [t / b for t, b in zip(values, results[base])]
+        ratios = over[name]
         f = f"{{:.{digits}f}}"
         lines.append(f"{name}: {1e3 * statistics.median(values):.2f} {unit}, / {base}: median "
                      f"{f.format(statistics.median(ratios))} (range {f.format(min(ratios))}-{f.format(max(ratios))})")

@@ -89,8 +89,10 @@ class _Oracle:
 
 def _follows(ids: list[int], i: int, n: int) -> bool:
     """Whether ids[i] follows ids[i - n : i] somewhere before i."""
+    if i < n:
+        return False
     key = ids[i - n : i + 1]
-    return i >= n and any(ids[j : j + n + 1] == key for j in range(i - n))
+    return any(ids[j : j + n + 1] == key for j in range(i - n))
 
 
 def replay(prompt: list[int], output: list[int], cap: int, policy: SpeculationPolicy | None,

@@ -40,11 +40,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.interleaved import ratio_lines, run_rounds  # noqa: E402
+from benchmarks.interleaved import ratio_lines, run_rounds, within_rounds  # noqa: E402
 from benchmarks.machine import describe  # noqa: E402
 from engine.core.model import DecodeInput, SlotSetup, VerifyInput  # noqa: E402
 from engine.core.request import SamplingParams  # noqa: E402
 from engine.jax_backend.jax_model import JaxModel  # noqa: E402
+from engine.jax_backend.verify import guess_buckets  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache" / "tokenwire" / "models" / "smollm2-135m-instruct"
 PROMPT = 128  # tokens each sequence is prefilled with
@@ -53,7 +54,7 @@ PROMPT = 128  # tokens each sequence is prefilled with
 def context_for(rounds: int, loop: int, guesses: int) -> int:
     """Room for the rounds' positions (a decode step, the loop and a verify of each K a round,
     compiling included), whole multiples of 64."""
-    per_round = 1 + loop + sum(k + 1 for k in (1, 2, 4, 8, 16, 32, 63) if k <= guesses) + 1
+    per_round = 1 + loop + sum(k + 1 for k in guess_buckets(guesses)) + 1
     return -(-(PROMPT + (rounds + 2) * per_round + 8) // 64) * 64
 
 
@@ -135,17 +136,16 @@ def measure(model: JaxModel, batch: int, rounds: int, loop: int, project: bool) 
     times = run_rounds(cases, rounds)
     for slot in range(batch):
         model.release(slot)
+    over = within_rounds(times, "decode")
     result = {"batch": batch, "rounds": rounds, "context_at_end": at[0], "times": times, "cases": {
-        name: {"median_ms": 1e3 * statistics.median(v),
-               "over_decode": statistics.median(t / d for t, d in zip(v, times["decode"])),
-               "over_decode_range": [min(t / d for t, d in zip(v, times["decode"])),
-                                     max(t / d for t, d in zip(v, times["decode"]))]}
+        name: {"median_ms": 1e3 * statistics.median(v), "over_decode": statistics.median(over[name]),
+               "over_decode_range": [min(over[name]), max(over[name])]}
         for name, v in times.items()}}
     if project:
         from benchmarks.speculative_replay import project as replay_at
 
-        cost = {k: statistics.median(v / p for v, p in zip(times[f"verify K={k}"], times["pipelined"]))
-                for k in model.guess_buckets}
+        over_loop = within_rounds(times, "pipelined")
+        cost = {k: statistics.median(over_loop[f"verify K={k}"]) for k in model.guess_buckets}
         result["verify_over_pipelined"] = cost
         result["projected"] = replay_at(cost, 0.0, oracle=True)
     return result

@@ -96,7 +96,7 @@ class Plan:
     # recorded answers replayed at it (the n-gram proposer's projected gain); () = skip
     speculative_batches: tuple[int, ...] = ()
     speculative_rounds: int = 10
-    speculative_guesses: int = 4  # the served default (--speculation-guesses): verify steps of 1, 2 and 4
+    speculative_guesses: int = 4  # the served default (--speculative-tokens): verify steps of 1, 2 and 4
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)

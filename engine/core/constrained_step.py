@@ -46,7 +46,7 @@ class ConstrainedSteps:
         -> the read step's time, as `_decode_step`."""
         inputs = [
             DecodeInput(live.slot, None, len(live.prompt) + live.steps,
-                        live.matcher is not None or live.rule.masks_control_tokens(live.resumed + 1 + live.steps))
+                        live.matcher is not None or live.rule.masks_control_tokens(live.next_index))
             for live in lives
         ]
         dispatched_at = time.perf_counter()

@@ -206,6 +206,13 @@ class _Live:
         self.prefilled = positions
         self.filling = positions < len(self.prompt)
 
+    @property
+    def next_index(self) -> int:
+        """The output index of the sample its next decode step draws: the prefill's token is 0
+        (after a preemption, `resumed` ids came before it), and each step dispatched since,
+        read or in flight, one more."""
+        return self.resumed + 1 + self.steps
+
 
 class Engine(ConstrainedSteps, SpeculativeSteps):
     def __init__(
@@ -561,7 +568,7 @@ class Engine(ConstrainedSteps, SpeculativeSteps):
         the one each has in flight or holds (1: the prefill's token)."""
         return [
             live for live in self._active.values()
-            if not live.filling and live.resumed + 1 + live.steps < live.rule.max_output_tokens
+            if not live.filling and live.next_index < live.rule.max_output_tokens
         ]
 
     def _grow(self, lives: list[_Live]) -> bool:
@@ -664,7 +671,7 @@ class Engine(ConstrainedSteps, SpeculativeSteps):
         """The step's rows; the constrained requests' next rows of banned ids are sent first
         (`_bans`: none has a step in flight, so their counts are exact), and one whose row
         allows nothing, or whose matcher failed, is failed and left out, alone."""
-        masked = {live.slot: live.rule.masks_control_tokens(live.resumed + 1 + live.steps) for live in lives}
+        masked = {live.slot: live.rule.masks_control_tokens(live.next_index) for live in lives}
         held = [live for live in lives if live.matcher is not None]
         if held:
             masked.update((slot, True) for slot in self._bans(held, masked))

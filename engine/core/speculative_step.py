@@ -106,34 +106,24 @@ class SpeculativeSteps:
         asking = [live for live in lives if live.speculation is None or not self._policy.rest(live.speculation)]
         if not asking:
             return False, None
-        if self._in_flight and self._ahead:  # guesses past the step in flight, which stays in flight
-            return self._verify_ahead(lives, asking)
-        asking = [live for live in asking if self._expects(self._history(live))]
-        if not asking:
-            return False, None
-        seconds = None
-        if self._in_flight:
-            seconds = self._read(*self._take_in_flight())
-            lives, asked = self._decoding(), {live.ticket for live in asking}
-            asking = [live for live in lives if live.ticket in asked]
-        guesses = self._guesses(asking, self._policy.guesses_for(len(lives)), unseen=())
-        if not any(guesses.values()) or not self._grow(lives):
-            return False, seconds  # nothing to check, or no page for a row: a plain step
-        runs, took = self._run_verify(lives, guesses)
-        self._accept(runs)
-        return True, took
-
-    def _verify_ahead(self, lives: list[_Live], asking: list[_Live]) -> tuple[bool, float | None]:
-        """The verify step with the step in flight unread (module docstring, step 2): each row in
-        flight is guessed past the id that step is sampling (its proposer's first guess stands for
-        that id, and is not fed), the verify is enqueued behind it, and the step in flight is
-        read once the verify returns. No guess at all: a plain pipelined step, nothing read."""
-        unseen = {live.ticket for live in self._in_flight}
+        ahead = bool(self._in_flight) and self._ahead  # guesses past the step in flight, which stays in flight
+        seconds, unseen = None, set()
+        if ahead:
+            unseen = {live.ticket for live in self._in_flight}
+        else:  # the step in flight is read first, for the rows whose proposer expects a guess
+            asking = [live for live in asking if self._expects(self._history(live))]
+            if not asking:
+                return False, None
+            if self._in_flight:
+                seconds = self._read(*self._take_in_flight())
+                lives, asked = self._decoding(), {live.ticket for live in asking}
+                asking = [live for live in lives if live.ticket in asked]
         guesses = self._guesses(asking, self._policy.guesses_for(len(lives)), unseen)
         if not any(guesses.values()) or not self._grow(lives):
-            return False, None
+            return False, seconds  # nothing to check, or no page for a row: a plain step (ahead: nothing read)
         runs, took = self._run_verify(lives, guesses)
-        self._read(*self._take_in_flight())  # (done: the verify ran after it) may finish rows
+        if ahead:  # the step in flight ran before the verify; read now, it may finish rows
+            self._read(*self._take_in_flight())
         self._accept(runs)
         return True, took
 
@@ -144,7 +134,7 @@ class SpeculativeSteps:
         started = time.perf_counter()
         runs = self.model.verify([
             VerifyInput(live.slot, len(live.prompt) + live.steps, row_guesses,
-                        live.rule.masks_control_tokens(live.resumed + 1 + live.steps))
+                        live.rule.masks_control_tokens(live.next_index))
             for live, row_guesses in rows
         ])
         self._read_at = time.perf_counter()
@@ -182,7 +172,7 @@ class SpeculativeSteps:
         asks: list[tuple[_Live, int, int]] = []
         for live in lives:
             self._history(live)
-            at = live.resumed + 1 + live.steps  # the output index of the step's first sample
+            at = live.next_index  # the output index of the step's first sample
             limit = live.rule.max_output_tokens - at - 1  # a run has room for its k + 1 samples
             if live.rule.masks_control_tokens(at):  # one `masked` for the whole run
                 limit = min(limit, live.rule.min_output_tokens - at - 1)
