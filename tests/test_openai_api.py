@@ -194,6 +194,17 @@ def error_of(response: httpx.Response, status: int) -> dict:
         ({"model": MODEL_NAME, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages[0].content[0].type"),
         ({"model": MODEL_NAME, "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages[0].content"),
         ({"model": "gpt-4o", "messages": CHAT}, 404, "model"),
+        # known and not supported: refused rather than ignored, which would change the answer unsaid
+        ({"model": MODEL_NAME, "messages": CHAT, "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"model": MODEL_NAME, "messages": CHAT, "logit_bias": {"5": 1}}, 400, "logit_bias"),
+        ({"model": MODEL_NAME, "messages": CHAT, "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+        ({"model": MODEL_NAME, "messages": CHAT, "use_beam_search": True}, 400, "use_beam_search"),
+        ({"model": MODEL_NAME, "messages": CHAT, "guided_json": {"type": "object"}}, 400, "guided_json"),
+        # the extensions honoured, out of range: refused by the front, or by the decode service
+        ({"model": MODEL_NAME, "messages": CHAT, "top_k": -2}, 400, "top_k"),
+        ({"model": MODEL_NAME, "messages": CHAT, "min_p": 1.5}, 400, "min_p"),
+        ({"model": MODEL_NAME, "messages": CHAT, "stop_token_ids": [7, 10_000]}, 400, "stop_token_ids"),
+        ({"model": MODEL_NAME, "messages": CHAT, "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
     ],
 )
 def test_bad_requests_get_the_openai_error_shape_and_never_422_or_500(stack, body, status, param):
@@ -207,6 +218,47 @@ def test_unknown_fields_are_ignored_and_streamed_or_not_the_choices_are_n(stack)
         model=MODEL_NAME, messages=CHAT, max_tokens=3, n=3, extra_body={"no_such_field": {"x": 1}}, user="u"
     )
     assert [c.index for c in chat.choices] == [0, 1, 2] and chat.usage.completion_tokens == 9
+
+
+def test_the_refused_extensions_pass_at_their_neutral_values_and_a_guided_one_says_what_to_use(stack):
+    chat = client(stack).chat.completions.create(
+        model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"repetition_penalty": 1, "presence_penalty": 0, "length_penalty": 1},
+    )
+    assert chat.usage.completion_tokens == 2
+    error = error_of(post(stack, "/v1/completions", {"model": MODEL_NAME, "prompt": "x", "guided_regex": "a+"}), 400)
+    assert error["param"] == "guided_regex" and "response_format" in error["message"], error
+
+
+def test_the_extensions_other_servers_take_are_honoured(stack):
+    """vLLM's and SGLang's extra sampling fields (sent through the SDK's extra_body): the sampling
+    cuts reach the model (the scripted one records them); the stopping fields end the stream as
+    they say. The scripted model counts up from the prompt's last id t to 511, then EOS (id 0),
+    so the distance to EOS is known."""
+    sdk = client(stack)
+    seen = len(stack.model.samplings)
+    sdk.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"top_k": 7, "min_p": 0.25})
+    sdk.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2, extra_body={"top_k": -1})
+    sdk.chat.completions.create(model=MODEL_NAME, messages=CHAT, max_tokens=2)
+    assert [(s.top_k, s.min_p) for s in stack.model.samplings[seen:]] == [(7, 0.25), (0, 0.0), (0, 0.0)]
+
+    [t] = post(stack, "/tokenize", {"prompt": "hello"}).json()["tokens"][-1:]
+    to_eos = 511 - t  # tokens before EOS
+
+    def complete(**extra):
+        [choice] = (c := sdk.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=to_eos + 3, extra_body=extra)).choices
+        return choice.text, choice.finish_reason, c.usage.completion_tokens
+
+    plain, reason, tokens = complete()
+    assert (reason, tokens) == ("stop", to_eos)
+    assert complete(stop_token_ids=[t + 4])[1:] == ("stop", 3)
+    assert complete(min_tokens=to_eos + 3)[1:] == ("length", to_eos + 3)  # EOS held back, skipped past
+    text, reason, tokens = complete(ignore_eos=True)
+    assert (text, reason, tokens) == (plain, "length", to_eos + 3)  # EOS, <|im_start|>, <|im_end|>: counted, not shown
+    shown = complete(ignore_eos=True, skip_special_tokens=False)[0]
+    assert shown == plain + "<|endoftext|><|im_start|><|im_end|>"
+    stop = plain[5:8]
+    kept = complete(stop=[stop], include_stop_str_in_output=True)
+    assert kept[:2] == (plain[: plain.index(stop) + len(stop)], "stop")
 
 
 def test_stop_strings_end_the_text_before_them(stack):

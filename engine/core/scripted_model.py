@@ -8,7 +8,8 @@ constrained request: `SlotSetup.banned`, then `ban`) samples, in a `masked` step
 if the row allows it, else the lowest id the row allows (a row that allows none, or is not [V]
 bool, raises ModelUsageError, as a real model would sample garbage); `bans` counts the `ban`
 calls. With `samples_apart`, `dispatch(..., sample_later=True)` writes the step's inputs and
-`dispatch_sampling` draws its samples, under the rows as they are then. Sampling parameters are ignored.
+`dispatch_sampling` draws its samples, under the rows as they are then. Sampling parameters are ignored
+(`samplings` records each slot's as it took them, so tests can see what reached the model).
 The logprob of token `t` is `-(t % 10) / 10`. With `sampling.top_logprobs = k`, the
 alternatives are the sampled token and the k - 1 ids after it, `(t + i) % vocab_size` with
 logprob `-(t % 10) / 10 - i`.
@@ -59,6 +60,7 @@ from typing import Sequence
 import numpy as np
 
 from engine.core.model import ChunkInput, DecodeInput, KvLayout, ModelInfo, ModelUsageError, PromptInput, Sample, SlotSetup, VerifyInput
+from engine.core.request import SamplingParams
 
 
 def _sleep_until(t: float) -> None:
@@ -111,6 +113,7 @@ class ScriptedModel:
         self._banned: dict[int, np.ndarray] = {}  # slot -> its [V] row of banned ids, when it has one
         self.bans = 0  # `ban` calls, so tests can see that unconstrained requests make none
         self._top: dict[int, int] = {}  # slot -> how many alternatives each sample reports
+        self.samplings: list[SamplingParams] = []  # each slot's sampling parameters as it took them, in order
         self._filling: dict[int, int] = {}  # slot -> prompt positions written, while more chunks are due
         self.calls: list[tuple] = []
         self.prefills = 0  # counters, so tests can check e.g. that N = 1 never decodes
@@ -189,6 +192,7 @@ class ScriptedModel:
         if setup.banned is not None:
             self._banned[slot] = self._row(setup.banned)
         self._top[slot] = min(setup.sampling.top_logprobs, self.info.vocab_size)
+        self.samplings.append(setup.sampling)
 
     def ban(self, slots: Sequence[int], banned: np.ndarray) -> None:
         if np.shape(banned)[:1] != (len(slots),) or len(set(slots)) != len(slots):

@@ -46,6 +46,7 @@ from services.openai_api.schemas import (
     CompletionRequest,
     DetokenizeRequest,
     ErrorResponse,
+    REFUSAL_REASONS,
     TokenizeRequest,
     unsupported_fields,
 )
@@ -157,7 +158,7 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         check_model(body.model)
         refused = unsupported_fields(body)
         if refused:
-            raise errors.not_supported(refused[0])
+            raise errors.not_supported(refused[0], REFUSAL_REASONS.get(refused[0], errors.NOT_SUPPORTED))
         if body.model_extra:
             log.info("ignoring unknown fields of %s: %s", request.url.path, ", ".join(sorted(body.model_extra)))
         prefix = "chatcmpl-" if endpoint.chat else "cmpl-"

@@ -3,7 +3,9 @@
 One request with `n` choices becomes n GenerateRequests (`generate_requests`), each its own
 generation; with a seed, choice i samples with seed + i, so the choices differ and a request
 repeats exactly. Sampling follows the API's defaults: temperature 1, no nucleus cut; top_p 0
-(the limit of a vanishing nucleus) is greedy.
+(the limit of a vanishing nucleus) is greedy. The extensions vLLM and SGLang take (`top_k`,
+`min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+`skip_special_tokens`) map onto the decode contract's fields of the same meaning.
 
 Results: finish reasons are `stop` or `length` (the text service's two), or `tool_calls` for an
 answer read as calls (services.openai_api.tools); usage counts the prompt once and every
@@ -73,9 +75,18 @@ def chat_pb(
 def _base(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> text_pb2.GenerateRequest:
     temperature = 1.0 if body.temperature is None else body.temperature
     top_p = 1.0 if body.top_p is None else body.top_p
-    sampling = decode_pb2.SamplingParams(temperature=0.0 if top_p == 0 else temperature, top_p=top_p or 1.0)
-    stopping = decode_pb2.StoppingCriteria(max_output_tokens=max_tokens)
-    return text_pb2.GenerateRequest(sampling=sampling, stopping=stopping, stop_strings=_stop_strings(body.stop))
+    sampling = decode_pb2.SamplingParams(
+        temperature=0.0 if top_p == 0 else temperature, top_p=top_p or 1.0,
+        top_k=max(body.top_k or 0, 0), min_p=body.min_p or 0.0,  # (vLLM's top_k -1 is no cut, as 0 is here)
+    )
+    stopping = decode_pb2.StoppingCriteria(
+        max_output_tokens=max_tokens, stop_token_ids=body.stop_token_ids or [], ignore_eos=bool(body.ignore_eos),
+        min_output_tokens=body.min_tokens or 0,
+    )
+    return text_pb2.GenerateRequest(
+        sampling=sampling, stopping=stopping, stop_strings=_stop_strings(body.stop),
+        include_stop_string=bool(body.include_stop_str_in_output), keep_special_tokens=body.skip_special_tokens is False,
+    )
 
 
 def _prompt(body: CompletionRequest) -> str:

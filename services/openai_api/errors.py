@@ -44,7 +44,10 @@ class ApiError(Exception):
         return JSONResponse(self.body(), self.status, headers=self.headers)
 
 
-def not_supported(field: str, why: str = "is not supported by this server") -> ApiError:
+NOT_SUPPORTED = "is not supported by this server"
+
+
+def not_supported(field: str, why: str = NOT_SUPPORTED) -> ApiError:
     return ApiError(400, f"{field} {why}", param=field, code="unsupported_parameter")
 
 
@@ -60,10 +63,16 @@ _PARAMS = {
     "prompt_token_ids": "prompt",
     "stop_strings": "stop",
     "sampling": None,  # sampling.temperature -> temperature, by the last component
-    "stopping": "max_tokens",
+    "stopping": None,  # by the second component: _STOPPING_PARAMS (the request's own max_tokens field by default)
     "top_logprobs": "top_logprobs",
     "request_id": None,
     "constraint": None,  # by the whole path: _CONSTRAINT_PARAMS
+}
+_STOPPING_PARAMS = {
+    "max_output_tokens": "max_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "min_output_tokens": "min_tokens",
+    "ignore_eos": "ignore_eos",
 }
 # The constraint's fields -> the OpenAI field they come from (services.openai_api.structured,
 # services.openai_api.tools). Their messages are rewritten to name the OpenAI field too.
@@ -85,6 +94,9 @@ def _param(message: str, prompt_field: str, max_tokens_field: str) -> str | None
     if head == "sampling":
         return path.rsplit(".", 1)[-1]
     param = _PARAMS[head]
+    if head == "stopping":  # stopping.stop_token_ids[2] -> stop_token_ids
+        field = path.split(".")[1] if "." in path else ""
+        param = _STOPPING_PARAMS.get(field.split("[", 1)[0], "max_tokens")
     return {"prompt": prompt_field, "max_tokens": max_tokens_field}.get(param, param)
 
 

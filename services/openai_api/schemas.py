@@ -76,6 +76,24 @@ class _Generation(_Body):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     logit_bias: dict[str, float] | None = None
+    # Extensions that vLLM and SGLang take beside the OpenAI fields (clients send them through
+    # the SDK's `extra_body`). Honoured, where the decode contract has the same thing:
+    top_k: Annotated[int, Field(ge=-1, le=UINT32_MAX)] | None = None  # -1 or 0: no cut
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None  # EOS and stop ids held back until then
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
+    ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None  # false: special tokens' text shown (control tokens never are)
+    # known, not supported unless neutral (ignoring them would change the answer without a word)
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # neutral: 1
+    length_penalty: float | None = None  # neutral: 1
+    use_beam_search: bool | None = None
+    prompt_logprobs: int | None = None
+    guided_json: Any = None  # structured output: response_format, on chat completions
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_Generation):
@@ -139,6 +157,11 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+# What a refusal of these says beyond "is not supported by this server".
+_STRUCTURED = "is not supported by this server: structured output is response_format (chat completions)"
+REFUSAL_REASONS = {name: _STRUCTURED for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")}
+
+
 def unsupported_fields(body: _Generation) -> list[str]:
     """The supported-nowhere fields this body sets to something other than their neutral value,
     in declaration order (the app refuses the first with 400 naming it)."""
@@ -149,6 +172,11 @@ def unsupported_fields(body: _Generation) -> list[str]:
         out.append("presence_penalty")
     if body.logit_bias:
         out.append("logit_bias")
+    out += [name for name, neutral in (("repetition_penalty", 1), ("length_penalty", 1)) if getattr(body, name) not in (None, neutral)]
+    if body.use_beam_search:
+        out.append("use_beam_search")
+    out += [name for name in ("prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+            if getattr(body, name) is not None]
     if isinstance(body, CompletionRequest):
         out += [name for name, on in (("echo", body.echo), ("suffix", body.suffix), ("best_of", (body.best_of or 1) > 1)) if on]
     if isinstance(body, ChatCompletionRequest):
