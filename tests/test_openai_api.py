@@ -261,6 +261,27 @@ def test_the_extensions_other_servers_take_are_honoured(stack):
     assert kept[:2] == (plain[: plain.index(stop) + len(stop)], "stop")
 
 
+def test_a_list_of_prompts_is_a_batch_with_n_choices_each_as_each_prompt_alone_gives_them(stack):
+    sdk = client(stack)
+    prompts, options = ["hello", "hello there", "a third one"], dict(max_tokens=4, n=2, seed=5, temperature=0.7, logprobs=1)
+    seen = len(stack.model.samplings)
+    alone = [sdk.completions.create(model=MODEL_NAME, prompt=p, **options) for p in prompts]
+    batched = len(stack.model.samplings)
+    batch = sdk.completions.create(model=MODEL_NAME, prompt=prompts, **options)
+    seeds = [s.seed for s in stack.model.samplings[seen:]]  # prompt p's choice j with seed + j, alone or batched
+    assert sorted(seeds[: batched - seen]) == sorted(seeds[batched - seen :]) == [5, 5, 5, 6, 6, 6]
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [(c.text, c.finish_reason) for c in batch.choices] == [(c.text, c.finish_reason) for a in alone for c in a.choices]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # each prompt once, not per choice
+    assert batch.usage.completion_tokens == 6 * 4
+    _, texts, reasons, usage = stream_completion(stack, prompt=prompts, stream_options={"include_usage": True}, **options)
+    assert texts == {c.index: c.text for c in batch.choices} and set(reasons.values()) == {"length"}
+    assert usage == batch.usage
+    error = error_of(post(stack, "/v1/completions", {"model": MODEL_NAME, "prompt": ["x"] * 9, "n": 8}), 400)
+    assert error["param"] == "prompt" and "64" in error["message"], error
+    error_of(post(stack, "/v1/completions", {"model": MODEL_NAME, "prompt": []}), 400)
+
+
 def test_stop_strings_end_the_text_before_them(stack):
     sdk = client(stack)
     full = sdk.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=12).choices[0].text

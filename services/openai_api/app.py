@@ -176,14 +176,16 @@ def create_app(options: ApiOptions, metrics: ApiMetrics | None = None) -> FastAP
         streaming = False
         try:
             if not body.stream:
-                result = completions.collect(endpoint, header, len(requests), source, metrics, logprobs, calls)
+                result = completions.collect(endpoint, header, len(requests), body.n or 1, source, metrics, logprobs, calls)
                 return JSONResponse(await until_disconnected(request, result))
             try:  # the first event (or the refusal) before the 200
                 _, events = await until_disconnected(request, first_and_rest(source))
             except grpc.aio.AioRpcError as error:
                 raise from_grpc(error, endpoint.prompt_field, endpoint.max_tokens_field) from None
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = completions.chunks(endpoint, header, len(requests), events, metrics, logprobs, include_usage, calls)
+            stream = completions.chunks(
+                endpoint, header, len(requests), body.n or 1, events, metrics, logprobs, include_usage, calls
+            )
 
             async def closed() -> None:  # the response is over, however it ended
                 await source.aclose()

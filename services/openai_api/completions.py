@@ -106,8 +106,8 @@ class _Choice:
             self.completion_tokens = finished.usage.completion_tokens
 
 
-def _usage(choices: list[_Choice], metrics: ApiMetrics) -> dict:
-    prompt = choices[0].prompt_tokens  # every choice has the same prompt: counted once
+def _usage(choices: list[_Choice], metrics: ApiMetrics, per_prompt: int) -> dict:
+    prompt = sum(c.prompt_tokens for c in choices[::per_prompt])  # each prompt counted once, not per choice
     completion = sum(c.completion_tokens for c in choices)
     metrics.prompt_tokens.inc(prompt)
     return conversion.usage_json(prompt, completion)
@@ -123,10 +123,11 @@ def _error(error: BaseException, endpoint: Endpoint) -> ApiError:
 
 
 async def collect(
-    endpoint: Endpoint, header: Header, n: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
+    endpoint: Endpoint, header: Header, n: int, per_prompt: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
     metrics: ApiMetrics, logprobs: bool, calls: Calls = NO_CALLS,
 ) -> dict:
-    """Every choice collected into one response object. Raises ApiError."""
+    """Every choice (n in all, `per_prompt` of each prompt, in the prompts' order) collected into
+    one response object. Raises ApiError."""
     choices = [_Choice(metrics.timer()) for _ in range(n)]
     try:
         async with contextlib.aclosing(events):
@@ -152,15 +153,16 @@ async def collect(
         out.append(entry)
     return {
         "id": header.id, "object": endpoint.object, "created": header.created, "model": header.model,
-        "choices": out, "usage": _usage(choices, metrics),
+        "choices": out, "usage": _usage(choices, metrics, per_prompt),
     }
 
 
 async def chunks(
-    endpoint: Endpoint, header: Header, n: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
+    endpoint: Endpoint, header: Header, n: int, per_prompt: int, events: AsyncIterator[tuple[int, text_pb2.GenerateResponse]],
     metrics: ApiMetrics, logprobs: bool, include_usage: bool, calls: Calls = NO_CALLS,
 ) -> AsyncIterator[bytes]:
-    """The SSE events of a stream, [DONE] last (see the module docstring for what holds)."""
+    """The SSE events of a stream of n choices (`per_prompt` as for `collect`), [DONE] last (see
+    the module docstring for what holds)."""
     choices = [_Choice(metrics.timer()) for _ in range(n)]
     held = [tools.ToolStream(calls.plan if endpoint.chat else None, calls.fmt) for _ in range(n)]
 
@@ -191,7 +193,7 @@ async def chunks(
         if any(c.reason is None for c in choices):
             raise ApiError(503, "the model service ended a generation early", "service_unavailable_error")
         if include_usage:
-            usage = _usage(choices, metrics)
+            usage = _usage(choices, metrics, per_prompt)
             yield sse({
                 "id": header.id, "object": endpoint.chunk_object, "created": header.created, "model": header.model,
                 "choices": [], "usage": usage,

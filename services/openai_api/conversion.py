@@ -2,7 +2,8 @@
 
 One request with `n` choices becomes n GenerateRequests (`generate_requests`), each its own
 generation; with a seed, choice i samples with seed + i, so the choices differ and a request
-repeats exactly. Sampling follows the API's defaults: temperature 1, no nucleus cut; top_p 0
+repeats exactly. A completions body's list of prompts is a batch: n choices for each prompt, in
+the prompts' order. Sampling follows the API's defaults: temperature 1, no nucleus cut; top_p 0
 (the limit of a vanishing nucleus) is greedy. The extensions vLLM and SGLang take (`top_k`,
 `min_p`, `min_tokens`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
 `skip_special_tokens`) map onto the decode contract's fields of the same meaning.
@@ -20,7 +21,7 @@ from protos.decode.v1 import decode_pb2
 from protos.text.v1 import text_pb2
 from services.openai_api import tools
 from services.openai_api.errors import ApiError, not_supported
-from services.openai_api.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.openai_api.schemas import MAX_GENERATIONS, ChatCompletionRequest, ChatMessage, CompletionRequest
 from services.openai_api.structured import constraint_of
 from services.openai_api.tool_formats import ToolFormat
 from services.openai_api.tools import ToolPlan
@@ -89,19 +90,22 @@ def _base(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | Non
     )
 
 
-def _prompt(body: CompletionRequest) -> str:
-    if isinstance(body.prompt, str):
-        return body.prompt
-    if len(body.prompt) != 1:
-        raise not_supported("prompt", "as a list of several prompts is not supported: send one string (or use n)")
-    return body.prompt[0]
+def _prompts(body: CompletionRequest) -> list[str]:
+    """A completions body's prompts: one string, or a list (a batch; its n choices each)."""
+    prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+    if len(prompts) * (body.n or 1) > MAX_GENERATIONS:
+        raise ApiError(400, f"prompt: {len(prompts)} prompts x n = {body.n} choices is more than {MAX_GENERATIONS} generations", param="prompt")
+    return prompts
 
 
 def generate_requests(
     body: CompletionRequest | ChatCompletionRequest, request_id: str, plan: ToolPlan | None = None, fmt: ToolFormat | None = None,
 ) -> list[text_pb2.GenerateRequest]:
-    """The body's n GenerateRequests, choice i's request id `<request_id>-<i>`; `plan` and `fmt`
+    """The body's GenerateRequests, choice i's request id `<request_id>-<i>`: n for a chat body or
+    one prompt, n per prompt for a list of prompts (prompt p's choice j at index p x n + j, with
+    seed + j, so that a prompt's choices are the same alone or in a batch); `plan` and `fmt`
     are the chat body's tools (services.openai_api.tools.plan_of) and the model's tool format."""
+    prompts: list[str | None] = [None]
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         request = _base(body, max_tokens)
@@ -118,17 +122,20 @@ def generate_requests(
             request.constraint.CopyFrom(constraint)
     else:
         request = _base(body, body.max_tokens)
-        request.prompt = _prompt(body)
+        prompts = _prompts(body)
         request.logprobs = body.logprobs is not None
         request.top_logprobs = body.logprobs or 0
     requests = []
-    for i in range(body.n or 1):
-        choice = text_pb2.GenerateRequest()
-        choice.CopyFrom(request)
-        choice.request_id = f"{request_id}-{i}"
-        if body.seed is not None:
-            choice.sampling.seed = (body.seed + i) % 2**64
-        requests.append(choice)
+    for prompt in prompts:
+        for j in range(body.n or 1):
+            choice = text_pb2.GenerateRequest()
+            choice.CopyFrom(request)
+            choice.request_id = f"{request_id}-{len(requests)}"
+            if prompt is not None:
+                choice.prompt = prompt
+            if body.seed is not None:
+                choice.sampling.seed = (body.seed + j) % 2**64
+            requests.append(choice)
     return requests
 
 

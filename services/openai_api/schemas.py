@@ -21,6 +21,7 @@ from engine.core.request import MAX_TOP_LOGPROBS
 
 UINT32_MAX = 2**32 - 1
 MAX_N = 8  # choices per request; each is its own generation, so n multiplies the work
+MAX_GENERATIONS = 64  # prompts x n of one completions request (a list of prompts: a batch)
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions API's limit on `logprobs`
 
 
@@ -97,7 +98,7 @@ class _Generation(_Body):
 
 
 class CompletionRequest(_Generation):
-    prompt: Text | list[Text]
+    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_GENERATIONS)]  # a list: a batch, n choices each
     max_tokens: TokenCount | None = 16  # the API's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool | None = None  # not supported when true
