@@ -43,7 +43,7 @@ def _params(
 
 
 def generate_request(
-    prompt: str = "",
+    prompt: str | Sequence[int] = "",
     *,
     chat: Sequence[tuple[str, str]] | None = None,
     request_id: str = "",
@@ -53,8 +53,9 @@ def generate_request(
     constraint: decode_pb2.Constraint | None = None,
     **params,
 ) -> text_pb2.GenerateRequest:
-    """A GenerateRequest for a prompt, or for a chat given as (role, content) pairs, its output
-    held to `constraint` when given. `params` are SamplingParams and StoppingCriteria fields by name."""
+    """A GenerateRequest for a prompt (text, or its token ids as they are), or for a chat given as
+    (role, content) pairs, its output held to `constraint` when given. `params` are SamplingParams
+    and StoppingCriteria fields by name."""
     sampling, stopping = _params(**params)
     request = text_pb2.GenerateRequest(
         request_id=request_id,
@@ -67,8 +68,10 @@ def generate_request(
     )
     if chat is not None:
         request.chat.CopyFrom(text_pb2.Chat(messages=[text_pb2.ChatMessage(role=r, content=c) for r, c in chat]))
-    else:
+    elif isinstance(prompt, str):
         request.prompt = prompt
+    else:
+        request.prompt_token_ids.ids.extend(prompt)
     return request
 
 
@@ -114,12 +117,12 @@ class TextClient:
         request = text_pb2.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=keep_special_tokens)
         return self._tokenizer.Detokenize(request, timeout=self.timeout).text
 
-    def generate(self, prompt: str = "", **kwargs) -> Iterator[text_pb2.GenerateResponse]:
+    def generate(self, prompt: str | Sequence[int] = "", **kwargs) -> Iterator[text_pb2.GenerateResponse]:
         """Stream TextDelta events then one TextFinished. Breaking out early cancels the request.
         Keyword arguments are those of `generate_request` (chat=[(role, content), ...] for chat input)."""
         return cancelling(self._generation.Generate(generate_request(prompt, **kwargs), timeout=self.timeout))
 
-    def complete(self, prompt: str = "", **kwargs) -> text_pb2.Completion:
+    def complete(self, prompt: str | Sequence[int] = "", **kwargs) -> text_pb2.Completion:
         return self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
 
 
@@ -148,7 +151,7 @@ class AsyncTextClient:
         request = text_pb2.DetokenizeRequest(token_ids=list(token_ids), keep_special_tokens=keep_special_tokens)
         return (await self._tokenizer.Detokenize(request, timeout=self.timeout)).text
 
-    def generate(self, prompt: str = "", **kwargs) -> AsyncIterator[text_pb2.GenerateResponse]:
+    def generate(self, prompt: str | Sequence[int] = "", **kwargs) -> AsyncIterator[text_pb2.GenerateResponse]:
         """Stream TextDelta events then one TextFinished; keyword arguments as `generate_request`."""
         return self.stream(generate_request(prompt, **kwargs))
 
@@ -156,7 +159,7 @@ class AsyncTextClient:
         """Generate for a ready-made request. Closing the iterator early cancels the call."""
         return cancelling_aio(self._generation.Generate(request, timeout=self.timeout))
 
-    async def complete(self, prompt: str = "", **kwargs) -> text_pb2.Completion:
+    async def complete(self, prompt: str | Sequence[int] = "", **kwargs) -> text_pb2.Completion:
         return await self._generation.Complete(generate_request(prompt, **kwargs), timeout=self.timeout)
 
 

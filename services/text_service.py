@@ -224,8 +224,11 @@ def encode_chat(tokenizer: TextTokenizer, chat: text_pb2.Chat) -> list[int]:
     return generation.encode_chat(tokenizer, chat_from_pb(chat))
 
 
-def prompt_from_pb(request: text_pb2.GenerateRequest) -> str | Chat:
-    return chat_from_pb(request.chat) if request.WhichOneof("input") == "chat" else request.prompt
+def prompt_from_pb(request: text_pb2.GenerateRequest) -> str | Chat | tuple[int, ...]:
+    kind = request.WhichOneof("input")
+    if kind == "chat":
+        return chat_from_pb(request.chat)
+    return tuple(request.prompt_token_ids.ids) if kind == "prompt_token_ids" else request.prompt
 
 
 def logprob_to_pb(entry: generation.TokenLogprob) -> text_pb2.TokenLogprob:
@@ -354,8 +357,11 @@ class TextGenerationServicer(text_pb2_grpc.TextGenerationServicer):
     ) -> AsyncIterator[text_pb2.GenerateResponse]:
         """The one generation path: Generate streams it, Complete collects it, `--local` runs it."""
         request_id = validation.request_id_of(request.request_id)
-        if request.WhichOneof("input") == "chat":  # the size, before any tokenizing
+        kind = request.WhichOneof("input")
+        if kind == "chat":  # the size, before any tokenizing
             size = _chat_work_size(request.chat, self.max_input_chars)
+        elif kind == "prompt_token_ids":  # (counted as Detokenize counts ids; the context bounds them)
+            size = len(request.prompt_token_ids.ids)
         else:
             size = validation.text_chars("prompt", request.prompt, self.max_input_chars)
         validation.top_logprobs(request.top_logprobs, request.logprobs, needs="logprobs")

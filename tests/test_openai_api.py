@@ -282,6 +282,19 @@ def test_a_list_of_prompts_is_a_batch_with_n_choices_each_as_each_prompt_alone_g
     error_of(post(stack, "/v1/completions", {"model": MODEL_NAME, "prompt": []}), 400)
 
 
+def test_a_prompt_of_token_ids_answers_as_its_text_does_alone_or_in_a_batch(stack):
+    sdk = client(stack)
+    ids = post(stack, "/tokenize", {"prompt": "hello there"}).json()["tokens"]
+    text = sdk.completions.create(model=MODEL_NAME, prompt="hello there", max_tokens=5)
+    by_ids = sdk.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=5)
+    assert (by_ids.choices[0].text, by_ids.usage) == (text.choices[0].text, text.usage)
+    batch = sdk.completions.create(model=MODEL_NAME, prompt=[ids, [1, 305]], max_tokens=5)
+    assert batch.choices[0].text == text.choices[0].text and batch.usage.prompt_tokens == len(ids) + 2
+    error = error_of(post(stack, "/v1/completions", {"model": MODEL_NAME, "prompt": [5, 512]}), 400)
+    assert error["param"] == "prompt" and "prompt_token_ids[1]" in error["message"], error
+    error_of(post(stack, "/v1/completions", {"model": MODEL_NAME, "prompt": [5, "a"]}), 400)
+
+
 def test_stop_strings_end_the_text_before_them(stack):
     sdk = client(stack)
     full = sdk.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=12).choices[0].text

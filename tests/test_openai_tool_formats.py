@@ -59,7 +59,7 @@ def test_several_streamed_calls_each_get_their_index(fmt):
     header = completions.Header("chatcmpl-x", 0, MODEL_NAME)
 
     async def run():
-        stream = completions.chunks(completions.CHAT, header, 1, _events(pieces), ApiMetrics(), False, False, completions.Calls(_plan(), f))
+        stream = completions.chunks(completions.CHAT, header, 1, 1, _events(pieces), ApiMetrics(), False, False, completions.Calls(_plan(), f))
         return [e async for e in stream]
 
     chunks = _sse(asyncio.run(run()))
@@ -80,7 +80,7 @@ def test_an_auto_answer_that_calls_is_collected_as_tool_calls(fmt):
 
     async def run(text: str):
         calls = completions.Calls(_plan(), f)
-        return await completions.collect(completions.CHAT, header, 1, _events([text]), ApiMetrics(), False, calls)
+        return await completions.collect(completions.CHAT, header, 1, 1, _events([text]), ApiMetrics(), False, calls)
 
     message = asyncio.run(run(f.render(made)))["choices"][0]
     assert message["finish_reason"] == "tool_calls" and message["message"]["content"] is None
@@ -96,7 +96,7 @@ def test_text_that_only_began_like_a_call_is_sent_as_text():
     header = completions.Header("chatcmpl-x", 0, MODEL_NAME)
 
     async def run(pieces):
-        stream = completions.chunks(completions.CHAT, header, 1, _events(pieces), ApiMetrics(), False, False, completions.Calls(_plan(), f))
+        stream = completions.chunks(completions.CHAT, header, 1, 1, _events(pieces), ApiMetrics(), False, False, completions.Calls(_plan(), f))
         return _sse([e async for e in stream])
 
     chunks = asyncio.run(run(["<tool", "bar> is a tag", " and more"]))

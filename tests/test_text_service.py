@@ -158,6 +158,24 @@ async def test_complete_equals_generate_collected(stack, tokenizer):
         assert completion.stop_token_id == finished.stop_token_id
 
 
+async def test_a_prompt_of_ids_is_sent_as_it_is_and_a_text_prompt_as_its_ids_gives_the_same(stack, tokenizer):
+    _, gen, _ = stack
+    text = prompt_ending_in(tokenizer, 300)
+    as_text = generate_request(text, max_output_tokens=5)
+    as_ids = generate_request(tokenizer.encode(text), max_output_tokens=5)  # (the client's prompt of ids)
+    assert await gen.Complete(as_ids) == await gen.Complete(as_text)
+    # ids no text tokenizes to (special tokens, one id repeated) reach the decoder as they are
+    ids = pb.GenerateRequest(stopping=as_text.stopping, prompt_token_ids=pb.TokenIds(ids=[1, 2, 1, 305, 305]))
+    completion = await gen.Complete(ids)
+    assert list(completion.token_ids) == [306, 307, 308, 309, 310] and completion.usage.prompt_tokens == 5
+    assert completion.text == tokenizer.decode([306, 307, 308, 309, 310])
+    for bad, field in ([5, 512], "prompt_token_ids[1]"), ([], "prompt_token_ids"), ([7] * 128, "prompt_token_ids"):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await gen.Complete(pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=bad)))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(f"{field}:"), err.value.details()
+
+
 async def test_tokenize_and_detokenize(stack, tokenizer):
     _, _, tok = stack
     text = "<|im_start|>user\nhello world<|im_end|>"

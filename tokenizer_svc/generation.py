@@ -167,17 +167,21 @@ def check_stop_strings(stop_strings: Sequence[str]) -> tuple[str, ...]:
 def prepare_request(
     tokenizer: TextTokenizer,
     info: ModelInfo,
-    prompt: str | Chat,
+    prompt: str | Chat | tuple[int, ...],
     *,
     stop_strings: Sequence[str] = (),
     include_stop_string: bool = False,
     keep_special_tokens: bool = False,
     logprobs: bool = False,
 ) -> TextRequest:
-    """Prompt text (encoded without the post-processor) or a Chat -> a validated TextRequest.
-    Checks run in request order: the prompt, then the stop strings."""
+    """Prompt text (encoded without the post-processor), a Chat, or the prompt's ids (a tuple,
+    taken as they are: each in the tokenizer's vocabulary) -> a validated TextRequest. Checks
+    run in request order: the prompt, then the stop strings."""
     if isinstance(prompt, Chat):
         ids, field = encode_chat(tokenizer, prompt), "chat"
+    elif isinstance(prompt, tuple):
+        ids, field = prompt, "prompt_token_ids"
+        tokenizer.vocabulary.check_ids(ids, field)
     elif prompt:
         ids, field = tokenizer.encode(prompt), "prompt"
     else:

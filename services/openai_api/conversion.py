@@ -90,9 +90,11 @@ def _base(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | Non
     )
 
 
-def _prompts(body: CompletionRequest) -> list[str]:
-    """A completions body's prompts: one string, or a list (a batch; its n choices each)."""
-    prompts = [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+def _prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """A completions body's prompts, each a string or its token ids: one, or a list (a batch; n
+    choices for each)."""
+    one = isinstance(body.prompt, str) or not body.prompt or isinstance(body.prompt[0], int)
+    prompts = [body.prompt] if one else list(body.prompt)
     if len(prompts) * (body.n or 1) > MAX_GENERATIONS:
         raise ApiError(400, f"prompt: {len(prompts)} prompts x n = {body.n} choices is more than {MAX_GENERATIONS} generations", param="prompt")
     return prompts
@@ -105,7 +107,7 @@ def generate_requests(
     one prompt, n per prompt for a list of prompts (prompt p's choice j at index p x n + j, with
     seed + j, so that a prompt's choices are the same alone or in a batch); `plan` and `fmt`
     are the chat body's tools (services.openai_api.tools.plan_of) and the model's tool format."""
-    prompts: list[str | None] = [None]
+    prompts: list[str | list[int] | None] = [None]
     if isinstance(body, ChatCompletionRequest):
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         request = _base(body, max_tokens)
@@ -131,8 +133,10 @@ def generate_requests(
             choice = text_pb2.GenerateRequest()
             choice.CopyFrom(request)
             choice.request_id = f"{request_id}-{len(requests)}"
-            if prompt is not None:
+            if isinstance(prompt, str):
                 choice.prompt = prompt
+            elif prompt is not None:
+                choice.prompt_token_ids.ids.extend(prompt)
             if body.seed is not None:
                 choice.sampling.seed = (body.seed + j) % 2**64
             requests.append(choice)

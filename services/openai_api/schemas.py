@@ -35,6 +35,7 @@ def _utf8(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_utf8)]
 TokenCount = Annotated[int, Field(ge=1, le=UINT32_MAX)]
+TokenIds = list[Annotated[int, Field(ge=0, le=UINT32_MAX)]]
 
 
 class _Body(BaseModel):
@@ -98,7 +99,8 @@ class _Generation(_Body):
 
 
 class CompletionRequest(_Generation):
-    prompt: Text | Annotated[list[Text], Field(min_length=1, max_length=MAX_GENERATIONS)]  # a list: a batch, n choices each
+    # a string or its token ids; a list of either: a batch, n choices for each
+    prompt: Text | TokenIds | Annotated[list[Text] | list[TokenIds], Field(min_length=1, max_length=MAX_GENERATIONS)]
     max_tokens: TokenCount | None = 16  # the API's default for completions
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
     echo: bool | None = None  # not supported when true

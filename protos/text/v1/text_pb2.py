@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from protos.decode.v1 import decode_pb2 as protos_dot_decode_dot_v1_dot_decode__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/text/v1/text.proto\x12\x11tokenwire.text.v1\x1a\x1dprotos/decode/v1/decode.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x01\n\x04\x43hat\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.tokenwire.text.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x05tools\x18\x03 \x03(\x0b\x32\x1b.tokenwire.text.v1.ChatToolB\x18\n\x16_add_generation_prompt\"A\n\x08\x43hatTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x15\n\x13\x44\x65scribeChatRequest\"r\n\x0f\x43hatDescription\x12\x14\n\x0chas_template\x18\x01 \x01(\x08\x12\x32\n\x0btool_format\x18\x02 \x01(\x0e\x32\x1d.tokenwire.text.v1.ToolFormat\x12\x15\n\rrenders_tools\x18\x03 \x01(\x08\"o\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tokenwire.text.v1.ChatH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13keep_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x86\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x17.tokenwire.text.v1.ChatH\x00\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.tokenwire.decode.v1.SamplingParams\x12\x37\n\x08stopping\x18\x04 \x01(\x0b\x32%.tokenwire.decode.v1.StoppingCriteria\x12\x1b\n\x13keep_special_tokens\x18\x05 \x01(\x08\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x1b\n\x13include_stop_string\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x33\n\nconstraint\x18\x0b \x01(\x0b\x32\x1f.tokenwire.decode.v1.ConstraintB\x07\n\x05input\"\x7f\n\x10GenerateResponse\x12-\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1c.tokenwire.text.v1.TextDeltaH\x00\x12\x33\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1f.tokenwire.text.v1.TextFinishedH\x00\x42\x07\n\x05\x65vent\"_\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.tokenwire.text.v1.TokenLogprob\"q\n\x0cTokenLogprob\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1d.tokenwire.text.v1.TopLogprob\"F\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\xc4\x01\n\x0cTextFinished\x12\x31\n\x06reason\x18\x01 \x01(\x0e\x32!.tokenwire.decode.v1.FinishReason\x12)\n\x05usage\x18\x02 \x01(\x0b\x32\x1a.tokenwire.decode.v1.Usage\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x04 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x0e\n\x0c_stop_string\"\x96\x02\n\nCompletion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\x06reason\x18\x03 \x01(\x0e\x32!.tokenwire.decode.v1.FinishReason\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.tokenwire.decode.v1.Usage\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.tokenwire.text.v1.TokenLogprobB\x10\n\x0e_stop_token_idB\x0e\n\x0c_stop_string*p\n\nToolFormat\x12\x1b\n\x17TOOL_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_FORMAT_QWEN\x10\x01\x12\x17\n\x13TOOL_FORMAT_SMOLLM2\x10\x02\x12\x16\n\x12TOOL_FORMAT_LLAMA3\x10\x03\x32\x97\x02\n\tTokenizer\x12S\n\x08Tokenize\x12\".tokenwire.text.v1.TokenizeRequest\x1a#.tokenwire.text.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.tokenwire.text.v1.DetokenizeRequest\x1a%.tokenwire.text.v1.DetokenizeResponse\x12Z\n\x0c\x44\x65scribeChat\x12&.tokenwire.text.v1.DescribeChatRequest\x1a\".tokenwire.text.v1.ChatDescription2\xb6\x01\n\x0eTextGeneration\x12U\n\x08Generate\x12\".tokenwire.text.v1.GenerateRequest\x1a#.tokenwire.text.v1.GenerateResponse0\x01\x12M\n\x08\x43omplete\x12\".tokenwire.text.v1.GenerateRequest\x1a\x1d.tokenwire.text.v1.Completionb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protos/text/v1/text.proto\x12\x11tokenwire.text.v1\x1a\x1dprotos/decode/v1/decode.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa2\x01\n\x04\x43hat\x12\x30\n\x08messages\x18\x01 \x03(\x0b\x32\x1e.tokenwire.text.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12*\n\x05tools\x18\x03 \x03(\x0b\x32\x1b.tokenwire.text.v1.ChatToolB\x18\n\x16_add_generation_prompt\"A\n\x08\x43hatTool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"\x15\n\x13\x44\x65scribeChatRequest\"r\n\x0f\x43hatDescription\x12\x14\n\x0chas_template\x18\x01 \x01(\x08\x12\x32\n\x0btool_format\x18\x02 \x01(\x0e\x32\x1d.tokenwire.text.v1.ToolFormat\x12\x15\n\rrenders_tools\x18\x03 \x01(\x08\"o\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tokenwire.text.v1.ChatH\x00\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08\x42\x07\n\x05input\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x1b\n\x13keep_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\xbf\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x08 \x01(\x0b\x32\x17.tokenwire.text.v1.ChatH\x00\x12\x37\n\x10prompt_token_ids\x18\x0c \x01(\x0b\x32\x1b.tokenwire.text.v1.TokenIdsH\x00\x12\x35\n\x08sampling\x18\x03 \x01(\x0b\x32#.tokenwire.decode.v1.SamplingParams\x12\x37\n\x08stopping\x18\x04 \x01(\x0b\x32%.tokenwire.decode.v1.StoppingCriteria\x12\x1b\n\x13keep_special_tokens\x18\x05 \x01(\x08\x12\x14\n\x0cstop_strings\x18\x06 \x03(\t\x12\x1b\n\x13include_stop_string\x18\x07 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x33\n\nconstraint\x18\x0b \x01(\x0b\x32\x1f.tokenwire.decode.v1.ConstraintB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x7f\n\x10GenerateResponse\x12-\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x1c.tokenwire.text.v1.TextDeltaH\x00\x12\x33\n\x08\x66inished\x18\x02 \x01(\x0b\x32\x1f.tokenwire.text.v1.TextFinishedH\x00\x42\x07\n\x05\x65vent\"_\n\tTextDelta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1f.tokenwire.text.v1.TokenLogprob\"q\n\x0cTokenLogprob\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x0c\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x33\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x1d.tokenwire.text.v1.TopLogprob\"F\n\nTopLogprob\x12\n\n\x02id\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\r\n\x05\x62ytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\xc4\x01\n\x0cTextFinished\x12\x31\n\x06reason\x18\x01 \x01(\x0e\x32!.tokenwire.decode.v1.FinishReason\x12)\n\x05usage\x18\x02 \x01(\x0b\x32\x1a.tokenwire.decode.v1.Usage\x12\x1a\n\rstop_token_id\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x04 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_stop_token_idB\x0e\n\x0c_stop_string\"\x96\x02\n\nCompletion\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\x06reason\x18\x03 \x01(\x0e\x32!.tokenwire.decode.v1.FinishReason\x12)\n\x05usage\x18\x04 \x01(\x0b\x32\x1a.tokenwire.decode.v1.Usage\x12\x1a\n\rstop_token_id\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0bstop_string\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.tokenwire.text.v1.TokenLogprobB\x10\n\x0e_stop_token_idB\x0e\n\x0c_stop_string*p\n\nToolFormat\x12\x1b\n\x17TOOL_FORMAT_UNSPECIFIED\x10\x00\x12\x14\n\x10TOOL_FORMAT_QWEN\x10\x01\x12\x17\n\x13TOOL_FORMAT_SMOLLM2\x10\x02\x12\x16\n\x12TOOL_FORMAT_LLAMA3\x10\x03\x32\x97\x02\n\tTokenizer\x12S\n\x08Tokenize\x12\".tokenwire.text.v1.TokenizeRequest\x1a#.tokenwire.text.v1.TokenizeResponse\x12Y\n\nDetokenize\x12$.tokenwire.text.v1.DetokenizeRequest\x1a%.tokenwire.text.v1.DetokenizeResponse\x12Z\n\x0c\x44\x65scribeChat\x12&.tokenwire.text.v1.DescribeChatRequest\x1a\".tokenwire.text.v1.ChatDescription2\xb6\x01\n\x0eTextGeneration\x12U\n\x08Generate\x12\".tokenwire.text.v1.GenerateRequest\x1a#.tokenwire.text.v1.GenerateResponse0\x01\x12M\n\x08\x43omplete\x12\".tokenwire.text.v1.GenerateRequest\x1a\x1d.tokenwire.text.v1.Completionb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.text.v1.text_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLFORMAT']._serialized_start=2039
-  _globals['_TOOLFORMAT']._serialized_end=2151
+  _globals['_TOOLFORMAT']._serialized_start=2121
+  _globals['_TOOLFORMAT']._serialized_end=2233
   _globals['_CHATMESSAGE']._serialized_start=79
   _globals['_CHATMESSAGE']._serialized_end=123
   _globals['_CHAT']._serialized_start=126
@@ -53,21 +53,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DETOKENIZERESPONSE']._serialized_start=717
   _globals['_DETOKENIZERESPONSE']._serialized_end=751
   _globals['_GENERATEREQUEST']._serialized_start=754
-  _globals['_GENERATEREQUEST']._serialized_end=1144
-  _globals['_GENERATERESPONSE']._serialized_start=1146
-  _globals['_GENERATERESPONSE']._serialized_end=1273
-  _globals['_TEXTDELTA']._serialized_start=1275
-  _globals['_TEXTDELTA']._serialized_end=1370
-  _globals['_TOKENLOGPROB']._serialized_start=1372
-  _globals['_TOKENLOGPROB']._serialized_end=1485
-  _globals['_TOPLOGPROB']._serialized_start=1487
-  _globals['_TOPLOGPROB']._serialized_end=1557
-  _globals['_TEXTFINISHED']._serialized_start=1560
-  _globals['_TEXTFINISHED']._serialized_end=1756
-  _globals['_COMPLETION']._serialized_start=1759
-  _globals['_COMPLETION']._serialized_end=2037
-  _globals['_TOKENIZER']._serialized_start=2154
-  _globals['_TOKENIZER']._serialized_end=2433
-  _globals['_TEXTGENERATION']._serialized_start=2436
-  _globals['_TEXTGENERATION']._serialized_end=2618
+  _globals['_GENERATEREQUEST']._serialized_end=1201
+  _globals['_TOKENIDS']._serialized_start=1203
+  _globals['_TOKENIDS']._serialized_end=1226
+  _globals['_GENERATERESPONSE']._serialized_start=1228
+  _globals['_GENERATERESPONSE']._serialized_end=1355
+  _globals['_TEXTDELTA']._serialized_start=1357
+  _globals['_TEXTDELTA']._serialized_end=1452
+  _globals['_TOKENLOGPROB']._serialized_start=1454
+  _globals['_TOKENLOGPROB']._serialized_end=1567
+  _globals['_TOPLOGPROB']._serialized_start=1569
+  _globals['_TOPLOGPROB']._serialized_end=1639
+  _globals['_TEXTFINISHED']._serialized_start=1642
+  _globals['_TEXTFINISHED']._serialized_end=1838
+  _globals['_COMPLETION']._serialized_start=1841
+  _globals['_COMPLETION']._serialized_end=2119
+  _globals['_TOKENIZER']._serialized_start=2236
+  _globals['_TOKENIZER']._serialized_end=2515
+  _globals['_TEXTGENERATION']._serialized_start=2518
+  _globals['_TEXTGENERATION']._serialized_end=2700
 # @@protoc_insertion_point(module_scope)

@@ -92,10 +92,11 @@ class DetokenizeResponse(_message.Message):
     def __init__(self, text: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "chat", "sampling", "stopping", "keep_special_tokens", "stop_strings", "include_stop_string", "logprobs", "top_logprobs", "constraint")
+    __slots__ = ("request_id", "prompt", "chat", "prompt_token_ids", "sampling", "stopping", "keep_special_tokens", "stop_strings", "include_stop_string", "logprobs", "top_logprobs", "constraint")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOPPING_FIELD_NUMBER: _ClassVar[int]
     KEEP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +108,7 @@ class GenerateRequest(_message.Message):
     request_id: str
     prompt: str
     chat: Chat
+    prompt_token_ids: TokenIds
     sampling: _decode_pb2.SamplingParams
     stopping: _decode_pb2.StoppingCriteria
     keep_special_tokens: bool
@@ -115,7 +117,13 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     constraint: _decode_pb2.Constraint
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_decode_pb2.StoppingCriteria, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[_decode_pb2.Constraint, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., chat: _Optional[_Union[Chat, _Mapping]] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_decode_pb2.SamplingParams, _Mapping]] = ..., stopping: _Optional[_Union[_decode_pb2.StoppingCriteria, _Mapping]] = ..., keep_special_tokens: _Optional[bool] = ..., stop_strings: _Optional[_Iterable[str]] = ..., include_stop_string: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., constraint: _Optional[_Union[_decode_pb2.Constraint, _Mapping]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "finished")
