@@ -95,8 +95,10 @@ def _prompts(body: CompletionRequest) -> list[str | list[int]]:
     choices for each)."""
     one = isinstance(body.prompt, str) or not body.prompt or isinstance(body.prompt[0], int)
     prompts = [body.prompt] if one else list(body.prompt)
-    if len(prompts) * (body.n or 1) > MAX_GENERATIONS:
-        raise ApiError(400, f"prompt: {len(prompts)} prompts x n = {body.n} choices is more than {MAX_GENERATIONS} generations", param="prompt")
+    n = body.n or 1
+    if len(prompts) * n > MAX_GENERATIONS:
+        why = f"{len(prompts)} prompts x {n} choices each is more than {MAX_GENERATIONS} generations"
+        raise ApiError(400, f"prompt: {why}", param="prompt")
     return prompts
 
 

@@ -83,7 +83,7 @@ class _Generation(_Body):
     top_k: Annotated[int, Field(ge=-1, le=UINT32_MAX)] | None = None  # -1 or 0: no cut
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=UINT32_MAX)] | None = None  # EOS and stop ids held back until then
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=UINT32_MAX)]] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None  # false: special tokens' text shown (control tokens never are)
