@@ -130,15 +130,15 @@ def generate_requests(
         request.logprobs = body.logprobs is not None
         request.top_logprobs = body.logprobs or 0
     requests = []
-    for prompt in prompts:
+    for prompt in prompts:  # (None: a chat body, whose input `request` holds)
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        elif prompt is not None:
+            request.prompt_token_ids.ids[:] = prompt
         for j in range(body.n or 1):
             choice = text_pb2.GenerateRequest()
             choice.CopyFrom(request)
             choice.request_id = f"{request_id}-{len(requests)}"
-            if isinstance(prompt, str):
-                choice.prompt = prompt
-            elif prompt is not None:
-                choice.prompt_token_ids.ids.extend(prompt)
             if body.seed is not None:
                 choice.sampling.seed = (body.seed + j) % 2**64
             requests.append(choice)
